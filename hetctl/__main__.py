@@ -1,0 +1,3 @@
+from hetctl.cli import main
+
+main()

@@ -1,0 +1,81 @@
+"""One error tree for every user-facing failure.
+
+Only ``hetctl.cli`` catches :class:`HetctlError`; it prints ``message`` (and
+``hint`` when set) on one line each and exits with ``exit_code``. Anything else
+that escapes is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class HetctlError(Exception):
+    """A failure the user can act on.
+
+    Args:
+        message: what went wrong, naming the file, key path or node.
+        hint: what to do about it.
+    """
+
+    exit_code = 2
+
+    def __init__(self, message: str, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return self.message if not self.hint else f"{self.message} ({self.hint})"
+
+
+class ConfigError(HetctlError):
+    """An input file (inventory, cluster, plan, model) is malformed."""
+
+
+class RemoteError(HetctlError):
+    """A node could not be reached or a command on it failed."""
+
+    exit_code = 3
+
+    def __init__(self, message: str, hint: str | None = None, node: str | None = None) -> None:
+        super().__init__(message, hint)
+        self.node = node
+
+
+class Unreachable(RemoteError):
+    """TCP connect, DNS or proxy failure, or a connect timeout."""
+
+
+class AuthFailed(RemoteError):
+    """The node refused every key or password we offered."""
+
+
+class HostKeyMismatch(RemoteError):
+    """The node's host key is unknown (strict policy) or differs from known_hosts."""
+
+
+class CommandFailed(RemoteError):
+    """A command ran on a node and exited non-zero.
+
+    Carries the :class:`hetctl.remote.base.Result` so callers can show host,
+    command, exit code and the stderr tail.
+    """
+
+    def __init__(self, result, hint: str | None = None) -> None:  # noqa: ANN001 - avoid import cycle
+        tail = "\n".join((result.stderr or "").strip().splitlines()[-5:])
+        msg = f"{result.node}: `{result.command}` exited {result.exit_code}"
+        if tail:
+            msg += f": {tail}"
+        super().__init__(msg, hint, node=result.node)
+        self.result = result
+
+
+class PlanInfeasible(HetctlError):
+    """No plan satisfies memory and chip-count constraints."""
+
+    exit_code = 4
+
+
+class RunFailed(HetctlError):
+    """A training run ended in failure (restarts exhausted, no feasible plan)."""
+
+    exit_code = 5

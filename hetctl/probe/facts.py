@@ -1,0 +1,92 @@
+"""The cluster file (``cluster.yaml``): what ``hetctl probe`` found, per node.
+
+These models are the contract between ``probe`` (which writes the file) and
+``plan`` (which reads it). A hand-written file with the same schema works too,
+for sizing a purchase.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Vendor = Literal[
+    "nvidia", "amd", "ascend", "iluvatar", "metax", "mthreads",
+    "cambricon", "hygon", "enflame", "biren", "gaudi", "cpu",
+]
+VENDORS: tuple[str, ...] = Vendor.__args__  # type: ignore[attr-defined]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Tflops(_Strict):
+    """Dense peak (or measured) TFLOPS per dtype; ``None`` where unknown."""
+
+    bf16: float | None = None
+    fp16: float | None = None
+    fp32: float | None = None
+
+
+class Chip(_Strict):
+    """One accelerator as its management tool lists it (a GCD, a die, a partition)."""
+
+    index: int
+    vendor: Vendor
+    model: str = "unknown"
+    memory_gb: float | None = None
+    tflops: Tflops = Field(default_factory=Tflops)
+    measured_tflops: Tflops | None = None
+    pci_bus_id: str | None = None
+    source: str | None = Field(default=None, description="which tool or file the chip was read from")
+
+
+class Nic(_Strict):
+    name: str
+    kind: Literal["ib", "roce", "ethernet", "loopback", "other"] = "ethernet"
+    speed_gbps: float | None = None
+
+
+class Cpu(_Strict):
+    model: str | None = None
+    cores: int | None = None
+
+
+class Software(_Strict):
+    python: str | None = None
+    torch: str | None = None
+    vendor_plugin: str | None = Field(default=None, description="torch_npu, torch_musa, torch_mlu… with version")
+    comm_library: str | None = None
+    driver: str | None = None
+
+
+class NodeFacts(_Strict):
+    """Everything probe learned about one node, or why it could not."""
+
+    name: str
+    host: str
+    reachable: bool = True
+    error: str | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
+    tflops_override: float | None = Field(
+        default=None, description="per-chip TFLOPS from the inventory; wins over spec and measurement"
+    )
+    chips: list[Chip] = Field(default_factory=list)
+    cpu: Cpu = Field(default_factory=Cpu)
+    memory_gb: float | None = None
+    nics: list[Nic] = Field(default_factory=list)
+    software: Software = Field(default_factory=Software)
+
+
+class Cluster(_Strict):
+    """Top level of ``cluster.yaml``."""
+
+    version: int = 1
+    inventory: str | None = Field(default=None, description="path of the inventory probed")
+    probed_at: float | None = None
+    nodes: list[NodeFacts]
+
+    def reachable_nodes(self) -> list[NodeFacts]:
+        return [n for n in self.nodes if n.reachable]
