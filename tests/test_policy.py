@@ -1,0 +1,293 @@
+"""The elastic policy and its control loop, driven by scripted failure sequences (no processes, no sleeping)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hetctl.errors import PlanInfeasible
+from hetctl.run.outcome import AttemptOutcome, FailureRecord, FaultKind, RunState
+from hetctl.run.policy import (
+    Action,
+    PolicyConfig,
+    StragglerWatch,
+    Tally,
+    decide,
+    describe,
+    find_stragglers,
+    run_loop,
+    speed_factors,
+)
+
+
+def crash(node="n1", rank=1, sig=9, t=0.0):
+    return FailureRecord(FaultKind.CRASH, node, t, rank=rank, signal=sig)
+
+
+def hang(node="n1", rank=1):
+    return FailureRecord(FaultKind.HANG, node, 0.0, rank=rank, reason="no heartbeat for 3.0 s")
+
+
+def lost(node="n2"):
+    return FailureRecord(FaultKind.NODE_LOST, node, 0.0, reason="agent stream ended")
+
+
+def failed(*records, last_step=0):
+    return AttemptOutcome(RunState.FAILED, failures=list(records), last_step=last_step)
+
+
+OK = AttemptOutcome(RunState.SUCCEEDED, last_step=20, final_loss=1.25)
+
+
+# --- decide -------------------------------------------------------------------------------
+
+
+def test_success_and_stop_end_the_run():
+    t = Tally()
+    assert decide(OK, t, PolicyConfig(), attempt=0).action == Action.FINISH
+    assert decide(AttemptOutcome(RunState.STOPPED), t, PolicyConfig(), attempt=0).action == Action.STOP
+    assert t.restarts == 0
+
+
+def test_crash_restarts_same_plan_until_restarts_are_used_up():
+    cfg = PolicyConfig(max_restarts=2, max_node_failures=99)
+    t = Tally()
+    actions = [decide(failed(crash(node=f"n{i}")), t, cfg, attempt=i).action for i in range(3)]
+    assert actions == [Action.RESTART, Action.RESTART, Action.GIVE_UP]
+    assert t.restarts == 2 and t.membership_changes == 0
+
+
+def test_hang_is_treated_like_a_crash_and_named_as_a_hang():
+    t = Tally()
+    d = decide(failed(hang(node="n3", rank=5)), t, PolicyConfig(), attempt=0)
+    assert d.action == Action.RESTART
+    assert "rank 5 on n3 hung" in d.reason
+    assert t.node_failures["n3"] == 1
+
+
+def test_root_cause_takes_the_blame_not_the_ranks_that_failed_after_it():
+    t = Tally()
+    out = failed(crash(node="n2", rank=3), crash(node="n1", rank=0, sig=None), crash(node="n3", rank=4))
+    decide(out, t, PolicyConfig(), attempt=0)
+    assert dict(t.node_failures) == {"n2": 1}
+
+
+def test_node_lost_drops_every_lost_node_and_counts_a_membership_change_not_a_restart():
+    cfg = PolicyConfig(max_restarts=0)
+    t = Tally()
+    d = decide(failed(lost("n2"), crash(node="n1"), lost("n3")), t, cfg, attempt=0)
+    assert d.action == Action.REPLAN and d.drop == ("n2", "n3")
+    assert t.membership_changes == 1 and t.restarts == 0
+    assert t.dropped == ["n2", "n3"]
+
+
+def test_repeated_failures_of_one_node_mark_it_abnormal_and_drop_it():
+    cfg = PolicyConfig(max_restarts=10, max_node_failures=2)
+    t = Tally()
+    d1 = decide(failed(crash(node="n2")), t, cfg, attempt=0)
+    d2 = decide(failed(crash(node="n1")), t, cfg, attempt=1)
+    d3 = decide(failed(hang(node="n2")), t, cfg, attempt=2)
+    assert [d1.action, d2.action, d3.action] == [Action.RESTART, Action.RESTART, Action.REPLAN]
+    assert d3.drop == ("n2",) and d3.abnormal == ("n2",)
+    assert "marked abnormal after 2 failures" in d3.reason
+    assert t.abnormal == ["n2"] and t.membership_changes == 1 and t.restarts == 2
+
+
+def test_start_failure_gives_up_on_first_attempt_and_drops_the_node_later():
+    start = FailureRecord(FaultKind.START, "n4", 0.0, reason="python3.11: not found")
+    assert decide(failed(start), Tally(), PolicyConfig(), attempt=0).action == Action.GIVE_UP
+    d = decide(failed(start), Tally(), PolicyConfig(), attempt=2)
+    assert d.action == Action.REPLAN and d.drop == ("n4",)
+
+
+def test_straggler_ends_in_a_measured_replan_only_with_rebalance():
+    s = FailureRecord(FaultKind.STRAGGLER, "n2", 0.0, reason="stage 1 1.9x slower")
+    assert decide(failed(s), Tally(), PolicyConfig(rebalance=False), attempt=0).action == Action.GIVE_UP
+    t = Tally()
+    d = decide(failed(s), t, PolicyConfig(rebalance=True), attempt=0)
+    assert d.action == Action.REPLAN and d.measured and d.drop == ()
+    assert t.rebalances == 1 and t.restarts == 1
+
+
+def test_failed_without_a_record_gives_up():
+    assert decide(AttemptOutcome(RunState.FAILED), Tally(), PolicyConfig(), attempt=0).action == Action.GIVE_UP
+
+
+def test_describe_names_rank_node_and_cause():
+    assert describe(crash(node="n2", rank=3, sig=9)) == "rank 3 on n2 killed by signal 9"
+    assert describe(FailureRecord(FaultKind.CRASH, "a", 0, rank=0, exit_code=1)) == "rank 0 on a exited 1"
+    assert describe(lost("n7")) == "node n7 lost: agent stream ended"
+
+
+def test_tally_round_trips_through_a_dict():
+    t = Tally()
+    decide(failed(crash(node="n2")), t, PolicyConfig(), attempt=0)
+    decide(failed(lost("n3")), t, PolicyConfig(), attempt=1)
+    again = Tally.from_dict(t.to_dict())
+    assert again == t
+
+
+# --- the loop -----------------------------------------------------------------------------
+
+
+class Script:
+    """A scripted run: attempts return the given outcomes; events and calls are recorded."""
+
+    def __init__(self, outcomes, checkpoints, infeasible_after=None):
+        self.outcomes = list(outcomes)
+        self.checkpoints = list(checkpoints)
+        self.calls = []
+        self.events = []
+        self.replans = []
+        self.now = 100.0
+        self.slept = []
+        self.infeasible_after = infeasible_after
+
+    def run_attempt(self, attempt, plan, step):
+        self.calls.append((attempt, plan, step))
+        self.now += 1.0
+        return self.outcomes.pop(0)
+
+    def replan(self, plan, decision, outcome, tally):
+        self.replans.append((plan, decision.drop, decision.measured))
+        if self.infeasible_after is not None and len(self.replans) > self.infeasible_after:
+            raise PlanInfeasible("stage 0 needs 80 GiB on n1 (64 GiB)")
+        return f"{plan}-{'+'.join(decision.drop) or 'measured'}"
+
+    def latest(self):
+        return self.checkpoints.pop(0)
+
+    def emit(self, name, **fields):
+        self.events.append((name, fields))
+
+    def go(self, cfg, **kw):
+        return run_loop(
+            "p0", run_attempt=self.run_attempt, replan=self.replan, latest_step=self.latest,
+            emit=self.emit, config=cfg, clock=lambda: self.now, sleep=self.slept.append, **kw,
+        )
+
+
+def test_loop_crash_then_success_restarts_from_the_newest_checkpoint_with_the_same_plan():
+    s = Script([failed(crash(node="n2", rank=3)), OK], checkpoints=[10])
+    r = s.go(PolicyConfig(max_restarts=1))
+    assert r.state == RunState.SUCCEEDED and r.attempts == 2 and r.last_attempt == 1
+    assert s.calls == [(0, "p0", None), (1, "p0", 10)]
+    assert [e[0] for e in s.events] == ["restart"]
+    assert s.events[0][1]["resume_step"] == 10 and s.events[0][1]["attempt"] == 1
+    assert r.root_cause.rank == 3 and r.outcome.final_loss == 1.25
+
+
+def test_loop_node_loss_replans_on_survivors_then_succeeds():
+    s = Script([failed(lost("n2")), OK], checkpoints=[6])
+    r = s.go(PolicyConfig())
+    assert r.state == RunState.SUCCEEDED
+    assert s.calls[1] == (1, "p0-n2", 6)
+    name, ev = s.events[0]
+    assert name == "replan" and ev["dropped"] == ["n2"] and ev["membership_changes"] == 1
+    assert r.tally.restarts == 0 and r.plan == "p0-n2"
+
+
+def test_loop_gives_up_when_restarts_are_used_up_and_reports_the_first_root_cause():
+    s = Script([failed(crash(node="n1", rank=0)), failed(crash(node="n2", rank=2))], checkpoints=[4])
+    r = s.go(PolicyConfig(max_restarts=1, max_node_failures=5))
+    assert r.state == RunState.FAILED
+    assert "restarts used up (1/1)" in r.reason
+    assert r.root_cause.node == "n1"
+    assert [e[0] for e in s.events] == ["restart", "gave_up"]
+
+
+def test_loop_gives_up_when_no_plan_fits_the_survivors():
+    s = Script([failed(lost("n2")), failed(lost("n3"))], checkpoints=[2, 4], infeasible_after=1)
+    r = s.go(PolicyConfig())
+    assert r.state == RunState.FAILED
+    assert r.reason.startswith("no feasible plan on the survivors: stage 0 needs 80 GiB")
+    assert r.tally.dropped == ["n2", "n3"] and r.tally.membership_changes == 2
+    assert [e[0] for e in s.events] == ["replan", "gave_up"]
+
+
+def test_loop_marks_a_flapping_node_abnormal_then_continues_without_it():
+    outcomes = [failed(crash(node="n2")), failed(hang(node="n2")), OK]
+    s = Script(outcomes, checkpoints=[2, 5])
+    r = s.go(PolicyConfig(max_restarts=5, max_node_failures=2, restart_delay_s=0.5))
+    assert r.state == RunState.SUCCEEDED
+    assert [e[0] for e in s.events] == ["restart", "node_abnormal", "replan"]
+    assert s.calls[-1] == (2, "p0-n2", 5)
+    assert s.slept == [0.5, 0.5]
+    assert r.tally.abnormal == ["n2"]
+
+
+def test_loop_stopped_by_user_and_resumed_attempt_numbering_continues():
+    s = Script([AttemptOutcome(RunState.STOPPED)], checkpoints=[])
+    r = s.go(PolicyConfig(), first_attempt=3, resume_step=8, tally=Tally(restarts=2))
+    assert r.state == RunState.STOPPED and r.last_attempt == 3
+    assert s.calls == [(3, "p0", 8)] and s.events == []
+    assert r.tally.restarts == 2
+
+
+def test_loop_restart_budget_carries_over_from_an_earlier_controller():
+    s = Script([failed(crash())], checkpoints=[])
+    r = s.go(PolicyConfig(max_restarts=2), tally=Tally(restarts=2))
+    assert r.state == RunState.FAILED and "restarts used up (2/2)" in r.reason
+
+
+# --- stragglers ---------------------------------------------------------------------------
+
+PLANNED = {(0, 0): 100.0, (0, 1): 50.0, (1, 0): 100.0, (1, 1): 50.0}
+NODES = {(0, 0): "a", (0, 1): "b", (1, 0): "c", (1, 1): "d"}
+
+
+def test_uniformly_slow_cost_model_flags_nothing():
+    measured = {k: v * 3.0 for k, v in PLANNED.items()}
+    assert find_stragglers(measured, PLANNED, NODES, 0.25) == []
+
+
+def test_slow_stage_is_flagged_against_plan_and_other_replicas():
+    measured = {(0, 0): 300.0, (0, 1): 150.0, (1, 0): 300.0, (1, 1): 300.0}
+    found = find_stragglers(measured, PLANNED, NODES, 0.25)
+    assert [(s.replica, s.stage, s.node) for s in found] == [(1, 1, "d")]
+    assert found[0].slowdown == pytest.approx(2.0)
+
+
+def test_within_tolerance_is_not_a_straggler_and_single_stage_has_no_peer():
+    measured = {(0, 0): 120.0, (0, 1): 50.0, (1, 0): 100.0, (1, 1): 50.0}
+    assert find_stragglers(measured, PLANNED, NODES, 0.25) == []
+    assert find_stragglers({(0, 0): 900.0}, {(0, 0): 1.0}, {(0, 0): "a"}, 0.1) == []
+
+
+def test_two_stages_name_the_slow_one():
+    found = find_stragglers({(0, 0): 10.0, (0, 1): 25.0}, {(0, 0): 1.0, (0, 1): 1.0}, {(0, 0): "a", (0, 1): "b"}, 0.5)
+    assert [s.node for s in found] == ["b"]
+
+
+def test_watch_reports_once_after_persisting_and_again_only_after_recovery():
+    w = StragglerWatch({(0, 0): 1.0, (0, 1): 1.0}, {(0, 0): "a", (0, 1): "b"}, tolerance=0.3, window=2, patience=3)
+    reports = []
+    for _ in range(8):
+        w.observe(0, 0, 10.0)
+        reports.append(w.observe(0, 1, 20.0))
+    flagged = [i for i, r in enumerate(reports) if r]
+    # window fills at step 1; flagged checks at steps 1,2,3 → reported at step 3, once.
+    assert flagged == [3] and reports[3][0].node == "b"
+    for _ in range(2):  # recovers
+        w.observe(0, 0, 10.0)
+        assert w.observe(0, 1, 10.0) == []
+    again = []
+    for _ in range(3):
+        w.observe(0, 0, 10.0)
+        again += w.observe(0, 1, 30.0)
+    assert [s.node for s in again] == ["b"]
+
+
+def test_watch_blip_below_patience_is_not_reported():
+    w = StragglerWatch({(0, 0): 1.0, (0, 1): 1.0}, {(0, 0): "a", (0, 1): "b"}, tolerance=0.3, window=1, patience=3)
+    seq = [20, 20, 10, 20, 20, 10]
+    out = []
+    for v in seq:
+        w.observe(0, 0, 10.0)
+        out += w.observe(0, 1, float(v))
+    assert out == []
+
+
+def test_speed_factors_follow_measured_slowdown():
+    f = speed_factors({(0, 0): 100.0, (0, 1): 200.0, (0, 2): 100.0}, {(0, 0): 1.0, (0, 1): 1.0, (0, 2): 1.0},
+                      {(0, 0): "a", (0, 1): "b", (0, 2): "c"})
+    assert f == {"a": 1.0, "b": 0.5, "c": 1.0}
