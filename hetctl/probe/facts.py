@@ -78,6 +78,9 @@ class NodeFacts(_Strict):
     memory_gb: float | None = None
     nics: list[Nic] = Field(default_factory=list)
     software: Software = Field(default_factory=Software)
+    bench_error: str | None = Field(
+        default=None, description="why `probe --bench` measured nothing on this node (no torch, device unavailable)"
+    )
 
 
 class Cluster(_Strict):
