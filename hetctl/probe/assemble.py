@@ -1,0 +1,173 @@
+"""Turn a node's raw collector output into :class:`~hetctl.probe.facts.NodeFacts`.
+
+Pure functions only: they take the inventory node and the JSON the collector
+(``hetctl/probe/collector.py``) printed, and return facts. Chip parsing is
+delegated to :func:`hetctl.probe.tools.chips_from_raw`; this module adds the
+node-level facts (CPU, memory, NICs, software, comm library) and folds in
+``--bench`` measurements.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Protocol, Sequence
+
+from hetctl.probe.facts import Chip, Cpu, Nic, NodeFacts, Software, Tflops
+
+# Vendor → torch device type (the rank contract's HETCTL_DEVICE_TYPE).
+DEVICE_TYPES: dict[str, str] = {
+    "nvidia": "cuda", "amd": "cuda", "hygon": "cuda", "iluvatar": "cuda", "metax": "cuda",
+    "ascend": "npu", "mthreads": "musa", "cambricon": "mlu", "enflame": "gcu",
+    "gaudi": "hpu", "biren": "supa", "cpu": "cpu",
+}
+
+# Vendor → collective library used inside one vendor (vendors.md §1). Biren's
+# is not publicly documented, so it stays unknown rather than guessed.
+COMM_LIBRARIES: dict[str, str] = {
+    "nvidia": "nccl", "amd": "rccl", "hygon": "rccl", "iluvatar": "nccl", "metax": "mccl",
+    "ascend": "hccl", "mthreads": "mccl", "cambricon": "cncl", "enflame": "eccl",
+    "gaudi": "hccl", "cpu": "gloo",
+}
+
+# Vendor → the torch plugin distribution that provides its device type.
+PLUGINS: dict[str, str] = {
+    "ascend": "torch_npu", "mthreads": "torch_musa", "cambricon": "torch_mlu",
+    "enflame": "torch_gcu", "gaudi": "habana_torch_plugin", "biren": "torch_supa",
+}
+
+# Vendor → kernel modules whose version the collector may have read.
+DRIVER_MODULES: dict[str, tuple[str, ...]] = {
+    "nvidia": ("nvidia",), "amd": ("amdgpu",), "hygon": ("hydcu", "amdgpu"), "ascend": ("ascend",),
+    "mthreads": ("mtgpu",), "metax": ("metax",), "iluvatar": ("iluvatar",),
+    "cambricon": ("cambricon_drv",), "enflame": ("enflame",), "gaudi": ("habanalabs",), "biren": ("biren",),
+}
+
+NIC_KINDS = ("ib", "roce", "ethernet", "loopback", "other")
+
+
+class NodeLike(Protocol):
+    """What assembly needs from an inventory node (``hetctl.inventory.Node``)."""
+
+    name: str
+    host: str
+
+
+def _labels(node: Any) -> dict[str, str]:
+    return {str(k): str(v) for k, v in (getattr(node, "labels", None) or {}).items()}
+
+
+def unreachable(node: NodeLike, reason: str) -> NodeFacts:
+    """The row of a node that did not answer, with a one-line reason."""
+    line = " ".join(str(reason).split()) or "unknown error"
+    return NodeFacts(
+        name=node.name, host=node.host, reachable=False, error=line,
+        labels=_labels(node), tflops_override=getattr(node, "tflops", None),
+    )
+
+
+def main_vendor(chips: Sequence[Chip]) -> str:
+    """The vendor of most chips on a node (``cpu`` when it has none)."""
+    counts: dict[str, int] = {}
+    for c in chips:
+        counts[c.vendor] = counts.get(c.vendor, 0) + 1
+    if not counts:
+        return "cpu"
+    return max(counts, key=lambda v: (counts[v], v != "cpu"))
+
+
+def _nics(raw_nics: Any) -> list[Nic]:
+    out = []
+    for n in raw_nics or []:
+        if not isinstance(n, Mapping) or not n.get("name"):
+            continue
+        kind = n.get("kind") if n.get("kind") in NIC_KINDS else "other"
+        speed = n.get("speed_gbps")
+        out.append(Nic(name=str(n["name"]), kind=kind, speed_gbps=float(speed) if speed else None))
+    return out
+
+
+def _software(raw_sw: Mapping[str, Any], vendor: str) -> Software:
+    plugins = raw_sw.get("plugins") or {}
+    drivers = raw_sw.get("drivers") or {}
+    plugin = PLUGINS.get(vendor)
+    vendor_plugin = f"{plugin} {plugins[plugin]}" if plugin and plugin in plugins else None
+    driver = next((f"{m} {drivers[m]}" for m in DRIVER_MODULES.get(vendor, ()) if m in drivers), None)
+    return Software(
+        python=raw_sw.get("python"), torch=raw_sw.get("torch"), vendor_plugin=vendor_plugin,
+        comm_library=COMM_LIBRARIES.get(vendor), driver=driver,
+    )
+
+
+def node_facts(node: NodeLike, raw: Mapping[str, Any]) -> NodeFacts:
+    """Assemble the facts of one reachable node from its collector output.
+
+    Args:
+        node: the inventory node (``name``, ``host``, optional ``labels``, ``tflops``).
+        raw: the collector's JSON object.
+
+    Returns:
+        NodeFacts with chips parsed by :func:`hetctl.probe.tools.chips_from_raw`,
+        the inventory's ``tflops`` recorded as ``tflops_override``.
+    """
+    from hetctl.probe.tools import chips_from_raw
+
+    chips = chips_from_raw(dict(raw))
+    cpu_raw = raw.get("cpu") or {}
+    return NodeFacts(
+        name=node.name,
+        host=node.host,
+        labels=_labels(node),
+        tflops_override=getattr(node, "tflops", None),
+        chips=chips,
+        cpu=Cpu(model=cpu_raw.get("model"), cores=cpu_raw.get("cores")),
+        memory_gb=raw.get("memory_gb"),
+        nics=_nics(raw.get("nics")),
+        software=_software(raw.get("software") or {}, main_vendor(chips)),
+    )
+
+
+def bench_request(facts: NodeFacts) -> dict[str, Any] | None:
+    """The benchmark arguments for a node, or None when it cannot run one.
+
+    The device type follows the node's main vendor; the chip count is how many
+    chips of that vendor the node lists (device ordinals ``0 .. count-1``).
+    """
+    if not facts.reachable or not facts.chips:
+        return None
+    vendor = main_vendor(facts.chips)
+    device_type = DEVICE_TYPES.get(vendor)
+    if device_type is None:
+        return None
+    count = sum(1 for c in facts.chips if c.vendor == vendor)
+    return {"device_type": device_type, "count": count}
+
+
+def apply_bench(facts: NodeFacts, report: Mapping[str, Any] | None, reason: str | None = None) -> NodeFacts:
+    """Record a benchmark report in ``measured_tflops``, or why there is none.
+
+    Device ordinal ``k`` is matched to the ``k``-th chip (by index) of the
+    node's main vendor. Chips without a result keep ``measured_tflops`` unset;
+    ``bench_error`` says why when nothing at all was measured.
+    """
+    if report is None or report.get("error"):
+        why = reason or (report or {}).get("error") or "benchmark did not run"
+        return facts.model_copy(update={"bench_error": " ".join(str(why).split())})
+    vendor = main_vendor(facts.chips)
+    targets = sorted((c for c in facts.chips if c.vendor == vendor), key=lambda c: c.index)
+    by_index: dict[int, Tflops] = {}
+    notes = []
+    for entry in report.get("results") or []:
+        ordinal = entry.get("ordinal")
+        if not isinstance(ordinal, int) or not 0 <= ordinal < len(targets):
+            continue
+        values = entry.get("tflops") or {}
+        if values:
+            by_index[targets[ordinal].index] = Tflops(**{k: values.get(k) for k in ("bf16", "fp16", "fp32")})
+        errors = entry.get("errors") or {}
+        if errors and not values:
+            notes.append(f"chip {targets[ordinal].index}: " + "; ".join(f"{k}: {v}" for k, v in errors.items()))
+    chips = [c.model_copy(update={"measured_tflops": by_index[c.index]}) if c.index in by_index else c
+             for c in facts.chips]
+    update: dict[str, Any] = {"chips": chips}
+    if not by_index:
+        update["bench_error"] = notes[0] if notes else "benchmark returned no result"
+    return facts.model_copy(update=update)

@@ -1,0 +1,379 @@
+"""Node-side fact collector for ``hetctl probe`` (stdlib only, shipped over SSH).
+
+The controller sends this file as the program on stdin (``python3 - ARGS``) so
+that a node needs nothing but a Python interpreter: no hetctl install, no pip.
+``ARGS`` is one JSON object::
+
+    {"tools": {"nvidia-smi-csv": ["nvidia-smi", "--query-gpu=...", ...], ...},
+     "timeout": 20}
+
+The collector gathers raw facts and prints one JSON object (the ``raw`` dict
+that :func:`hetctl.probe.tools.chips_from_raw` and
+:func:`hetctl.probe.assemble.node_facts` parse on the controller)::
+
+    {"collector": 1, "hostname": str,
+     "tools": {key: {"argv": [...], "rc": int | None, "stdout": str,
+                     "stderr": str, "timeout": bool}},
+     "pci": [{"address", "vendor", "device", "class"}],
+     "dev": ["nvidia0", "davinci0", "biren/card_0", ...],
+     "cpu": {"model": str | None, "cores": int | None},
+     "memory_gb": float | None,
+     "nics": [{"name", "kind", "speed_gbps"}],
+     "software": {"python", "torch", "plugins": {dist: version}, "drivers": {module: version}},
+     "elapsed_s": float}
+
+Nothing is parsed here beyond reading single-value files: vendor formats are
+parsed on the controller by pure functions, where tests meet real captures.
+Tools run in parallel threads, each with its own timeout, only when their
+``argv[0]`` exists, so a node without accelerators answers in well under a
+second.
+
+Test seam: when ``HETCTL_SYSFS_ROOT`` is set, ``/sys/...`` and ``/dev/...`` are
+read below that directory instead of ``/`` (``$HETCTL_SYSFS_ROOT/sys/bus/pci/
+devices``, ``$HETCTL_SYSFS_ROOT/dev/davinci0``). Integration tests use it to give
+each loopback sshd host its own simulated hardware; it is never set in production.
+"""
+
+import json
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+SYSFS_ROOT_ENV = "HETCTL_SYSFS_ROOT"
+
+# Vendor tools that installers leave outside the default PATH.
+EXTRA_TOOL_DIRS = (
+    "/usr/local/Ascend/driver/tools",
+    "/usr/local/corex/bin",
+    "/opt/hyhal/bin",
+    "/opt/rocm/bin",
+    "/usr/local/neuware/bin",
+    "/opt/mxdriver/bin",
+    "/opt/maca/bin",
+)
+
+# PCI base classes that never hold an accelerator: mass storage, network,
+# memory, bridges, communication, base peripherals, input, docking, serial bus.
+SKIP_PCI_CLASSES = ("0x01", "0x02", "0x05", "0x06", "0x07", "0x08", "0x09", "0x0a", "0x0c")
+
+# /dev entries (top level, or the directories named) that accelerators create.
+DEV_PREFIXES = (
+    "nvidia", "davinci", "devmm_svm", "hisi_hdc", "mtgpu", "cambricon", "iluvatar", "itrctl",
+    "mxcd", "mxnd", "mxgd", "kfd", "mkfd", "gcu", "accel", "biren", "dri", "hl", "xpu", "alixpu",
+)
+DEV_DIRS = ("biren", "dri", "accel")
+
+# Vendor torch plugins, by distribution name (read via importlib.metadata so
+# that torch itself is never imported: importing it costs seconds).
+PLUGIN_DISTS = (
+    "torch_npu", "torch_musa", "torch_mlu", "torch_gcu", "torch_supa",
+    "habana_torch_plugin", "torch_xmlir", "intel_extension_for_pytorch",
+)
+
+# Kernel modules whose version file names the accelerator driver.
+DRIVER_MODULES = ("nvidia", "amdgpu", "mtgpu", "metax", "iluvatar", "cambricon_drv", "hydcu", "enflame", "habanalabs", "biren")
+
+MAX_OUTPUT = 1 << 20  # bytes kept per tool stream
+
+
+def _root():
+    return os.environ.get(SYSFS_ROOT_ENV, "").rstrip("/")
+
+
+def _hw(path):
+    """Map an absolute /sys or /dev path below the test root when one is set."""
+    return _root() + path
+
+
+def _read(path, default=None):
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read().strip()
+    except OSError:
+        return default
+
+
+def _which(name):
+    if "/" in name:
+        return name if os.access(name, os.X_OK) else None
+    found = shutil.which(name)
+    if found:
+        return found
+    for d in EXTRA_TOOL_DIRS:
+        cand = os.path.join(d, name)
+        if os.access(cand, os.X_OK):
+            return cand
+    return None
+
+
+def run_tool(argv, timeout):
+    """Run one vendor tool; never raises. Returns the record for ``raw["tools"]``."""
+    rec = {"argv": list(argv), "rc": None, "stdout": "", "stderr": "", "timeout": False}
+    exe = _which(argv[0])
+    if exe is None:
+        return None
+    try:
+        proc = subprocess.Popen(
+            [exe] + list(argv[1:]), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, start_new_session=True,
+        )
+    except OSError as e:
+        rec["stderr"] = "cannot start %s: %s" % (exe, e)
+        return rec
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        rec["timeout"] = True
+        try:
+            os.killpg(proc.pid, 9)
+        except OSError:
+            proc.kill()
+        out, err = proc.communicate()
+    rec["rc"] = proc.returncode
+    rec["stdout"] = out[:MAX_OUTPUT].decode("utf-8", "replace")
+    rec["stderr"] = err[-MAX_OUTPUT:].decode("utf-8", "replace")
+    return rec
+
+
+def collect_tools(commands, timeout):
+    """Run every command whose binary exists, in parallel threads."""
+    results = {}
+    threads = []
+
+    def work(key, argv):
+        rec = run_tool(argv, timeout)
+        if rec is not None:
+            results[key] = rec
+
+    for key, argv in sorted(commands.items()):
+        if not argv or _which(argv[0]) is None:
+            continue
+        t = threading.Thread(target=work, args=(key, argv), daemon=True)
+        t.start()
+        threads.append(t)
+    for t in threads:
+        t.join(timeout + 5)
+    return results
+
+
+def collect_pci():
+    base = _hw("/sys/bus/pci/devices")
+    try:
+        names = sorted(os.listdir(base))
+    except OSError:
+        return []
+    out = []
+    for addr in names:
+        d = os.path.join(base, addr)
+        cls = _read(os.path.join(d, "class"), "")
+        if cls[:4].lower() in SKIP_PCI_CLASSES:
+            continue
+        out.append({
+            "address": addr,
+            "vendor": _read(os.path.join(d, "vendor")),
+            "device": _read(os.path.join(d, "device")),
+            "class": cls or None,
+        })
+    return out
+
+
+def collect_dev():
+    base = _hw("/dev")
+    try:
+        names = sorted(os.listdir(base))
+    except OSError:
+        return []
+    out = []
+    for name in names:
+        if not name.startswith(DEV_PREFIXES):
+            continue
+        path = os.path.join(base, name)
+        if name in DEV_DIRS and os.path.isdir(path):
+            try:
+                out.extend("%s/%s" % (name, sub) for sub in sorted(os.listdir(path)))
+            except OSError:
+                pass
+        else:
+            out.append(name)
+    return out
+
+
+def collect_cpu():
+    model = None
+    info = _read("/proc/cpuinfo", "")
+    for line in info.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip().lower()
+        if key in ("model name", "cpu model", "hardware") and value.strip():
+            model = value.strip()
+            break
+    if model is None:
+        model = platform.processor() or platform.machine() or None
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count()
+    return {"model": model, "cores": cores}
+
+
+def collect_memory_gb():
+    for line in _read("/proc/meminfo", "").splitlines():
+        if line.startswith("MemTotal:"):
+            try:
+                return round(int(line.split()[1]) / 1024 / 1024, 1)
+            except (IndexError, ValueError):
+                return None
+    return None
+
+
+def _rdma_netdevs():
+    """netdev name → (link_layer, Gb/s) for every RDMA port that has a netdev."""
+    out = {}
+    base = _hw("/sys/class/infiniband")
+    try:
+        hcas = sorted(os.listdir(base))
+    except OSError:
+        return out, []
+    bare = []
+    for hca in hcas:
+        ports_dir = os.path.join(base, hca, "ports")
+        try:
+            ports = sorted(os.listdir(ports_dir))
+        except OSError:
+            ports = []
+        link, rate = None, None
+        for p in ports:
+            link = link or _read(os.path.join(ports_dir, p, "link_layer"))
+            r = _read(os.path.join(ports_dir, p, "rate"), "")
+            try:
+                rate = max(rate or 0.0, float(r.split()[0]))
+            except (IndexError, ValueError):
+                pass
+        try:
+            nets = sorted(os.listdir(os.path.join(base, hca, "device", "net")))
+        except OSError:
+            nets = []
+        for n in nets:
+            out[n] = (link, rate)
+        if not nets:
+            kind = "roce" if (link or "").lower() == "ethernet" else "ib"
+            bare.append({"name": hca, "kind": kind, "speed_gbps": rate})
+    return out, bare
+
+
+def collect_nics():
+    rdma, bare = _rdma_netdevs()
+    base = _hw("/sys/class/net")
+    try:
+        names = sorted(os.listdir(base))
+    except OSError:
+        names = []
+    nics = []
+    for name in names:
+        d = os.path.join(base, name)
+        dev_type = _read(os.path.join(d, "type"))
+        speed = None
+        s = _read(os.path.join(d, "speed"))
+        try:
+            mbps = int(s) if s is not None else -1
+            if mbps > 0:
+                speed = mbps / 1000.0
+        except ValueError:
+            pass
+        if name == "lo" or dev_type == "772":
+            kind = "loopback"
+        elif dev_type == "32":
+            kind = "ib"
+        elif name in rdma:
+            kind = "roce" if (rdma[name][0] or "ethernet").lower() == "ethernet" else "ib"
+        elif os.path.exists(os.path.join(d, "device")):
+            kind = "ethernet"
+        else:
+            kind = "other"
+        if speed is None and name in rdma:
+            speed = rdma[name][1]
+        nics.append({"name": name, "kind": kind, "speed_gbps": speed})
+    return nics + bare
+
+
+def _dist_version(name):
+    try:
+        from importlib import metadata
+    except ImportError:  # Python < 3.8
+        return None
+    for cand in (name, name.replace("_", "-")):
+        try:
+            return metadata.version(cand)
+        except Exception:  # noqa: BLE001 - PackageNotFoundError or broken metadata
+            continue
+    return None
+
+
+def collect_software():
+    plugins = {}
+    for dist in PLUGIN_DISTS:
+        v = _dist_version(dist)
+        if v:
+            plugins[dist] = v
+    drivers = {}
+    for mod in DRIVER_MODULES:
+        v = _read(_hw("/sys/module/%s/version" % mod))
+        if v:
+            drivers[mod] = v
+    ascend = _read("/usr/local/Ascend/driver/version.info", "")
+    for line in ascend.splitlines():
+        if line.lower().startswith("version="):
+            drivers["ascend"] = line.split("=", 1)[1].strip()
+    return {
+        "python": platform.python_version(),
+        "torch": _dist_version("torch"),
+        "plugins": plugins,
+        "drivers": drivers,
+    }
+
+
+def collect(args):
+    """Gather every raw fact; ``args`` is the decoded JSON argument."""
+    start = time.monotonic()
+    timeout = float(args.get("timeout", 20))
+    # Tool threads run while this thread reads files: the slow part overlaps.
+    tools_box = {}
+    tool_thread = threading.Thread(
+        target=lambda: tools_box.update(collect_tools(args.get("tools") or {}, timeout)), daemon=True
+    )
+    tool_thread.start()
+    raw = {
+        "collector": 1,
+        "hostname": socket.gethostname(),
+        "pci": collect_pci(),
+        "dev": collect_dev(),
+        "cpu": collect_cpu(),
+        "memory_gb": collect_memory_gb(),
+        "nics": collect_nics(),
+        "software": collect_software(),
+    }
+    tool_thread.join(timeout + 10)
+    raw["tools"] = dict(tools_box)
+    raw["elapsed_s"] = round(time.monotonic() - start, 3)
+    return raw
+
+
+def main(argv):
+    try:
+        args = json.loads(argv[1]) if len(argv) > 1 else {}
+    except ValueError as e:
+        sys.stderr.write("hetctl collector: bad argument JSON: %s\n" % e)
+        return 2
+    json.dump(collect(args), sys.stdout, separators=(",", ":"))
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,176 @@
+"""``hetctl probe``: send the collector to every node at once and gather facts.
+
+Each node gets one connection (its inventory transport), one run of the
+stdlib collector with its source on stdin, and, with ``--bench`` and torch on
+the node, one run of the matmul benchmark on the same connection. A node that
+cannot be reached or whose collector fails becomes a row with
+``reachable: false`` and a one-line reason; it never stops the other nodes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from functools import lru_cache
+from importlib import resources
+from typing import Any, Callable
+
+from hetctl.errors import HetctlError, RemoteError
+from hetctl.probe.assemble import apply_bench, bench_request, node_facts, unreachable
+from hetctl.probe.facts import Cluster, NodeFacts
+from hetctl.remote.base import Result
+
+COLLECT_TIMEOUT_S = 120.0  # whole collector run; each tool has TOOL_TIMEOUT_S
+TOOL_TIMEOUT_S = 30.0
+BENCH_TIMEOUT_S = 900.0
+
+OnDone = Callable[[str, NodeFacts], None]
+
+
+@lru_cache(maxsize=None)
+def node_script(name: str) -> bytes:
+    """Source of a node-side script shipped on stdin (``collector.py``, ``bench_matmul.py``)."""
+    return resources.files("hetctl.probe").joinpath(name).read_bytes()
+
+
+def collector_args(tool_timeout: float = TOOL_TIMEOUT_S) -> str:
+    """The JSON argument of the collector: the vendor tool table and timeout."""
+    from hetctl.probe.tools import TOOL_COMMANDS
+
+    return json.dumps({"tools": TOOL_COMMANDS, "timeout": tool_timeout}, separators=(",", ":"))
+
+
+def _stderr_tail(result: Result) -> str:
+    lines = [ln.strip() for ln in (result.stderr or "").strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else ""
+
+
+def decode_output(result: Result, python: str, what: str) -> dict[str, Any]:
+    """Decode the JSON a node-side script printed, or raise a one-line RemoteError.
+
+    Args:
+        result: the finished run of ``python - ARGS``.
+        python: the interpreter the inventory names for the node (for the hint).
+        what: ``collector`` or ``benchmark``, for the message.
+    """
+    tail = _stderr_tail(result)
+    if result.exit_code == 127 or (result.exit_code != 0 and "not found" in tail and python in tail):
+        raise RemoteError(
+            f"`{python}` not found on the node", "set `python:` for this node in the inventory", node=result.node
+        )
+    if result.exit_code != 0:
+        raise RemoteError(f"{what} exited {result.exit_code}" + (f": {tail}" if tail else ""), node=result.node)
+    text = (result.stdout or "").strip()
+    last = text.splitlines()[-1] if text else ""
+    try:
+        data = json.loads(last)
+    except ValueError:
+        data = None
+    if not isinstance(data, dict):
+        raise RemoteError(f"{what} printed no JSON" + (f": {tail}" if tail else ""), node=result.node)
+    return data
+
+
+def _run_script(transport: Any, node: Any, script: str, args: str, timeout: float, what: str) -> dict[str, Any]:
+    python = getattr(node, "python", None) or "python3"
+    result = transport.run(
+        [python, "-", args], input=node_script(script), env=getattr(node, "env", None) or None,
+        timeout=timeout, check=False,
+    )
+    return decode_output(result, python, what)
+
+
+def probe_node(node: Any, ssh: Any, *, bench: bool = False, args: str | None = None) -> NodeFacts:
+    """Probe one inventory node; never raises for a node-side failure.
+
+    Args:
+        node: the resolved inventory node.
+        ssh: the inventory's ssh settings (host keys, timeouts).
+        bench: also run the matmul benchmark when the node has torch.
+        args: the collector's JSON argument (computed once for all nodes).
+
+    Returns:
+        The node's facts, or an unreachable row carrying the reason.
+    """
+    from hetctl.remote import connect
+
+    try:
+        transport = connect(node, ssh)
+    except HetctlError as e:
+        return unreachable(node, e.message)
+    try:
+        raw = _run_script(transport, node, "collector.py", args or collector_args(), COLLECT_TIMEOUT_S, "collector")
+        facts = node_facts(node, raw)
+        if bench:
+            facts = _bench(transport, node, facts)
+        return facts
+    except HetctlError as e:
+        return unreachable(node, e.message)
+    finally:
+        transport.close()
+
+
+def _bench(transport: Any, node: Any, facts: NodeFacts) -> NodeFacts:
+    request = bench_request(facts)
+    if request is None:
+        return apply_bench(facts, None, "no benchmark for these chips")
+    if not facts.software.torch:
+        python = facts.software.python or "?"
+        return apply_bench(facts, None, f"no torch for {getattr(node, 'python', 'python3')} (Python {python})")
+    try:
+        report = _run_script(transport, node, "bench_matmul.py", json.dumps(request), BENCH_TIMEOUT_S, "benchmark")
+    except RemoteError as e:
+        return apply_bench(facts, None, e.message)
+    return apply_bench(facts, report)
+
+
+def probe(inventory: Any, *, bench: bool = False, on_done: OnDone | None = None) -> Cluster:
+    """Probe every node of ``inventory`` in parallel (``ssh.fanout`` at a time).
+
+    Args:
+        inventory: a loaded :class:`hetctl.inventory.Inventory`.
+        bench: run the matmul benchmark on nodes with torch.
+        on_done: called as ``on_done(node_name, facts)`` when a node finishes,
+            from worker threads (for a progress bar).
+
+    Returns:
+        The cluster facts, nodes in inventory order; unreachable nodes included.
+    """
+    from hetctl.remote.fanout import fanout
+
+    args = collector_args()
+    nodes = list(inventory.nodes)
+    by_name = {n.name: n for n in nodes}
+
+    def work(node: Any) -> NodeFacts:
+        return probe_node(node, inventory.ssh, bench=bench, args=args)
+
+    def done(name: str, value: Any) -> None:
+        if on_done is not None:
+            on_done(name, _as_facts(by_name[name], value))
+
+    fanout_workers = getattr(inventory.ssh, "fanout", None) or 64
+    group = fanout(nodes, work, max_workers=fanout_workers, on_done=done)
+    results = [_as_facts(n, _group_value(group, n.name)) for n in nodes]
+    source = getattr(inventory, "source", None)
+    return Cluster(inventory=str(source) if source else None, probed_at=round(time.time(), 3), nodes=results)
+
+
+def _group_value(group: Any, name: str) -> Any:
+    """The value or exception the fan-out recorded for ``name``."""
+    for attr in ("results", "values"):
+        table = getattr(group, attr, None)
+        if isinstance(table, dict) and name in table:
+            return table[name]
+    return group[name]
+
+
+def _as_facts(node: Any, value: Any) -> NodeFacts:
+    if isinstance(value, NodeFacts):
+        return value
+    if isinstance(value, HetctlError):
+        return unreachable(node, value.message)
+    if isinstance(value, BaseException):
+        # A bug in hetctl, not a node failure: keep the row, name the exception.
+        return unreachable(node, f"internal error: {type(value).__name__}: {value}")
+    return unreachable(node, f"internal error: unexpected result {value!r}")
