@@ -6,17 +6,8 @@ import pytest
 
 from hetctl.errors import PlanInfeasible
 from hetctl.run.outcome import AttemptOutcome, FailureRecord, FaultKind, RunState
-from hetctl.run.policy import (
-    Action,
-    PolicyConfig,
-    StragglerWatch,
-    Tally,
-    decide,
-    describe,
-    find_stragglers,
-    run_loop,
-    speed_factors,
-)
+from hetctl.run.policy import Action, PolicyConfig, Tally, decide, describe, run_loop
+from hetctl.run.straggler import StragglerWatch, find_stragglers, progress_hook, speed_factors
 
 
 def crash(node="n1", rank=1, sig=9, t=0.0):
@@ -149,6 +140,7 @@ class Script:
 
     def replan(self, plan, decision, outcome, tally):
         self.replans.append((plan, decision.drop, decision.measured))
+        self.now += 0.25
         if self.infeasible_after is not None and len(self.replans) > self.infeasible_after:
             raise PlanInfeasible("stage 0 needs 80 GiB on n1 (64 GiB)")
         return f"{plan}-{'+'.join(decision.drop) or 'measured'}"
@@ -183,6 +175,7 @@ def test_loop_node_loss_replans_on_survivors_then_succeeds():
     assert s.calls[1] == (1, "p0-n2", 6)
     name, ev = s.events[0]
     assert name == "replan" and ev["dropped"] == ["n2"] and ev["membership_changes"] == 1
+    assert ev["replan_s"] == 0.25 and ev["resume_step"] == 6
     assert r.tally.restarts == 0 and r.plan == "p0-n2"
 
 
@@ -291,3 +284,22 @@ def test_speed_factors_follow_measured_slowdown():
     f = speed_factors({(0, 0): 100.0, (0, 1): 200.0, (0, 2): 100.0}, {(0, 0): 1.0, (0, 1): 1.0, (0, 2): 1.0},
                       {(0, 0): "a", (0, 1): "b", (0, 2): "c"})
     assert f == {"a": 1.0, "b": 0.5, "c": 1.0}
+
+
+def test_progress_hook_reports_a_straggler_and_ends_the_attempt_only_under_rebalance():
+    for rebalance in (False, True):
+        events = []
+        w = StragglerWatch({(0, 0): 2.0, (0, 1): 1.0}, {(0, 0): "a", (0, 1): "b"}, tolerance=0.25, window=2,
+                           patience=2)
+        hook = progress_hook(w, lambda kind, **f: events.append((kind, f)), attempt=4, rebalance=rebalance)
+        records = []
+        for _ in range(5):
+            records += hook({(0, 0): 20.0})
+            records += hook({(0, 1): 30.0})
+        assert [(k, f["node"], f["stage"], f["attempt"]) for k, f in events] == [("straggler", "b", 1, 4)]
+        assert events[0][1]["slowdown"] == 3.0
+        if rebalance:
+            assert [(r.kind, r.node) for r in records] == [(FaultKind.STRAGGLER, "b")]
+            assert "3.00x slower" in records[0].reason
+        else:
+            assert records == []

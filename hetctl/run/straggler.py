@@ -1,0 +1,207 @@
+"""Straggler detection: stages persistently slower than the plan predicts, relative to their peers.
+
+:func:`find_stragglers` judges one set of measurements; :class:`StragglerWatch`
+adds the persistence (a window of steps, a number of consecutive rounds) and
+:func:`progress_hook` plugs it into the controller's ``on_progress`` callback,
+writing ``straggler`` events and, under ``--rebalance``, ending the attempt with a
+STRAGGLER failure so the policy re-plans with :func:`speed_factors`.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import Counter, deque
+from dataclasses import dataclass
+from typing import Callable, Iterable, Mapping
+
+from hetctl.run.outcome import FailureRecord, FaultKind
+
+
+@dataclass(frozen=True)
+class Straggler:
+    """A stage persistently slower than its plan predicts, relative to its peers.
+
+    Attributes:
+        replica: pipeline replica (DP index).
+        stage: pipeline stage.
+        node: node that runs it.
+        measured_ms: mean measured compute time per step over the window.
+        planned_ms: the plan's prediction for the stage.
+        slowdown: how much slower than its peers, after normalising by the plan
+            (1.5 = 50 % slower than the median peer).
+    """
+
+    replica: int
+    stage: int
+    node: str
+    measured_ms: float
+    planned_ms: float
+    slowdown: float
+
+
+def find_stragglers(
+    measured_ms: Mapping[tuple[int, int], float],
+    planned_ms: Mapping[tuple[int, int], float],
+    nodes: Mapping[tuple[int, int], str],
+    tolerance: float,
+) -> list[Straggler]:
+    """Stages whose measured/planned ratio exceeds the median of the others' by ``tolerance``.
+
+    Comparing ratios rather than raw times keeps a cost model that is uniformly off
+    (CPU runs, an untuned TFLOPS table) from flagging every stage; comparing against
+    the *other* stages (the same stage in other replicas has the same plan) names the
+    slow one even when there are only two. A single stage has no peer and is never
+    flagged.
+
+    Args:
+        measured_ms: mean compute ms per step per (replica, stage).
+        planned_ms: the plan's ``est_ms`` per (replica, stage); non-positive entries are skipped.
+        nodes: node per (replica, stage).
+        tolerance: 0.25 flags a stage more than 25 % slower than its peers.
+    """
+    ratios = {
+        k: m / planned_ms[k]
+        for k, m in measured_ms.items()
+        if k in planned_ms and planned_ms[k] > 0 and m > 0
+    }
+    found = []
+    for k, r in sorted(ratios.items()):
+        others = [v for kk, v in ratios.items() if kk != k]
+        if not others:
+            continue
+        ref = statistics.median(others)
+        if r > ref * (1.0 + tolerance):
+            found.append(Straggler(k[0], k[1], nodes.get(k, "?"), measured_ms[k], planned_ms[k], r / ref))
+    return found
+
+
+class StragglerWatch:
+    """Feed per-step stage timings; get a straggler once it has persisted.
+
+    A stage is reported when :func:`find_stragglers` flags it on ``patience``
+    consecutive rounds (a round ends when every stage has reported a new step) once
+    its window is full, and then not again until it has dropped back within
+    the tolerance (no event storm). Purely step-driven: no clock.
+
+    Args:
+        planned_ms: ``est_ms`` per (replica, stage) from the plan.
+        nodes: node per (replica, stage).
+        tolerance: relative slowdown that counts (0.25 = 25 %).
+        window: steps averaged per stage before judging.
+        patience: consecutive flagged checks before reporting.
+    """
+
+    def __init__(
+        self,
+        planned_ms: Mapping[tuple[int, int], float],
+        nodes: Mapping[tuple[int, int], str],
+        *,
+        tolerance: float = 0.25,
+        window: int = 5,
+        patience: int = 3,
+    ) -> None:
+        self.planned_ms = dict(planned_ms)
+        self.nodes = dict(nodes)
+        self.tolerance = tolerance
+        self.window = window
+        self.patience = patience
+        self._samples: dict[tuple[int, int], deque] = {k: deque(maxlen=window) for k in self.planned_ms}
+        self._streak: Counter = Counter()
+        self._reported: set[tuple[int, int]] = set()
+        self._fresh: set[tuple[int, int]] = set()
+
+    @classmethod
+    def from_plan(cls, plan, **kwargs) -> "StragglerWatch":  # noqa: ANN001 - Plan, kept import-free
+        """Build from a :class:`hetctl.plan.schema.Plan`'s stages."""
+        planned = {(s.replica, s.stage): s.est_ms for s in plan.stages}
+        nodes = {(s.replica, s.stage): s.node for s in plan.stages}
+        return cls(planned, nodes, **kwargs)
+
+    def observe(self, replica: int, stage: int, compute_ms: float) -> list[Straggler]:
+        """Record one step's compute time of a stage; return newly persistent stragglers."""
+        key = (replica, stage)
+        if key not in self._samples:
+            return []
+        self._samples[key].append(compute_ms)
+        self._fresh.add(key)
+        # Judge once per round (every stage has a new sample), so patience counts steps.
+        if len(self._fresh) < len(self._samples) or any(len(q) < self.window for q in self._samples.values()):
+            return []
+        self._fresh.clear()
+        return self._check()
+
+    def means(self) -> dict[tuple[int, int], float]:
+        """Mean of the current window per (replica, stage), for rebalancing."""
+        return {k: statistics.fmean(q) for k, q in self._samples.items() if q}
+
+    def _check(self) -> list[Straggler]:
+        flagged = {(s.replica, s.stage): s for s in find_stragglers(self.means(), self.planned_ms, self.nodes,
+                                                                     self.tolerance)}
+        new = []
+        for key in self.planned_ms:
+            if key in flagged:
+                self._streak[key] += 1
+                if self._streak[key] >= self.patience and key not in self._reported:
+                    self._reported.add(key)
+                    new.append(flagged[key])
+            else:
+                self._streak[key] = 0
+                self._reported.discard(key)
+        return new
+
+
+def speed_factors(
+    measured_ms: Mapping[tuple[int, int], float],
+    planned_ms: Mapping[tuple[int, int], float],
+    nodes: Mapping[tuple[int, int], str],
+) -> dict[str, float]:
+    """Relative speed per node from measured stage times (1.0 = as the plan assumed).
+
+    A node whose stages took twice their planned share (relative to the median of all
+    stages) gets 0.5: multiply its chips' TFLOPS by it and re-plan. The median
+    normalisation removes a cost model that is uniformly off.
+    """
+    ratios = {
+        k: m / planned_ms[k] for k, m in measured_ms.items() if planned_ms.get(k, 0) > 0 and m > 0
+    }
+    if not ratios:
+        return {}
+    ref = statistics.median(ratios.values())
+    per_node: dict[str, list[float]] = {}
+    for k, r in ratios.items():
+        per_node.setdefault(nodes[k], []).append(ref / r)
+    return {n: statistics.fmean(v) for n, v in per_node.items()}
+
+
+def progress_hook(
+    watch: StragglerWatch,
+    emit: Callable[..., object],
+    *,
+    attempt: int,
+    rebalance: bool,
+) -> Callable[[Mapping[tuple[int, int], float]], Iterable[FailureRecord]]:
+    """The controller's ``on_progress``: feed the watch, log stragglers, end the attempt under ``--rebalance``.
+
+    Args:
+        watch: the attempt's :class:`StragglerWatch`.
+        emit: ``emit(kind, **fields)`` (an :class:`~hetctl.run.events.EventLog`).
+        attempt: attempt number, for the event.
+        rebalance: when True a straggler becomes a STRAGGLER failure record (the policy re-plans
+            with measured speeds); otherwise it is only reported.
+    """
+
+    def on_progress(stage_ms: Mapping[tuple[int, int], float]) -> list[FailureRecord]:
+        records = []
+        for (replica, stage), ms in stage_ms.items():
+            for s in watch.observe(replica, stage, ms):
+                emit("straggler", attempt=attempt, node=s.node, replica=s.replica, stage=s.stage,
+                     measured_ms=round(s.measured_ms, 3), planned_ms=round(s.planned_ms, 3),
+                     slowdown=round(s.slowdown, 3), tolerance=watch.tolerance, rebalance=rebalance)
+                if rebalance:
+                    why = (f"stage {s.stage} of replica {s.replica} is {s.slowdown:.2f}x slower than its peers "
+                           f"relative to the plan ({s.measured_ms:.1f} ms vs {s.planned_ms:.1f} ms planned)")
+                    records.append(FailureRecord(FaultKind.STRAGGLER, s.node, time.time(), reason=why))
+        return records
+
+    return on_progress
