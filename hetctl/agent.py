@@ -1,0 +1,393 @@
+"""The per-node agent: spawns a node's ranks, reports on them, and never leaves one behind.
+
+Run as ``python -m hetctl.agent`` (or from the zipapp the controller ships to the
+node's workdir, so a node needs only Python). Standard library only; psutil is
+used when present to also catch descendants that left their process group.
+
+Protocol, one JSON object a line. The controller writes on the agent's stdin::
+
+    {"cmd": "start", "grace_s": 5,
+     "ranks": [{"rank": 0, "argv": [...], "env": {...}, "cwd": "...",
+                "log": "/node/path/rank-0.log", "heartbeat": "/node/path/rank-0.json"}]}
+    {"cmd": "stop"}
+
+and reads on its stdout (every event carries ``ev`` and ``t``, the node's clock)::
+
+    hello     pid, python, host, protocol        once, at startup
+    started   rank, pid                          a rank was spawned
+    log       rank, lines[, dropped]             batched output, rate-limited
+    heartbeat rank, hb (the rank's heartbeat file as written by hetctl.runtime)
+    alive     ranks {rank: process state letter} every ~1 s, so silence means a lost node
+    exited    rank, code, signal[, error]        at once, from a thread blocked in waitpid
+    error     message                            a bad command
+    stopped   reason                             every rank is gone; the agent exits next
+
+Stopping (on ``stop``, stdin EOF, SIGTERM/SIGHUP or a broken stdout): SIGTERM to
+each rank's process group, ``grace_s``, then SIGKILL. Each rank runs in its own
+session/process group, and on Linux gets ``PR_SET_PDEATHSIG(SIGKILL)`` so that it
+dies with the agent even when the agent itself is SIGKILLed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+try:  # optional: only to catch descendants that escaped the rank's process group
+    import psutil  # type: ignore[import-not-found]
+except ImportError:  # pragma: no cover - the shipped zipapp may run without site-packages
+    psutil = None
+
+PROTOCOL = 1
+ALIVE_EVERY_S = 1.0
+HEARTBEAT_POLL_S = 0.2
+LOG_FLUSH_S = 0.2
+LOG_BUDGET_BYTES_PER_S = 256 * 1024  # per rank; beyond it lines are counted, not forwarded
+LOG_LINE_MAX = 4096
+DEFAULT_GRACE_S = 5.0
+PR_SET_PDEATHSIG = 1
+
+
+def _death_signal_hook():
+    """A preexec_fn that makes the child die with this thread (Linux), or None elsewhere.
+
+    The libc function is resolved here, before any fork, so the child only makes
+    one foreign call between fork and exec. The parent-pid check closes the race
+    where the agent dies before the prctl takes effect.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # pragma: no cover - non-glibc oddities
+        return None
+    parent = os.getpid()
+    sig = int(signal.SIGKILL)
+
+    def hook() -> None:
+        prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
+        if os.getppid() != parent:
+            os._exit(137)
+
+    return hook
+
+
+def proc_state(pid: int) -> str:
+    """The kernel's one-letter state of ``pid`` (R, S, D, T, Z…), or ``?``."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+        return data[data.rindex(b")") + 2 : data.rindex(b")") + 3].decode() or "?"
+    except (OSError, ValueError):
+        if psutil is not None:
+            try:
+                return {"stopped": "T", "zombie": "Z", "running": "R"}.get(psutil.Process(pid).status(), "S")
+            except psutil.Error:
+                return "?"
+        return "?"
+
+
+class Emitter:
+    """Writes events to stdout, one JSON line each; remembers when the reader is gone."""
+
+    def __init__(self, stream) -> None:  # noqa: ANN001 - a binary file
+        self._stream = stream
+        self._lock = threading.Lock()
+        self.broken = False
+
+    def __call__(self, ev: str, **fields) -> bool:  # noqa: ANN003
+        if self.broken:
+            return False
+        line = json.dumps({"ev": ev, "t": time.time(), **fields}, separators=(",", ":")) + "\n"
+        with self._lock:
+            try:
+                self._stream.write(line.encode())
+                self._stream.flush()
+            except (OSError, ValueError):
+                self.broken = True
+        return not self.broken
+
+
+class RankProc:
+    """One spawned rank: its process, its log pump and its pending forwarded lines."""
+
+    def __init__(self, spec: dict, proc: subprocess.Popen, log) -> None:  # noqa: ANN001
+        self.rank = int(spec["rank"])
+        self.heartbeat = spec.get("heartbeat")
+        self.proc = proc
+        self.pgid = proc.pid  # start_new_session makes the rank its group leader
+        self.log = log
+        self.exited = False
+        self.hb_mtime = 0
+        self.lines: list[str] = []
+        self.dropped = 0
+        self._budget = float(LOG_BUDGET_BYTES_PER_S)
+        self._refill = time.monotonic()
+        self._lock = threading.Lock()
+        self.pump = threading.Thread(target=self._pump, name=f"log-{self.rank}", daemon=True)
+        self.pump.start()
+
+    def _pump(self) -> None:
+        """Copy the rank's output to its node-side log and queue it for forwarding."""
+        for raw in iter(self.proc.stdout.readline, b""):
+            try:
+                self.log.write(raw)
+                self.log.flush()
+            except (OSError, ValueError):
+                pass
+            text = raw.decode(errors="replace").rstrip("\n")[:LOG_LINE_MAX]
+            with self._lock:
+                now = time.monotonic()
+                self._budget = min(LOG_BUDGET_BYTES_PER_S, self._budget + (now - self._refill) * LOG_BUDGET_BYTES_PER_S)
+                self._refill = now
+                if self._budget >= len(text):
+                    self._budget -= len(text)
+                    self.lines.append(text)
+                else:
+                    self.dropped += 1
+        self.proc.stdout.close()
+        try:
+            self.log.close()
+        except OSError:
+            pass
+
+    def take_lines(self) -> tuple[list[str], int]:
+        with self._lock:
+            lines, dropped = self.lines, self.dropped
+            self.lines, self.dropped = [], 0
+        return lines, dropped
+
+    def signal_group(self, sig: int) -> None:
+        """Signal the rank's process group and any descendant that left it."""
+        strays = []
+        if psutil is not None and not self.exited:
+            try:
+                strays = psutil.Process(self.proc.pid).children(recursive=True)
+            except psutil.Error:
+                strays = []
+        try:
+            os.killpg(self.pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+        for child in strays:
+            try:
+                child.send_signal(sig)
+            except psutil.Error:
+                pass
+
+
+class Agent:
+    """The agent's state and its single-threaded control loop (threads only feed the queue)."""
+
+    def __init__(self, stdin, stdout) -> None:  # noqa: ANN001
+        self.events: queue.SimpleQueue = queue.SimpleQueue()  # reentrant: safe from signal handlers
+        self.emit = Emitter(stdout)
+        self.stdin = stdin
+        self.ranks: dict[int, RankProc] = {}
+        self.grace_s = DEFAULT_GRACE_S
+        self.hook = _death_signal_hook()
+
+    # -- feeders -------------------------------------------------------------
+    def _read_commands(self) -> None:
+        for raw in iter(self.stdin.readline, b""):
+            raw = raw.strip()
+            if not raw:
+                continue
+            try:
+                msg = json.loads(raw)
+                if not isinstance(msg, dict):
+                    raise ValueError("not an object")
+            except ValueError as e:
+                self.events.put(("bad", f"unreadable command: {e}"))
+                continue
+            self.events.put(("cmd", msg))
+        self.events.put(("eof", None))
+
+    def _wait_rank(self, rp: RankProc) -> None:
+        self.events.put(("exit", (rp.rank, rp.proc.wait())))
+
+    def _on_signal(self, signum: int, frame) -> None:  # noqa: ANN001, ARG002
+        self.events.put(("signal", signum))
+
+    # -- actions -------------------------------------------------------------
+    def start(self, msg: dict) -> None:
+        """Spawn every rank of the start command (from the main thread: PDEATHSIG is per thread)."""
+        self.grace_s = float(msg.get("grace_s", DEFAULT_GRACE_S))
+        for spec in msg.get("ranks", []):
+            try:
+                rank = int(spec["rank"])
+                argv = [str(a) for a in spec["argv"]]
+                env = {**os.environ, **{str(k): str(v) for k, v in (spec.get("env") or {}).items()}}
+            except (KeyError, TypeError, ValueError) as e:
+                self.emit("error", message=f"bad rank spec {spec!r}: {e}")
+                continue
+            for path in (spec.get("log"), spec.get("heartbeat")):
+                if path:
+                    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            if spec.get("heartbeat"):
+                try:
+                    os.unlink(spec["heartbeat"])  # a stale file must not look like progress
+                except FileNotFoundError:
+                    pass
+            log = open(spec["log"], "ab") if spec.get("log") else open(os.devnull, "wb")  # noqa: SIM115
+            try:
+                proc = subprocess.Popen(  # noqa: S603 - argv list from the controller, no shell
+                    argv,
+                    env=env,
+                    cwd=spec.get("cwd") or None,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    preexec_fn=self.hook,  # noqa: PLW1509 - one pre-resolved foreign call, see _death_signal_hook
+                )
+            except OSError as e:
+                log.write(f"hetctl agent: cannot start {argv[0]}: {e.strerror}\n".encode())
+                log.close()
+                self.emit("exited", rank=rank, code=127, signal=None, error=f"cannot start {argv[0]}: {e.strerror}")
+                continue
+            rp = RankProc(spec, proc, log)
+            self.ranks[rank] = rp
+            self.emit("started", rank=rank, pid=proc.pid)
+            threading.Thread(target=self._wait_rank, args=(rp,), name=f"wait-{rank}", daemon=True).start()
+
+    def on_exit(self, rank: int, code: int) -> None:
+        rp = self.ranks[rank]
+        rp.exited = True
+        rp.signal_group(signal.SIGKILL)  # leave no member of its group behind
+        self.poll_heartbeats(only=rp)  # its final heartbeat (done, final loss) precedes the exit
+        if code < 0:
+            self.emit("exited", rank=rank, code=None, signal=-code)
+        else:
+            self.emit("exited", rank=rank, code=code, signal=None)
+        self.flush_logs(only=rp, wait=True)  # after the report: detection latency comes first
+
+    def flush_logs(self, only: RankProc | None = None, wait: bool = False) -> None:
+        for rp in [only] if only else list(self.ranks.values()):
+            if wait:
+                rp.pump.join(timeout=0.5)
+            lines, dropped = rp.take_lines()
+            if lines or dropped:
+                extra = {"dropped": dropped} if dropped else {}
+                self.emit("log", rank=rp.rank, lines=lines, **extra)
+
+    def poll_heartbeats(self, only: RankProc | None = None) -> None:
+        for rp in [only] if only else list(self.ranks.values()):
+            if not rp.heartbeat:
+                continue
+            try:
+                st = os.stat(rp.heartbeat)
+            except OSError:
+                continue
+            if st.st_mtime_ns == rp.hb_mtime:
+                continue
+            try:
+                with open(rp.heartbeat, "rb") as f:
+                    hb = json.loads(f.read())
+            except (OSError, ValueError):
+                continue  # half-written by a non-atomic writer; the next poll reads it
+            rp.hb_mtime = st.st_mtime_ns
+            self.emit("heartbeat", rank=rp.rank, hb=hb)
+
+    def alive(self) -> None:
+        states = {str(r): ("X" if rp.exited else proc_state(rp.proc.pid)) for r, rp in self.ranks.items()}
+        self.emit("alive", ranks=states)
+
+    def stop(self, reason: str) -> None:
+        """SIGTERM every live rank group, wait ``grace_s``, SIGKILL the rest, report, return."""
+        live = [rp for rp in self.ranks.values() if not rp.exited]
+        for rp in live:
+            rp.signal_group(signal.SIGTERM)
+        deadline = time.monotonic() + self.grace_s
+        killed = False
+        while any(not rp.exited for rp in self.ranks.values()):
+            now = time.monotonic()
+            if now >= deadline and not killed:
+                for rp in self.ranks.values():
+                    if not rp.exited:
+                        rp.signal_group(signal.SIGKILL)
+                killed = True
+                deadline = now + 5.0
+            elif now >= deadline:
+                break  # unkillable (D state); report what we know
+            try:
+                kind, payload = self.events.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            if kind == "exit":
+                self.on_exit(*payload)
+        self.flush_logs(wait=True)
+        self.emit("stopped", reason=reason)
+
+    # -- loop ----------------------------------------------------------------
+    def run(self) -> int:
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, self._on_signal)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the controller, which stops us
+        threading.Thread(target=self._read_commands, name="stdin", daemon=True).start()
+        self.emit(
+            "hello", pid=os.getpid(), python=sys.version.split()[0], host=socket.gethostname(), protocol=PROTOCOL
+        )
+        next_alive = next_hb = next_log = 0.0
+        while True:
+            now = time.monotonic()
+            if now >= next_hb:
+                self.poll_heartbeats()
+                next_hb = now + HEARTBEAT_POLL_S
+            if now >= next_log:
+                self.flush_logs()
+                next_log = now + LOG_FLUSH_S
+            if now >= next_alive:
+                self.alive()
+                next_alive = now + ALIVE_EVERY_S
+            if self.emit.broken:
+                self.stop("controller gone (stdout closed)")
+                return 0
+            try:
+                kind, payload = self.events.get(timeout=max(0.0, min(next_hb, next_log, next_alive) - time.monotonic()))
+            except queue.Empty:
+                continue
+            if kind == "exit":
+                self.on_exit(*payload)
+            elif kind == "cmd" and payload.get("cmd") == "start":
+                self.start(payload)
+            elif kind == "cmd" and payload.get("cmd") == "stop":
+                self.stop("stop requested")
+                return 0
+            elif kind == "cmd":
+                self.emit("error", message=f"unknown command {payload.get('cmd')!r}")
+            elif kind == "bad":
+                self.emit("error", message=payload)
+            elif kind == "eof":
+                self.stop("controller gone (stdin closed)")
+                return 0
+            elif kind == "signal":
+                self.stop(f"agent got signal {signal.Signals(payload).name}")
+                return 0
+
+
+def main() -> None:
+    """Entry point: serve the protocol on stdin/stdout until stopped.
+
+    Leaves with ``os._exit``: the stdin reader thread may still be blocked in a
+    read, and interpreter shutdown would abort on its buffer lock.
+    """
+    code = Agent(sys.stdin.buffer, sys.stdout.buffer).run()
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        pass
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main()

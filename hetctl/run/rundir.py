@@ -1,0 +1,158 @@
+"""The run folder, ``runs/<run-id>/``: everything one run did, readable after the fact.
+
+Layout (DESIGN §1)::
+
+    runs/<run-id>/
+      run.yaml                  RunInfo: inputs, state, attempt count, summary
+      events.jsonl              hetctl.run.events, append-only
+      attempts/<n>/plan.yaml    the plan each attempt ran (n counts from 0)
+      logs/<node>/rank-<r>.log  every rank's output, all attempts appended
+
+``run.yaml`` is rewritten atomically whenever the state changes, so ``hetctl
+resume`` can always read it, even after the controller was SIGKILLed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import time
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from hetctl.errors import ConfigError
+from hetctl.plan.schema import Plan
+from hetctl.yamlio import load_model, save_model
+
+_SAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class RunInputs(_Strict):
+    """What the run was started with; ``hetctl resume`` starts from these."""
+
+    plan_dir: str | None = None
+    inventory: str | None = None
+    steps: int
+    checkpoint_every: int
+    checkpoint_dir: str = Field(description="this run's checkpoints: <inventory checkpoint_dir>/<run-id>")
+    command: list[str] = Field(default_factory=list, description="the hetctl command line")
+
+
+class RunSummary(_Strict):
+    """The end-of-run summary (printed, and kept in ``run.yaml``)."""
+
+    run_id: str
+    run_dir: str
+    state: str
+    steps: int = Field(0, description="highest step completed")
+    first_loss: float | None = None
+    final_loss: float | None = None
+    restarts: int = 0
+    attempts: int = 0
+    tokens_per_s: float | None = None
+    reason: str | None = Field(None, description="why it failed or stopped; the root cause first")
+
+
+class RunInfo(_Strict):
+    """Top level of ``run.yaml``."""
+
+    version: int = 1
+    run_id: str
+    created: float
+    updated: float
+    state: str = "pending"
+    attempts: int = Field(0, description="attempts started so far")
+    restarts: int = 0
+    membership_changes: int = 0
+    inputs: RunInputs
+    tally: dict = Field(default_factory=dict, description="the elastic policy's counters, for resume")
+    summary: RunSummary | None = None
+
+
+def new_run_id(now: float | None = None) -> str:
+    """``YYYYmmdd-HHMMSS-xxxx``: sorts by start time, unique across concurrent launches."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now if now is not None else time.time()))
+    return f"{stamp}-{secrets.token_hex(2)}"
+
+
+def safe_name(name: str) -> str:
+    """A node name made safe as one path component."""
+    cleaned = _SAFE.sub("_", name).strip(".")
+    return cleaned or "_"
+
+
+class RunDir:
+    """Paths and atomic reads/writes of one run folder."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.run_id = self.path.name
+
+    @classmethod
+    def create(cls, root: str | Path, run_id: str | None = None) -> "RunDir":
+        """Make ``root/<run-id>/`` (refusing an existing one) with its sub-folders."""
+        rid = run_id or new_run_id()
+        path = Path(root) / rid
+        try:
+            path.mkdir(parents=True, exist_ok=False)
+        except FileExistsError:
+            raise ConfigError(f"{path}: run folder already exists", "pick another run id") from None
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot create the run folder: {e.strerror}", "check --run-dir") from None
+        (path / "attempts").mkdir()
+        (path / "logs").mkdir()
+        return cls(path)
+
+    @classmethod
+    def open(cls, path: str | Path) -> "RunDir":
+        """An existing run folder; a clear error when it is not one."""
+        rd = cls(path)
+        if not rd.run_yaml.is_file():
+            raise ConfigError(f"{rd.path}: not a run folder (no run.yaml)", "pass runs/<run-id>")
+        return rd
+
+    @property
+    def run_yaml(self) -> Path:
+        return self.path / "run.yaml"
+
+    @property
+    def events_path(self) -> Path:
+        return self.path / "events.jsonl"
+
+    def attempt_dir(self, attempt: int) -> Path:
+        return self.path / "attempts" / str(attempt)
+
+    def plan_path(self, attempt: int) -> Path:
+        return self.attempt_dir(attempt) / "plan.yaml"
+
+    def log_path(self, node: str, rank: int) -> Path:
+        return self.path / "logs" / safe_name(node) / f"rank-{rank}.log"
+
+    def save_plan(self, attempt: int, plan: Plan) -> Path:
+        return save_model(self.plan_path(attempt), plan, header=f"run {self.run_id}, attempt {attempt}")
+
+    def load_plan(self, attempt: int) -> Plan:
+        return load_model(self.plan_path(attempt), Plan, "attempt plan")
+
+    def attempts(self) -> list[int]:
+        """Attempt numbers that have a plan, ascending."""
+        base = self.path / "attempts"
+        if not base.is_dir():
+            return []
+        return sorted(int(p.name) for p in base.iterdir() if p.name.isdigit() and (p / "plan.yaml").is_file())
+
+    def save_info(self, info: RunInfo) -> Path:
+        info.updated = time.time()
+        return save_model(self.run_yaml, info, header=f"hetctl run {self.run_id}")
+
+    def load_info(self) -> RunInfo:
+        return load_model(self.run_yaml, RunInfo, "run file")
+
+    def __fspath__(self) -> str:
+        return os.fspath(self.path)
