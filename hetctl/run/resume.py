@@ -1,0 +1,189 @@
+"""``hetctl resume RUN_DIR``: continue a run whose controller stopped, was killed, or gave up.
+
+Order of business, each step refusing with one clear line:
+
+1. the run folder is one (``run.yaml``) and has at least one attempt plan;
+2. no rank of the run is still alive on any node of its last plan
+   (:func:`find_alive` scans ``/proc/*/environ`` for ``HETCTL_RUN_ID=<id>`` over the
+   node's transport — the agent's grace period normally makes this empty);
+3. the newest valid checkpoint exists and was written for the same model
+   (:func:`check_checkpoint`; invalid newer steps are reported and skipped);
+4. the inventory is probed again (nodes may have come back or been added) and a
+   fresh plan is made for the same model and global batch;
+5. the elastic loop continues into the same run folder as attempt ``n + 1``.
+
+Steps 1–3 are here; 4–5 reuse ``launch``'s supervision (:mod:`hetctl.run.supervise`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+from hetctl.errors import HetctlError
+from hetctl.run import checkpoint as ckpt
+
+
+class ResumeRefused(HetctlError):
+    """``hetctl resume`` cannot continue this run as it stands."""
+
+    exit_code = 2
+
+
+# Runs on the node with its own python (stdlib only). Lists processes whose initial
+# environment carries this run's id: every rank and anything a rank started.
+ALIVE_SCRIPT = r"""
+import json, os, sys
+want = ("HETCTL_RUN_ID=" + sys.argv[1]).encode()
+me = os.getpid()
+found = []
+if os.path.isdir("/proc"):
+    for d in os.listdir("/proc"):
+        if not d.isdigit() or int(d) == me:
+            continue
+        try:
+            with open("/proc/%s/environ" % d, "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            continue
+        if want not in env:
+            continue
+        try:
+            with open("/proc/%s/cmdline" % d, "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode("utf-8", "replace").strip()
+        except OSError:
+            cmd = ""
+        try:
+            with open("/proc/%s/stat" % d) as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            state = "?"
+        if state != "Z":
+            found.append([int(d), state, cmd[:200]])
+print(json.dumps({"proc": os.path.isdir("/proc"), "pids": found}))
+"""
+
+
+@dataclass(frozen=True)
+class AliveProc:
+    """A process of the run still running on a node."""
+
+    node: str
+    pid: int
+    state: str
+    command: str
+
+
+def alive_argv(python: str, run_id: str) -> list[str]:
+    """The command that lists a run's live processes on a node (see :data:`ALIVE_SCRIPT`)."""
+    return [python, "-c", ALIVE_SCRIPT, run_id]
+
+
+def parse_alive(node: str, stdout: str) -> list[AliveProc] | None:
+    """The processes reported by :data:`ALIVE_SCRIPT`; None when the node could not tell."""
+    for line in reversed(stdout.strip().splitlines()):
+        try:
+            data = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(data, dict) or not data.get("proc"):
+            return None
+        return [AliveProc(node, int(p), str(s), str(c)) for p, s, c in data.get("pids") or []]
+    return None
+
+
+def find_alive(transport: Any, python: str, run_id: str, timeout: float = 30.0) -> list[AliveProc] | None:
+    """Live processes of ``run_id`` on one node, through its transport; None when it cannot tell."""
+    res = transport.run(alive_argv(python, run_id), timeout=timeout, check=False)
+    return parse_alive(transport.node, res.stdout) if res.ok else None
+
+
+def check_no_rank_alive(
+    nodes: Sequence[Any],
+    run_id: str,
+    connect: Callable[[Any], Any],
+) -> list[str]:
+    """Refuse when a process of the run still runs on any of ``nodes``.
+
+    Args:
+        nodes: inventory nodes (``name``, ``python``) that ran the run's last attempt.
+        run_id: the run's id.
+        connect: node → Transport.
+
+    Returns:
+        Nodes that could not be checked (unreachable: a lost node holds no live rank
+        that could write to the checkpoint we resume from, but the caller says so).
+
+    Raises:
+        ResumeRefused: naming each node and pid still alive.
+    """
+    alive: list[AliveProc] = []
+    unchecked: list[str] = []
+    for node in nodes:
+        try:
+            t = connect(node)
+        except HetctlError:
+            unchecked.append(node.name)
+            continue
+        try:
+            found = find_alive(t, node.python, run_id)
+        except HetctlError:
+            found = None
+        finally:
+            t.close()
+        if found is None:
+            unchecked.append(node.name)
+        else:
+            alive.extend(found)
+    if alive:
+        listing = "; ".join(f"{p.node} pid {p.pid} ({p.command.split(' ')[0] or '?'})" for p in alive[:6])
+        more = f" and {len(alive) - 6} more" if len(alive) > 6 else ""
+        raise ResumeRefused(
+            f"run {run_id} still has {len(alive)} live process{'es' if len(alive) != 1 else ''}: {listing}{more}",
+            "another controller may be running it; stop it (Ctrl-C), or kill those pids, then resume",
+        )
+    return unchecked
+
+
+@dataclass
+class CheckpointChoice:
+    """The checkpoint resume starts from, and the newer steps skipped on the way."""
+
+    step: int
+    path: Path
+    skipped: list[ckpt.StepStatus] = field(default_factory=list)
+
+
+def check_checkpoint(ckpt_dir: str | Path, model: Mapping[str, Any]) -> CheckpointChoice:
+    """The newest valid checkpoint of the run for this model.
+
+    Args:
+        ckpt_dir: the run's checkpoint folder (``<checkpoint_dir>/<run-id>``).
+        model: the model spec as a dict (``Plan.model.model_dump()``).
+
+    Raises:
+        ResumeRefused: no valid checkpoint at all, or the valid ones were written for a
+            different model (the digest differs).
+    """
+    digest = ckpt.model_digest(model)
+    skipped: list[ckpt.StepStatus] = []
+    found = ckpt.latest_valid(ckpt_dir, digest, on_skip=skipped.append)
+    if found is not None:
+        return CheckpointChoice(found[0], found[1], skipped)
+    other = ckpt.latest_valid(ckpt_dir, None)
+    if other is not None:
+        theirs = ckpt.read_manifest(other[1]).get("model_digest")
+        raise ResumeRefused(
+            f"{other[1]}: checkpoint was written for another model (digest {theirs}, this run's model "
+            f"{model.get('name', '?')} is {digest})",
+            "resume with the plan's original model, or start a new run with `hetctl launch`",
+        )
+    if not ckpt.steps(ckpt_dir):
+        raise ResumeRefused(
+            f"{ckpt_dir}: no checkpoint to resume from",
+            "the run stopped before its first checkpoint; start it again with `hetctl launch`",
+        )
+    why = "; ".join(f"step-{s.step}: {s.problems[0]}" for s in skipped[:3])
+    raise ResumeRefused(f"{ckpt_dir}: no valid checkpoint ({why})", "start the run again with `hetctl launch`")
