@@ -1,0 +1,170 @@
+"""Huawei Ascend ``npu-smi``: ``info`` (the table), ``info -m`` (chip map), ``info -t …`` (detail).
+
+The ``info`` table has three layouts (vendors.md):
+
+* 910A / 310 (older npu-smi): second row ``Chip  Device`` — the Device column is
+  the logical device id; memory is the ``Memory-Usage(MB)`` pair;
+* 910B (A2): second row ``Chip`` only and an ``HBM-Usage(MB)`` column; the
+  ``Memory-Usage`` pair is host DDR (``0 / 0`` or ~15 GB), the HBM pair is the
+  device memory;
+* A3 / 910C: second row ``Chip  Phy-ID``; two chips per NPU id, each with its
+  own Bus-Id and HBM. A 310P3 Duo also shows two chips per NPU id, with the
+  same Bus-Id.
+
+Each chip row pair becomes one :class:`ParsedChip` whose ``package`` is the NPU
+id, so that chips of one card can be told apart from separate cards.
+``info -m`` maps (NPU ID, Chip ID) to the logical id and the long chip name
+(``Ascend 910A``); :func:`merge` combines the two.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from hetctl.probe.parsers._common import (
+    MEM_PAIR_RE,
+    ParsedChip,
+    boxed_rows,
+    first_int,
+    is_masked,
+    normalize_bdf,
+    split_columns,
+)
+
+
+def parse_info(text: str) -> list[ParsedChip]:
+    """Parse ``npu-smi info``; chips are numbered by logical id where the table shows one.
+
+    Without a Device column the position in the table is used, which is the
+    order of logical ids on the layouts seen so far.
+    """
+    rows = boxed_rows(text)
+    has_hbm = any("HBM-Usage" in " ".join(r) for r in rows)
+    has_device_col = any(r[0].split()[:2] == ["Chip", "Device"] for r in rows if r and r[0])
+    chips: list[ParsedChip] = []
+    for i in range(len(rows) - 1):
+        top, bottom = rows[i], rows[i + 1]
+        if len(top) < 3 or len(bottom) < 3:
+            continue
+        head = top[0].split(None, 1)
+        bus = normalize_bdf(bottom[1])
+        if len(head) != 2 or not head[0].isdigit() or bus is None or not top[1].isalpha():
+            continue
+        ids = bottom[0].split()
+        if not ids or not ids[0].isdigit():
+            continue
+        pairs = [(int(a), int(b)) for a, b in MEM_PAIR_RE.findall(bottom[2])]
+        mem = None
+        if pairs:
+            mem = pairs[-1][1] if has_hbm and len(pairs) >= 2 else pairs[0][1]
+        second = int(ids[1]) if len(ids) > 1 and ids[1].isdigit() else None
+        chips.append(ParsedChip(
+            index=second if (has_device_col and second is not None) else len(chips),
+            vendor="ascend",
+            model=head[1].strip(),
+            memory_mib=mem,
+            bus_id=bus,
+            package=head[0],
+            chip_in_package=int(ids[0]),
+        ))
+    return chips
+
+
+def parse_map(text: str) -> list[ParsedChip]:
+    """Parse ``npu-smi info -m``: one chip per row with a numeric Chip Logic ID (``Mcu`` rows skipped).
+
+    Columns are found from the header (``NPU ID  Chip ID  Chip Logic ID  Chip
+    Name``; newer versions add ``Slot ID`` / ``Chip Phy-ID``), since chip names
+    contain single spaces.
+    """
+    header: list[str] | None = None
+    chips = []
+    for line in text.splitlines():
+        cols = split_columns(line)
+        if not cols:
+            continue
+        if "NPU ID" in cols and "Chip Name" in cols:
+            header = cols
+            continue
+        if header is None or len(cols) != len(header):
+            continue
+        rec = dict(zip(header, cols))
+        logic = rec.get("Chip Logic ID", "")
+        if not logic.isdigit() or not rec.get("NPU ID", "").isdigit():
+            continue
+        chips.append(ParsedChip(
+            index=int(logic),
+            vendor="ascend",
+            model=rec.get("Chip Name", "unknown"),
+            package=rec["NPU ID"],
+            chip_in_package=first_int(rec.get("Chip ID")),
+        ))
+    return chips
+
+
+def parse_detail(text: str) -> list[ParsedChip]:
+    """Parse ``npu-smi info -t board|common|usages -i N [-c C]`` (``Key : value`` blocks).
+
+    A block is a run of non-blank lines; ``NPU ID`` sets the package for the
+    blocks after it, a block with ``Chip ID`` is a chip (``mcu`` blocks are
+    skipped). Memory is ``HBM Capacity(MB)``, else ``DDR Capacity(MB)``.
+    """
+    chips: list[ParsedChip] = []
+    npu: str | None = None
+    block: dict[str, str] = {}
+
+    def flush() -> None:
+        nonlocal npu
+        if "NPU ID" in block:
+            npu = block["NPU ID"]
+        if "Chip ID" in block and block.get("Chip Name", "").lower() != "mcu":
+            mem = first_int(block.get("HBM Capacity(MB)")) or first_int(block.get("DDR Capacity(MB)"))
+            chips.append(ParsedChip(
+                index=len(chips),
+                vendor="ascend",
+                model=block.get("Chip Name", "unknown"),
+                memory_mib=mem,
+                bus_id=normalize_bdf(block.get("PCIe Bus Info")),
+                package=npu,
+                chip_in_package=first_int(block["Chip ID"]),
+            ))
+        block.clear()
+
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if not line.strip() or line.lstrip().startswith("#"):
+            flush()
+        elif sep:
+            block[key.strip()] = value.strip()
+    flush()
+    return chips
+
+
+def _prefer_name(long: str | None, short: str, resolves) -> str:  # noqa: ANN001 - callable
+    """Pick between the ``-m`` name and the table name: non-masked, then known to the spec table."""
+    cands = [n for n in (long, short) if n and n != "unknown" and not is_masked(n)]
+    for n in cands:
+        if resolves(n):
+            return n
+    return cands[0] if cands else short
+
+
+def merge(info: list[ParsedChip], mapping: list[ParsedChip], resolves=lambda name: False) -> list[ParsedChip]:  # noqa: ANN001
+    """Give ``info`` chips the logical id and (where better) the long name from ``-m``.
+
+    Args:
+        info: chips from :func:`parse_info`.
+        mapping: chips from :func:`parse_map`.
+        resolves: predicate telling whether a name is known to the spec table;
+            a name that resolves wins over one that does not (``310`` over
+            ``MiniD``), otherwise the long ``-m`` name wins.
+    """
+    by_key = {(c.package, c.chip_in_package): c for c in mapping}
+    out = []
+    for c in info:
+        m = by_key.get((c.package, c.chip_in_package))
+        if m is None:
+            out.append(c)
+            continue
+        out.append(replace(c, index=m.index, model=_prefer_name(m.model, c.model, resolves)))
+    return out

@@ -1,0 +1,198 @@
+"""The chip spec table (``hetctl/data/chips.yaml``): product name → memory and peak TFLOPS.
+
+The planner needs a peak per chip before anything has been measured. The table
+maps the names vendor tools print (after normalising case and punctuation) and
+PCI device ids to a row of published or estimated figures, with the
+confidence and source of each. Figures are per device *as the tool lists it*:
+rows given per package (MI250X's two GCDs, an A3's two chips, an MLU370-X8's
+two chips) are divided by ``devices_per_package`` on load. Unknown values stay
+``None``; hetctl reports them as unknown rather than guessing.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+from importlib import resources
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from hetctl.errors import ConfigError
+from hetctl.probe.facts import VENDORS, Tflops, Vendor
+from hetctl.probe.parsers._common import hex_id, is_masked
+
+SPEC_RESOURCE = "data/chips.yaml"
+
+
+class _RowModel(BaseModel):
+    """One row of chips.yaml as written (validated on load)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    vendor: Vendor
+    model: str
+    patterns: list[str] = Field(min_length=1)
+    device_ids: list[str] = Field(default_factory=list)
+    memory_gb: float | None = None
+    reported_mib: int | None = None
+    tflops: Tflops
+    per: Literal["device", "package"] = "device"
+    devices_per_package: int = Field(default=1, ge=1)
+    partitionable: bool = False
+    confidence: Literal["A", "B", "C", "?"]
+    source: str
+    note: str | None = None
+
+    @field_validator("patterns")
+    @classmethod
+    def _compiles(cls, v: list[str]) -> list[str]:
+        for p in v:
+            try:
+                re.compile(p)
+            except re.error as e:
+                raise ValueError(f"pattern {p!r} is not a valid regex: {e}") from None
+        return v
+
+
+class _SpecFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    rows: list[_RowModel]
+
+
+@dataclass(frozen=True)
+class SpecRow:
+    """A resolved spec row, figures per device as the tool lists it.
+
+    Attributes:
+        vendor: hetctl vendor.
+        model: canonical product name.
+        memory_gb: marketing memory per device, ``None`` if unknown.
+        reported_mib: what the tool prints as total memory, ``None`` if not captured.
+        tflops: dense peak per device (package figures already divided).
+        package_tflops: the figures as the source gives them (per package or device).
+        devices_per_package: how many listed devices one package shows up as.
+        partitionable: partition modes split one device into several logical GPUs.
+        confidence: ``A``/``B``/``C``/``?`` as in reference/chips.md.
+        source: where the figures come from.
+        patterns: the name regexes (normalised names).
+        device_ids: PCI device ids that identify the product.
+    """
+
+    vendor: str
+    model: str
+    memory_gb: float | None
+    reported_mib: int | None
+    tflops: Tflops
+    package_tflops: Tflops
+    devices_per_package: int
+    partitionable: bool
+    confidence: str
+    source: str
+    patterns: tuple[re.Pattern[str], ...]
+    device_ids: tuple[str, ...]
+
+    def memory_fallback_gb(self) -> float | None:
+        """Memory to assume when the tool printed none: the reported total if known, else marketing."""
+        if self.reported_mib is not None:
+            return round(self.reported_mib / 1024, 2)
+        return self.memory_gb
+
+    def divided(self, parts: int) -> Tflops:
+        """Per-device figures when the device is further split into ``parts`` logical GPUs."""
+        return _div(self.tflops, parts)
+
+
+def _div(t: Tflops, n: int) -> Tflops:
+    if n <= 1:
+        return t.model_copy()
+    return Tflops(**{k: (None if v is None else round(v / n, 3)) for k, v in t.model_dump().items()})
+
+
+def normalize_name(name: str) -> str:
+    """Lower case, ``_ - /`` → space, spaces collapsed: ``NVIDIA A100-SXM4-80GB`` → ``nvidia a100 sxm4 80gb``."""
+    return re.sub(r"\s+", " ", re.sub(r"[_\-/]+", " ", name.lower())).strip()
+
+
+def _row(m: _RowModel) -> SpecRow:
+    n = m.devices_per_package if m.per == "package" else 1
+    return SpecRow(
+        vendor=m.vendor,
+        model=m.model,
+        memory_gb=m.memory_gb,
+        reported_mib=m.reported_mib,
+        tflops=_div(m.tflops, n),
+        package_tflops=m.tflops,
+        devices_per_package=m.devices_per_package,
+        partitionable=m.partitionable,
+        confidence=m.confidence,
+        source=m.source,
+        patterns=tuple(re.compile(p, re.I) for p in m.patterns),
+        device_ids=tuple(hex_id(d) or d.lower() for d in m.device_ids),
+    )
+
+
+def parse_table(text: str, where: str = SPEC_RESOURCE) -> tuple[SpecRow, ...]:
+    """Validate spec-table YAML text and resolve its rows.
+
+    Raises:
+        ConfigError: naming ``where``, the row and the key that is wrong.
+    """
+    from hetctl.yamlio import validation_error
+
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{where}: not valid YAML: {e}") from None
+    try:
+        spec = _SpecFile.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(where, e, root) from None
+    return tuple(_row(r) for r in spec.rows)
+
+
+@functools.lru_cache(maxsize=1)
+def table() -> tuple[SpecRow, ...]:
+    """All rows of the packaged ``chips.yaml`` (read once)."""
+    text = resources.files("hetctl").joinpath(SPEC_RESOURCE).read_text(encoding="utf-8")
+    return parse_table(text)
+
+
+def lookup(
+    vendor: str, model: str, memory_gb: float | None = None, device_id: str | None = None,
+) -> SpecRow | None:
+    """The spec row for a chip, or ``None`` when the table does not know it.
+
+    Identification order: PCI device id (when given and listed), then the
+    name. A masked documentation name (``Ascend xxx``, ``K1xx_AI``) matches
+    nothing by name. When several rows match a name, the one whose memory is
+    closest to ``memory_gb`` wins, then the first in the file. Memory alone
+    never identifies a chip (an MTT S4000 reports 32 GB with the IOMMU off).
+
+    Args:
+        vendor: hetctl vendor (``nvidia``, ``ascend``…); ``cpu`` always gets the CPU row.
+        model: the name a tool printed.
+        memory_gb: the memory the tool printed, for tie-breaks.
+        device_id: PCI device id (``0x2330``), when known.
+    """
+    vendor = vendor.lower()
+    if vendor not in VENDORS:
+        return None
+    rows = [r for r in table() if r.vendor == vendor]
+    if vendor == "cpu":
+        return rows[0] if rows else None
+    dev = hex_id(device_id) if device_id else None
+    if dev:
+        by_id = [r for r in rows if dev in r.device_ids]
+        if len(by_id) == 1:
+            return by_id[0]
+    if not model or model == "unknown" or is_masked(model):
+        return None
+    norm = normalize_name(model)
+    hits = [r for r in rows if any(p.search(norm) for p in r.patterns)]
+    if len(hits) > 1 and memory_gb is not None:
+        return min(hits, key=lambda r: abs((r.memory_fallback_gb() or 0) - memory_gb))
+    return hits[0] if hits else None
