@@ -1,0 +1,39 @@
+"""Everything that touches the network: transports and the fan-out over nodes.
+
+``connect(node, ssh)`` picks the transport the inventory names; ``TRANSPORTS`` is
+the whole registry (name → class), with no plugin machinery.
+"""
+
+from __future__ import annotations
+
+from hetctl.remote.base import Process, Result, Transport
+from hetctl.remote.fanout import GroupFailed, GroupResult, fanout
+from hetctl.remote.local import LocalTransport
+from hetctl.remote.ssh import SshTransport
+
+TRANSPORTS: dict[str, type] = {"ssh": SshTransport, "local": LocalTransport}
+
+
+def connect(node, ssh=None) -> Transport:  # noqa: ANN001 - hetctl.inventory.Node / SshSettings
+    """Open the transport for ``node`` (ssh connects now and raises on failure).
+
+    Args:
+        node: a resolved :class:`hetctl.inventory.Node`.
+        ssh: the inventory's :class:`hetctl.inventory.SshSettings` (defaults when None).
+
+    Raises:
+        Unreachable, AuthFailed, HostKeyMismatch: for ssh nodes that cannot be reached.
+    """
+    if node.transport == "local":
+        return LocalTransport(node)
+    if ssh is None:
+        from hetctl.inventory import SshSettings
+
+        ssh = SshSettings()
+    return TRANSPORTS[node.transport](node, ssh)
+
+
+__all__ = [
+    "TRANSPORTS", "connect", "fanout", "GroupResult", "GroupFailed",
+    "LocalTransport", "SshTransport", "Transport", "Process", "Result",
+]

@@ -1,0 +1,335 @@
+"""The inventory file (``-i inventory.yaml``): which nodes exist and how to reach them.
+
+Two layers of models: the *file* models (:class:`InventoryFile`, :class:`NodeEntry`)
+mirror what the user writes; :func:`load_inventory` turns them into the resolved
+:class:`Inventory`, whose :class:`Node` list is expanded and complete, so that no
+other module has to know about ranges, defaults or ``~/.ssh/config``.
+
+Resolution rules (the README repeats them):
+
+* ``host`` accepts hostlist ranges (``gpu-[01-16]``, ``10.0.0.[1-4],login``), expanded
+  with ``python-hostlist``. ``name`` (default: the host) expands the same way and is
+  zipped with the hosts in order, so ``name: node-[1-4]`` with ``host: 10.0.0.[11-14]``
+  gives ``node-1 → 10.0.0.11`` … A range in ``host`` needs a range of the same length
+  in ``name`` when ``name`` is set. Names must be unique across the file.
+* Every node key except ``host`` and ``name`` may also be set under ``defaults:``; a
+  node's own value wins. ``env`` and ``labels`` are merged key by key.
+* For ``transport: ssh`` nodes, a value written in the inventory (on the node or in
+  ``defaults``) wins over ``~/.ssh/config`` (``HostName``, ``User``, ``Port``,
+  ``IdentityFile``, ``ProxyJump``), which wins over the built-ins (the local login
+  name, port 22, the agent and default keys).
+* Local paths (``identity_file``, ``ssh.config``, ``ssh.known_hosts``) expand ``~``
+  on this machine; relative ones are relative to the inventory file's folder.
+* ``workdir`` (default ``~/.hetctl``) is a path *on the node*: for ssh nodes ``~`` is
+  kept and expanded by the node's shell (``$HOME``), and a relative path means
+  ``~/<path>``; for local nodes ``~`` expands here and a relative path is relative to
+  the inventory file's folder, so ``inventories/local.yaml`` works from any cwd.
+* ``checkpoint_dir`` must be absolute (or start with ``~``) unless every node is local,
+  in which case a relative path is relative to the inventory file's folder.
+"""
+
+from __future__ import annotations
+
+import getpass
+import os
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, ValidationError, model_validator
+
+from hetctl.errors import ConfigError
+from hetctl.yamlio import _line_of, format_loc, read_yaml, validation_error
+
+DEFAULT_WORKDIR = "~/.hetctl"
+DEFAULT_SSH_CONFIG = "~/.ssh/config"
+DEFAULT_KNOWN_HOSTS = "~/.ssh/known_hosts"
+_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._:-]*$")
+
+
+def _scalar_to_str(value: Any) -> Any:
+    """Accept numbers where a string is expected (``OMP_NUM_THREADS: 4``); refuse booleans."""
+    if isinstance(value, bool):
+        raise ValueError("booleans are ambiguous here; write a quoted string such as '1' or 'true'")
+    if isinstance(value, (int, float)):
+        return str(value)
+    return value
+
+
+Scalar = Annotated[str, BeforeValidator(_scalar_to_str)]
+EnvName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
+TransportName = Literal["ssh", "local"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SshSettings(_Strict):
+    """The ``ssh:`` block. After loading, paths are absolute (or ``None``)."""
+
+    config: str | None = Field(
+        default=DEFAULT_SSH_CONFIG, description="OpenSSH client config to honour; null to ignore"
+    )
+    known_hosts: str = Field(default=DEFAULT_KNOWN_HOSTS, description="host keys to verify against")
+    host_key_policy: Literal["strict", "accept-new"] = Field(
+        default="strict", description="strict refuses unknown keys; accept-new records them. Changed keys are always refused."
+    )
+    connect_timeout: float = Field(default=10.0, gt=0, description="seconds for TCP connect, banner and auth")
+    keepalive: float = Field(default=5.0, ge=0, description="seconds between SSH keepalives; 0 turns them off")
+    fanout: int = Field(default=64, ge=1, description="how many nodes are contacted at once")
+
+
+class NodeDefaults(_Strict):
+    """Keys allowed under ``defaults:`` and on every node (where the node's value wins)."""
+
+    user: str | None = None
+    port: int | None = Field(default=None, ge=1, le=65535)
+    identity_file: str | None = None
+    proxy_jump: str | None = Field(default=None, description="like ssh -J; 'none' disables the ssh config's ProxyJump")
+    python: str | None = None
+    workdir: str | None = None
+    env: dict[EnvName, Scalar] | None = None
+    labels: dict[str, Scalar] | None = None
+    transport: TransportName | None = None
+    tflops: float | None = Field(default=None, gt=0, description="per-chip TFLOPS; wins over spec and measurement")
+
+
+class NodeEntry(NodeDefaults):
+    """One item of ``nodes:`` as written; ``host`` and ``name`` may hold ranges."""
+
+    host: str = Field(min_length=1)
+    name: str | None = None
+
+
+class InventoryFile(_Strict):
+    """The inventory file as written."""
+
+    defaults: NodeDefaults = Field(default_factory=NodeDefaults)
+    ssh: SshSettings = Field(default_factory=SshSettings)
+    checkpoint_dir: str | None = None
+    nodes: list[NodeEntry] = Field(min_length=1)
+
+
+class Node(_Strict):
+    """One node, fully resolved: what a transport needs and what the planner labels.
+
+    ``host`` is the name as written in the inventory (after range expansion);
+    ``hostname`` is the address actually dialled (``HostName`` from the ssh config,
+    else ``host``).
+    """
+
+    name: str
+    host: str
+    hostname: str = ""
+    user: str = Field(default_factory=getpass.getuser)
+    port: int = Field(default=22, ge=1, le=65535)
+    identity_file: str | None = None
+    proxy_jump: str | None = None
+    python: str = "python3"
+    workdir: str = DEFAULT_WORKDIR
+    env: dict[str, str] = Field(default_factory=dict)
+    labels: dict[str, str] = Field(default_factory=dict)
+    transport: TransportName = "ssh"
+    tflops: float | None = None
+
+    @model_validator(mode="after")
+    def _fill_hostname(self) -> Node:
+        if not self.hostname:
+            self.hostname = self.host
+        return self
+
+
+class Inventory(_Strict):
+    """The resolved inventory: every node expanded and complete."""
+
+    source: Path | None = None
+    defaults: NodeDefaults = Field(default_factory=NodeDefaults)
+    ssh: SshSettings = Field(default_factory=SshSettings)
+    checkpoint_dir: str | None = None
+    nodes: list[Node] = Field(default_factory=list)
+
+    @property
+    def names(self) -> list[str]:
+        """Node names in file order."""
+        return [n.name for n in self.nodes]
+
+    def node(self, name: str) -> Node:
+        """The node called ``name``; a ConfigError naming it (and the file) otherwise."""
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        where = f"{self.source}: " if self.source else ""
+        known = ", ".join(self.names) or "none"
+        raise ConfigError(f"{where}no node named {name!r}", f"known nodes: {known}")
+
+
+# --- loading ---------------------------------------------------------------------
+
+
+class _LocatedError(Exception):
+    """A resolution problem with its key path, turned into a ConfigError by the loader."""
+
+    def __init__(self, loc: tuple[Any, ...], msg: str, hint: str | None = None) -> None:
+        super().__init__(msg)
+        self.loc, self.msg, self.hint = loc, msg, hint
+
+
+def _local_path(value: str, base: Path) -> str:
+    """Expand ``~`` here and anchor relative paths at the inventory's folder."""
+    p = Path(os.path.expanduser(value))
+    return str(p if p.is_absolute() else (base / p).resolve())
+
+
+def _node_workdir(value: str, transport: str, base: Path, loc: tuple[Any, ...]) -> str:
+    if value.startswith("~") and not (value == "~" or value.startswith("~/")):
+        raise _LocatedError(loc, f"'{value}': only '~' and '~/…' are understood", "write an absolute path")
+    if transport == "local":
+        return _local_path(value, base)
+    if value.startswith("~") or value.startswith("/"):
+        return value
+    return "~/" + value
+
+
+def _expand(pattern: str, loc: tuple[Any, ...]) -> list[str]:
+    import hostlist
+
+    try:
+        out = hostlist.expand_hostlist(pattern)
+    except hostlist.BadHostlist as e:
+        raise _LocatedError(loc, f"bad host range {pattern!r}: {e}", "write ranges like gpu-[01-16] or 10.0.0.[1-4]") from None
+    if not out:
+        raise _LocatedError(loc, f"{pattern!r} names no host")
+    return out
+
+
+def parse_ssh_config(config_path: str | None) -> Any:
+    """A ``paramiko.SSHConfig`` for ``config_path`` (``None`` without a config).
+
+    Raises:
+        ConfigError: the file cannot be read or parsed.
+    """
+    if not config_path:
+        return None
+    import paramiko
+
+    try:
+        return paramiko.SSHConfig.from_path(config_path)
+    except (OSError, paramiko.ssh_exception.ConfigParseError) as e:
+        raise ConfigError(f"{config_path}: cannot use this ssh config: {e}", "fix the file or set ssh.config: null") from None
+
+
+def ssh_config_lookup(config: Any, host: str) -> dict[str, Any]:
+    """What a parsed ssh config says about ``host`` (paramiko's lookup; ``{}`` without one)."""
+    return config.lookup(host) if config is not None else {}
+
+
+def _resolve_ssh(entry: dict[str, Any], host: str, config: Any) -> dict[str, Any]:
+    """Fill ssh coordinates: inventory value, else ssh config, else built-in default."""
+    cfg = ssh_config_lookup(config, host)
+    identity = entry.get("identity_file")
+    if identity is None:
+        identity = next((f for f in cfg.get("identityfile", []) if os.path.exists(f)), None)
+    jump = entry.get("proxy_jump") or cfg.get("proxyjump")
+    return {
+        "hostname": cfg.get("hostname", host),
+        "user": entry.get("user") or cfg.get("user") or getpass.getuser(),
+        "port": entry.get("port") or int(cfg.get("port", 22)),
+        "identity_file": identity,
+        "proxy_jump": None if (jump or "").lower() in ("", "none") else jump,
+    }
+
+
+def _resolve_nodes(f: InventoryFile, base: Path, ssh_config: Any) -> list[Node]:
+    defaults = f.defaults.model_dump(exclude_none=True)
+    nodes: list[Node] = []
+    first_seen: dict[str, tuple[Any, ...]] = {}
+    for i, entry in enumerate(f.nodes):
+        own = entry.model_dump(exclude_none=True, exclude={"host", "name"})
+        merged = {**defaults, **own}
+        for key in ("env", "labels"):
+            merged[key] = {**defaults.get(key, {}), **own.get(key, {})}
+        transport = merged.pop("transport", "ssh")
+        hosts = _expand(entry.host, ("nodes", i, "host"))
+        if entry.name is None:
+            names = hosts
+        else:
+            names = _expand(entry.name, ("nodes", i, "name"))
+            if len(names) != len(hosts):
+                raise _LocatedError(
+                    ("nodes", i, "name"),
+                    f"{entry.name!r} gives {len(names)} name(s) for {len(hosts)} host(s) in {entry.host!r}",
+                    "give name a range of the same length, e.g. name: node-[1-4]",
+                )
+        name_loc = ("nodes", i, "name" if entry.name is not None else "host")
+        if "identity_file" in merged:
+            merged["identity_file"] = _local_path(merged["identity_file"], base)
+        workdir = _node_workdir(merged.pop("workdir", DEFAULT_WORKDIR), transport, base, ("nodes", i, "workdir"))
+        for name, host in zip(names, hosts):
+            if not _NAME_RE.match(name):
+                raise _LocatedError(name_loc, f"node name {name!r} may hold only letters, digits, '.', '_', ':' and '-'")
+            if name in first_seen:
+                raise _LocatedError(
+                    name_loc,
+                    f"duplicate node {name!r} (also at {format_loc(first_seen[name])})",
+                    "each node may appear once; check overlapping ranges",
+                )
+            first_seen[name] = name_loc
+            fields = dict(merged)
+            if transport == "ssh":
+                fields.update(_resolve_ssh(merged, host, ssh_config))
+            else:
+                # A local node runs as whoever runs hetctl; ssh coordinates do not apply.
+                fields.update(hostname=host, user=getpass.getuser(), port=22, identity_file=None, proxy_jump=None)
+            nodes.append(Node(name=name, host=host, transport=transport, workdir=workdir, **fields))
+    return nodes
+
+
+def _resolve(f: InventoryFile, base: Path, source: Path) -> Inventory:
+    ssh = f.ssh.model_copy()
+    if ssh.config is not None and ssh.config.lower() != "none":
+        path = _local_path(ssh.config, base)
+        if not os.path.exists(path):
+            if os.path.expanduser(ssh.config) != os.path.expanduser(DEFAULT_SSH_CONFIG):
+                raise _LocatedError(("ssh", "config"), f"ssh config {path} does not exist", "fix the path or set it to null")
+            path = None
+        ssh.config = path
+    else:
+        ssh.config = None
+    ssh.known_hosts = _local_path(ssh.known_hosts, base)
+    nodes = _resolve_nodes(f, base, parse_ssh_config(ssh.config))
+    ckpt = f.checkpoint_dir
+    if ckpt is not None and not (ckpt.startswith("/") or ckpt.startswith("~")):
+        if any(n.transport != "local" for n in nodes):
+            raise _LocatedError(
+                ("checkpoint_dir",),
+                f"{ckpt!r} is relative, but every node must see the same directory",
+                "use an absolute path on shared storage",
+            )
+        ckpt = _local_path(ckpt, base)
+    elif ckpt is not None and all(n.transport == "local" for n in nodes):
+        ckpt = _local_path(ckpt, base)
+    return Inventory(source=source, defaults=f.defaults, ssh=ssh, checkpoint_dir=ckpt, nodes=nodes)
+
+
+def load_inventory(path: str | Path) -> Inventory:
+    """Read, validate and resolve an inventory file.
+
+    Raises:
+        ConfigError: one line naming ``file:line: key.path`` and the problem, for
+            unknown keys, bad types, bad ranges, duplicate nodes or missing files.
+    """
+    p = Path(path)
+    data, root = read_yaml(p, "inventory")
+    if data is None:
+        raise ConfigError(f"{p}: inventory is empty", "list at least one node under nodes:")
+    try:
+        raw = InventoryFile.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(p, e, root) from None
+    try:
+        return _resolve(raw, p.resolve().parent, p)
+    except _LocatedError as e:
+        line = _line_of(root, e.loc)
+        where = f"{p}:{line}" if line else str(p)
+        raise ConfigError(f"{where}: {format_loc(e.loc)}: {e.msg}", e.hint) from None

@@ -1,0 +1,186 @@
+"""The ``local`` transport: commands as subprocesses of this machine.
+
+Both transports run the same POSIX command line, built by :func:`shell_command`
+(``cd <dir> && exec env -- K=V … argv``), so quoting, ``~`` handling, working
+directories and exit codes (127 for a missing program, non-zero for a
+missing directory) behave identically whether a node is this machine or one behind SSH,
+and the local tests exercise the same quoting the remote path relies on.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import IO, Mapping, Sequence
+
+from hetctl.errors import CommandFailed, RemoteError
+from hetctl.remote.base import Result
+
+TIMEOUT_EXIT = 124  # like coreutils timeout(1): the command was stopped by hetctl
+
+
+def quote_path(path: str) -> str:
+    """Quote ``path`` for a POSIX shell, letting a leading ``~`` mean the node's ``$HOME``.
+
+    ``~/a b`` becomes ``"$HOME"/'a b'``: the home directory comes from the shell on the
+    node, and nothing the user wrote is ever pasted unquoted.
+    """
+    if path == "~":
+        return '"$HOME"'
+    if path.startswith("~/"):
+        return '"$HOME"/' + shlex.quote(path[2:])
+    return shlex.quote(path)
+
+
+def shell_command(argv: Sequence[str], env: Mapping[str, str] | None = None, cwd: str | None = None) -> str:
+    """The one shell line that runs ``argv`` with ``env`` in ``cwd`` on any node.
+
+    Every value is quoted; ``exec`` replaces the shell so the command's own pid
+    receives signals and its exit code is returned unchanged. ``argv[0]`` and
+    ``cwd`` may start with ``~/`` (the node's home); other arguments are literal.
+    """
+    if not argv:
+        raise ValueError("empty argv")
+    parts: list[str] = []
+    if cwd:
+        parts += ["cd", quote_path(cwd), "&&"]
+    parts.append("exec")
+    if env:
+        parts += ["env", "--"] + [shlex.quote(f"{k}={v}") for k, v in env.items()]
+    parts.append(quote_path(argv[0]) if argv[0].startswith("~/") else shlex.quote(argv[0]))
+    parts += [shlex.quote(a) for a in argv[1:]]
+    return " ".join(parts)
+
+
+def _text(data: bytes | None) -> str:
+    return (data or b"").decode("utf-8", errors="replace")
+
+
+def finish(result: Result, check: bool, timeout: float | None) -> Result:
+    """Apply ``check``: raise CommandFailed for a non-zero exit, with a hint on timeouts."""
+    if check and not result.ok:
+        hint = f"it ran longer than {timeout:g} s; raise the timeout" if result.exit_code == TIMEOUT_EXIT and timeout else None
+        raise CommandFailed(result, hint)
+    return result
+
+
+class LocalProcess:
+    """A started local command; a thin shell over :class:`subprocess.Popen`."""
+
+    def __init__(self, popen: subprocess.Popen) -> None:
+        self._popen = popen
+        self.pid = popen.pid
+        self.stdin: IO[bytes] = popen.stdin  # type: ignore[assignment]
+        self.stdout: IO[bytes] = popen.stdout  # type: ignore[assignment]
+        self.stderr: IO[bytes] = popen.stderr  # type: ignore[assignment]
+
+    def poll(self) -> int | None:
+        return self._popen.poll()
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Exit code; raises :class:`subprocess.TimeoutExpired` when still running."""
+        return self._popen.wait(timeout)
+
+    def close_stdin(self) -> None:
+        try:
+            self.stdin.close()
+        except OSError:
+            pass
+
+    def kill(self) -> None:
+        """SIGKILL the command's whole process group (it was started in its own session)."""
+        try:
+            os.killpg(self._popen.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self._popen.wait()
+        self.close_stdin()
+
+
+class LocalTransport:
+    """Runs a node's commands on this machine with ``/bin/sh``.
+
+    The environment is this process's, then the node's ``env`` from the inventory,
+    then the ``env`` of the call. Every command starts in its own session, so a
+    timeout or :meth:`LocalProcess.kill` reaches everything it spawned in its group.
+    """
+
+    def __init__(self, node) -> None:  # noqa: ANN001 - hetctl.inventory.Node
+        self.spec = node
+        self.node: str = node.name
+
+    def _argv(self, argv: Sequence[str], env: Mapping[str, str] | None, cwd: str | None) -> list[str]:
+        merged = {**self.spec.env, **(env or {})}
+        return ["/bin/sh", "-c", shell_command(argv, merged, cwd)]
+
+    def run(
+        self,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        input: bytes | None = None,
+        timeout: float | None = None,
+        check: bool = True,
+    ) -> Result:
+        """Run ``argv`` to completion; exit 124 (and the group killed) after ``timeout`` s."""
+        t0 = time.monotonic()
+        popen = subprocess.Popen(
+            self._argv(argv, env, cwd),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+        try:
+            out, err = popen.communicate(input or b"", timeout=timeout)
+            code = popen.returncode
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(popen.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            out, err = popen.communicate()
+            err += f"\nhetctl: timed out after {timeout:g} s".encode()
+            code = TIMEOUT_EXIT
+        res = Result(self.node, shlex.join(argv), code, _text(out), _text(err), time.monotonic() - t0)
+        return finish(res, check, timeout)
+
+    def start(
+        self,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+    ) -> LocalProcess:
+        """Start ``argv`` with piped stdin/stdout/stderr; read both outputs or it may block."""
+        popen = subprocess.Popen(
+            self._argv(argv, env, cwd),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+        return LocalProcess(popen)
+
+    def put(self, data: bytes | Path, remote_path: str, mode: int = 0o644) -> None:
+        """Write ``data`` (bytes or the contents of a local file) atomically, creating folders."""
+        path = Path(os.path.expanduser(remote_path))
+        payload = data.read_bytes() if isinstance(data, Path) else data
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+            with os.fdopen(fd, "wb") as f:
+                f.write(payload)
+            os.chmod(tmp, mode)
+            os.replace(tmp, path)
+        except OSError as e:
+            raise RemoteError(f"{self.node}: cannot write {path}: {e.strerror}", node=self.node) from None
+
+    def close(self) -> None:
+        """Nothing to release: each command owns its subprocess."""

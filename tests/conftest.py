@@ -1,0 +1,64 @@
+"""Shared fixtures: an isolated HOME for every test and real sshd hosts on loopback.
+
+* ``_isolated_home`` (autouse): ``HOME`` points at an empty per-test folder and
+  ``SSH_AUTH_SOCK`` is unset, so the developer's ``~/.ssh/config``, keys, agent and
+  known_hosts never take part in a test.
+* ``sshd_cluster`` (session): three running hosts shared by tests that only read
+  from them. Do not kill, pause or install tools on it.
+* ``make_sshd_cluster`` (function): a factory for private clusters a test may
+  break (kill a host, change keys, install replay tools); each is stopped after the
+  test, which then fails if any process it started is still alive.
+* ``sshd_inventory``: an inventory file for the shared cluster, in ``tmp_path``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from tests.sshd import SshdCluster
+
+FIXTURES = Path(__file__).parent / "fixtures"
+SMI_SAMPLES = FIXTURES / "smi-samples"
+
+
+@pytest.fixture(autouse=True)
+def _isolated_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    home = tmp_path_factory.mktemp("home")
+    (home / ".ssh").mkdir(mode=0o700)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
+    return home
+
+
+@pytest.fixture(scope="session")
+def sshd_cluster(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    cluster = SshdCluster(tmp_path_factory.mktemp("sshd-shared"), 3).start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def make_sshd_cluster(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., SshdCluster]:
+    clusters: list[SshdCluster] = []
+
+    def make(n: int = 2, **kwargs: object) -> SshdCluster:
+        cluster = SshdCluster(tmp_path_factory.mktemp("sshd"), n, **kwargs)
+        clusters.append(cluster)
+        return cluster.start()
+
+    yield make
+    left = []
+    for cluster in clusters:
+        cluster.stop()
+        left += cluster.leftovers()
+    assert not left, f"processes left behind by the sshd fixture: {left}"
+
+
+@pytest.fixture
+def sshd_inventory(sshd_cluster: SshdCluster, tmp_path: Path) -> Path:
+    return sshd_cluster.write_inventory(tmp_path / "inventory.yaml")

@@ -1,0 +1,386 @@
+"""Real OpenSSH servers on loopback addresses, for integration tests.
+
+:class:`SshdCluster` starts one ``/usr/sbin/sshd -D -e`` per test host on
+``127.0.0.<N>:<free port>`` (all of 127/8 is loopback on Linux), each with its own
+ed25519 host key, one shared client key pair, and a ``known_hosts`` that lists
+every host. Sessions on a host get, through ``SetEnv``:
+
+* ``PATH`` = the host's ``bin/`` first, then this interpreter's folder and this
+  process's PATH — so :meth:`SshdHost.install_tool` can put vendor tools that
+  replay real captured output in front of everything else;
+* ``HOME`` = the host's own home folder, so ``~`` differs per host;
+* ``HETCTL_SYSFS_ROOT`` = the host's fake root (``<root>/sys/bus/pci/devices``,
+  ``<root>/dev``), read by :mod:`hetctl.probe.collector` instead of ``/``;
+* ``HETCTL_TEST_SSHD`` = a marker naming cluster and host, by which
+  :meth:`SshdCluster.leftovers` finds any process a test left behind, even one
+  that left the sshd process tree.
+
+A node loss is :meth:`SshdHost.kill`: SIGKILL to the host's sshd and to every
+process started under it. Stopping the cluster does that for every host.
+
+Needs root (sshd's privilege separation) and ``ssh-keygen``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+import psutil
+import yaml
+
+SSHD = "/usr/sbin/sshd"
+MARKER_ENV = "HETCTL_TEST_SSHD"
+SYSFS_ENV = "HETCTL_SYSFS_ROOT"
+
+
+@dataclass(frozen=True)
+class Replay:
+    """What a replay tool prints for one argument pattern.
+
+    Args:
+        stdout: a capture file (its first ``# source:`` line is dropped) or literal text.
+        stderr: literal text for stderr.
+        rc: the exit code.
+    """
+
+    stdout: Path | str = ""
+    stderr: str = ""
+    rc: int = 0
+
+
+def strip_source_header(text: str) -> str:
+    """Drop the first line of a capture when it is the ``# source:`` provenance line."""
+    first, sep, rest = text.partition("\n")
+    return rest if first.startswith("# source:") else text
+
+
+def _case_pattern(glob: str) -> str:
+    """A ``case`` pattern matching ``glob``: ``*`` and ``?`` stay wild, the rest is quoted."""
+    parts = re.split(r"([*?])", glob)
+    return "".join(p if p in ("*", "?") else (shlex.quote(p) if p else "") for p in parts) or "''"
+
+
+def _free_port(addr: str) -> int:
+    with socket.socket() as s:
+        s.bind((addr, 0))
+        return s.getsockname()[1]
+
+
+def _keygen(path: Path, comment: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(path)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+
+
+class SshdHost:
+    """One test host: a running sshd and the folders its sessions see."""
+
+    def __init__(self, cluster: SshdCluster, index: int, name: str, addr: str) -> None:
+        self.cluster, self.index, self.name, self.addr = cluster, index, name, addr
+        self.dir = cluster.root / name
+        self.bin = self.dir / "bin"
+        self.home = self.dir / "home"
+        self.workdir = self.home / "work"
+        self.sysfs_root = self.dir / "fakeroot"
+        self.host_key = self.dir / "ssh_host_ed25519_key"
+        self.config = self.dir / "sshd_config"
+        self.log = self.dir / "sshd.log"
+        self.port = 0
+        self.env: dict[str, str] = {}
+        self.proc: subprocess.Popen | None = None
+        for d in (self.bin, self.workdir, self.sysfs_root / "sys/bus/pci/devices", self.sysfs_root / "dev", self.dir / "replay"):
+            d.mkdir(parents=True, exist_ok=True)
+
+    def __repr__(self) -> str:
+        return f"SshdHost({self.name} {self.addr}:{self.port})"
+
+    @property
+    def marker(self) -> str:
+        return f"{self.cluster.id}:{self.name}"
+
+    @property
+    def known_hosts_name(self) -> str:
+        return f"[{self.addr}]:{self.port}"
+
+    @property
+    def host_public_key(self) -> str:
+        """``ssh-ed25519 AAAA…`` (no comment), as it appears in known_hosts."""
+        return " ".join(self.host_key.with_suffix(".pub").read_text().split()[:2])
+
+    # --- lifecycle -------------------------------------------------------------
+
+    def _write_config(self, extra_env: Mapping[str, str]) -> None:
+        path = os.pathsep.join([str(self.bin), os.path.dirname(sys.executable), os.environ.get("PATH", "/usr/bin:/bin")])
+        self.env = {"PATH": path, "HOME": str(self.home), SYSFS_ENV: str(self.sysfs_root), MARKER_ENV: self.marker, **extra_env}
+        setenv = " ".join(f'"{k}={v}"' for k, v in self.env.items())
+        self.config.write_text(
+            f"""# sshd for hetctl tests: host {self.name}
+ListenAddress {self.addr}
+Port {self.port}
+HostKey {self.host_key}
+PidFile {self.dir / 'sshd.pid'}
+AuthorizedKeysFile {self.cluster.authorized_keys}
+StrictModes no
+UsePAM no
+PermitRootLogin yes
+PubkeyAuthentication yes
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+AllowTcpForwarding yes
+UseDNS no
+PrintMotd no
+MaxStartups 200
+MaxSessions 100
+LogLevel INFO
+Subsystem sftp internal-sftp
+SetEnv {setenv}
+"""
+        )
+
+    def _spawn(self) -> None:
+        self.port = _free_port(self.addr)
+        self._write_config(self.cluster.extra_env.get(self.name, {}))
+        with self.log.open("ab") as log:
+            self.proc = subprocess.Popen([SSHD, "-D", "-e", "-f", str(self.config)], stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+
+    def _wait_ready(self, deadline: float) -> bool:
+        """Poll the port until sshd accepts; False when sshd exited (e.g. the port was taken)."""
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                return False
+            try:
+                with socket.create_connection((self.addr, self.port), timeout=0.5):
+                    return True
+            except OSError:
+                time.sleep(0.02)
+        raise RuntimeError(f"{self}: sshd did not listen in time; log:\n{self.log.read_text()}")
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def processes(self) -> list[psutil.Process]:
+        """This host's sshd, every descendant, and anything still carrying its marker."""
+        found: dict[int, psutil.Process] = {}
+        if self.proc is not None and self.proc.poll() is None:  # once reaped, its pid may be reused
+            try:
+                root = psutil.Process(self.proc.pid)
+                found[root.pid] = root
+                for p in root.children(recursive=True):
+                    found[p.pid] = p
+            except psutil.NoSuchProcess:
+                pass
+        for p in _marked(self.marker):
+            found.setdefault(p.pid, p)
+        return list(found.values())
+
+    def _signal_all(self, sig: int) -> list[psutil.Process]:
+        """Send ``sig`` to the whole set until no new process appears (fork races)."""
+        signalled: dict[int, psutil.Process] = {}
+        while True:
+            fresh = [p for p in self.processes() if p.pid not in signalled]
+            if not fresh:
+                return list(signalled.values())
+            for p in fresh:
+                try:
+                    p.send_signal(sig)
+                except psutil.NoSuchProcess:
+                    pass
+                signalled[p.pid] = p
+
+    def kill(self) -> None:
+        """Lose this node: freeze sshd and everything under it, then SIGKILL them all."""
+        self._signal_all(signal.SIGSTOP)
+        procs = self._signal_all(signal.SIGKILL)
+        if self.proc is not None:
+            self.proc.wait(5)
+        deadline = time.monotonic() + 5
+        while any(_running(p) for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.01)  # dead but not yet reaped by init counts as gone
+
+    def pause(self) -> None:
+        """Cut the node off without closing anything: its processes stop, TCP stays open."""
+        self._signal_all(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """Undo :meth:`pause`."""
+        self._signal_all(signal.SIGCONT)
+
+    # --- what sessions see -----------------------------------------------------
+
+    def install_script(self, name: str, text: str) -> Path:
+        """Put an executable called ``name`` first on this host's PATH."""
+        path = self.bin / name
+        path.write_text(text)
+        path.chmod(0o755)
+        return path
+
+    def install_tool(self, name: str, cases: Mapping[str, Path | str | Replay]) -> Path:
+        """Install a vendor tool that replays captured output, chosen by its arguments.
+
+        Args:
+            name: the program name (``nvidia-smi``).
+            cases: glob pattern over the space-joined arguments (``"-L"``,
+                ``"--query-gpu=*"``, ``"*"`` for anything) → a capture file
+                (``Path``; its ``# source:`` line is dropped), literal text, or a
+                :class:`Replay`. First match wins; no match prints a message to
+                stderr and exits 2, as a real tool does on bad arguments.
+        """
+        lines = ["#!/bin/sh", f"# replay of {name} for hetctl tests: prints captured output chosen by the arguments", 'case "$*" in']
+        for i, (pattern, value) in enumerate(cases.items()):
+            rep = value if isinstance(value, Replay) else Replay(stdout=value)
+            out = self.dir / "replay" / f"{name}.{i}.out"
+            text = strip_source_header(rep.stdout.read_text()) if isinstance(rep.stdout, Path) else rep.stdout
+            out.write_text(text)
+            body = f"cat {shlex.quote(str(out))}"
+            if rep.stderr:
+                err = out.with_suffix(".err")
+                err.write_text(rep.stderr)
+                body += f"; cat {shlex.quote(str(err))} >&2"
+            lines.append(f"  {_case_pattern(pattern)}) {body}; exit {rep.rc} ;;")
+        lines.append(f'  *) echo "{name}: no capture for arguments: $*" >&2; exit 2 ;;')
+        lines.append("esac")
+        return self.install_script(name, "\n".join(lines) + "\n")
+
+
+def _marked(marker: str) -> list[psutil.Process]:
+    """Live processes whose environment carries ``HETCTL_TEST_SSHD=marker`` (or a prefix of it)."""
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if p.status() == psutil.STATUS_ZOMBIE:
+                continue
+            value = p.environ().get(MARKER_ENV, "")
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+        if value == marker or value.startswith(marker + ":"):
+            out.append(p)
+    return out
+
+
+class SshdCluster:
+    """``n`` real sshd hosts under ``root``; use as a context manager or call start/stop.
+
+    Args:
+        root: an empty folder for keys, configs, logs and the hosts' folders.
+        n: how many hosts.
+        names: node names (default ``node-1`` … ``node-n``).
+        extra_env: per host name, more variables for its sessions (``SetEnv``).
+        first_octet: hosts listen on ``127.0.0.<first_octet + i>``.
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        n: int = 3,
+        *,
+        names: list[str] | None = None,
+        extra_env: Mapping[str, Mapping[str, str]] | None = None,
+        first_octet: int = 2,
+    ) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.id = uuid.uuid4().hex[:12]
+        self.extra_env = {k: dict(v) for k, v in (extra_env or {}).items()}
+        names = names or [f"node-{i + 1}" for i in range(n)]
+        self.hosts = [SshdHost(self, i, nm, f"127.0.0.{first_octet + i}") for i, nm in enumerate(names)]
+        self.client_key = self.root / "id_ed25519"
+        self.authorized_keys = self.root / "authorized_keys"
+        self.known_hosts = self.root / "known_hosts"
+
+    def __getitem__(self, key: int | str) -> SshdHost:
+        return self.hosts[key] if isinstance(key, int) else next(h for h in self.hosts if h.name == key)
+
+    def __iter__(self):  # noqa: ANN204
+        return iter(self.hosts)
+
+    def __len__(self) -> int:
+        return len(self.hosts)
+
+    def __enter__(self) -> SshdCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> SshdCluster:
+        """Make keys, write configs and start every sshd in parallel; return when all listen."""
+        Path("/run/sshd").mkdir(mode=0o755, parents=True, exist_ok=True)  # privilege-separation dir
+        jobs = [_keygen(self.client_key, "hetctl-test-client")]
+        jobs += [_keygen(h.host_key, f"hetctl-test-{h.name}") for h in self.hosts]
+        for j in jobs:
+            if j.wait() != 0:
+                raise RuntimeError(f"ssh-keygen failed: {j.stderr.read().decode()}")
+            j.stderr.close()
+        self.authorized_keys.write_text(self.client_key.with_suffix(".pub").read_text())
+        pending = list(self.hosts)
+        for _attempt in range(3):  # a port taken between probing and binding: retry on a new one
+            for h in pending:
+                h._spawn()
+            deadline = time.monotonic() + 15
+            pending = [h for h in pending if not h._wait_ready(deadline)]
+            if not pending:
+                break
+        if pending:
+            self.stop()
+            raise RuntimeError(f"sshd failed to start on {pending}: {pending[0].log.read_text()}")
+        self.write_known_hosts()
+        return self
+
+    def write_known_hosts(self, path: Path | None = None) -> Path:
+        """known_hosts listing every host as ``[addr]:port keytype key``."""
+        path = path or self.known_hosts
+        path.write_text("".join(f"{h.known_hosts_name} {h.host_public_key}\n" for h in self.hosts))
+        return path
+
+    def stop(self) -> None:
+        """Kill every host (sshd and all it started). Idempotent."""
+        for h in self.hosts:
+            h.kill()
+
+    def leftovers(self) -> list[psutil.Process]:
+        """Live processes started by this cluster: sshd trees, marked sessions, configs under root."""
+        found = {p.pid: p for h in self.hosts for p in h.processes() if _running(p)}
+        for p in _marked(self.id):
+            found.setdefault(p.pid, p)
+        return list(found.values())
+
+    def inventory(self, **overrides: object) -> dict:
+        """An inventory dict reaching every host as root with the client key, strict host keys.
+
+        ``overrides`` replace top-level keys (``ssh=…``, ``defaults=…``, ``nodes=…``).
+        """
+        data = {
+            "defaults": {"user": "root", "identity_file": str(self.client_key)},
+            "ssh": {"config": None, "known_hosts": str(self.known_hosts), "host_key_policy": "strict", "connect_timeout": 5},
+            "nodes": [{"name": h.name, "host": h.addr, "port": h.port, "workdir": str(h.workdir)} for h in self.hosts],
+        }
+        data.update(overrides)
+        return data
+
+    def write_inventory(self, path: Path | None = None, **overrides: object) -> Path:
+        """Write :meth:`inventory` as YAML (default ``<root>/inventory.yaml``) and return its path."""
+        path = path or self.root / "inventory.yaml"
+        path.write_text(yaml.safe_dump(self.inventory(**overrides), sort_keys=False))
+        return path
+
+
+def _running(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
