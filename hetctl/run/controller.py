@@ -1,0 +1,330 @@
+"""Run ONE attempt of a run: pre-flight, ship, start the agents, watch, stop everything.
+
+The elastic policy (``hetctl.run.policy``) decides what happens after an attempt;
+this module only runs one and reports how it ended as an
+:class:`~hetctl.run.outcome.AttemptOutcome`. Sequence:
+
+1. connect to every node of the plan and run a pre-flight there (bounded fan-out):
+   the node's python exists, its workdir is writable, the trainer's modules are
+   importable; rank 0's node also picks the rendezvous port. Any problem → a START
+   failure per node and nothing is started anywhere.
+2. ship the agent zipapp and the plan (JSON) into each node's workdir;
+3. start one agent per node and send it the node's ranks (:mod:`hetctl.run.materialize`);
+4. watch the agents' event streams until every rank exited 0 (SUCCEEDED), the
+   first fault (FAILED), or the stop flag (STOPPED). Faults:
+
+   - a rank exits non-zero or by a signal: the agent reports it at once → ``rank_failed``;
+   - a rank's heartbeat makes no progress for ``hang_timeout`` (``start_timeout``
+     before its first one) → ``rank_failed`` with reason ``hang``;
+   - an agent's stream ends, or is silent for ``node_timeout`` → ``node_lost``;
+   - ``on_progress`` returns failure records (a straggler under ``--rebalance``).
+
+5. stop: ``stop`` to every agent (SIGTERM, grace, SIGKILL on the node), wait for
+   their ``stopped``, then tear the connections down.
+
+Clock and connect are parameters so tests can drive it; the watching itself lives
+in :mod:`hetctl.run.monitor`.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from hetctl.errors import HetctlError
+from hetctl.plan.schema import Plan
+from hetctl.run import materialize as mat
+from hetctl.run.events import EventLog, Launched
+from hetctl.run.monitor import Monitor, OnProgress, OnUpdate
+from hetctl.run.outcome import AttemptOutcome, FailureRecord, FaultKind, RunState
+from hetctl.run.rundir import RunDir
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """When a silence becomes a fault.
+
+    Attributes:
+        hang_timeout: seconds without heartbeat progress before a running rank counts as hung.
+        start_timeout: seconds a rank may take to its first heartbeat (imports, rendezvous).
+        node_timeout: seconds without any line from an agent (it says ``alive`` every second).
+        grace_s: seconds between SIGTERM and SIGKILL when ranks are stopped.
+        connect_timeout: seconds for pre-flight, shipping and agent start on one node.
+    """
+
+    hang_timeout: float = 300.0
+    start_timeout: float = 300.0
+    node_timeout: float = 20.0
+    grace_s: float = 5.0
+    connect_timeout: float = 120.0
+
+
+@dataclass
+class AttemptRequest:
+    """What to run: the plan plus the launch-time inputs of this attempt."""
+
+    plan: Plan
+    attempt: int
+    steps: int
+    checkpoint_every: int
+    ckpt_dir: str
+    resume_step: int = 0
+    master_port: int | None = None
+    entry: tuple[str, ...] = mat.REFERENCE_TRAINER
+
+
+class _Agent:
+    """One node's agent connection: process, reader threads and the stderr tail."""
+
+    def __init__(self, name: str, transport: Any, proc: Any, inbox: queue.SimpleQueue) -> None:
+        self.name = name
+        self.transport = transport
+        self.proc = proc
+        self.stderr_tail: list[str] = []
+        self.eof = threading.Event()
+        self._lock = threading.Lock()
+        threading.Thread(target=self._read_stdout, args=(inbox,), daemon=True, name=f"agent-{name}").start()
+        threading.Thread(target=self._read_stderr, daemon=True, name=f"agent-err-{name}").start()
+
+    def _read_stdout(self, inbox: queue.SimpleQueue) -> None:
+        try:
+            for raw in iter(self.proc.stdout.readline, b""):
+                try:
+                    msg = json.loads(raw)
+                except ValueError:
+                    self._note(raw)
+                    continue
+                if isinstance(msg, dict) and "ev" in msg:
+                    inbox.put((self.name, msg))
+        except (OSError, ValueError, EOFError):
+            pass
+        self.eof.set()
+        inbox.put((self.name, None))
+
+    def _read_stderr(self) -> None:
+        try:
+            for raw in iter(self.proc.stderr.readline, b""):
+                self._note(raw)
+        except (OSError, ValueError, EOFError):
+            pass
+
+    def _note(self, raw: bytes | str) -> None:
+        text = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+        with self._lock:
+            self.stderr_tail = (self.stderr_tail + [text.rstrip()])[-20:]
+
+    def send(self, obj: Mapping[str, Any]) -> bool:
+        try:
+            self.proc.stdin.write((json.dumps(obj) + "\n").encode())
+            self.proc.stdin.flush()
+            return True
+        except (OSError, ValueError, EOFError):
+            return False
+
+    def tail(self) -> str:
+        with self._lock:
+            return "\n".join(line for line in self.stderr_tail if line)
+
+
+def _connector(inventory: Any) -> Callable[[Any], Any]:
+    from hetctl.remote import connect
+
+    return lambda node: connect(node, inventory.ssh)
+
+
+def _fanout(nodes: list[Any], fn: Callable[[Any], Any], width: int) -> dict[str, Any]:
+    """Run ``fn`` per node with bounded concurrency; node name → value or exception."""
+    from hetctl.remote.fanout import fanout
+
+    group = fanout(nodes, fn, max_workers=max(1, width))
+    return {n.name: group[n.name] for n in nodes}
+
+
+def _start_failure(node: str, reason: str) -> FailureRecord:
+    return FailureRecord(kind=FaultKind.START, node=node, time=time.time(), reason=reason)
+
+
+class AttemptController:
+    """Runs one attempt; construct, then call :meth:`run` once."""
+
+    def __init__(
+        self,
+        req: AttemptRequest,
+        *,
+        inventory: Any,
+        run: RunDir,
+        events: EventLog,
+        thresholds: Thresholds = Thresholds(),
+        on_progress: OnProgress | None = None,
+        on_update: OnUpdate | None = None,
+        stop: threading.Event | None = None,
+        connect: Callable[[Any], Any] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.req = req
+        self.inventory = inventory
+        self.run_dir = run
+        self.events = events
+        self.th = thresholds
+        self.on_progress = on_progress
+        self.on_update = on_update
+        self.stop_flag = stop or threading.Event()
+        self.connect = connect or _connector(inventory)
+        self.clock = clock
+        self.nodes = {n.name: n for n in inventory.nodes}
+        self.plan_nodes = [self.nodes[n] for n in dict.fromkeys(r.node for r in req.plan.ranks) if n in self.nodes]
+        self.transports: dict[str, Any] = {}
+        self.agents: dict[str, _Agent] = {}
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.spec: mat.LaunchSpec | None = None
+
+    # -- phases --------------------------------------------------------------
+    def run(self) -> AttemptOutcome:
+        """Run the attempt to its end; every rank is stopped when this returns."""
+        try:
+            failures = self._prepare()
+            if failures:
+                return AttemptOutcome(state=RunState.FAILED, failures=failures)
+            if self.stop_flag.is_set():
+                return AttemptOutcome(state=RunState.STOPPED)
+            failures = self._start_agents()
+            monitor = Monitor(
+                self.req.plan, self.spec, self.run_dir, self.events, self.th, attempt=self.req.attempt,
+                clock=self.clock, on_progress=self.on_progress, on_update=self.on_update,
+            )
+            if failures:
+                outcome = monitor.outcome(RunState.FAILED, failures)
+                self._stop_all(monitor)
+                return outcome
+            self.events.emit(Launched(
+                attempt=self.req.attempt, nodes=[n.node for n in self.spec.nodes],
+                ranks=sum(len(n.ranks) for n in self.spec.nodes), master_addr=self.spec.master_addr,
+                master_port=int(self.spec.master_port), resume_step=self.req.resume_step,
+            ))
+            state = monitor.watch(self.inbox, self.stop_flag)
+            self._stop_all(monitor)
+            return monitor.outcome(state)
+        finally:
+            self._teardown()
+
+    def _prepare(self) -> list[FailureRecord]:
+        """Connect, pre-flight and ship on every node; START failures, or [] when all is ready."""
+        plan = self.req.plan
+        missing = [r.node for r in plan.ranks if r.node not in self.nodes]
+        if missing:
+            return [_start_failure(n, "not in the inventory") for n in dict.fromkeys(missing)]
+        rank0 = min(plan.ranks, key=lambda r: r.rank).node
+        needs = ("hetctl", "torch") if tuple(self.req.entry) == mat.REFERENCE_TRAINER else ()
+
+        def check(node: Any) -> dict[str, Any]:
+            t = self.connect(node)
+            self.transports[node.name] = t
+            want_port = node.name == rank0 and self.req.master_port is None
+            res = t.run(mat.preflight_argv(node.python, str(node.workdir), want_port, ("hetctl", "torch")),
+                        env=node.env or None, timeout=self.th.connect_timeout, check=False)
+            info = mat.parse_preflight(res.stdout)
+            if info is None:
+                tail = (res.stderr or "").strip().splitlines()[-1:] or [f"exit code {res.exit_code}"]
+                if res.exit_code == 127 or "not found" in tail[0] or "No such file" in tail[0]:
+                    raise HetctlError(f"python `{node.python}` not found",
+                                      "install Python 3 there or set `python:` for the node in the inventory")
+                raise HetctlError(f"pre-flight failed: {tail[0]}")
+            if not info.get("writable"):
+                raise HetctlError(f"workdir {info.get('workdir')} is not writable ({info.get('error', '')})",
+                                  "fix its permissions or set `workdir:` for the node in the inventory")
+            lacking = [m for m in needs if not info.get("modules", {}).get(m)]
+            if lacking:
+                raise HetctlError(f"{' and '.join(lacking)} not importable by `{node.python}`",
+                                  "the reference trainer needs `pip install 'hetctl[train]'` on the node")
+            return info
+
+        results = _fanout(self.plan_nodes, self._guard(check), self._width())
+        failures = [_start_failure(n, str(v)) for n, v in results.items() if isinstance(v, BaseException)]
+        if failures:
+            return failures
+        port = self.req.master_port or results[rank0].get("port")
+        master_addr = mat.master_address(self.nodes[rank0])
+        workdirs = {n: info["workdir"] for n, info in results.items()}
+        pythonpath = {n: mat.agent_path(workdirs[n]) for n, info in results.items()
+                      if not info.get("modules", {}).get("hetctl")}
+        self.spec = mat.materialize(
+            plan, self.nodes, run_id=self.run_dir.run_id, attempt=self.req.attempt, master_addr=master_addr,
+            master_port=port, steps=self.req.steps, checkpoint_every=self.req.checkpoint_every,
+            resume_step=self.req.resume_step, ckpt_dir=self.req.ckpt_dir, workdirs=workdirs,
+            pythonpath=pythonpath, entry=self.req.entry,
+        )
+        by_name = {n.node: n for n in self.spec.nodes}
+        zipapp, plan_bytes = mat.agent_zipapp(), mat.plan_json(plan)
+
+        def ship(node: Any) -> None:
+            nl = by_name[node.name]
+            t = self.transports[node.name]
+            t.put(zipapp, nl.agent_argv[1], mode=0o644)
+            t.put(plan_bytes, nl.plan_path, mode=0o644)
+
+        shipped = _fanout(self.plan_nodes, self._guard(ship, "shipping the agent failed: "), self._width())
+        return [_start_failure(n, str(v)) for n, v in shipped.items() if isinstance(v, BaseException)]
+
+    def _start_agents(self) -> list[FailureRecord]:
+        by_name = {n.node: n for n in self.spec.nodes}
+
+        def start(node: Any) -> None:
+            nl = by_name[node.name]
+            proc = self.transports[node.name].start(list(nl.agent_argv), env=nl.env or None, cwd=nl.workdir)
+            agent = _Agent(node.name, self.transports[node.name], proc, self.inbox)
+            self.agents[node.name] = agent
+            if not agent.send(nl.start_command(self.th.grace_s)):
+                raise HetctlError(f"the agent exited at once: {agent.tail() or 'no output'}")
+
+        started = _fanout(self.plan_nodes, self._guard(start, "cannot start the agent: "), self._width())
+        return [_start_failure(n, str(v)) for n, v in started.items() if isinstance(v, BaseException)]
+
+    def _stop_all(self, monitor: Monitor) -> None:
+        """Tell every agent to stop its ranks; wait for ``stopped`` or EOF; then cut the links."""
+        for agent in self.agents.values():
+            if not agent.eof.is_set():
+                agent.send({"cmd": "stop"})
+        deadline = self.clock() + self.th.grace_s + 5.0
+        monitor.drain(self.inbox, set(self.agents), deadline, lost_tail=lambda n: self.agents[n].tail())
+        for agent in self.agents.values():
+            try:
+                agent.proc.close_stdin()
+            except (OSError, EOFError):
+                pass
+            if not agent.eof.wait(timeout=0.5):
+                agent.proc.kill()
+
+    def _teardown(self) -> None:
+        for t in self.transports.values():
+            try:
+                t.close()
+            except Exception:  # noqa: BLE001 - best effort on the way out; the outcome is already decided
+                pass
+
+    # -- helpers -------------------------------------------------------------
+    def _width(self) -> int:
+        return int(getattr(getattr(self.inventory, "ssh", None), "fanout", 64) or 64)
+
+    @staticmethod
+    def _guard(fn: Callable[[Any], Any], prefix: str = "") -> Callable[[Any], Any]:
+        """Turn any exception of a per-node step into a HetctlError with one readable line."""
+
+        def wrapped(node: Any) -> Any:
+            try:
+                return fn(node)
+            except HetctlError as e:
+                msg = e.message if not e.hint else f"{e.message} ({e.hint})"
+                raise HetctlError(prefix + msg) from None
+            except OSError as e:
+                raise HetctlError(prefix + (e.strerror or str(e))) from None
+
+        return wrapped
+
+
+def run_attempt(req: AttemptRequest, **kwargs: Any) -> AttemptOutcome:
+    """Run one attempt (see :class:`AttemptController` for the keyword arguments)."""
+    return AttemptController(req, **kwargs).run()

@@ -1,0 +1,162 @@
+"""What ``hetctl launch`` and ``hetctl demo`` do between parsing options and printing.
+
+:func:`load_plan_and_inventory` finds the plan and its inventory; :func:`dry_run`
+materializes the first attempt without touching a node; :func:`launch_run`
+creates the run folder and supervises the run with a stop flag wired to
+SIGINT/SIGTERM. Rendering stays with the caller (``view``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Iterator
+
+from hetctl.errors import ConfigError
+from hetctl.plan.schema import Plan
+from hetctl.run import materialize as mat
+from hetctl.run.controller import Thresholds
+from hetctl.run.events import EventLog
+from hetctl.run.rundir import RunDir, RunInfo, RunInputs
+from hetctl.run.supervise import Supervised, supervise
+from hetctl.yamlio import load_model
+
+
+def plan_file(plan_dir: str | Path) -> Path:
+    """``PLAN_DIR/plan.yaml``, or the file itself when a file is given."""
+    p = Path(plan_dir)
+    return p if p.is_file() else p / "plan.yaml"
+
+
+def load_plan_and_inventory(plan_dir: str | Path, inventory: str | Path | None = None) -> tuple[Plan, Any, Path]:
+    """The plan, the inventory it runs on (``-i`` wins over the plan's own), and the plan file.
+
+    A relative inventory path recorded in the plan is tried as written (from the
+    current directory), then relative to the plan folder.
+    """
+    from hetctl.inventory import load_inventory
+
+    pf = plan_file(plan_dir)
+    if not pf.exists():
+        raise ConfigError(f"{pf}: plan not found", "run `hetctl plan` first, or pass the plan folder")
+    plan = load_model(pf, Plan, "plan")
+    inv_path = Path(inventory) if inventory else None
+    if inv_path is None:
+        if not plan.inventory:
+            raise ConfigError(f"{pf}: the plan records no inventory", "pass one with -i inventory.yaml")
+        inv_path = Path(plan.inventory)
+        if not inv_path.is_absolute() and not inv_path.exists() and (pf.parent / inv_path).exists():
+            inv_path = pf.parent / inv_path
+    return plan, load_inventory(inv_path), pf
+
+
+def checkpoint_dir(inventory: Any, run: RunDir) -> str:
+    """This run's checkpoint folder: ``<checkpoint_dir>/<run-id>``, else inside the run folder.
+
+    The fallback only works when every node sees this machine's disk (local or
+    loopback nodes); :func:`checkpoint_warning` says so otherwise.
+    """
+    base = getattr(inventory, "checkpoint_dir", None)
+    if base:
+        return f"{str(base).rstrip('/')}/{run.run_id}"
+    return str((run.path / "checkpoints").resolve())
+
+
+def checkpoint_warning(inventory: Any, plan: Plan) -> str | None:
+    """A warning when checkpoints would land on each node's own disk instead of shared storage."""
+    if getattr(inventory, "checkpoint_dir", None):
+        return None
+    used = {r.node for r in plan.ranks}
+    remote = [n.name for n in inventory.nodes if n.name in used and n.transport != "local"
+              and not str(n.hostname or n.host).startswith("127.")]
+    if remote:
+        return ("the inventory sets no checkpoint_dir: checkpoints go to the run folder's path on every node, "
+                "which only works when it is shared storage; set checkpoint_dir in the inventory")
+    return None
+
+
+def dry_run(plan: Plan, inventory: Any, *, steps: int, checkpoint_every: int, run_root: str | Path,
+            master_port: int | None = None) -> mat.LaunchSpec:
+    """The first attempt as it would run, without contacting any node.
+
+    Launch-time values that only the nodes can give appear as placeholders: the
+    run id, the rendezvous port (unless ``--master-port``) and ``~`` in workdirs.
+    """
+    rid = "<run-id>"
+    rank0 = min(plan.ranks, key=lambda r: r.rank).node
+    node0 = inventory.node(rank0)
+    base = getattr(inventory, "checkpoint_dir", None)
+    ckpt = f"{str(base).rstrip('/')}/{rid}" if base else f"{Path(run_root).resolve()}/{rid}/checkpoints"
+    return mat.materialize(
+        plan, {n.name: n for n in inventory.nodes}, run_id=rid, attempt=0,
+        master_addr=mat.master_address(node0), master_port=master_port or mat.PORT_AT_LAUNCH.format(node=rank0),
+        steps=steps, checkpoint_every=checkpoint_every, ckpt_dir=ckpt,
+    )
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[threading.Event]:
+    """SIGINT/SIGTERM set the yielded event (stop every rank, end ``stopped``); a second one aborts.
+
+    Only in the main thread (signal handlers cannot be installed elsewhere); a
+    second signal raises KeyboardInterrupt, and the agents, seeing their stdin
+    close, still stop their ranks.
+    """
+    stop = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+
+    def handler(signum: int, frame: Any) -> None:  # noqa: ARG001
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield stop
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def new_run(plan: Plan, inventory: Any, *, run_root: str | Path, plan_path: Path | None, steps: int,
+            checkpoint_every: int) -> tuple[RunDir, RunInfo]:
+    """Create ``runs/<id>/`` with its first ``run.yaml``."""
+    import time
+
+    run = RunDir.create(run_root)
+    src = getattr(inventory, "source", None)
+    info = RunInfo(
+        run_id=run.run_id, created=time.time(), updated=time.time(),
+        inputs=RunInputs(
+            plan_dir=str(plan_path.parent.resolve()) if plan_path else None,
+            inventory=str(Path(src).resolve()) if src else None,
+            steps=steps, checkpoint_every=checkpoint_every,
+            checkpoint_dir=checkpoint_dir(inventory, run),
+            command=["hetctl", *sys.argv[1:]],
+        ),
+    )
+    run.save_info(info)
+    return run, info
+
+
+def launch_run(plan: Plan, inventory: Any, *, run: RunDir, info: RunInfo, view: Any = None,
+               thresholds: Thresholds = Thresholds(), policy: Any = None, on_progress: Any = None,
+               connect: Any = None) -> Supervised:
+    """Supervise the run to its end with Ctrl-C/SIGTERM wired to a clean stop.
+
+    Args:
+        view: a :class:`hetctl.run.live.LiveView` (or None); it gets snapshots and events.
+        thresholds, policy, on_progress, connect: passed to :func:`hetctl.run.supervise.supervise`.
+    """
+    listeners = [view.event] if view is not None else []
+    with EventLog(run.events_path, listeners=listeners) as events, stop_on_signals() as stop:
+        return supervise(
+            run, plan, info=info, inventory=inventory, events=events, thresholds=thresholds, policy=policy,
+            on_progress=on_progress, on_update=view.update if view is not None else None, stop=stop,
+            connect=connect,
+        )

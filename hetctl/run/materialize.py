@@ -1,0 +1,288 @@
+"""Plan → the exact commands and environments of one attempt (pure), plus what gets shipped.
+
+TorchX's plan → materialize → execute: :func:`materialize` turns a plan, the
+inventory's nodes and the launch-time decisions (run id, attempt, rendezvous
+address and port, workdirs as the nodes expand them) into a :class:`LaunchSpec`.
+``hetctl launch --dry-run`` prints that value and the controller executes it;
+tests assert on it. The rank environment itself comes from
+:func:`hetctl.plan.rankenv.rank_env`, the one place it is built.
+
+Node-side layout of an attempt, under the node's workdir::
+
+    <workdir>/hetctl-agent-<digest>.pyz           the shipped agent (zipapp)
+    <workdir>/runs/<run-id>/<attempt>/plan.json   HETCTL_PLAN
+    <workdir>/runs/<run-id>/<attempt>/logs/rank-<r>.log   full rank output
+    <workdir>/runs/<run-id>/<attempt>/hb/rank-<r>.json    HETCTL_HEARTBEAT_FILE
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import re
+import zipfile
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+from importlib import resources
+from typing import Any, Mapping, Sequence
+
+from hetctl.plan.schema import Plan
+
+REFERENCE_TRAINER = ("-m", "hetctl.train")
+PORT_AT_LAUNCH = "<free port on {node}, chosen at launch>"
+_SECRET = re.compile(r"(KEY|TOKEN|SECRET|PASSW|CREDENTIAL|AUTH)", re.IGNORECASE)
+# The agent and what a user's script may import on a node without hetctl installed.
+AGENT_MODULES = ("__init__.py", "errors.py", "runtime.py", "agent.py")
+
+
+@dataclass(frozen=True)
+class RankLaunch:
+    """How one rank is started: the desired state the agent realises (see ``RankStatus``)."""
+
+    rank: int
+    node: str
+    replica: int
+    stage: int
+    local_rank: int
+    layers: tuple[int, int]
+    argv: tuple[str, ...]
+    env: dict[str, str]
+    log: str
+    heartbeat: str
+
+    def wire(self, cwd: str) -> dict[str, Any]:
+        """The rank's entry in the agent's ``start`` command."""
+        return {"rank": self.rank, "argv": list(self.argv), "env": dict(self.env), "cwd": cwd,
+                "log": self.log, "heartbeat": self.heartbeat}
+
+
+@dataclass(frozen=True)
+class NodeLaunch:
+    """One node's part of an attempt: where the agent runs and which ranks it starts."""
+
+    node: str
+    host: str
+    transport: str
+    python: str
+    workdir: str
+    agent_argv: tuple[str, ...]
+    env: dict[str, str]
+    plan_path: str
+    ranks: tuple[RankLaunch, ...]
+
+    def start_command(self, grace_s: float) -> dict[str, Any]:
+        return {"cmd": "start", "grace_s": grace_s, "ranks": [r.wire(self.workdir) for r in self.ranks]}
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """The materialized attempt: everything that will run, on every node."""
+
+    run_id: str
+    attempt: int
+    master_addr: str
+    master_port: str
+    resume_step: int
+    steps: int
+    checkpoint_every: int
+    ckpt_dir: str
+    nodes: tuple[NodeLaunch, ...] = field(default_factory=tuple)
+
+    def rank(self, r: int) -> RankLaunch:
+        return next(x for n in self.nodes for x in n.ranks if x.rank == r)
+
+    def to_dict(self, mask_secrets: bool = True) -> dict[str, Any]:
+        """Plain data for ``--dry-run`` and ``--json``; inventory env values that look secret are masked."""
+        d = asdict(self)
+        if mask_secrets:
+            for n in d["nodes"]:
+                n["env"] = mask_env(n["env"])
+        return d
+
+
+def mask_env(env: Mapping[str, str]) -> dict[str, str]:
+    """Replace values of secret-looking variables (…KEY, …TOKEN, …PASSWORD) with ``***``."""
+    return {k: ("***" if _SECRET.search(k) else v) for k, v in env.items()}
+
+
+def node_base(workdir: str, run_id: str, attempt: int) -> str:
+    return f"{workdir.rstrip('/')}/runs/{run_id}/{attempt}"
+
+
+def agent_path(workdir: str) -> str:
+    return f"{workdir.rstrip('/')}/hetctl-agent-{agent_zipapp_digest()}.pyz"
+
+
+def materialize(
+    plan: Plan,
+    nodes: Mapping[str, Any],
+    *,
+    run_id: str,
+    attempt: int,
+    master_addr: str,
+    master_port: int | str,
+    steps: int,
+    checkpoint_every: int,
+    resume_step: int = 0,
+    ckpt_dir: str,
+    workdirs: Mapping[str, str] | None = None,
+    pythonpath: Mapping[str, str] | None = None,
+    entry: Sequence[str] = REFERENCE_TRAINER,
+) -> LaunchSpec:
+    """Build the exact launch of one attempt (pure: no network, no files).
+
+    Args:
+        plan: the plan to run.
+        nodes: inventory nodes by name (``python``, ``workdir``, ``env``, ``host``, ``transport``).
+        run_id, attempt: identify the attempt (``HETCTL_RUN_ID``, ``HETCTL_ATTEMPT``).
+        master_addr, master_port: the rendezvous store on rank 0's node.
+        steps, checkpoint_every: the trainer's ``--steps`` / ``--checkpoint-every``.
+        resume_step: checkpoint step to resume from (0: from scratch).
+        ckpt_dir: this run's checkpoint folder, as the nodes see it.
+        workdirs: each node's workdir as the node expanded it (``~`` resolved); defaults
+            to the inventory value (what ``--dry-run`` shows).
+        pythonpath: per node, a ``PYTHONPATH`` for the ranks (the shipped zipapp, on nodes
+            without hetctl installed, so a user's script can ``import hetctl.runtime``).
+        entry: what follows the node's python in each rank's argv.
+
+    Raises:
+        hetctl.errors.ConfigError: the plan names a node the inventory lacks.
+    """
+    from hetctl.errors import ConfigError
+    from hetctl.plan.rankenv import rank_env
+
+    missing = sorted({r.node for r in plan.ranks} - set(nodes))
+    if missing:
+        raise ConfigError(
+            f"the plan uses node{'s' if len(missing) > 1 else ''} {', '.join(missing)} that the inventory lacks",
+            "pass the inventory the plan was made from with -i, or re-plan",
+        )
+    stage_of = {(s.replica, s.stage): s for s in plan.stages}
+    trainer_args: tuple[str, ...] = ()
+    if tuple(entry) == REFERENCE_TRAINER:
+        trainer_args = ("--steps", str(steps), "--checkpoint-every", str(checkpoint_every))
+    out: list[NodeLaunch] = []
+    order = list(dict.fromkeys([r.node for r in sorted(plan.ranks, key=lambda r: r.rank)]))
+    for name in order:
+        node = nodes[name]
+        workdir = (workdirs or {}).get(name) or str(node.workdir)
+        base = node_base(workdir, run_id, attempt)
+        plan_path = f"{base}/plan.json"
+        ranks = []
+        for r in sorted(plan.ranks_on(name), key=lambda r: r.rank):
+            hb = f"{base}/hb/rank-{r.rank}.json"
+            env = rank_env(
+                plan, r, master_addr=master_addr, master_port=master_port, run_id=run_id, attempt=attempt,
+                plan_path=plan_path, heartbeat_file=hb, ckpt_dir=ckpt_dir, resume_step=resume_step,
+            )
+            env = {str(k): str(v) for k, v in env.items()}
+            env.setdefault("HETCTL_STEPS", str(steps))
+            env.setdefault("HETCTL_CKPT_EVERY", str(checkpoint_every))
+            if pythonpath and pythonpath.get(name):
+                env["PYTHONPATH"] = pythonpath[name]
+            ranks.append(RankLaunch(
+                rank=r.rank, node=name, replica=r.replica, stage=r.stage, local_rank=r.local_rank,
+                layers=tuple(stage_of[(r.replica, r.stage)].layers),
+                argv=(node.python, *entry, *trainer_args), env=env,
+                log=f"{base}/logs/rank-{r.rank}.log", heartbeat=hb,
+            ))
+        out.append(NodeLaunch(
+            node=name, host=node.host, transport=node.transport, python=node.python, workdir=workdir,
+            agent_argv=(node.python, agent_path(workdir)), env=dict(node.env or {}),
+            plan_path=plan_path, ranks=tuple(ranks),
+        ))
+    return LaunchSpec(
+        run_id=run_id, attempt=attempt, master_addr=master_addr, master_port=str(master_port),
+        resume_step=resume_step, steps=steps, checkpoint_every=checkpoint_every, ckpt_dir=ckpt_dir,
+        nodes=tuple(out),
+    )
+
+
+def master_address(node: Any) -> str:
+    """Rank 0's node as the other nodes reach it: its dialled address (127.0.0.1 for a local node)."""
+    host = getattr(node, "hostname", "") or node.host
+    if node.transport == "local" and host in ("", "localhost"):
+        return "127.0.0.1"
+    return host
+
+
+def plan_json(plan: Plan) -> bytes:
+    """The plan as the ranks read it (``HETCTL_PLAN``): JSON, so the node needs no pyyaml."""
+    return plan.model_dump_json(indent=1).encode()
+
+
+@lru_cache(maxsize=1)
+def agent_zipapp() -> bytes:
+    """A zipapp of the agent and ``hetctl.runtime`` (stdlib only), built in memory.
+
+    Run with ``python3 hetctl-agent-<digest>.pyz``; on a node without hetctl it is
+    also put on the ranks' ``PYTHONPATH`` so a training script can ``import
+    hetctl.runtime``. Deterministic bytes (fixed timestamps), so the digest only
+    changes with the code.
+    """
+    buf = io.BytesIO()
+    pkg = resources.files("hetctl")
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
+        def add(name: str, data: bytes) -> None:
+            info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
+            info.compress_type = zipfile.ZIP_DEFLATED
+            info.external_attr = 0o644 << 16
+            z.writestr(info, data)
+
+        add("__main__.py", b"from hetctl.agent import main\nmain()\n")
+        for mod in AGENT_MODULES:
+            add(f"hetctl/{mod}", pkg.joinpath(mod).read_bytes())
+    return buf.getvalue()
+
+
+@lru_cache(maxsize=1)
+def agent_zipapp_digest() -> str:
+    return hashlib.sha256(agent_zipapp()).hexdigest()[:12]
+
+
+# Run with the node's python as ``python -c PREFLIGHT WORKDIR WANT_PORT MODULES``: prints one
+# JSON line. Expands the workdir as the node sees it, proves it writable, reports which
+# modules are importable (without importing them: cheap), and picks a free TCP port.
+PREFLIGHT = r"""
+import importlib.util, json, os, socket, sys, tempfile
+wd = os.path.abspath(os.path.expanduser(sys.argv[1]))
+r = {"python": sys.version.split()[0], "executable": sys.executable, "workdir": wd, "writable": False}
+try:
+    os.makedirs(wd, exist_ok=True)
+    fd, p = tempfile.mkstemp(dir=wd, prefix=".hetctl-probe-")
+    os.close(fd)
+    os.unlink(p)
+    r["writable"] = True
+except OSError as e:
+    r["error"] = "%s: %s" % (e.filename or wd, e.strerror)
+mods = {}
+for m in filter(None, sys.argv[3].split(",")):
+    try:
+        mods[m] = importlib.util.find_spec(m) is not None
+    except (ImportError, ValueError):
+        mods[m] = False
+r["modules"] = mods
+if sys.argv[2] == "1":
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.bind(("", 0))
+    r["port"] = s.getsockname()[1]
+    s.close()
+print(json.dumps(r))
+"""
+
+
+def preflight_argv(python: str, workdir: str, want_port: bool, modules: Sequence[str]) -> list[str]:
+    return [python, "-c", PREFLIGHT, workdir, "1" if want_port else "0", ",".join(modules)]
+
+
+def parse_preflight(stdout: str) -> dict[str, Any] | None:
+    """The preflight's JSON line, or None when it printed none."""
+    for line in reversed((stdout or "").strip().splitlines()):
+        try:
+            data = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(data, dict):
+            return data
+    return None

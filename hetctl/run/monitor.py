@@ -1,0 +1,394 @@
+"""Watching one attempt: agent events in, rank states, faults, progress and logs out.
+
+:class:`Monitor` consumes the agents' JSON events (see :mod:`hetctl.agent`) from a
+queue, keeps one :class:`RankStatus` per rank (the observed twin of
+:class:`~hetctl.run.materialize.RankLaunch`), appends rank output to
+``runs/<id>/logs/<node>/rank-<r>.log``, writes ``progress``/``rank_failed``/
+``node_lost`` events and decides when the attempt is over.
+
+Rank state transitions::
+
+    starting ──started──▶ running ──exited 0──▶ done
+        │                    ├──exited ≠0 / signal──▶ failed
+        │                    └──no progress for hang_timeout──▶ hung
+        └──(never started: spawn error)──▶ failed
+    any ──attempt stopped──▶ stopped
+"""
+
+from __future__ import annotations
+
+import queue
+import signal as _signal
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping
+
+from hetctl.run.events import EventLog, NodeLost, Progress, RankFailed, StageProgress
+from hetctl.run.outcome import AttemptOutcome, FailureRecord, FaultKind, RunState
+from hetctl.run.rundir import RunDir
+
+OnProgress = Callable[[Mapping[tuple[int, int], float]], "Iterable[FailureRecord] | None"]
+OnUpdate = Callable[["Snapshot"], None]
+PROGRESS_EVERY_S = 2.0
+UPDATE_EVERY_S = 0.25
+CHECK_EVERY_S = 0.1
+
+
+@dataclass
+class RankStatus:
+    """What the controller last saw of one rank (the observed twin of ``RankLaunch``)."""
+
+    rank: int
+    node: str
+    vendor: str
+    replica: int
+    stage: int
+    layers: tuple[int, int]
+    state: str = "starting"
+    pid: int | None = None
+    step: int | None = None
+    loss: float | None = None
+    step_ms: float | None = None
+    hb_wall: float | None = None  # the node's clock at the rank's last heartbeat
+    progress_at: float | None = None  # controller clock when the step last advanced
+    proc_state: str = ""
+    exit_code: int | None = None
+    signal: int | None = None
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A copy of the attempt's state for the live view."""
+
+    attempt: int
+    ranks: list[RankStatus]
+    nodes: dict[str, str]
+    elapsed_s: float
+    ages: dict[int, float] = field(default_factory=dict)  # rank → seconds since its last progress
+
+
+def _signal_name(sig: int) -> str:
+    try:
+        return _signal.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"
+
+
+class Monitor:
+    """The watch loop of one attempt and the outcome it leads to."""
+
+    def __init__(self, plan: Any, spec: Any, run: RunDir, events: EventLog, th: Any, *, attempt: int,
+                 clock: Callable[[], float] = time.monotonic, on_progress: OnProgress | None = None,
+                 on_update: OnUpdate | None = None) -> None:
+        self.plan, self.spec, self.run_dir, self.events, self.th = plan, spec, run, events, th
+        self.attempt = attempt
+        self.clock = clock
+        self.on_progress = on_progress
+        self.on_update = on_update
+        stage = {(s.replica, s.stage): s for s in plan.stages}
+        self.ranks: dict[int, RankStatus] = {}
+        for r in plan.ranks:
+            s = stage[(r.replica, r.stage)]
+            self.ranks[r.rank] = RankStatus(r.rank, r.node, s.vendor, r.replica, r.stage, tuple(s.layers))
+        self.node_log_paths = {x.rank: x.log for n in spec.nodes for x in n.ranks} if spec else {}
+        self.node_state: dict[str, str] = {n: "starting" for n in dict.fromkeys(r.node for r in plan.ranks)}
+        self.last_seen: dict[str, float] = {}
+        self.stopped_nodes: set[str] = set()
+        self.failures: list[FailureRecord] = []
+        self.started_at = clock()
+        self._logs: dict[int, Any] = {}
+        self._stopping = False
+        self._lost_tail: Callable[[str], str] | None = None
+        # One representative rank per (replica, stage) feeds the stage timings (TP peers agree).
+        self.rep = {}
+        for r in sorted(plan.ranks, key=lambda r: r.rank):
+            self.rep.setdefault((r.replica, r.stage), r.rank)
+        self.stage_ms: dict[tuple[int, int], list[float]] = defaultdict(list)  # [n, sum] after the first step
+        self.loss_span: dict[int, list[tuple[int, float]]] = {}  # replica → [(first step, loss), (last, loss)]
+        self.walls: dict[int, list[tuple[int, float]]] = {}  # rank → [(first step, hb time), (last, time)]
+        self.reported_tps: dict[int, float] = {}  # last-stage rank → tokens/s from its final heartbeat
+        self.last_stage = max(s.stage for s in plan.stages)
+        self._last_progress_ev = (0.0, -1)
+
+    # -- the loop -------------------------------------------------------------
+    def watch(self, inbox: queue.SimpleQueue, stop: threading.Event) -> RunState:
+        """Consume events until success, the first fault, or ``stop``; return the state reached."""
+        now = self.clock()
+        for n in self.node_state:
+            self.last_seen[n] = now
+        for st in self.ranks.values():
+            st.progress_at = now
+        next_check = next_update = 0.0
+        while True:
+            if stop.is_set():
+                return RunState.STOPPED
+            try:
+                node, msg = inbox.get(timeout=CHECK_EVERY_S)
+            except queue.Empty:
+                node, msg = None, None
+            if node is not None:
+                self.handle(node, msg)
+            now = self.clock()
+            if now >= next_check:
+                self.check(now)
+                next_check = now + CHECK_EVERY_S
+            if now >= next_update:
+                self.progress(now)
+                next_update = now + UPDATE_EVERY_S
+            if self.failures:
+                self.progress(now, force=True)
+                return RunState.FAILED
+            if all(st.state == "done" for st in self.ranks.values()):
+                self.progress(now, force=True)
+                return RunState.SUCCEEDED
+
+    def drain(self, inbox: queue.SimpleQueue, nodes: set[str], deadline: float,
+              lost_tail: Callable[[str], str] = lambda n: "") -> None:
+        """While stopping: keep handling events until every node said ``stopped`` or hung up.
+
+        An agent whose stream ends without ``stopped`` is recorded as lost: a node that
+        died takes its peers' ranks down with it, and its loss is the cause.
+        """
+        self._stopping = True
+        self._lost_tail = lost_tail
+        pending = set(nodes)
+        while pending and self.clock() < deadline:
+            try:
+                node, msg = inbox.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            self.handle(node, msg)
+            if msg is None or msg.get("ev") == "stopped":
+                pending.discard(node)
+        for st in self.ranks.values():
+            if st.state in ("starting", "running"):
+                st.state = "stopped"
+        self._close_logs()
+        if self.on_update:
+            self.on_update(self.snapshot())
+
+    # -- events from the agents ---------------------------------------------
+    def handle(self, node: str, msg: dict | None) -> None:
+        now = self.clock()
+        self.last_seen[node] = now
+        if msg is None:
+            if node not in self.stopped_nodes:
+                self._node_lost(node, "the agent's stream ended" + self._tail(node))
+            return
+        ev = msg.get("ev")
+        if ev == "hello":
+            self.node_state[node] = "up"
+        elif ev == "started":
+            st = self.ranks.get(int(msg["rank"]))
+            if st:
+                st.state, st.pid, st.progress_at = "running", msg.get("pid"), now
+        elif ev == "heartbeat":
+            self._heartbeat(int(msg["rank"]), msg.get("hb") or {}, now)
+        elif ev == "log":
+            self._log(int(msg["rank"]), msg.get("lines") or [], int(msg.get("dropped") or 0))
+        elif ev == "alive":
+            for r, letter in (msg.get("ranks") or {}).items():
+                if int(r) in self.ranks:
+                    self.ranks[int(r)].proc_state = letter
+        elif ev == "exited":
+            self._exited(int(msg["rank"]), msg.get("code"), msg.get("signal"), msg.get("error"))
+        elif ev == "stopped":
+            self.stopped_nodes.add(node)
+            self.node_state[node] = "stopped"
+        elif ev == "error":
+            self._fail(FailureRecord(FaultKind.START, node, time.time(), reason=f"agent: {msg.get('message')}"))
+
+    def _heartbeat(self, rank: int, hb: dict, now: float) -> None:
+        st = self.ranks.get(rank)
+        if st is None or not isinstance(hb.get("step"), int):
+            return
+        step = hb["step"]
+        advanced = st.step is None or step > st.step
+        if advanced:
+            st.progress_at = now
+        st.step = step
+        st.hb_wall = hb.get("time")
+        if hb.get("step_ms") is not None:
+            st.step_ms = float(hb["step_ms"])
+        if hb.get("loss") is not None:
+            st.loss = float(hb["loss"])
+            span = self.loss_span.setdefault(st.replica, [(step, st.loss), (step, st.loss)])
+            if step > span[1][0]:
+                span[1] = (step, st.loss)
+        if hb.get("first_loss") is not None:  # the trainer's own, exact even when polling missed step 1
+            self.loss_span.setdefault(st.replica, [(step, float(hb["first_loss"]))] * 2)[0] = (0, float(hb["first_loss"]))
+        if hb.get("tokens_per_s") is not None and st.stage == self.last_stage:
+            self.reported_tps[rank] = float(hb["tokens_per_s"])
+        if isinstance(hb.get("time"), (int, float)):
+            pts = self.walls.setdefault(rank, [(step, float(hb["time"]))] * 2)
+            pts[1] = (step, float(hb["time"]))
+        key = (st.replica, st.stage)
+        ms = hb.get("compute_ms", hb.get("step_ms"))
+        if advanced and ms is not None and self.rep.get(key) == rank:
+            acc = self.stage_ms[key]
+            if not acc:
+                acc.extend([0, 0.0])  # the first step (warm-up) is not counted
+            else:
+                acc[0] += 1
+                acc[1] += float(ms)
+            if self.on_progress is not None:
+                for f in self.on_progress({key: float(ms)}) or []:
+                    self._fail(f)
+
+    def _exited(self, rank: int, code: int | None, sig: int | None, error: str | None) -> None:
+        st = self.ranks.get(rank)
+        if st is None:
+            return
+        st.exit_code, st.signal = code, sig
+        if code == 0 and not sig:
+            st.state = "done"
+            return
+        if self._stopping:
+            st.state = "stopped"  # exits while we stop the attempt are ours
+            return
+        st.state = "failed"
+        why = error or (f"killed by {_signal_name(sig)}" if sig else f"exit code {code}")
+        self._rank_failed(st, FaultKind.CRASH, why, exit_code=code, sig=sig)
+
+    def check(self, now: float) -> None:
+        """Time-based faults: silent agents, ranks without progress."""
+        for node, seen in self.last_seen.items():
+            if node not in self.stopped_nodes and now - seen > self.th.node_timeout:
+                self._node_lost(node, f"no word from the agent for {now - seen:.1f}s")
+                self.last_seen[node] = now
+        stale = []
+        for st in self.ranks.values():
+            if st.state not in ("running", "starting") or st.progress_at is None:
+                continue
+            limit = self.th.hang_timeout if st.step is not None else max(self.th.hang_timeout, self.th.start_timeout)
+            if now - st.progress_at > limit:
+                stale.append(st)
+        if stale:
+            # A rank SIGSTOPped (state T) is the cause; its pipeline peers merely wait on it.
+            st = sorted(stale, key=lambda s: (s.proc_state != "T", s.progress_at))[0]
+            age = now - st.progress_at
+            what = f"hang: no heartbeat progress for {age:.1f}s"
+            what += f" after step {st.step}" if st.step is not None else " (never reached step 1)"
+            if st.proc_state == "T":
+                what += "; the process is stopped (SIGSTOP)"
+            st.state = "hung"
+            self._rank_failed(st, FaultKind.HANG, what)
+
+    # -- recording -------------------------------------------------------------
+    def _rank_failed(self, st: RankStatus, kind: FaultKind, reason: str, exit_code: int | None = None,
+                     sig: int | None = None) -> None:
+        self.events.emit(RankFailed(attempt=self.attempt, node=st.node, rank=st.rank, reason=reason,
+                                    exit_code=exit_code, signal=sig))
+        self._fail(FailureRecord(kind, st.node, time.time(), rank=st.rank, exit_code=exit_code, signal=sig,
+                                 reason=reason))
+
+    def _node_lost(self, node: str, reason: str) -> None:
+        if any(f.kind == FaultKind.NODE_LOST and f.node == node for f in self.failures):
+            return
+        self.node_state[node] = "lost"
+        self.events.emit(NodeLost(attempt=self.attempt, node=node, reason=reason))
+        self._fail(FailureRecord(FaultKind.NODE_LOST, node, time.time(), reason=reason))
+
+    def _fail(self, f: FailureRecord) -> None:
+        self.failures.append(f)
+
+    def _tail(self, node: str) -> str:
+        text = self._lost_tail(node) if self._lost_tail else ""
+        return f": {text.splitlines()[-1]}" if text else ""
+
+    def _log(self, rank: int, lines: list[str], dropped: int) -> None:
+        st = self.ranks.get(rank)
+        if st is None:
+            return
+        f = self._logs.get(rank)
+        if f is None:
+            path = self.run_dir.log_path(st.node, rank)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            f = self._logs[rank] = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in drain()
+            f.write(f"==> hetctl attempt {self.attempt}, rank {rank} on {st.node} <==\n")
+        for line in lines:
+            f.write(line + "\n")
+        if dropped:
+            where = self.node_log_paths.get(rank, "the node's workdir")
+            f.write(f"[hetctl: {dropped} lines over the agent's rate limit not copied; full log on {st.node}: "
+                    f"{where}]\n")
+        f.flush()
+
+    def _close_logs(self) -> None:
+        for f in self._logs.values():
+            f.close()
+        self._logs.clear()
+
+    def log_tail(self, rank: int, n: int = 20) -> str:
+        st = self.ranks[rank]
+        try:
+            lines = Path(self.run_dir.log_path(st.node, rank)).read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-n:])
+
+    # -- progress and outcome ----------------------------------------------------
+    def progress(self, now: float, force: bool = False) -> None:
+        if self.on_update:
+            self.on_update(self.snapshot(now))
+        last = [st for st in self.ranks.values() if st.stage == self.last_stage and st.step is not None]
+        if not last:
+            return
+        step = min(st.step for st in last)
+        t0, s0 = self._last_progress_ev
+        if (now - t0 < PROGRESS_EVERY_S and not force) or step == s0:
+            return
+        self._last_progress_ev = (now, step)
+        stages = [StageProgress(st.replica, st.stage, st.step, st.loss, st.step_ms)
+                  for st in sorted(self.ranks.values(), key=lambda s: s.rank) if st.step is not None]
+        loss = next((st.loss for st in last if st.replica == 0 and st.step == step), None)
+        self.events.emit(Progress(attempt=self.attempt, step=step, loss=loss, stages=stages))
+
+    def snapshot(self, now: float | None = None) -> Snapshot:
+        now = self.clock() if now is None else now
+        ages = {r: now - st.progress_at for r, st in self.ranks.items() if st.progress_at is not None}
+        return Snapshot(self.attempt, [replace(st) for st in self.ranks.values()], dict(self.node_state),
+                        now - self.started_at, ages)
+
+    def outcome(self, state: RunState, failures: list[FailureRecord] | None = None) -> AttemptOutcome:
+        """The attempt's :class:`AttemptOutcome`; lost nodes first (they explain peers' crashes)."""
+        fails = list(failures if failures is not None else self.failures)
+        fails.sort(key=lambda f: f.kind != FaultKind.NODE_LOST)  # stable: time order otherwise
+        fails = [replace(f, log_tail=self.log_tail(f.rank)) if f.rank is not None and not f.log_tail else f
+                 for f in fails]
+        span = self.loss_span.get(0) or next(iter(self.loss_span.values()), None)
+        last = [st.step for st in self.ranks.values() if st.stage == self.last_stage and st.step is not None]
+        return AttemptOutcome(
+            state=state,
+            failures=fails,
+            last_step=min(last, default=0),
+            first_loss=span[0][1] if span else None,
+            final_loss=span[1][1] if span else None,
+            tokens_per_s=self.tokens_per_s(),
+            stage_step_ms={k: acc[1] / acc[0] for k, acc in self.stage_ms.items() if acc and acc[0]},
+        )
+
+    def tokens_per_s(self) -> float | None:
+        """Tokens per second over the attempt.
+
+        The trainer's own figure from its final heartbeats when every last-stage
+        rank gave one; otherwise measured on the node's clock of a last-stage rank
+        from its first to its last heartbeat seen (start-up left out).
+        """
+        last_ranks = [r for r, st in self.ranks.items() if st.stage == self.last_stage]
+        if last_ranks and all(r in self.reported_tps for r in last_ranks):
+            return min(self.reported_tps[r] for r in last_ranks)
+        p = self.plan.parallel
+        tokens_per_step = p.global_batch * self.plan.model.seq_len
+        rates = []
+        for r, st in self.ranks.items():
+            pts = self.walls.get(r)
+            if st.stage != self.last_stage or not pts:
+                continue
+            (s0, t0), (s1, t1) = pts[0], pts[-1]
+            if s1 > s0 and t1 > t0:
+                rates.append((s1 - s0) * tokens_per_step / (t1 - t0))
+        return min(rates) if rates else None
