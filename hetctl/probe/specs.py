@@ -142,15 +142,18 @@ def parse_table(text: str, where: str = SPEC_RESOURCE) -> tuple[SpecRow, ...]:
     """
     from hetctl.yamlio import validation_error
 
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=loader)  # noqa: S506 - a safe loader
     except yaml.YAMLError as e:
-        raise ConfigError(f"{where}: not valid YAML: {e}") from None
+        mark = getattr(e, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark else ""
+        raise ConfigError(f"{where}{line}: not valid YAML: {getattr(e, 'problem', None) or e}") from None
     try:
         spec = _SpecFile.model_validate(data)
     except ValidationError as e:
-        raise validation_error(where, e, root) from None
+        # The node tree is only needed for the line number of the error.
+        raise validation_error(where, e, yaml.compose(text, Loader=loader)) from None
     return tuple(_row(r) for r in spec.rows)
 
 
