@@ -111,6 +111,10 @@ def node_facts(node: NodeLike, raw: Mapping[str, Any]) -> NodeFacts:
     from hetctl.probe.tools import chips_from_raw
 
     chips = chips_from_raw(dict(raw))
+    memory_gb = raw.get("memory_gb")
+    # A CPU-only node computes in host memory: that is its one chip's memory.
+    chips = [c.model_copy(update={"memory_gb": memory_gb}) if c.vendor == "cpu" and c.memory_gb is None else c
+             for c in chips]
     cpu_raw = raw.get("cpu") or {}
     return NodeFacts(
         name=node.name,
@@ -119,7 +123,7 @@ def node_facts(node: NodeLike, raw: Mapping[str, Any]) -> NodeFacts:
         tflops_override=getattr(node, "tflops", None),
         chips=chips,
         cpu=Cpu(model=cpu_raw.get("model"), cores=cpu_raw.get("cores")),
-        memory_gb=raw.get("memory_gb"),
+        memory_gb=memory_gb,
         nics=_nics(raw.get("nics")),
         software=_software(raw.get("software") or {}, main_vendor(chips)),
     )

@@ -73,10 +73,8 @@ def decode_output(result: Result, python: str, what: str) -> dict[str, Any]:
 
 def _run_script(transport: Any, node: Any, script: str, args: str, timeout: float, what: str) -> dict[str, Any]:
     python = getattr(node, "python", None) or "python3"
-    result = transport.run(
-        [python, "-", args], input=node_script(script), env=getattr(node, "env", None) or None,
-        timeout=timeout, check=False,
-    )
+    # The transport adds the node's inventory ``env`` itself.
+    result = transport.run([python, "-", args], input=node_script(script), timeout=timeout, check=False)
     return decode_output(result, python, what)
 
 
@@ -151,18 +149,9 @@ def probe(inventory: Any, *, bench: bool = False, on_done: OnDone | None = None)
 
     fanout_workers = getattr(inventory.ssh, "fanout", None) or 64
     group = fanout(nodes, work, max_workers=fanout_workers, on_done=done)
-    results = [_as_facts(n, _group_value(group, n.name)) for n in nodes]
+    results = [_as_facts(n, group[n.name]) for n in nodes]
     source = getattr(inventory, "source", None)
     return Cluster(inventory=str(source) if source else None, probed_at=round(time.time(), 3), nodes=results)
-
-
-def _group_value(group: Any, name: str) -> Any:
-    """The value or exception the fan-out recorded for ``name``."""
-    for attr in ("results", "values"):
-        table = getattr(group, attr, None)
-        if isinstance(table, dict) and name in table:
-            return table[name]
-    return group[name]
 
 
 def _as_facts(node: Any, value: Any) -> NodeFacts:
