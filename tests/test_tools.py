@@ -1,0 +1,224 @@
+"""chips_from_raw: source preference, fallbacks (PCI, /dev, cpu), partition grouping, masked names."""
+
+from __future__ import annotations
+
+import pytest
+
+from hetctl.probe.facts import Chip
+from hetctl.probe.parsers import ixsmi, nvidia_smi
+from hetctl.probe.tools import PARSERS, SOURCE_PREFERENCE, TOOL_COMMANDS, VENDOR_PCI_IDS, chips_from_raw
+from tests.test_parsers import CAPTURES, _narrow_csv_from_capture, capture_sections, sample
+
+H100_CAPTURE = "linux-x86_64__nvidia-h100-80gb-hbm3__590.48.01.txt"
+
+
+def tool(text: str, rc: int = 0, **extra) -> dict:  # noqa: ANN003
+    """A collector tool record around real output."""
+    return {"argv": ["x"], "rc": rc, "stdout": text, "stderr": "", "timeout": False, **extra}
+
+
+def raw(**tools: str) -> dict:
+    """``raw`` with the given tool outputs (keyword names use ``_`` for ``-``)."""
+    return {"tools": {k.replace("_", "-"): tool(v) for k, v in tools.items()}}
+
+
+def summary(chips: list[Chip]) -> list[tuple]:
+    return [(c.vendor, c.index, c.model, c.memory_gb, c.source) for c in chips]
+
+
+# --- the contract with the collector --------------------------------------------
+
+
+def test_every_tool_command_has_a_parser_or_is_the_pci_fallback() -> None:
+    for key, argv in TOOL_COMMANDS.items():
+        assert argv and all(isinstance(a, str) and a for a in argv), key
+        assert key in PARSERS or key == "lspci", key
+        assert key in SOURCE_PREFERENCE or key == "lspci", key
+    assert TOOL_COMMANDS["nvidia-smi-csv"][1] == "--query-gpu=" + ",".join(nvidia_smi.CSV_FIELDS)
+    assert TOOL_COMMANDS["ixsmi-csv"][1] == "--query-gpu=" + ",".join(ixsmi.CSV_FIELDS)
+    assert TOOL_COMMANDS["npu-smi"] == ["npu-smi", "info"] and TOOL_COMMANDS["npu-smi-m"] == ["npu-smi", "info", "-m"]
+
+
+def test_vendor_pci_ids_are_lower_case_hex() -> None:
+    assert all(k.startswith("0x") and k == k.lower() and len(k) == 6 for k in VENDOR_PCI_IDS)
+
+
+# --- source preference ------------------------------------------------------------
+
+
+def test_csv_wins_over_list_and_plain_and_specs_fill_tflops() -> None:
+    text = (CAPTURES / H100_CAPTURE).read_text(encoding="utf-8")
+    r = raw(nvidia_smi_csv=_narrow_csv_from_capture(H100_CAPTURE),
+            nvidia_smi_L=capture_sections(text, "nvidia-smi -L")[0],
+            nvidia_smi=sample("nvidia-smi_plain_h100-80gb-hbm3.txt"))
+    (chip,) = chips_from_raw(r)
+    assert (chip.vendor, chip.model, chip.memory_gb, chip.pci_bus_id, chip.source) == (
+        "nvidia", "NVIDIA H100 80GB HBM3", 79.65, "0000:00:09.0", "nvidia-smi-csv")
+    assert (chip.tflops.bf16, chip.tflops.fp16, chip.tflops.fp32) == (989.4, 989.4, 66.9)
+
+
+def test_plain_is_used_when_the_csv_query_fails() -> None:
+    r = raw(nvidia_smi=sample("nvidia-smi_plain_l40s.txt"), nvidia_smi_L=sample("nvidia-smi_L_l40s.txt"))
+    r["tools"]["nvidia-smi-csv"] = tool("", rc=2, stderr='Field "pci.device_id" is not a valid field to query.')
+    (chip,) = chips_from_raw(r)
+    assert (chip.model, chip.memory_gb, chip.source) == ("NVIDIA L40S", 44.99, "nvidia-smi")
+    assert chip.tflops.bf16 == 362.05
+
+
+def test_list_alone_takes_memory_from_the_spec_table() -> None:
+    (chip,) = chips_from_raw(raw(nvidia_smi_L=sample("nvidia-smi_L_h200.txt")))
+    assert (chip.model, chip.memory_gb, chip.source) == ("NVIDIA H200", 140.4, "nvidia-smi-L")  # 143771 MiB
+
+
+def test_truncated_plain_name_is_completed_from_the_list() -> None:
+    plain = sample("nvidia-smi_plain_h100-80gb-hbm3.txt").replace("NVIDIA H100 80GB HBM3 ", "NVIDIA H100 80GB H... ")
+    (chip,) = chips_from_raw(raw(nvidia_smi=plain, nvidia_smi_L=sample("nvidia-smi_L_h100-80gb-hbm3.txt")))
+    assert (chip.model, chip.memory_gb, chip.source) == ("NVIDIA H100 80GB HBM3", 79.65, "nvidia-smi")
+
+
+def test_timed_out_tool_output_is_ignored() -> None:
+    r = raw(nvidia_smi_L=sample("nvidia-smi_L_h200.txt"))
+    r["tools"]["nvidia-smi"] = tool(sample("nvidia-smi_plain_l40s.txt"), rc=None, timeout=True)
+    assert [c.model for c in chips_from_raw(r)] == ["NVIDIA H200"]
+
+
+def test_ascend_table_merged_with_chip_map() -> None:
+    stem = "ai-server_atlas-800-training-server_model-9010_version-24.1.RC2.txt"
+    chips = chips_from_raw(raw(npu_smi=sample(f"npu-smi_info_{stem}"), npu_smi_m=sample(f"npu-smi_info_m_{stem}")))
+    assert len(chips) == 8
+    assert {(c.model, c.memory_gb, c.tflops.fp16, c.source) for c in chips} == {("Ascend 910A", 32.0, 256, "npu-smi+npu-smi-m")}
+    assert [c.index for c in chips] == list(range(8))
+
+
+def test_ascend_a3_chips_get_half_a_package_each() -> None:
+    chips = chips_from_raw(raw(npu_smi=sample("npu-smi_info_a3-ascend910-2chip_excerpt.txt")))
+    assert [(c.model, c.memory_gb, c.tflops.bf16) for c in chips] == [("Ascend910", 64.0, 376)] * 3
+
+
+def test_hygon_prefers_hy_smi_and_fills_from_rocminfo() -> None:
+    chips = chips_from_raw(raw(hy_smi_json=sample("hy-smi_json_k100-ai_excerpt.txt"),
+                               rocm_smi=sample("rocm-smi_hygon-dcu_plain_flagperf.txt")))
+    assert summary(chips) == [("hygon", 0, "K100_AI", 63.98, "hy-smi-json"), ("hygon", 1, "K100_AI", 63.98, "hy-smi-json")]
+    assert chips[0].tflops.bf16 == 196
+    # DTK's plain rocm-smi alone still counts the DCUs, with the model unknown.
+    plain = chips_from_raw(raw(rocm_smi=sample("rocm-smi_hygon-dcu_plain_flagperf.txt")))
+    assert [(c.vendor, c.model, c.memory_gb, c.tflops.bf16) for c in plain] == [("hygon", "unknown", None, None)] * 8
+
+
+def test_amd_and_hygon_from_the_same_tool_name_are_told_apart() -> None:
+    amd = chips_from_raw(raw(rocm_smi_json=sample("rocm-smi_json_mi100_rocm602.json.txt")))
+    assert {(c.vendor, c.tflops.fp16) for c in amd} == {("amd", 184.6)} and len(amd) == 4
+    (dcu,) = chips_from_raw(raw(rocm_smi_json=sample("rocm-smi_json_hygon-dcu_dtk-24.04.3.json.txt")))
+    assert dcu.vendor == "hygon"
+
+
+def test_iluvatar_tool_installed_as_nvidia_smi() -> None:
+    (chip,) = chips_from_raw(raw(nvidia_smi=sample("ixsmi_bi-v150s.txt")))
+    assert (chip.vendor, chip.model, chip.memory_gb) == ("iluvatar", "Iluvatar BI-V150S", 32.0)
+
+
+def test_mixed_vendors_are_ordered_by_vendor_then_index() -> None:
+    chips = chips_from_raw(raw(mx_smi=sample("mx-smi_c550x8.txt"), nvidia_smi=sample("nvidia-smi_plain_h200.txt"),
+                               cnmon=sample("cnmon_mlu370-x8_paddle-docs.txt")))
+    assert [c.vendor for c in chips] == ["nvidia"] + ["metax"] * 8 + ["cambricon"] * 2
+    assert [c.tflops.bf16 for c in chips if c.vendor == "cambricon"] == [48, 48]  # half an MLU370-X8 board each
+
+
+# --- masked documentation names -----------------------------------------------------
+
+
+def test_masked_names_resolve_by_device_id_or_stay_unknown() -> None:
+    (dcu,) = chips_from_raw(raw(rocm_smi_json=sample("rocm-smi_json_hygon-dcu_dtk-24.04.3.json.txt")))
+    assert (dcu.model, dcu.tflops.bf16, dcu.memory_gb) == ("DCU K100-AI", 196, 63.98)  # "DCU xxxx", device 0x6210
+    (agent,) = chips_from_raw(raw(rocminfo=sample("rocminfo_hygon-dcu_dtk-24.04.3.txt")))
+    assert agent.model == "DCU K100-AI"  # "K1xx_AI", chip id 0x6210
+    npus = chips_from_raw(raw(npu_smi=sample(
+        "npu-smi_info_ai-server_atlas-800-training-server_model-9010_version-24.1.RC2.txt")))
+    assert {(c.model, c.memory_gb, c.tflops.fp16) for c in npus} == {("unknown", 32.0, None)}  # "xxx", no id
+
+
+# --- partitions ---------------------------------------------------------------------
+
+
+_MI350X_TWO_PARTITIONS = sample("amd-smi_static_text_mi350x.txt") + """GPU: 1
+    ASIC:
+        MARKET_NAME: AMD Instinct MI350X
+        DEVICE_ID: 0x75a0
+    BUS:
+        BDF: 0000:05:00.1
+"""
+
+
+def test_partitioned_gpu_splits_the_device_figures() -> None:
+    (whole,) = chips_from_raw(raw(amd_smi_static=sample("amd-smi_static_text_mi350x.txt")))
+    assert whole.tflops.bf16 == 2300
+    halves = chips_from_raw(raw(amd_smi_static=_MI350X_TWO_PARTITIONS))
+    assert [(c.pci_bus_id, c.tflops.bf16) for c in halves] == [("0000:05:00.0", 1150), ("0000:05:00.1", 1150)]
+
+
+def _pci(address: str, vendor: str, device: str, cls: str = "0x120000") -> dict:
+    return {"address": address, "vendor": vendor, "device": device, "class": cls}
+
+
+def test_pci_fallback_groups_partition_functions_into_one_card() -> None:
+    # The three functions of one MI300 in TPX mode (addresses from rocm-smi --showbus).
+    tpx = [_pci(f"0000:01:00.{f}", "0x1002", "0x74a1") for f in range(3)]
+    (card,) = chips_from_raw({"pci": tpx})
+    assert (card.vendor, card.model, card.source, card.pci_bus_id) == ("amd", "Instinct MI300X", "pci", "0000:01:00.0")
+    assert (card.tflops.bf16, card.memory_gb) == (1307.4, 191.98)
+
+
+def test_pci_fallback_counts_accelerator_functions_only() -> None:
+    pci = [
+        _pci("0000:00:09.0", "0x10de", "0x2330", "0x030200"),
+        _pci("0000:00:09.1", "0x10de", "0x22a3", "0x040300"),  # audio function of a GPU board
+        _pci("0000:3b:00.0", "0x10de", "0x9999", "0x030200"),  # a device id the table does not know
+        _pci("0000:5e:00.0", "0x19e5", "0x1822", "0x020000"),  # a Huawei NIC, not an NPU
+        _pci("0000:00:02.0", "0x1a03", "0x2000", "0x030000"),  # the BMC's VGA
+    ]
+    chips = chips_from_raw({"pci": pci, "tools": {"nvidia-smi": tool("NVIDIA-SMI has failed because it couldn't "
+                                                                      "communicate with the NVIDIA driver.", rc=9)}})
+    assert summary(chips) == [("nvidia", 0, "H100 SXM5", 79.65, "pci"), ("nvidia", 1, "unknown", None, "pci")]
+
+
+def test_pci_is_not_used_for_a_vendor_a_tool_reported() -> None:
+    pci = [_pci(f"0000:{b}:00.0", "0x1e36", "0xc033") for b in ("01", "09")]
+    chips = chips_from_raw({"pci": pci, "tools": {"efsmi": tool(sample("efsmi_s60_paddle-docs.txt"))}})
+    assert [(c.source, c.memory_gb) for c in chips] == [("efsmi", 47.97), ("efsmi", 41.97)]
+
+
+def test_lspci_output_is_the_pci_fallback_when_sysfs_gave_nothing() -> None:
+    chips = chips_from_raw(raw(lspci=sample("lspci_enflame-s60_excerpt.txt")))
+    assert summary(chips) == [("enflame", 0, "S60", 47.97, "pci"), ("enflame", 1, "S60", 47.97, "pci")]
+    assert [c.pci_bus_id for c in chips] == ["0000:01:00.0", "0000:09:00.0"]
+
+
+# --- /dev and cpu -------------------------------------------------------------------
+
+
+def test_biren_from_dev_nodes() -> None:
+    chips = chips_from_raw({"dev": ["biren/card_1", "biren/card_0", "dri/card0", "dri/renderD128"]})
+    assert summary(chips) == [("biren", 0, "unknown", None, "dev"), ("biren", 1, "unknown", None, "dev")]
+
+
+def test_dev_nodes_do_not_duplicate_a_tool_listing() -> None:
+    chips = chips_from_raw({**raw(nvidia_smi_L=sample("nvidia-smi_L_h200.txt")),
+                            "dev": ["nvidia0", "nvidia1", "nvidiactl", "nvidia-uvm", "davinci0", "davinci_manager"]})
+    assert summary(chips) == [("nvidia", 0, "NVIDIA H200", 140.4, "nvidia-smi-L"), ("ascend", 0, "unknown", None, "dev")]
+
+
+@pytest.mark.parametrize("raw_facts", [
+    {},
+    {"tools": {}, "pci": [_pci("0000:17:00.0", "0x8086", "0x1592", "0x020000")], "dev": ["dri/card0"]},
+    {"tools": {"nvidia-smi": tool("No devices were found", rc=6)}},
+])
+def test_a_node_without_accelerators_reports_one_cpu_chip(raw_facts: dict) -> None:
+    (chip,) = chips_from_raw(raw_facts)
+    assert (chip.index, chip.vendor, chip.model, chip.source) == (0, "cpu", "cpu", "cpu")
+    assert (chip.tflops.bf16, chip.tflops.fp16, chip.tflops.fp32) == (None, None, None)
+
+
+def test_cpu_chip_carries_the_cpu_model() -> None:
+    (chip,) = chips_from_raw({"cpu": {"model": "AMD EPYC 9654 96-Core Processor", "cores": 192}})
+    assert chip.model == "AMD EPYC 9654 96-Core Processor"
+
