@@ -171,6 +171,133 @@ def _print_probe(cluster, *, bench: bool) -> None:  # noqa: ANN001 - Cluster
 # --- end plan ----------------------------------------------------------------
 
 # --- launch / demo (issue 4) -----------------------------------------------
+@app.command("launch")
+@handle_errors
+def launch_cmd(
+    plan_dir: str = typer.Argument(..., help="Plan folder written by `hetctl plan` (or its plan.yaml)."),
+    inventory: str | None = typer.Option(None, "-i", "--inventory", help="Inventory YAML; default: the plan's."),
+    steps: int = typer.Option(100, "--steps", min=1, help="Optimizer steps to train."),
+    checkpoint_every: int = typer.Option(10, "--checkpoint-every", min=0, help="Checkpoint every K steps (0: none)."),
+    run_dir: str = typer.Option("runs", "--run-dir", help="Folder that receives runs/<run-id>/."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print every node's commands and environment; start nothing."),
+    json_out: bool = typer.Option(False, "--json", help="Print the summary (or the dry run) as JSON on stdout."),
+    master_port: int | None = typer.Option(None, "--master-port", min=1, max=65535,
+                                           help="Rendezvous port; default: a free port on rank 0's node."),
+    grace: float = typer.Option(5.0, "--grace", min=0.0, help="Seconds between SIGTERM and SIGKILL when stopping."),
+) -> None:
+    """Start every rank of a plan through a per-node agent, show it live, stop it cleanly."""
+    from hetctl.run import launcher
+    from hetctl.run.controller import Thresholds
+
+    plan, inv, pf = launcher.load_plan_and_inventory(plan_dir, inventory)
+    if dry_run:
+        spec = launcher.dry_run(plan, inv, steps=steps, checkpoint_every=checkpoint_every, run_root=run_dir,
+                                master_port=master_port)
+        if json_out:
+            import json
+
+            print_json(json.dumps(spec.to_dict(), indent=2))
+        else:
+            _print_dry_run(spec)
+        return
+    warning = launcher.checkpoint_warning(inv, plan)
+    if warning:
+        err.print(f"[yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
+    run, info = launcher.new_run(plan, inv, run_root=run_dir, plan_path=pf, steps=steps,
+                                 checkpoint_every=checkpoint_every)
+    result = _run_live(plan, inv, run, info, Thresholds(grace_s=grace), json_out)
+    _finish_launch(result, json_out)
+
+
+@app.command("demo")
+@handle_errors
+def demo_cmd(
+    directory: str = typer.Option("hetctl-demo", "--dir", help="Folder for the demo's inventory, plan and runs."),
+    steps: int = typer.Option(40, "--steps", min=1, help="Optimizer steps to train."),
+    checkpoint_every: int = typer.Option(10, "--checkpoint-every", min=0, help="Checkpoint every K steps."),
+    json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON on stdout."),
+) -> None:
+    """The whole flow on this machine: three local nodes, probe, plan `tiny`, launch, summary."""
+    from pathlib import Path
+
+    from hetctl.run import demo, launcher
+    from hetctl.run.controller import Thresholds
+
+    inv_path = demo.write_inventory(directory)
+    err.print(f"[bold]1/3 probe[/] {inv_path}", highlight=False)
+    inv, cluster = demo.probe_nodes(inv_path)
+    for n in cluster.nodes:
+        err.print(f"  {n.name}: {len(n.chips)} × {n.chips[0].model if n.chips else '?'}, "
+                  f"{n.tflops_override or '?'} TFLOPS (inventory override)", highlight=False)
+    err.print("[bold]2/3 plan[/] tiny", highlight=False)
+    plan, plan_path = demo.plan_tiny(directory, cluster)
+    for s in plan.stages:
+        err.print(f"  stage {s.stage} on {s.node}: layers {s.layers[0]}:{s.layers[1]}", highlight=False)
+    err.print(f"[bold]3/3 launch[/] {steps} steps", highlight=False)
+    run, info = launcher.new_run(plan, inv, run_root=Path(directory) / "runs", plan_path=plan_path, steps=steps,
+                                 checkpoint_every=checkpoint_every)
+    result = _run_live(plan, inv, run, info, Thresholds(grace_s=3.0), json_out)
+    _finish_launch(result, json_out)
+
+
+def _run_live(plan, inv, run, info, thresholds, json_out: bool):  # noqa: ANN001, ANN202
+    """Supervise a run under the live view (on stderr, so stdout stays clean for --json)."""
+    from hetctl.run import launcher
+    from hetctl.run.live import LiveView
+
+    with LiveView(err, title=f"run {run.run_id}") as view:
+        return launcher.launch_run(plan, inv, run=run, info=info, view=view, thresholds=thresholds)
+
+
+def _finish_launch(result, json_out: bool) -> None:  # noqa: ANN001
+    """Summary on stdout; exit 0 only on success (3: could not start, 5: failed, 130: stopped)."""
+    from hetctl.errors import RunFailed
+    from hetctl.run.outcome import FaultKind
+    from hetctl.run.supervise import start_error
+
+    s = result.summary
+    root = result.outcome.root_cause
+    if s.state == "failed" and root is not None and root.kind == FaultKind.START and result.attempts == 1 \
+            and result.outcome.last_step == 0:
+        raise start_error(result.outcome.failures)
+    if json_out:
+        print_json(s.model_dump_json(indent=2))
+    else:
+        loss = "-" if s.first_loss is None else f"{s.first_loss:.4f} → {s.final_loss:.4f}"
+        tps = "-" if s.tokens_per_s is None else f"{s.tokens_per_s:,.0f}"
+        colour = {"succeeded": "green", "failed": "red", "stopped": "yellow"}.get(s.state, "")
+        out.print(f"[bold {colour}]{s.state}[/]  run {s.run_id}  steps {s.steps}  loss {loss}  tokens/s {tps}  "
+                  f"attempts {s.attempts}  restarts {s.restarts}", highlight=False, soft_wrap=True)
+        out.print(f"run folder: {s.run_dir}", highlight=False, soft_wrap=True)
+        if s.reason and s.state != "succeeded":
+            out.print(f"reason: {s.reason}", highlight=False, soft_wrap=True)
+    if s.state == "stopped":
+        err.print(f"[dim]continue with:[/] hetctl resume {s.run_dir}", highlight=False, soft_wrap=True)
+        raise typer.Exit(130)
+    if s.state != "succeeded":
+        err.print(f"[dim]continue with:[/] hetctl resume {s.run_dir}", highlight=False, soft_wrap=True)
+        raise typer.Exit(RunFailed.exit_code)
+
+
+def _print_dry_run(spec) -> None:  # noqa: ANN001 - LaunchSpec
+    """Per node: the agent command, then each rank's argv and environment (secrets masked)."""
+    import shlex
+
+    from hetctl.run.materialize import mask_env
+
+    out.print(f"[bold]dry run[/]: attempt {spec.attempt}, {sum(len(n.ranks) for n in spec.nodes)} ranks on "
+              f"{len(spec.nodes)} nodes; rendezvous {spec.master_addr}:{spec.master_port}; "
+              f"checkpoints {spec.ckpt_dir}; nothing started", highlight=False, soft_wrap=True)
+    for n in spec.nodes:
+        out.print(f"\n[bold]{n.node}[/] ({n.transport} {n.host}, workdir {n.workdir})", highlight=False)
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in mask_env(n.env).items())
+        out.print(f"  agent: {env + ' ' if env else ''}{shlex.join(n.agent_argv)}", highlight=False, soft_wrap=True)
+        for r in n.ranks:
+            out.print(f"  rank {r.rank} (replica {r.replica}, stage {r.stage}, layers {r.layers[0]}:{r.layers[1]}):",
+                      highlight=False)
+            for k in sorted(r.env):
+                out.print(f"    {k}={shlex.quote(r.env[k])}", highlight=False, soft_wrap=True)
+            out.print(f"    {shlex.join(r.argv)}", highlight=False, soft_wrap=True)
 # --- end launch --------------------------------------------------------------
 
 # --- resume (issue 5) ------------------------------------------------------

@@ -57,6 +57,8 @@ def event_line(ev: dict) -> str | None:
                 f"(rendezvous {ev['master_addr']}:{ev['master_port']}"
                 + (f", resuming from step {ev['resume_step']}" if ev.get("resume_step") else "") + ")")
     if k == "progress":
+        if not ev.get("step"):
+            return None  # ranks are up, training not yet under way
         parts = [f"step {ev['step']}"]
         if ev.get("loss") is not None:
             parts.append(f"loss {ev['loss']:.4f}")

@@ -259,6 +259,8 @@ class Monitor:
             if node not in self.stopped_nodes and now - seen > self.th.node_timeout:
                 self._node_lost(node, f"no word from the agent for {now - seen:.1f}s")
                 self.last_seen[node] = now
+        if any(f.kind == FaultKind.HANG for f in self.failures):
+            return  # one hang explains the others: peers of a stuck rank wait on it
         stale = []
         for st in self.ranks.values():
             if st.state not in ("running", "starting") or st.progress_at is None:
