@@ -287,10 +287,15 @@ _ALL_PARSERS = [
 @pytest.mark.parametrize("parse", _ALL_PARSERS, ids=lambda f: f"{f.__module__.rsplit('.', 1)[-1]}.{f.__name__}")
 def test_foreign_and_garbled_input_never_crashes(parse: Callable[[str], list[ParsedChip]]) -> None:
     """Every parser on every other sample, on empty and on cut-off text: a list or a ValueError."""
+    import random
+
+    rnd = random.Random(0)
     texts = ["", "\n\n", "| | |\n|0|\n", "{\"card0\": {", "<?xml version='1.0'?><nvidia_smi_log><gpu"]
     for name in _all_sample_files():
         t = sample(name)
-        texts += [t, t[: len(t) // 2]]
+        lines = t.splitlines()
+        rnd.shuffle(lines)
+        texts += [t, t[: len(t) // 2], t[: len(t) // 3], "\n".join(lines)]
     for t in texts:
         try:
             out = parse(t)

@@ -128,8 +128,10 @@ def test_unknown_names_and_masked_names_do_not_match() -> None:
     assert lookup("cambricon", "MLUXXX-XX") is None
     assert lookup("nvidia", "unknown") is None
     assert lookup("kunlunxin", "R300") is None  # not a hetctl vendor
-    # A masked name still resolves through its PCI device id.
+    # A masked name still resolves through its PCI device id; a clear name wins over an id.
     assert lookup("hygon", "DCU xxxx", device_id="0x6210").model == "DCU K100-AI"
+    assert lookup("nvidia", "NVIDIA L40S", device_id="0x2330").model == "L40S"
+    assert lookup("amd", "Radeon RX 7900 XTX", device_id="0x744c") is None  # Navi 31 is several cards
 
 
 def test_vendor_scopes_the_name() -> None:

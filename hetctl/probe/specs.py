@@ -169,9 +169,10 @@ def lookup(
 ) -> SpecRow | None:
     """The spec row for a chip, or ``None`` when the table does not know it.
 
-    Identification order: PCI device id (when given and listed), then the
-    name. A masked documentation name (``Ascend xxx``, ``K1xx_AI``) matches
-    nothing by name. When several rows match a name, the one whose memory is
+    Identification order: the name, then the PCI device id (for names that
+    match no row, such as rocm-smi's ``AMD INSTINCT MI200 (MCM) …`` or a
+    masked documentation name like ``Ascend xxx`` or ``K1xx_AI``, which match
+    nothing by name). When several rows match a name, the one whose memory is
     closest to ``memory_gb`` wins, then the first in the file. Memory alone
     never identifies a chip (an MTT S4000 reports 32 GB with the IOMMU off).
 
@@ -187,15 +188,14 @@ def lookup(
     rows = [r for r in table() if r.vendor == vendor]
     if vendor == "cpu":
         return rows[0] if rows else None
-    dev = hex_id(device_id) if device_id else None
-    if dev:
-        by_id = [r for r in rows if dev in r.device_ids]
-        if len(by_id) == 1:
-            return by_id[0]
-    if not model or model == "unknown" or is_masked(model):
-        return None
-    norm = normalize_name(model)
-    hits = [r for r in rows if any(p.search(norm) for p in r.patterns)]
+    hits: list[SpecRow] = []
+    if model and model != "unknown" and not is_masked(model):
+        norm = normalize_name(model)
+        hits = [r for r in rows if any(p.search(norm) for p in r.patterns)]
     if len(hits) > 1 and memory_gb is not None:
         return min(hits, key=lambda r: abs((r.memory_fallback_gb() or 0) - memory_gb))
-    return hits[0] if hits else None
+    if hits:
+        return hits[0]
+    dev = hex_id(device_id) if device_id else None
+    by_id = [r for r in rows if dev and dev in r.device_ids]
+    return by_id[0] if len(by_id) == 1 else None

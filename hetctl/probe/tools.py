@@ -276,7 +276,10 @@ def chips_from_raw(raw: dict) -> list[Chip]:
 
     Returns:
         Chips ordered by vendor (as in :data:`hetctl.probe.facts.VENDORS`) then
-        index; one ``cpu`` chip when no accelerator was found.
+        index; one ``cpu`` chip when no accelerator was found. ``memory_gb`` is
+        the total the tool printed, MiB / 1024 (below the marketing size, as
+        the hardware really offers it), or the spec table's reported total
+        when the source printed none.
     """
     raw = raw or {}
     found: dict[str, tuple[str, list[ParsedChip]]] = dict(_tool_chips(raw.get("tools") or {}))
