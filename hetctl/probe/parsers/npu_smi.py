@@ -19,6 +19,7 @@ id, so that chips of one card can be told apart from separate cards.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 from hetctl.probe.parsers._common import (
@@ -140,7 +141,7 @@ def parse_detail(text: str) -> list[ParsedChip]:
     return chips
 
 
-def _prefer_name(long: str | None, short: str, resolves) -> str:  # noqa: ANN001 - callable
+def _prefer_name(long: str | None, short: str, resolves: Callable[[str], bool]) -> str:
     """Pick between the ``-m`` name and the table name: non-masked, then known to the spec table."""
     cands = [n for n in (long, short) if n and n != "unknown" and not is_masked(n)]
     for n in cands:
@@ -149,7 +150,13 @@ def _prefer_name(long: str | None, short: str, resolves) -> str:  # noqa: ANN001
     return cands[0] if cands else short
 
 
-def merge(info: list[ParsedChip], mapping: list[ParsedChip], resolves=lambda name: False) -> list[ParsedChip]:  # noqa: ANN001
+def _never(name: str) -> bool:
+    return False
+
+
+def merge(
+    info: list[ParsedChip], mapping: list[ParsedChip], resolves: Callable[[str], bool] = _never,
+) -> list[ParsedChip]:
     """Give ``info`` chips the logical id and (where better) the long name from ``-m``.
 
     Args:
