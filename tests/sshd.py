@@ -174,7 +174,7 @@ SetEnv {setenv}
         return self.proc is not None and self.proc.poll() is None
 
     def processes(self) -> list[psutil.Process]:
-        """This host's sshd, every descendant, and anything still carrying its marker."""
+        """This host's sshd, every descendant, any sshd on its config, anything carrying its marker."""
         found: dict[int, psutil.Process] = {}
         if self.proc is not None and self.proc.poll() is None:  # once reaped, its pid may be reused
             try:
@@ -184,7 +184,7 @@ SetEnv {setenv}
                     found[p.pid] = p
             except psutil.NoSuchProcess:
                 pass
-        for p in _marked(self.marker):
+        for p in _marked(self.marker, self.config):
             found.setdefault(p.pid, p)
         return list(found.values())
 
@@ -257,18 +257,32 @@ SetEnv {setenv}
         return self.install_script(name, "\n".join(lines) + "\n")
 
 
-def _marked(marker: str) -> list[psutil.Process]:
-    """Live processes whose environment carries ``HETCTL_TEST_SSHD=marker`` (or a prefix of it)."""
+def _marked(marker: str, config: Path | None = None) -> list[psutil.Process]:
+    """Live processes carrying ``HETCTL_TEST_SSHD=marker`` (or ``marker:…``), or running with ``config``.
+
+    Reads ``/proc/<pid>/{environ,cmdline}`` directly: psutil's parsing of every
+    process's environment made stopping a cluster take seconds. Zombies have
+    neither, so they never match.
+    """
+    needle = f"{MARKER_ENV}={marker}".encode()
+    cfg = str(config).encode() if config else None
     out = []
-    for p in psutil.process_iter():
-        try:
-            if p.status() == psutil.STATUS_ZOMBIE:
-                continue
-            value = p.environ().get(MARKER_ENV, "")
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
             continue
-        if value == marker or value.startswith(marker + ":"):
-            out.append(p)
+        try:
+            with open(f"/proc/{entry.name}/environ", "rb") as f:
+                env = f.read()
+            with open(f"/proc/{entry.name}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        hit = needle in env and any(v == needle or v.startswith(needle + b":") for v in env.split(b"\0"))
+        if hit or (cfg is not None and cfg in cmd):  # sshd rewrites its argv into one title
+            try:
+                out.append(psutil.Process(int(entry.name)))
+            except psutil.NoSuchProcess:
+                pass
     return out
 
 
@@ -353,7 +367,7 @@ class SshdCluster:
             h.kill()
 
     def leftovers(self) -> list[psutil.Process]:
-        """Live processes started by this cluster: sshd trees, marked sessions, configs under root."""
+        """Live processes started by this cluster: sshd trees, marked sessions, sshd with our configs."""
         found = {p.pid: p for h in self.hosts for p in h.processes() if _running(p)}
         for p in _marked(self.id):
             found.setdefault(p.pid, p)
