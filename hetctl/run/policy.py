@@ -38,12 +38,18 @@ class PolicyConfig:
             and dropped.
         rebalance: re-plan with measured stage speeds when a straggler persists.
         restart_delay_s: pause between stopping an attempt and starting the next.
+        straggler_tolerance: relative slowdown of a stage against its peers that counts (0.25 = 25 %).
+        straggler_window: steps averaged per stage before judging.
+        straggler_patience: consecutive flagged steps before a ``straggler`` event.
     """
 
     max_restarts: int = 3
     max_node_failures: int = 3
     rebalance: bool = False
     restart_delay_s: float = 0.0
+    straggler_tolerance: float = 0.25
+    straggler_window: int = 5
+    straggler_patience: int = 3
 
 
 class Action(str, enum.Enum):

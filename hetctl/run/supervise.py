@@ -80,7 +80,8 @@ def supervise(
         inventory: the resolved inventory (connections, workdirs, checkpoint_dir).
         events: the run's event log.
         thresholds: hang, node and grace timeouts of the controller.
-        policy: the elastic policy's configuration; None runs a single attempt.
+        policy: a :class:`hetctl.run.policy.PolicyConfig`; None runs a single attempt, otherwise
+            :func:`hetctl.run.elastic.supervise_elastic` runs attempts until the policy ends the run.
         first_attempt: number of the first attempt (``resume`` continues the count).
         resume_step: checkpoint step the first attempt resumes from (0: from scratch).
         on_progress: per-stage step times as they arrive (straggler detection).
@@ -90,7 +91,8 @@ def supervise(
     """
     stop = stop or threading.Event()
 
-    def run_one(attempt: int, attempt_plan: Plan, step: int | None) -> AttemptOutcome:
+    def run_one(attempt: int, attempt_plan: Plan, step: int | None,
+                on_progress: OnProgress | None = on_progress) -> AttemptOutcome:
         run.save_plan(attempt, attempt_plan)
         info.attempts = max(info.attempts, attempt + 1)
         info.state = RunState.RUNNING.value
@@ -102,7 +104,11 @@ def supervise(
                            on_progress=on_progress, on_update=on_update, stop=stop, connect=connect)
 
     if policy is not None:
-        raise TypeError("supervise(): the elastic policy loop is wired in by hetctl.run.policy")
+        from hetctl.run.elastic import supervise_elastic
+
+        return supervise_elastic(run, plan, info=info, inventory=inventory, events=events, config=policy,
+                                 run_one=run_one, finish=_finish, first_attempt=first_attempt,
+                                 resume_step=resume_step, on_progress=on_progress)
     outcome = run_one(first_attempt, plan, resume_step)
     attempts = 1
     return _finish(run, info, events, outcome, attempt=first_attempt + attempts - 1, attempts=attempts,

@@ -1,0 +1,159 @@
+"""Re-planning during a run: on the surviving nodes, or with measured stage speeds.
+
+Uses only the planner's public API (:func:`hetctl.plan.planner.plan_cluster`)
+and the cluster facts contract. The model, global batch, micro-batch and
+framework never change across attempts, so a checkpoint of any attempt loads into
+any later one (layer-granular checkpoints, DESIGN §5).
+
+Which layout is preferred: the same data-parallel width as before when the
+survivors can hold it, because then the run computes bit for bit what an
+undisturbed run computes (the same micro-batches summed in the same order, only
+the layer split moves); a different width is taken only when the old one no
+longer fits, and the new plan's notes say that the losses will then differ in the
+last bits (a gradient all-reduce over a different number of replicas rounds
+differently).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+from hetctl.errors import ConfigError, HetctlError, PlanInfeasible
+from hetctl.plan.schema import Plan
+from hetctl.probe.facts import Cluster, NodeFacts, Tflops
+
+PlanFn = Callable[..., Plan]
+
+
+def load_cluster(plan: Plan, inventory: Any = None, *, plan_file: str | Path | None = None,
+                 probe: Callable[[Any], Cluster] | None = None) -> Cluster:
+    """The cluster facts the plan was made from; probed afresh when the file is gone.
+
+    ``plan.cluster`` is tried as written (from the current directory), then next to
+    the plan file. Without it, the inventory is probed (``probe`` defaults to
+    :func:`hetctl.probe.run.probe`).
+    """
+    from hetctl.yamlio import load_model
+
+    candidates = []
+    if plan.cluster:
+        p = Path(plan.cluster)
+        candidates.append(p)
+        if plan_file is not None and not p.is_absolute():
+            candidates.append(Path(plan_file).parent / p)
+            candidates.append(Path(plan_file).parent / p.name)
+    for c in candidates:
+        if c.is_file():
+            try:
+                return load_model(c, Cluster, "cluster file")
+            except ConfigError:
+                break
+    if inventory is None:
+        raise ConfigError(
+            f"cannot re-plan: the cluster file {plan.cluster or '(none recorded)'} is gone and no inventory was given",
+            "pass the inventory with -i",
+        )
+    if probe is None:
+        from hetctl.probe.run import probe as probe_inventory
+
+        probe = probe_inventory
+    return probe(inventory)
+
+
+def survivors(cluster: Cluster, drop: Sequence[str], keep_only: Sequence[str] | None = None) -> Cluster:
+    """The cluster without the dropped nodes (and, when given, only nodes named in ``keep_only``)."""
+    gone = set(drop)
+    nodes = [n for n in cluster.nodes if n.name not in gone and (keep_only is None or n.name in keep_only)]
+    return cluster.model_copy(update={"nodes": nodes})
+
+
+def with_speeds(cluster: Cluster, factors: Mapping[str, float]) -> Cluster:
+    """Scale each node's chips to their measured relative speed (``measured_tflops``).
+
+    A factor of 0.5 (the node's stages ran twice their planned share) halves the
+    figure the planner used for every chip of the node, so the next plan gives it
+    about half the layers.
+    """
+    from hetctl.plan.devices import _node_chips, chip_rate
+
+    nodes: list[NodeFacts] = []
+    for n in cluster.nodes:
+        f = factors.get(n.name)
+        if f is None or not n.reachable or abs(f - 1.0) < 1e-9:
+            nodes.append(n)
+            continue
+        chips = []
+        for c in _node_chips(n):
+            rate, prec, _src = chip_rate(n, c)
+            measured = Tflops(**{prec: round(rate * f, 6)})
+            chips.append(c.model_copy(update={"measured_tflops": measured}))
+        nodes.append(n.model_copy(update={"chips": chips}))
+    return cluster.model_copy(update={"nodes": nodes})
+
+
+def replan(
+    plan: Plan,
+    cluster: Cluster,
+    *,
+    drop: Sequence[str] = (),
+    factors: Mapping[str, float] | None = None,
+    reason: str = "",
+    plan_fn: PlanFn | None = None,
+) -> Plan:
+    """A new plan for the same model and batch on ``cluster`` minus ``drop``.
+
+    Args:
+        plan: the plan of the attempt that just ended.
+        cluster: cluster facts (see :func:`load_cluster`).
+        drop: nodes lost or marked abnormal.
+        factors: measured relative speed per node (``--rebalance``); None keeps the figures.
+        reason: why, recorded in the new plan's notes.
+        plan_fn: the planner (default :func:`hetctl.plan.planner.plan_cluster`).
+
+    Returns:
+        The new plan: the planner's best layout with the same DP width, or its best
+        layout of any width when that width no longer fits.
+
+    Raises:
+        PlanInfeasible: no layout of the model fits the survivors.
+    """
+    if plan_fn is None:
+        from hetctl.plan.planner import plan_cluster as plan_fn
+    from hetctl.plan.search import Pins
+
+    left = survivors(cluster, drop)
+    if factors:
+        left = with_speeds(left, factors)
+    if not any(n.reachable for n in left.nodes):
+        raise PlanInfeasible(f"no node left after dropping {', '.join(drop)}", "add nodes to the inventory and resume")
+    par = plan.parallel
+    tries = [Pins(dp=par.dp), Pins()]
+    last: HetctlError | None = None
+    for pins in tries:
+        try:
+            new = plan_fn(left, plan.model, global_batch=par.global_batch, micro_batch=par.micro_batch,
+                          framework=plan.framework, pins=pins, cluster_path=plan.cluster, homogeneous=False)
+        except (PlanInfeasible, ConfigError) as e:
+            last = e
+            continue
+        break
+    else:
+        assert last is not None
+        if isinstance(last, PlanInfeasible):
+            raise last
+        raise PlanInfeasible(last.message, last.hint)
+    new.inventory = plan.inventory
+    notes = [f"re-planned: {reason}"] if reason else []
+    if new.parallel.dp != par.dp:
+        notes.append(
+            f"data-parallel width {par.dp} → {new.parallel.dp}: the gradient all-reduce now sums over a different "
+            "number of replicas, so losses match the undisturbed run to rounding, not bit for bit"
+        )
+    new.notes = notes + list(new.notes)
+    return new
+
+
+def layer_split(plan: Plan) -> list[str]:
+    """``node:start-end`` per stage of replica 0, for events and summaries."""
+    return [f"{s.node}:{s.layers[0]}-{s.layers[1]}" for s in plan.stages_of(0)]
