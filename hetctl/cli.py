@@ -184,8 +184,18 @@ def launch_cmd(
     master_port: int | None = typer.Option(None, "--master-port", min=1, max=65535,
                                            help="Rendezvous port; default: a free port on rank 0's node."),
     grace: float = typer.Option(5.0, "--grace", min=0.0, help="Seconds between SIGTERM and SIGKILL when stopping."),
+    max_restarts: int = typer.Option(3, "--max-restarts", min=0,
+                                     help="Restarts after a crash or hang before giving up (node losses count apart)."),
+    hang_timeout: float = typer.Option(300.0, "--hang-timeout", min=0.5,
+                                       help="Seconds without heartbeat progress before a rank counts as hung."),
+    node_timeout: float = typer.Option(20.0, "--node-timeout", min=1.0,
+                                       help="Seconds of silence from a node's agent before the node counts as lost."),
+    max_node_failures: int = typer.Option(3, "--max-node-failures", min=1,
+                                          help="Crashes or hangs on one node before it is marked abnormal and dropped."),
+    rebalance: bool = typer.Option(False, "--rebalance",
+                                   help="Re-plan with measured stage speeds when a straggler persists."),
 ) -> None:
-    """Start every rank of a plan through a per-node agent, show it live, stop it cleanly."""
+    """Start every rank of a plan through a per-node agent, show it live, keep it alive through faults."""
     from hetctl.run import launcher
     from hetctl.run.controller import Thresholds
 
@@ -205,7 +215,9 @@ def launch_cmd(
         err.print(f"[yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
     run, info = launcher.new_run(plan, inv, run_root=run_dir, plan_path=pf, steps=steps,
                                  checkpoint_every=checkpoint_every)
-    result = _run_live(plan, inv, run, info, Thresholds(grace_s=grace), json_out)
+    th = Thresholds(grace_s=grace, hang_timeout=hang_timeout, node_timeout=node_timeout)
+    policy = _policy(max_restarts, max_node_failures, rebalance)
+    result = _run_live(plan, inv, run, info, th, json_out, policy=policy)
     _finish_launch(result, json_out)
 
 
@@ -216,6 +228,8 @@ def demo_cmd(
     steps: int = typer.Option(40, "--steps", min=1, help="Optimizer steps to train."),
     checkpoint_every: int = typer.Option(10, "--checkpoint-every", min=0, help="Checkpoint every K steps."),
     json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON on stdout."),
+    inject_failure: bool = typer.Option(True, "--inject-failure/--no-inject-failure",
+                                        help="kill -9 one rank half-way, to show detection and recovery."),
 ) -> None:
     """The whole flow on this machine: three local nodes, probe, plan `tiny`, launch, summary."""
     from pathlib import Path
@@ -236,17 +250,39 @@ def demo_cmd(
     err.print(f"[bold]3/3 launch[/] {steps} steps", highlight=False)
     run, info = launcher.new_run(plan, inv, run_root=Path(directory) / "runs", plan_path=plan_path, steps=steps,
                                  checkpoint_every=checkpoint_every)
-    result = _run_live(plan, inv, run, info, Thresholds(grace_s=3.0), json_out)
+    listeners = []
+    if inject_failure:
+        from hetctl.run.inject import KillAtStep
+
+        victim = max(r.rank for r in plan.ranks) if len(plan.ranks) > 1 else 0
+        at = max(1, steps // 2)
+        err.print(f"  a failure will be injected: rank {victim} gets kill -9 at step {at} "
+                  "(--no-inject-failure for a clean run)", highlight=False)
+        listeners.append(KillAtStep(run.run_id, victim, at, on_fire=lambda line: err.print(
+            f"[bold magenta]{line}[/]", highlight=False)))
+    result = _run_live(plan, inv, run, info, Thresholds(grace_s=3.0), json_out,
+                       policy=_policy(max_restarts=3, max_node_failures=3, rebalance=False), listeners=listeners)
     _finish_launch(result, json_out)
 
 
-def _run_live(plan, inv, run, info, thresholds, json_out: bool):  # noqa: ANN001, ANN202
-    """Supervise a run under the live view (on stderr, so stdout stays clean for --json)."""
+def _run_live(plan, inv, run, info, thresholds, json_out: bool, policy=None, listeners=()):  # noqa: ANN001, ANN202
+    """Supervise a run under the live view (on stderr, so stdout stays clean for --json).
+
+    ``policy`` (a PolicyConfig) turns on the elastic loop; ``listeners`` also get every event.
+    """
     from hetctl.run import launcher
+    from hetctl.run.inject import Tee
     from hetctl.run.live import LiveView
 
     with LiveView(err, title=f"run {run.run_id}") as view:
-        return launcher.launch_run(plan, inv, run=run, info=info, view=view, thresholds=thresholds)
+        shown = Tee(view, *listeners) if listeners else view
+        return launcher.launch_run(plan, inv, run=run, info=info, view=shown, thresholds=thresholds, policy=policy)
+
+
+def _policy(max_restarts: int, max_node_failures: int, rebalance: bool):  # noqa: ANN202
+    from hetctl.run.policy import PolicyConfig
+
+    return PolicyConfig(max_restarts=max_restarts, max_node_failures=max_node_failures, rebalance=rebalance)
 
 
 def _finish_launch(result, json_out: bool) -> None:  # noqa: ANN001
@@ -301,6 +337,47 @@ def _print_dry_run(spec) -> None:  # noqa: ANN001 - LaunchSpec
 # --- end launch --------------------------------------------------------------
 
 # --- resume (issue 5) ------------------------------------------------------
+@app.command("resume")
+@handle_errors
+def resume_cmd(
+    run_dir: str = typer.Argument(..., help="The run folder, runs/<run-id>."),
+    inventory: str | None = typer.Option(None, "-i", "--inventory", help="Inventory YAML; default: the run's."),
+    steps: int | None = typer.Option(None, "--steps", min=1, help="Total steps to reach; default: the run's."),
+    json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON on stdout."),
+    grace: float = typer.Option(5.0, "--grace", min=0.0, help="Seconds between SIGTERM and SIGKILL when stopping."),
+    max_restarts: int = typer.Option(3, "--max-restarts", min=0,
+                                     help="Restarts after a crash or hang before giving up (a fresh budget)."),
+    hang_timeout: float = typer.Option(300.0, "--hang-timeout", min=0.5,
+                                       help="Seconds without heartbeat progress before a rank counts as hung."),
+    node_timeout: float = typer.Option(20.0, "--node-timeout", min=1.0,
+                                       help="Seconds of silence from a node's agent before the node counts as lost."),
+    max_node_failures: int = typer.Option(3, "--max-node-failures", min=1,
+                                          help="Crashes or hangs on one node before it is marked abnormal and dropped."),
+    rebalance: bool = typer.Option(False, "--rebalance",
+                                   help="Re-plan with measured stage speeds when a straggler persists."),
+) -> None:
+    """Continue a stopped, killed or failed run from its newest valid checkpoint, on a fresh plan."""
+    from hetctl.run.controller import Thresholds
+    from hetctl.run.inject import Tee
+    from hetctl.run.live import LiveView
+    from hetctl.run.resume import prepare, resume_run
+
+    err.print(f"[bold]resume[/] {run_dir}: checking for live ranks, checkpoints, re-probing", highlight=False)
+    prep = prepare(run_dir, inventory=inventory, steps=steps, wait_s=grace + 10.0)
+    for s in prep.checkpoint.skipped:
+        err.print(f"[yellow]warning:[/] checkpoint step {s.step} skipped: {'; '.join(s.problems)}",
+                  highlight=False, soft_wrap=True)
+    if prep.unchecked:
+        err.print(f"[yellow]warning:[/] could not check for live ranks on {', '.join(prep.unchecked)} "
+                  "(unreachable); they are left out of the new plan", highlight=False, soft_wrap=True)
+    nodes = ", ".join(dict.fromkeys(r.node for r in prep.plan.ranks))
+    err.print(f"  attempt {prep.attempt} from step {prep.checkpoint.step} to {prep.info.inputs.steps} on {nodes}",
+              highlight=False, soft_wrap=True)
+    th = Thresholds(grace_s=grace, hang_timeout=hang_timeout, node_timeout=node_timeout)
+    with LiveView(err, title=f"run {prep.run.run_id}") as view:
+        result = resume_run(prep, thresholds=th, policy=_policy(max_restarts, max_node_failures, rebalance),
+                            view=Tee(view))
+    _finish_launch(result, json_out)
 # --- end resume --------------------------------------------------------------
 
 

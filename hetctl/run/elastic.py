@@ -75,8 +75,14 @@ def supervise_elastic(
         resume_step: checkpoint step the first attempt starts from (0: from scratch).
         on_progress: an extra per-stage timing listener, called besides the straggler watch.
         plan_file: where the first plan came from (to find a relative cluster file).
+
+    ``info.tally`` is the restart budget's state; ``info.restarts`` and
+    ``info.membership_changes`` are the run's totals. ``hetctl resume`` clears the
+    tally (a fresh budget, dropped nodes may return) and keeps the totals.
     """
     tally = Tally.from_dict(info.tally)
+    restarts_before = max(0, info.restarts - tally.restarts)
+    membership_changes_before = max(0, info.membership_changes - tally.membership_changes)
     if plan_file is None and getattr(info.inputs, "plan_dir", None):
         plan_file = Path(info.inputs.plan_dir) / "plan.yaml"
     state: dict[str, Any] = {"cluster": None, "rebalanced_from": None}
@@ -127,8 +133,8 @@ def supervise_elastic(
     def save_tally_then(fn: Callable) -> Callable:
         def wrapped(*a: Any, **kw: Any) -> Any:
             info.tally = tally.to_dict()
-            info.restarts = tally.restarts
-            info.membership_changes = tally.membership_changes
+            info.restarts = restarts_before + tally.restarts
+            info.membership_changes = membership_changes_before + tally.membership_changes
             return fn(*a, **kw)
 
         return wrapped
@@ -145,10 +151,10 @@ def supervise_elastic(
         resume_step=resume_step or None,
     )
     info.tally = tally.to_dict()
-    info.membership_changes = tally.membership_changes
+    info.membership_changes = membership_changes_before + tally.membership_changes
     reason = result.reason if result.state != RunState.SUCCEEDED else None
     if result.state == RunState.FAILED and result.root_cause is not None and result.root_cause != \
             (result.outcome.root_cause if result.outcome else None):
         reason = f"{reason}; first failure: {describe(result.root_cause)}"
     return finish(run, info, events, result.outcome, attempt=result.last_attempt, attempts=result.attempts,
-                  restarts=tally.restarts, reason=reason)
+                  restarts=restarts_before + tally.restarts, reason=reason)

@@ -187,3 +187,131 @@ def check_checkpoint(ckpt_dir: str | Path, model: Mapping[str, Any]) -> Checkpoi
         )
     why = "; ".join(f"step-{s.step}: {s.problems[0]}" for s in skipped[:3])
     raise ResumeRefused(f"{ckpt_dir}: no valid checkpoint ({why})", "start the run again with `hetctl launch`")
+
+
+# --- the whole resume -----------------------------------------------------------------------
+
+
+def wait_no_rank_alive(nodes: Sequence[Any], run_id: str, connect: Callable[[Any], Any], wait_s: float,
+                       sleep: Callable[[float], None] | None = None) -> list[str]:
+    """:func:`check_no_rank_alive`, retried for ``wait_s`` seconds.
+
+    After a controller is killed its agents stop their ranks within the grace
+    period; resuming right away should wait for that rather than refuse.
+    """
+    import time
+
+    sleep = sleep or time.sleep
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return check_no_rank_alive(nodes, run_id, connect)
+        except ResumeRefused:
+            if time.monotonic() >= deadline:
+                raise
+            sleep(0.5)
+
+
+@dataclass
+class Prepared:
+    """Everything ``resume`` decided before starting the next attempt."""
+
+    run: Any
+    info: Any
+    inventory: Any
+    plan: Any
+    attempt: int
+    checkpoint: CheckpointChoice
+    unchecked: list[str]
+    cluster: Any
+
+
+def prepare(
+    run_dir: str | Path,
+    *,
+    inventory: str | Path | None = None,
+    steps: int | None = None,
+    connect: Callable[[Any], Any] | None = None,
+    probe: Callable[[Any], Any] | None = None,
+    wait_s: float = 15.0,
+) -> Prepared:
+    """Check the run can continue, re-probe, re-plan; start nothing.
+
+    Args:
+        run_dir: ``runs/<run-id>``.
+        inventory: inventory path (``-i``); default: the one the run was launched with.
+        steps: new total step count (``--steps``); default: the run's.
+        connect: node → Transport (default :func:`hetctl.remote.connect`).
+        probe: inventory → Cluster (default :func:`hetctl.probe.run.probe`).
+        wait_s: how long to wait for ranks of a killed controller to go away.
+
+    Raises:
+        ResumeRefused, ConfigError, PlanInfeasible: with what to do next.
+    """
+    from hetctl.inventory import load_inventory
+    from hetctl.run.replan import replan
+    from hetctl.run.rundir import RunDir
+
+    run = RunDir.open(run_dir)
+    info = run.load_info()
+    done = run.attempts()
+    if not done:
+        raise ResumeRefused(f"{run.path}: no attempt was ever started", "start it with `hetctl launch`")
+    last = run.load_plan(done[-1])
+    inv_path = inventory or info.inputs.inventory
+    if not inv_path:
+        raise ResumeRefused(f"{run.run_yaml}: the run records no inventory", "pass one with -i inventory.yaml")
+    inv = load_inventory(inv_path)
+    if connect is None:
+        from hetctl.remote import connect as remote_connect
+
+        connect = lambda node: remote_connect(node, inv.ssh)  # noqa: E731
+    used = [n for n in inv.nodes if n.name in {r.node for r in last.ranks}]
+    unchecked = wait_no_rank_alive(used, run.run_id, connect, wait_s)
+
+    choice = check_checkpoint(info.inputs.checkpoint_dir, last.model.model_dump())
+    target = steps if steps is not None else info.inputs.steps
+    if choice.step >= target:
+        raise ResumeRefused(
+            f"run {run.run_id} already has a checkpoint at step {choice.step} of {target}",
+            f"pass --steps N with N > {choice.step} to train further",
+        )
+    info.inputs.steps = target
+
+    if probe is None:
+        from hetctl.probe.run import probe as probe_inventory
+
+        probe = probe_inventory
+    cluster = probe(inv)
+    down = [n.name for n in cluster.nodes if not n.reachable]
+    why = "resumed" + (f"; unreachable now: {', '.join(down)}" if down else "")
+    plan = replan(last, cluster, reason=why)
+    return Prepared(run, info, inv, plan, done[-1] + 1, choice, unchecked, cluster)
+
+
+def resume_run(prep: Prepared, *, thresholds: Any, policy: Any, view: Any = None,
+               connect: Callable[[Any], Any] | None = None) -> Any:
+    """Continue a prepared run as attempt ``prep.attempt`` under the elastic policy.
+
+    Returns the supervisor's result (:class:`hetctl.run.supervise.Supervised`).
+    """
+    from hetctl.run.events import EventLog
+    from hetctl.run.launcher import stop_on_signals
+    from hetctl.run.supervise import supervise
+    from hetctl.yamlio import save_model
+
+    run, info = prep.run, prep.info
+    save_model(run.attempt_dir(prep.attempt) / "cluster.yaml", prep.cluster, header="re-probed by hetctl resume")
+    info.tally = {}  # a fresh restart budget; dropped nodes may have come back
+    info.summary = info.summary.model_copy(update={"reason": None}) if info.summary else None
+    listeners = [view.event] if view is not None else []
+    with EventLog(run.events_path, listeners=listeners) as events, stop_on_signals() as stop:
+        for s in prep.checkpoint.skipped:
+            events.emit("checkpoint_skipped", step=s.step, path=str(s.path), problems=s.problems)
+        events.emit("resumed", attempt=prep.attempt, resume_step=prep.checkpoint.step, steps=info.inputs.steps,
+                    nodes=list(dict.fromkeys(r.node for r in prep.plan.ranks)), unchecked=prep.unchecked)
+        return supervise(
+            run, prep.plan, info=info, inventory=prep.inventory, events=events, thresholds=thresholds,
+            policy=policy, first_attempt=prep.attempt, resume_step=prep.checkpoint.step,
+            on_update=view.update if view is not None else None, stop=stop, connect=connect,
+        )
