@@ -319,6 +319,7 @@ def test_unknown_host_key_strict_refuses_accept_new_records(make_sshd_cluster, t
     g = fanout(strict.nodes, lambda n: _run_closing(n, strict.ssh, ["true"]).exit_code)
     assert set(g.failed) == {"node-1", "node-2"} and g.ok == {"node-3": 0}
     assert "is not in" in g.failed["node-1"].message and isinstance(g.failed["node-1"], HostKeyMismatch)
+    assert f"ssh-keyscan -p {cluster[0].port} {cluster[0].addr} >> {kh}" in g.failed["node-1"].hint
     assert kh.read_text().count("\n") == 0
     accept = load_inventory(cluster.write_inventory(ssh={"config": None, "known_hosts": str(kh), "host_key_policy": "accept-new"}))
     g = fanout(accept.nodes, lambda n: _run_closing(n, accept.ssh, ["true"]).exit_code)

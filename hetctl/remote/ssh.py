@@ -25,6 +25,7 @@ from __future__ import annotations
 import base64
 import getpass
 import hashlib
+import logging
 import os
 import shlex
 import socket
@@ -43,6 +44,10 @@ from hetctl.remote.base import Result
 from hetctl.remote.local import TIMEOUT_EXIT, finish, shell_command
 
 _KNOWN_HOSTS_LOCK = threading.Lock()  # accept-new appends from many fan-out threads
+# paramiko logs every failed handshake with a traceback from its own thread; the
+# same failure reaches the caller as one Unreachable/AuthFailed line, so keep it
+# out of the terminal unless the application configures logging.
+logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 
 @dataclass(frozen=True)
@@ -102,9 +107,11 @@ class _HostKeyPolicy(paramiko.MissingHostKeyPolicy):
 
     def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
         if self.policy != "accept-new":
+            host, _, port = hostname.removeprefix("[").partition("]:")
+            keyscan = f"ssh-keyscan {'-p ' + port + ' ' if port else ''}{host} >> {shlex.quote(self.known_hosts)}"
             raise HostKeyMismatch(
                 f"{self.node}: host key of {hostname} ({key.get_name()} {fingerprint(key)}) is not in {self.known_hosts}",
-                f"check the fingerprint, then add it with ssh-keyscan, or set ssh.host_key_policy: accept-new",
+                f"check the fingerprint, then add it: {keyscan}; or set ssh.host_key_policy: accept-new",
                 node=self.node,
             )
         with _KNOWN_HOSTS_LOCK:
@@ -287,9 +294,12 @@ class SshTransport:
             raise Unreachable(f"{node}: {where}: connection refused", "check that sshd runs on the node and listens on that port", node=node) from None
         except paramiko.SSHException as e:
             client.close()
-            if "authentication methods" in str(e) or "private key" in str(e).lower():
-                raise AuthFailed(f"{node}: {where}: {e}", auth_hint, node=node) from None
-            raise Unreachable(f"{node}: {where}: {e}", "check that an SSH server answers on that port", node=node) from None
+            text = str(e)
+            if "authentication methods" in text or "private key" in text.lower():
+                raise AuthFailed(f"{node}: {where}: {text}", auth_hint, node=node) from None
+            if "banner" in text or "No existing session" in text:
+                text = f"no SSH handshake within {s.connect_timeout:g} s ({text})"
+            raise Unreachable(f"{node}: {where}: {text}", "check that an SSH server answers on that port", node=node) from None
         except (OSError, EOFError) as e:
             client.close()
             raise Unreachable(f"{node}: {where}: {e}", "check the network path to the node", node=node) from None
@@ -304,6 +314,15 @@ class SshTransport:
             return transport.open_session(timeout=self.settings.connect_timeout)
         except (paramiko.SSHException, OSError, EOFError) as e:
             raise Unreachable(f"{self.node}: cannot open an SSH session: {e}", node=self.node) from None
+
+    def _exec(self, argv: Sequence[str], env: Mapping[str, str] | None, cwd: str | None) -> paramiko.Channel:
+        chan = self._session()
+        try:
+            chan.exec_command(shell_command(argv, {**self.spec.env, **(env or {})}, cwd))
+        except (paramiko.SSHException, OSError, EOFError) as e:
+            chan.close()
+            raise Unreachable(f"{self.node}: cannot start `{shlex.join(argv)}`: {e}", node=self.node) from None
+        return chan
 
     def run(
         self,
@@ -326,8 +345,7 @@ class SshTransport:
             Unreachable: the connection dropped before the command finished.
         """
         t0 = time.monotonic()
-        chan = self._session()
-        chan.exec_command(shell_command(argv, {**self.spec.env, **(env or {})}, cwd))
+        chan = self._exec(argv, env, cwd)
         chunks: dict[str, list[bytes]] = {"out": [], "err": []}
         readers = [
             threading.Thread(target=_drain, args=(chan.recv, chunks["out"]), daemon=True),
@@ -367,8 +385,7 @@ class SshTransport:
         cwd: str | None = None,
     ) -> SshProcess:
         """Start ``argv`` on its own channel and return at once; read stdout and stderr."""
-        chan = self._session()
-        chan.exec_command(shell_command(argv, {**self.spec.env, **(env or {})}, cwd))
+        chan = self._exec(argv, env, cwd)
         return SshProcess(chan, shlex.join(argv))
 
     # --- files ---------------------------------------------------------------
