@@ -310,6 +310,22 @@ def test_changed_host_key_is_refused_and_known_hosts_untouched(make_sshd_cluster
         assert cluster.known_hosts.read_bytes() == before
 
 
+def test_host_listed_with_another_key_type_counts_as_changed(make_sshd_cluster, tmp_path):
+    cluster = make_sshd_cluster(1)
+    other = tmp_path / "ecdsa"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ecdsa", "-N", "", "-f", str(other)], check=True)
+    pub = " ".join(other.with_suffix(".pub").read_text().split()[:2])
+    cluster.known_hosts.write_text(f"{cluster[0].known_hosts_name} {pub}\n")
+    before = cluster.known_hosts.read_bytes()
+    for policy in ("strict", "accept-new"):
+        inv = load_inventory(cluster.write_inventory(
+            ssh={"config": None, "known_hosts": str(cluster.known_hosts), "host_key_policy": policy}))
+        with pytest.raises(HostKeyMismatch) as info:
+            connect(inv.nodes[0], inv.ssh)
+        assert "CHANGED" in info.value.message and "ecdsa" in info.value.message
+    assert cluster.known_hosts.read_bytes() == before
+
+
 def test_unknown_host_key_strict_refuses_accept_new_records(make_sshd_cluster, tmp_path):
     cluster = make_sshd_cluster(3)
     kh = tmp_path / "kh" / "known_hosts"

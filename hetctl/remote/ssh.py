@@ -106,6 +106,9 @@ class _HostKeyPolicy(paramiko.MissingHostKeyPolicy):
         self.node, self.policy, self.known_hosts = node, policy, known_hosts
 
     def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
+        listed = client.get_host_keys().lookup(hostname)
+        if listed:  # known, but with another key type: as suspicious as a changed key
+            raise _changed(self.node, hostname, next(iter(listed.values())), key, self.known_hosts)
         if self.policy != "accept-new":
             host, _, port = hostname.removeprefix("[").partition("]:")
             keyscan = f"ssh-keyscan {'-p ' + port + ' ' if port else ''}{host} >> {shlex.quote(self.known_hosts)}"
@@ -119,11 +122,10 @@ class _HostKeyPolicy(paramiko.MissingHostKeyPolicy):
             if path.exists():
                 # Another thread or process may have recorded this host meanwhile.
                 current = paramiko.HostKeys(str(path)).lookup(hostname) or {}
-                old = current.get(key.get_name())
-                if old is not None and old != key:
-                    raise _changed(self.node, hostname, old, key, self.known_hosts)
-                if old is not None:
+                if key in current.values():
                     return
+                if current:
+                    raise _changed(self.node, hostname, next(iter(current.values())), key, self.known_hosts)
             path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             text = path.read_text() if path.exists() else ""
             with path.open("a") as f:
