@@ -90,3 +90,262 @@ def test_checkpoint_refusals_name_the_problem(tmp_path):
     ckpt.step_dir(other, 2).mkdir(parents=True)
     with pytest.raises(ResumeRefused, match=r"no valid checkpoint \(step-2: no manifest.json"):
         check_checkpoint(other, MODEL)
+
+
+# --- end to end on real sshd hosts ----------------------------------------------------------
+#
+# Three hosts; plans put stage 0 on node-1 and stage 1 on node-2 (pp 2, dp 1), node-3 is
+# spare capacity for a re-plan. One undisturbed run is the reference; each fault run must
+# end with its final loss bit for bit.
+
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import psutil  # noqa: E402
+import yaml  # noqa: E402
+
+from hetctl.plan.schema import Plan  # noqa: E402
+from hetctl.run.events import read_events  # noqa: E402
+from hetctl.run.inject import rank_procs, signal_rank  # noqa: E402
+from hetctl.yamlio import load_model  # noqa: E402
+from tests.sshd import SshdCluster, _marked  # noqa: E402
+
+e2e = pytest.mark.skipif(os.geteuid() != 0 or not Path("/usr/sbin/sshd").exists(),
+                         reason="needs root and /usr/sbin/sshd for real sshd hosts")
+STEPS, EVERY = 24, 4
+FAST = ("--hang-timeout", "3", "--node-timeout", "4", "--grace", "2")
+TFLOPS = {"node-1": 1.0, "node-2": 1.0, "node-3": 1.0}
+
+
+def env_of(d: Path) -> dict:
+    env = {**os.environ, "HOME": str(d / "home"), "COLUMNS": "200"}
+    env.pop("SSH_AUTH_SOCK", None)
+    return env
+
+
+def hetctl(d: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hetctl", *args], cwd=d, env=env_of(d), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def make_site(cluster: SshdCluster, d: Path) -> Path:
+    """Inventory with shared checkpoint storage, probed, and a pp 2 × dp 1 plan of ``tiny``."""
+    (d / "home" / ".ssh").mkdir(parents=True)
+    inv = cluster.inventory(
+        defaults={"user": "root", "identity_file": str(cluster.client_key), "python": sys.executable,
+                  "env": {"OMP_NUM_THREADS": "1"}},
+        checkpoint_dir=str(d / "shared-ckpt"),
+    )
+    for n in inv["nodes"]:
+        n["tflops"] = TFLOPS[n["name"]]
+    (d / "inventory.yaml").write_text(yaml.safe_dump(inv, sort_keys=False))
+    r = hetctl(d, "probe", "-i", "inventory.yaml", "-o", "cluster.yaml")
+    assert r.returncode == 0, r.stderr
+    from hetctl.plan.models import load_model as load_spec
+    from hetctl.plan.planner import plan_cluster
+    from hetctl.plan.search import Pins
+    from hetctl.probe.facts import Cluster
+    from hetctl.yamlio import save_model
+
+    facts = load_model(d / "cluster.yaml", Cluster)
+    plan = plan_cluster(facts, load_spec("tiny"), pins=Pins(pp=2, dp=1), cluster_path=d / "cluster.yaml")
+    assert [s.node for s in plan.stages] == ["node-1", "node-2"] or len(plan.stages) == 2
+    save_model(d / "plan" / "plan.yaml", plan)
+    return d
+
+
+def run_processes(cluster: SshdCluster) -> list[psutil.Process]:
+    return [p for p in _marked(cluster.id) if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def wait_no_processes(cluster: SshdCluster, timeout: float) -> list[psutil.Process]:
+    deadline = time.monotonic() + timeout
+    left = run_processes(cluster)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = run_processes(cluster)
+    return left
+
+
+class Launch:
+    """A ``hetctl launch --json`` running in the background, with its run folder once it exists."""
+
+    def __init__(self, d: Path, name: str, *extra: str) -> None:
+        self.d, self.runs = d, d / f"runs-{name}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "hetctl", "launch", "plan", "--steps", str(STEPS), "--checkpoint-every",
+             str(EVERY), "--run-dir", str(self.runs), "--json", *FAST, *extra],
+            cwd=d, env=env_of(d), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.run = self._wait(lambda: next(iter(self.runs.glob("*/run.yaml")), None), "a run folder").parent
+        self.run_id = self.run.name
+        self.ckpt = self.d / "shared-ckpt" / self.run_id
+
+    def _wait(self, fn, what: str, timeout: float = 120):  # noqa: ANN001, ANN202
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            v = fn()
+            if v:
+                return v
+            if self.proc.poll() is not None:
+                raise AssertionError(f"launch ended before {what}: {self.proc.communicate()}")
+            time.sleep(0.05)
+        self.proc.kill()
+        raise AssertionError(f"no {what} within {timeout} s")
+
+    def wait_checkpoint(self, step: int) -> None:
+        self._wait(lambda: ckpt.latest_valid(self.ckpt) is not None and ckpt.latest_valid(self.ckpt)[0] >= step,
+                   f"checkpoint {step}")
+
+    def wait_ranks(self, attempt: int = 0) -> list:
+        return self._wait(lambda: rank_procs(self.run_id, attempt), "rank processes")
+
+    def finish(self, timeout: float = 300) -> dict:
+        out, err = self.proc.communicate(timeout=timeout)
+        assert self.proc.returncode == 0, err
+        return json.loads(out)
+
+    def events(self, kind: str | None = None) -> list[dict]:
+        return read_events(self.run / "events.jsonl", kind)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    if os.geteuid() != 0 or not Path("/usr/sbin/sshd").exists():
+        pytest.skip("needs root and /usr/sbin/sshd for real sshd hosts")
+    c = SshdCluster(tmp_path_factory.mktemp("recovery-sshd"), 3).start()
+    yield c
+    c.stop()
+    assert not c.leftovers(), "processes left behind on the recovery hosts"
+
+
+@pytest.fixture(scope="module")
+def site(cluster, tmp_path_factory):
+    return make_site(cluster, tmp_path_factory.mktemp("recovery"))
+
+
+@pytest.fixture(scope="module")
+def reference(site) -> dict:
+    """The undisturbed run every fault run is compared with."""
+    r = hetctl(site, "launch", "plan", "--steps", str(STEPS), "--checkpoint-every", str(EVERY), "--run-dir",
+               str(site / "runs-reference"), "--json", *FAST)
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    assert summary["state"] == "succeeded" and summary["steps"] == STEPS and summary["attempts"] == 1
+    assert summary["final_loss"] < summary["first_loss"]
+    return summary
+
+
+def plan_of(run: Path, attempt: int) -> Plan:
+    return load_model(run / "attempts" / str(attempt) / "plan.yaml", Plan)
+
+
+@e2e
+def test_kill9_rank_restarts_same_plan_and_matches_bit_for_bit(cluster, site, reference):
+    run = Launch(site, "kill9")
+    run.wait_checkpoint(EVERY * 2)
+    victim = signal_rank(run.run_id, 1, signal.SIGKILL, attempt=0)
+    summary = run.finish()
+    assert summary["state"] == "succeeded" and summary["steps"] == STEPS
+    assert summary["final_loss"] == reference["final_loss"]  # bit for bit: same floats
+    assert summary["attempts"] == 2 and summary["restarts"] == 1
+    failed = run.events("rank_failed")
+    assert [(e["rank"], e["signal"], e["attempt"]) for e in failed] == [(1, 9, 0)], failed
+    restart = run.events("restart")
+    assert len(restart) == 1 and restart[0]["resume_step"] >= EVERY * 2 and "signal 9" in restart[0]["reason"]
+    assert plan_of(run.run, 1) == plan_of(run.run, 0)  # same plan
+    assert not psutil.pid_exists(victim.pid) or psutil.Process(victim.pid).status() == psutil.STATUS_ZOMBIE
+    assert wait_no_processes(cluster, 10) == []
+
+
+@e2e
+def test_sigstopped_rank_is_a_hang_and_the_restart_matches(cluster, site, reference):
+    run = Launch(site, "hang")
+    run.wait_checkpoint(EVERY * 2)
+    signal_rank(run.run_id, 0, signal.SIGSTOP, attempt=0)
+    summary = run.finish()
+    assert summary["final_loss"] == reference["final_loss"]
+    assert summary["attempts"] == 2 and summary["restarts"] == 1
+    failed = run.events("rank_failed")
+    assert failed and failed[0]["reason"].startswith("hang") and failed[0]["attempt"] == 0
+    stopped = [e for e in failed if "SIGSTOP" in e["reason"]]
+    assert stopped and stopped[0]["rank"] == 0  # the stopped rank is named, not its waiting peer
+    assert run.events("restart")[0]["resume_step"] >= EVERY * 2
+    assert wait_no_processes(cluster, 10) == []
+
+
+@e2e
+def test_corrupted_newest_checkpoint_is_skipped_and_the_previous_used(cluster, site, reference):
+    run = Launch(site, "corrupt")
+    run.wait_checkpoint(EVERY * 2)
+    for p in rank_procs(run.run_id, 0):  # freeze training so no newer checkpoint appears
+        os.kill(p.pid, signal.SIGSTOP)
+    newest, path = ckpt.latest_valid(run.ckpt)
+    victim = sorted(f for f in path.iterdir() if f.name.startswith("layer-"))[0]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one flipped bit, same size: only the sha256 can tell
+    victim.write_bytes(bytes(data))
+    signal_rank(run.run_id, 1, signal.SIGKILL, attempt=0)
+    summary = run.finish()
+    assert summary["final_loss"] == reference["final_loss"]
+    skipped = run.events("checkpoint_skipped")
+    assert skipped and skipped[0]["step"] == newest and "sha256 mismatch" in skipped[0]["problems"][0]
+    assert run.events("restart")[0]["resume_step"] == newest - EVERY
+    assert wait_no_processes(cluster, 10) == []
+
+
+@e2e
+def test_sigkilled_controller_then_resume_finishes_with_the_same_loss(cluster, site, reference):
+    run = Launch(site, "ctl")
+    run.wait_checkpoint(EVERY * 2)
+    ranks = [psutil.Process(p.pid) for p in run.wait_ranks()]
+    run.proc.kill()
+    run.proc.wait()
+    deadline = time.monotonic() + 2.0 + 5.0  # grace, plus the session teardown
+    while any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in ranks) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in ranks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert rank_procs(run.run_id) == []
+    r = hetctl(site, "resume", str(run.run), "--json", *FAST)
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    assert summary["state"] == "succeeded" and summary["steps"] == STEPS
+    assert summary["final_loss"] == reference["final_loss"]
+    resumed = run.events("resumed")
+    assert len(resumed) == 1 and resumed[0]["resume_step"] >= EVERY * 2 and resumed[0]["attempt"] == 1
+    assert (run.run / "attempts" / "1" / "plan.yaml").is_file()
+    again = hetctl(site, "resume", str(run.run))
+    assert again.returncode == 2 and "already has a checkpoint at step 24 of 24" in again.stderr
+    assert "Traceback" not in again.stderr
+    assert wait_no_processes(cluster, 10) == []
+
+
+@e2e
+def test_resume_refuses_while_a_rank_of_the_run_is_alive(cluster, site):
+    run = Launch(site, "alive")
+    run.wait_checkpoint(EVERY)
+    r = hetctl(site, "resume", str(run.run), "--grace", "0")
+    assert r.returncode == 2 and "live process" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    run.proc.send_signal(signal.SIGTERM)
+    run.proc.communicate(timeout=60)
+    assert wait_no_processes(cluster, 10) == []
+
+
+@e2e
+def test_lost_node_replans_on_the_survivors_and_matches(make_sshd_cluster, tmp_path, reference):
+    c = make_sshd_cluster(3)
+    d = make_site(c, tmp_path)
+    run = Launch(d, "lost")
+    run.wait_checkpoint(EVERY * 2)
+    first = plan_of(run.run, 0)
+    lost = first.stages_of(0)[-1].node
+    c[lost].kill()  # its sshd and every process it started
+    summary = run.finish()
+    assert summary["state"] == "succeeded" and summary["steps"] == STEPS
+    assert summary["final_loss"] == reference["final_loss"]  # same DP width: bit for bit
+    assert [e["node"] for e in run.events("node_lost")] == [lost]
+    replan = run.events("replan")
+    assert len(replan) == 1 and replan[0]["dropped"] == [lost] and replan[0]["membership_changes"] == 1
+    second = plan_of(run.run, 1)
+    assert lost not in {r.node for r in second.ranks} and second.parallel.dp == first.parallel.dp
+    info = yaml.safe_load((run.run / "run.yaml").read_text())
+    assert info["membership_changes"] == 1 and info["restarts"] == 0
