@@ -25,6 +25,7 @@ class ModelSpec(_Strict):
     num_query_groups: int | None = None
     vocab_size: int = Field(gt=0)
     seq_len: int = Field(default=2048, gt=0)
+    swiglu: bool = Field(default=False, description="gated MLP (three matrices), Megatron's --swiglu")
     source: str | None = None
 
 

@@ -1,0 +1,186 @@
+"""How long a stage takes and how much memory it needs, per chip.
+
+Times are seconds for one micro-batch; memory is bytes per chip. Everything is
+linear in the number of layers a stage holds, which is what lets the partition
+be exact (:mod:`hetctl.plan.partition`).
+
+Assumptions, stated once:
+
+- A chip sustains its TFLOPS figure (measured, inventory or spec peak) on the
+  model's matrix products; backward costs twice the forward; no activation
+  recomputation.
+- Tensor parallelism inside a stage costs two all-reduces of the layer's
+  activations in the forward and two in the backward (ring: ``2(t−1)/t`` of the
+  bytes each) over the vendor's chip-to-chip link (:mod:`hetctl.vendors`).
+- Memory per chip: 16-bit weights (2 B/param), fp32 gradients (4 B) and Adam
+  state with fp32 master weights (12 B) sharded over the data-parallel replicas
+  (Megatron's distributed optimizer); fp32 training keeps 16 B/param unsharded.
+  Activations of every micro-batch in flight: under 1F1B stage ``s`` of ``P``
+  holds ``min(P − s, m)``. The last stage also holds its fp32 logits. A reserve
+  of 5 % plus 1.5 GB (0.5 GB on CPUs) covers the runtime, communication buffers
+  and fragmentation.
+- Data-parallel gradient sync once a stage's last backward is done:
+  reduce-scatter of fp32 gradients and all-gather of 16-bit weights
+  (``(d−1)/d · 6`` bytes per parameter; an fp32 all-reduce moves
+  ``2(d−1)/d · 4``) over the node's network, shared by the chips of the node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hetctl.plan.devices import Group, Kind
+from hetctl.plan.models import ModelCost
+from hetctl.vendors import GLOO_EFFICIENCY, VENDOR_TABLE, link_backend, vendor_info
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The model and batch shape being planned."""
+
+    cost: ModelCost
+    micro_batch: int
+    global_batch: int
+
+    @property
+    def tokens(self) -> int:
+        """Tokens in one micro-batch."""
+        return self.micro_batch * self.cost.seq_len
+
+
+def elem_bytes(precision: str) -> int:
+    return 4 if precision == "fp32" else 2
+
+
+@dataclass(frozen=True)
+class StageType:
+    """A stage of ``tp`` chips of one kind in a layout with ``dp`` replicas.
+
+    All terms are per chip; memory is ``mem_layer + in_flight·act_layer`` per
+    layer plus the position's fixed part (:meth:`mem_offset`).
+
+    Attributes:
+        f_layer, b_layer: forward/backward seconds per layer per micro-batch.
+        slope: ``f_layer + b_layer``.
+        f_head, b_head: output projection (last stage only).
+        mem_layer: bytes of weights, gradients and optimizer state per layer.
+        act_layer: activation bytes of one layer for one micro-batch.
+        mem_first: embedding state (first stage); act_first: its activation
+            per micro-batch in flight.
+        mem_last: output head state and fp32 logits (last stage).
+        reserve: runtime reserve; limit: chip memory.
+        sync_layer, sync_first, sync_last, sync_fixed: seconds of the
+            data-parallel gradient sync per layer, for the embedding, for the
+            head, and the latency part.
+        flops: FLOP/s of the whole stage (tp chips).
+    """
+
+    kind: Kind
+    tp: int
+    f_layer: float
+    b_layer: float
+    slope: float
+    f_head: float
+    b_head: float
+    mem_layer: float
+    act_layer: float
+    mem_first: float
+    act_first: float
+    mem_last: float
+    reserve: float
+    limit: float
+    sync_layer: float
+    sync_first: float
+    sync_last: float
+    sync_fixed: float
+    flops: float
+
+    def mem_offset(self, in_flight: int, first: bool, last: bool) -> float:
+        extra = self.reserve
+        if first:
+            extra += self.mem_first + in_flight * self.act_first
+        if last:
+            extra += self.mem_last
+        return extra
+
+    def memory(self, layers: int, in_flight: int, first: bool, last: bool) -> float:
+        """Bytes per chip for ``layers`` layers with ``in_flight`` micro-batches stored."""
+        return (self.mem_layer + in_flight * self.act_layer) * layers + self.mem_offset(in_flight, first, last)
+
+    def cap(self, in_flight: int, first: bool, last: bool) -> int:
+        """Most layers that fit in this chip's memory at this position (may be ≤ 0)."""
+        room = self.limit - self.mem_offset(in_flight, first, last)
+        return int(room // (self.mem_layer + in_flight * self.act_layer)) if room > 0 else 0
+
+    def sync(self, layers: int, first: bool, last: bool) -> float:
+        """Seconds to synchronise this stage's gradients across the replicas."""
+        if not self.sync_fixed:
+            return 0.0
+        return (self.sync_fixed + layers * self.sync_layer + (self.sync_first if first else 0.0)
+                + (self.sync_last if last else 0.0))
+
+
+def stage_type(kind: Kind, tp: int, work: Workload, dp: int) -> StageType:
+    """Per-layer time, memory and sync terms of a ``tp``-chip stage of ``kind``."""
+    c = work.cost
+    rate = kind.tflops * 1e12 * tp
+    eb = elem_bytes(kind.precision)
+    act_bytes = float(work.tokens * c.hidden * eb)
+    tp_comm = 0.0
+    if tp > 1:
+        bw = vendor_info(kind.vendor).intra_node_gbs * GB
+        tp_comm = 2 * (2 * (tp - 1) / tp) * act_bytes / bw
+    compute = work.tokens * c.layer_flops / rate
+    if kind.precision == "fp32":
+        state, sync_bytes = 16.0, 2 * (dp - 1) / dp * 4.0
+    else:
+        state, sync_bytes = 2.0 + 4.0 + 12.0 / dp, (dp - 1) / dp * 6.0
+    per_param = sync_bytes / (kind.nic_gbs * GB / kind.max_group()) / tp  # seconds per parameter of the stage
+    limit = kind.memory_gb * GB
+    return StageType(
+        kind=kind, tp=tp,
+        f_layer=compute + tp_comm, b_layer=2 * compute + tp_comm, slope=3 * compute + 2 * tp_comm,
+        f_head=work.tokens * c.head_flops / rate, b_head=2 * work.tokens * c.head_flops / rate,
+        mem_layer=c.layer_params / tp * state,
+        act_layer=work.tokens * c.hidden * c.act_coeff * (eb / 2.0) / tp,
+        mem_first=c.embed_params / tp * state, act_first=act_bytes / tp,
+        mem_last=c.head_params / tp * state + work.tokens * c.vocab * 4.0 / tp,
+        reserve=0.05 * limit + (0.5 if kind.vendor == "cpu" else 1.5) * GB, limit=limit,
+        sync_layer=per_param * c.layer_params, sync_first=per_param * c.embed_params,
+        sync_last=per_param * c.head_params, sync_fixed=3e-5 * dp if dp > 1 else 0.0,
+        flops=rate,
+    )
+
+
+def link_seconds(nbytes: float, vendor_a: str, vendor_b: str, same_node: bool,
+                 nic_gbs: float, cross_switch: bool = False) -> float:
+    """Seconds to move ``nbytes`` of activations between two stages.
+
+    Same node and vendor: the vendor's chip-to-chip link. Same vendor across
+    nodes: the slower node's network (halved across two labelled switches).
+    Across vendors: gloo through host memory (same node) or TCP.
+    """
+    if same_node:
+        if vendor_a == vendor_b:
+            return 1e-5 + nbytes / (vendor_info(vendor_a).intra_node_gbs * GB)
+        return 5e-5 + nbytes / (VENDOR_TABLE["cpu"].intra_node_gbs * GB)
+    bw = nic_gbs * GB * (0.5 if cross_switch else 1.0)
+    if vendor_a != vendor_b:
+        return 1e-4 + nbytes / (bw * GLOO_EFFICIENCY)
+    return 3e-5 + nbytes / bw
+
+
+def link(a: Group, b: Group, precision: str, work: Workload) -> tuple[float, str]:
+    """Seconds and torch backend for one micro-batch's activations from a stage on ``a`` to one on ``b``."""
+    nbytes = work.tokens * work.cost.hidden * elem_bytes(precision)
+    cross = bool(a.switch and b.switch and a.switch != b.switch)
+    secs = link_seconds(nbytes, a.vendor, b.vendor, a.node == b.node, min(a.nic_gbs, b.nic_gbs), cross)
+    return secs, link_backend(a.vendor, b.vendor)
+
+
+def kind_link(a: StageType, b: StageType, same_node: bool, work: Workload) -> float:
+    """Link estimate between two stage types before nodes are assigned (for ranking)."""
+    nbytes = work.tokens * work.cost.hidden * elem_bytes(a.kind.precision)
+    return link_seconds(nbytes, a.kind.vendor, b.kind.vendor, same_node, min(a.kind.nic_gbs, b.kind.nic_gbs))

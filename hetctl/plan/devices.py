@@ -1,0 +1,235 @@
+"""From cluster facts to what the planner places: chip groups and chip kinds.
+
+A *group* is the chips of one vendor and model inside one node — the pool a
+stage (a tensor-parallel set of chips) is cut from. A *kind* gathers groups
+that are interchangeable for planning: same vendor, model, precision and
+memory, speed within 5 %. Kinds are what make pipeline replicas identical
+(every replica gets the same number of stages of each kind), so the
+data-parallel group of a stage is always one vendor and one library.
+
+Per chip TFLOPS, for the chosen precision: the measured figure (``probe
+--bench``) when there is one, else the node's ``tflops_override`` from the
+inventory, else the spec table's peak. The precision is bf16 where the chip has
+it, else fp16, else fp32 (CPUs train in fp32).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hetctl.errors import ConfigError
+from hetctl.probe.facts import Chip, Cluster, NodeFacts
+from hetctl.vendors import vendor_info
+
+SPEED_TOLERANCE = 1.05  # groups within 5 % of each other's TFLOPS share a kind
+DEFAULT_NIC_GBPS = 10.0  # assumed when probe saw no NIC speed (plain 10 GbE)
+
+
+@dataclass(frozen=True)
+class Group:
+    """Chips of one vendor and model on one node.
+
+    Attributes:
+        tflops: per chip, the slowest chip of the group (a TP stage runs at the
+            pace of its slowest member).
+        memory_gb: per chip, the smallest.
+        nic_gbs: the node's network bandwidth in GB/s (sum of IB/RoCE rails,
+            else the fastest Ethernet port, else an assumed 10 Gb/s).
+    """
+
+    node: str
+    host: str
+    vendor: str
+    model: str
+    chips: tuple[int, ...]
+    tflops: float
+    precision: str
+    memory_gb: float
+    nic_gbs: float
+    switch: str = ""
+    rack: str = ""
+    sources: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Kind:
+    """Interchangeable groups; per-chip figures are the group minimums."""
+
+    id: int
+    vendor: str
+    model: str
+    precision: str
+    tflops: float
+    memory_gb: float
+    nic_gbs: float
+    groups: tuple[Group, ...]
+
+    @property
+    def label(self) -> str:
+        return f"{self.vendor} {self.model}"
+
+    def chips(self) -> int:
+        return sum(len(g.chips) for g in self.groups)
+
+    def slots(self, tp: int) -> int:
+        """How many stages of ``tp`` chips the kind's nodes can hold."""
+        return sum(n // tp for n in self.sizes)
+
+    def max_group(self) -> int:
+        return max(self.sizes)
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """Chip count of each group (cached: kinds are immutable)."""
+        cached = self.__dict__.get("_sizes")
+        if cached is None:
+            cached = tuple(len(g.chips) for g in self.groups)
+            object.__setattr__(self, "_sizes", cached)
+        return cached
+
+
+@dataclass
+class Devices:
+    """The usable hardware of a cluster and what was left out."""
+
+    kinds: list[Kind]
+    notes: list[str] = field(default_factory=list)
+
+    def total_flops(self) -> float:
+        """Sum of every usable chip's FLOP/s (at each chip's own figure)."""
+        return sum(g.tflops * 1e12 * len(g.chips) for k in self.kinds for g in k.groups)
+
+
+def _precision(chip: Chip) -> str:
+    info = vendor_info(chip.vendor)
+    if info.default_precision == "fp32":
+        return "fp32"
+    figures = [chip.tflops] + ([chip.measured_tflops] if chip.measured_tflops else [])
+    for prec in ("bf16", "fp16"):
+        if any(getattr(t, prec) for t in figures):
+            return prec
+    if any(t.fp32 for t in figures):
+        return "fp32"
+    return info.default_precision if info.bf16 else "fp16"
+
+
+def chip_rate(node: NodeFacts, chip: Chip) -> tuple[float, str, str]:
+    """Per chip TFLOPS, precision and where the figure came from.
+
+    Raises:
+        ConfigError: no figure at all for this chip.
+    """
+    prec = _precision(chip)
+    measured = getattr(chip.measured_tflops, prec, None) if chip.measured_tflops else None
+    if measured:
+        return float(measured), prec, "measured"
+    if node.tflops_override:
+        return float(node.tflops_override), prec, "inventory tflops"
+    spec = getattr(chip.tflops, prec)
+    if spec:
+        return float(spec), prec, "spec"
+    raise ConfigError(
+        f"node {node.name}: chip {chip.index} ({chip.vendor} {chip.model}) has no known TFLOPS for {prec}",
+        "run `hetctl probe --bench` or set `tflops:` for the node in the inventory",
+    )
+
+
+def _nic_gbs(node: NodeFacts) -> float:
+    rails = [n.speed_gbps for n in node.nics if n.kind in ("ib", "roce") and n.speed_gbps]
+    if rails:
+        return sum(rails) / 8.0
+    eth = [n.speed_gbps for n in node.nics if n.kind in ("ethernet", "other") and n.speed_gbps]
+    return (max(eth) if eth else DEFAULT_NIC_GBPS) / 8.0
+
+
+def _node_chips(node: NodeFacts) -> list[Chip]:
+    """The node's chips; a node without accelerators offers its CPU as one chip."""
+    if node.chips:
+        return sorted(node.chips, key=lambda c: c.index)
+    return [Chip(index=0, vendor="cpu", model=node.cpu.model or "cpu", memory_gb=node.memory_gb)]
+
+
+def node_groups(node: NodeFacts) -> list[Group]:
+    """Group one reachable node's chips by vendor and model.
+
+    Raises:
+        ConfigError: a chip has no TFLOPS figure, or its memory is unknown.
+    """
+    by_key: dict[tuple[str, str], list[Chip]] = {}
+    for chip in _node_chips(node):
+        by_key.setdefault((chip.vendor, chip.model), []).append(chip)
+    groups = []
+    for (vendor, model), chips in by_key.items():
+        rates, mems, sources, precs = [], [], set(), set()
+        for c in chips:
+            rate, prec, src = chip_rate(node, c)
+            mem = c.memory_gb
+            if mem is None and vendor == "cpu" and node.memory_gb:
+                mem = node.memory_gb / len(chips)
+            if not mem:
+                raise ConfigError(
+                    f"node {node.name}: chip {c.index} ({vendor} {model}) has no known memory",
+                    f"set `memory_gb:` for the chip in the cluster file or re-run `hetctl probe` on {node.name}",
+                )
+            rates.append(rate)
+            mems.append(float(mem))
+            sources.add(src)
+            precs.add(prec)
+        prec = max(precs, key=("bf16", "fp16", "fp32").index)  # the whole stage runs at the lowest
+        groups.append(Group(
+            node=node.name, host=node.host, vendor=vendor, model=model,
+            chips=tuple(c.index for c in chips), tflops=min(rates), precision=prec,
+            memory_gb=min(mems), nic_gbs=_nic_gbs(node),
+            switch=str(node.labels.get("switch", "")), rack=str(node.labels.get("rack", "")),
+            sources=tuple(sorted(sources)),
+        ))
+    return groups
+
+
+def collect(cluster: Cluster) -> Devices:
+    """Turn cluster facts into kinds of interchangeable chip groups.
+
+    Unreachable nodes are left out with a note. Kinds are numbered in a
+    deterministic order (vendor, model, then speed).
+    """
+    notes: list[str] = []
+    groups: list[Group] = []
+    for node in cluster.nodes:
+        if not node.reachable:
+            notes.append(f"node {node.name} left out: unreachable ({node.error or 'no reason recorded'})")
+            continue
+        groups.extend(node_groups(node))
+    return Devices(kinds=make_kinds(groups), notes=notes)
+
+
+def make_kinds(groups: list[Group]) -> list[Kind]:
+    """Bucket groups into kinds: same vendor, model, precision, memory; speed within 5 %."""
+    by_key: dict[tuple, list[Group]] = {}
+    for g in groups:
+        by_key.setdefault((g.vendor, g.model, g.precision, round(g.memory_gb, 1)), []).append(g)
+    kinds: list[Kind] = []
+    for key in sorted(by_key):
+        members = sorted(by_key[key], key=lambda g: (g.tflops, g.node))
+        bucket: list[Group] = []
+        for g in members + [None]:  # type: ignore[list-item]
+            if bucket and (g is None or g.tflops > bucket[0].tflops * SPEED_TOLERANCE):
+                kinds.append(_kind(len(kinds), bucket))
+                bucket = []
+            if g is not None:
+                bucket.append(g)
+    return kinds
+
+
+def _kind(kid: int, groups: list[Group]) -> Kind:
+    ordered = tuple(sorted(groups, key=lambda g: (g.switch, g.rack, g.node)))
+    first = ordered[0]
+    return Kind(
+        id=kid, vendor=first.vendor, model=first.model, precision=first.precision,
+        tflops=min(g.tflops for g in groups), memory_gb=min(g.memory_gb for g in groups),
+        nic_gbs=min(g.nic_gbs for g in groups), groups=ordered,
+    )
+
+
+def subset(devices: Devices, kind_ids: set[int]) -> Devices:
+    """Only the given kinds (for the per-type homogeneous references)."""
+    return Devices(kinds=[k for k in devices.kinds if k.id in kind_ids], notes=[])

@@ -1,0 +1,98 @@
+"""The ``--explain`` lines: why the planner chose what it chose.
+
+Pure: returns strings that go into ``plan.notes`` (the CLI prints them).
+"""
+
+from __future__ import annotations
+
+from hetctl.plan.devices import Devices
+from hetctl.plan.schema import Plan
+from hetctl.plan.search import Found, Layout
+
+
+def _runs(lay: Layout) -> list[tuple[str, int, int]]:
+    """Consecutive stages of the same kind and TP: (label, tp, count)."""
+    out: list[tuple[str, int, int]] = []
+    for st in lay.types:
+        if out and out[-1][0] == st.kind.label and out[-1][1] == st.tp:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((st.kind.label, st.tp, 1))
+    return out
+
+
+def _idle(plan: Plan, devices: Devices) -> list[str]:
+    used = {(s.node, c) for s in plan.stages for c in s.chips}
+    idle: dict[str, list[int]] = {}
+    for kind in devices.kinds:
+        for g in kind.groups:
+            free = [c for c in g.chips if (g.node, c) not in used]
+            if free:
+                idle.setdefault(g.node, []).extend(free)
+    if not idle:
+        return []
+    total = sum(len(v) for v in idle.values())
+    shown = "; ".join(f"{n}: {','.join(map(str, sorted(c)))}" for n, c in sorted(idle.items())[:6])
+    more = f"; and {len(idle) - 6} more nodes" if len(idle) > 6 else ""
+    return [f"idle: {total} chip(s) ({shown}{more}) — they do not complete another identical replica "
+            "or TP group, or adding them was predicted slower"]
+
+
+def explain(plan: Plan, lay: Layout, devices: Devices, found: Found, homog, tokens: int) -> list[str]:
+    """Human-readable reasons for the layout in ``plan``."""
+    par, est = plan.parallel, plan.estimate
+    lines = [
+        f"layout: pp {par.pp} × dp {par.dp} = {len(plan.ranks)} ranks on {len(plan.nodes)} nodes, "
+        f"{par.micro_batches} micro-batches of {par.micro_batch} per replica; best of {found.considered} "
+        "layouts scored, the top ones placed on nodes and simulated",
+    ]
+    others = [x for x in found.ranked if (x.pp, x.dp, [s.tp for s in x.types]) != (lay.pp, lay.dp, [s.tp for s in lay.types])]
+    if others:
+        r = others[0]
+        lines.append(
+            f"runner-up: pp {r.pp} × dp {r.dp} (tp {'/'.join(str(s.tp) for s in r.types[:1])}…) at "
+            f"{r.step:.4g} s/step, {100 * (r.step / lay.step - 1):.1f}% slower"
+        )
+    order = " → ".join(f"{label} ×{n} (tp {tp})" for label, tp, n in _runs(lay))
+    hops = sum(1 for a, b in zip(lay.types, lay.types[1:]) if a.kind.vendor != b.kind.vendor)
+    lines.append(f"stage order per replica: {order}; {hops} cross-vendor hop(s), same-vendor stages adjacent")
+    seen = set()
+    for st in lay.types:
+        if st.kind.id in seen:
+            continue
+        seen.add(st.kind.id)
+        srcs = sorted({s for g in st.kind.groups for s in g.sources})
+        lines.append(
+            f"{st.kind.label}: {st.kind.precision} at {st.kind.tflops:g} TFLOPS per chip ({', '.join(srcs)}), "
+            f"{st.kind.memory_gb:g} GB; backend {plan.stages[lay.types.index(st)].backend} inside the stage"
+        )
+    links = sorted({(a.kind.vendor, b.kind.vendor, be) for a, b, be in zip(lay.types, lay.types[1:], lay.backends)})
+    if links:
+        lines.append("links: " + ", ".join(f"{a}→{b} over {be}" for a, b, be in links))
+    counts = ", ".join(map(str, lay.counts))
+    base = {k: v for k, v in plan.baselines.items()}
+    cmp = []
+    for name, b in base.items():
+        if b.estimate is not None:
+            cmp.append(f"{name} {b.estimate.step_time_s:.4g} s")
+        else:
+            cmp.append(f"{name} infeasible")
+    rule = "exact min-max balance with memory caps" if lay.rule == "min-max" else f"the {lay.rule} split (simulated fastest)"
+    lines.append(
+        f"layers per stage [{counts}] by {rule}: step {est.step_time_s:.4g} s against " + ", ".join(cmp)
+    )
+    slow = max(range(lay.pp), key=lambda s: lay.fwd[s] + lay.bwd[s])
+    lines.append(
+        f"slowest stage {slow}: {1e3 * (lay.fwd[slow] + lay.bwd[slow]):.3g} ms per micro-batch; bubble "
+        f"{100 * est.bubble:.1f}% under 1F1B; gradient sync {1e3 * lay.sync:.3g} ms after the flush"
+    )
+    tight = max(plan.stages_of(0), key=lambda s: s.memory_gb / (s.memory_limit_gb or 1))
+    lines.append(
+        f"tightest memory: stage {tight.stage} on {tight.node} uses {tight.memory_gb:g} of "
+        f"{tight.memory_limit_gb:g} GB per chip"
+    )
+    lines.extend(_idle(plan, devices))
+    if homog:
+        parts = [f"{k}: {v:,.0f} tokens/s" if isinstance(v, float) else f"{k}: {v}" for k, v in homog.items()]
+        lines.append("each chip type alone: " + "; ".join(parts))
+    return lines

@@ -1,0 +1,190 @@
+"""Model specs (presets or YAML files) and what one layer costs in FLOPs and bytes.
+
+Counting follows Megatron-LM's conventions: a dense decoder layer is its
+attention projections (Q and O of ``h×h``, K and V of ``h×h·g/a`` with GQA),
+its MLP (two ``h×f`` matrices, three with SwiGLU) and two norms; training costs
+three forward passes (forward, and a backward twice as expensive); attention
+scores add ``4·s·h`` FLOPs per token and layer (QKᵀ and AV, counted in full as
+Megatron's throughput formula does). Activation memory per layer follows
+Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+Transformer Models" (arXiv:2205.05198) §4: ``s·b·h·(15 + 19·f/(4h))`` bytes
+at 16 bits (attention 11, norms 4, MLP 19; the ``5·a·s²·b`` score term is gone
+with flash attention), ``34·s·b·h`` for the classic ``f = 4h``, divided by the
+TP degree under sequence parallelism; a SwiGLU MLP keeps 1.5× the MLP share.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from hetctl.errors import ConfigError
+from hetctl.plan.schema import ModelSpec
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A named model with its default global batch and its source."""
+
+    spec: ModelSpec
+    global_batch: int
+
+
+@lru_cache(maxsize=1)
+def presets() -> dict[str, Preset]:
+    """The presets shipped in ``hetctl/data/models.yaml``, by name."""
+    text = resources.files("hetctl").joinpath("data/models.yaml").read_text()
+    data = yaml.safe_load(text)
+    out = {}
+    for name, entry in data.items():
+        spec = ModelSpec(name=name, source=" ".join(str(entry["source"]).split()), **entry["spec"])
+        out[name] = Preset(spec=spec, global_batch=int(entry["global_batch"]))
+    return out
+
+
+def default_global_batch(spec: ModelSpec) -> int:
+    """The preset's batch, or about 4M tokens per step for a model from a file."""
+    preset = presets().get(spec.name)
+    if preset is not None:
+        return preset.global_batch
+    return max(1, (4 * 1024 * 1024) // spec.seq_len)
+
+
+def load_model(name_or_path: str, seq_len: int | None = None) -> ModelSpec:
+    """Resolve ``--model``: a preset name, else a YAML file in Megatron's names.
+
+    Args:
+        name_or_path: ``tiny``, ``llama2-70b``… or the path of a YAML file with
+            ``num_layers``, ``hidden_size``, ``ffn_hidden_size``,
+            ``num_attention_heads``, ``vocab_size`` and optionally
+            ``num_query_groups``, ``seq_len``, ``swiglu``, ``name``.
+        seq_len: overrides the model's sequence length when given.
+
+    Raises:
+        ConfigError: neither a preset nor a readable, valid model file.
+    """
+    table = presets()
+    if name_or_path in table:
+        spec = table[name_or_path].spec
+    else:
+        path = Path(name_or_path)
+        if not path.is_file():
+            raise ConfigError(
+                f"unknown model {name_or_path!r}: not a preset and no such file",
+                f"use one of {', '.join(table)} or a YAML file with num_layers, hidden_size, "
+                "ffn_hidden_size, num_attention_heads, vocab_size",
+            )
+        spec = _model_file(path)
+    if seq_len is not None:
+        if seq_len <= 0:
+            raise ConfigError(f"--seq-len {seq_len}: must be positive")
+        spec = spec.model_copy(update={"seq_len": seq_len})
+    _check_shape(spec)
+    return spec
+
+
+def _model_file(path: Path) -> ModelSpec:
+    from hetctl.yamlio import read_yaml, validation_error
+
+    data, root = read_yaml(path, "model file")
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: model file must be a mapping of Megatron argument names")
+    data = {"name": path.stem, "source": str(path), **data}
+    try:
+        return ModelSpec.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(path, e, root) from None
+
+
+def _check_shape(spec: ModelSpec) -> None:
+    where = spec.source if spec.source and spec.source.endswith((".yaml", ".yml")) else f"model {spec.name}"
+    if spec.hidden_size % spec.num_attention_heads:
+        raise ConfigError(
+            f"{where}: hidden_size {spec.hidden_size} is not a multiple of num_attention_heads "
+            f"{spec.num_attention_heads}"
+        )
+    g = spec.num_query_groups
+    if g is not None and (g <= 0 or spec.num_attention_heads % g):
+        raise ConfigError(
+            f"{where}: num_query_groups {g} must divide num_attention_heads {spec.num_attention_heads}"
+        )
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """Per-layer and per-token costs of a model (FLOPs and parameter counts).
+
+    Attributes:
+        layer_params: parameters of one transformer layer.
+        embed_params: token embedding (first stage).
+        head_params: final norm and output projection (last stage; not tied).
+        layer_flops: forward FLOPs of one layer per token.
+        head_flops: forward FLOPs of the output projection per token.
+        act_coeff: activation bytes of one layer per token and per unit of
+            hidden size, at 16 bits (34 for the classic MLP).
+    """
+
+    layer_params: float
+    embed_params: float
+    head_params: float
+    layer_flops: float
+    head_flops: float
+    act_coeff: float
+    hidden: int
+    vocab: int
+    seq_len: int
+    num_layers: int
+
+    def train_flops_per_token(self) -> float:
+        """Model FLOPs of one token's forward and backward (3× forward)."""
+        return 3.0 * (self.num_layers * self.layer_flops + self.head_flops)
+
+    def total_params(self) -> float:
+        return self.num_layers * self.layer_params + self.embed_params + self.head_params
+
+
+def model_cost(spec: ModelSpec) -> ModelCost:
+    """Parameter and FLOP counts of ``spec`` (see the module docstring)."""
+    h, f, a = spec.hidden_size, spec.ffn_hidden_size, spec.num_attention_heads
+    g = spec.num_query_groups or a
+    kv = h * g // a
+    attn = 2 * h * h + 2 * h * kv
+    mlp = (3 if spec.swiglu else 2) * h * f
+    layer_params = attn + mlp + 2 * h
+    layer_flops = 2.0 * (attn + mlp) + 4.0 * spec.seq_len * h
+    mlp_act = 19.0 * f / (4.0 * h) * (1.5 if spec.swiglu else 1.0)
+    return ModelCost(
+        layer_params=float(layer_params),
+        embed_params=float(spec.vocab_size * h),
+        head_params=float(spec.vocab_size * h + h),
+        layer_flops=layer_flops,
+        head_flops=2.0 * spec.vocab_size * h,
+        act_coeff=15.0 + mlp_act,
+        hidden=h,
+        vocab=spec.vocab_size,
+        seq_len=spec.seq_len,
+        num_layers=spec.num_layers,
+    )
+
+
+def valid_tp(spec: ModelSpec, limit: int) -> list[int]:
+    """TP degrees (powers of two up to ``limit``) that divide heads and KV groups."""
+    out, t = [], 1
+    groups = spec.num_query_groups or spec.num_attention_heads
+    while t <= limit:
+        if spec.num_attention_heads % t == 0 and groups % t == 0:
+            out.append(t)
+        t *= 2
+    return out
+
+
+def spec_summary(spec: ModelSpec) -> dict[str, Any]:
+    """A short dict for --explain: size in parameters and shape."""
+    c = model_cost(spec)
+    return {"params_b": round(c.total_params() / 1e9, 2), "layers": spec.num_layers, "hidden": spec.hidden_size}

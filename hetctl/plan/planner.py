@@ -1,0 +1,259 @@
+"""``plan_cluster``: cluster facts + model → the plan file's contents.
+
+Pure: takes data, returns a :class:`~hetctl.plan.schema.Plan` (nothing is
+printed or written here). The search itself is :mod:`hetctl.plan.search`; this
+module turns its winner into stages, ranks, the estimate, the baselines, the
+per-type homogeneous references and the ``--explain`` notes.
+
+Utilization figures (also in the README):
+
+- ``utilization`` — against the peak: model FLOPs per step ÷ (step time × the
+  FLOP/s of every usable chip in the cluster, at each chip's own figure:
+  measured, inventory override or spec). Idle chips count against it.
+- ``utilization_vs_homogeneous`` — the plan's tokens/s ÷ the sum over chip
+  types of the tokens/s the best plan for that type alone reaches on the same
+  model, global batch, micro-batch and framework (the metric published for
+  mixed-chip training). None when some type cannot train the model alone.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from hetctl.errors import ConfigError, PlanInfeasible
+from hetctl.plan.costmodel import Workload
+from hetctl.plan.devices import Devices, collect, subset
+from hetctl.plan.models import default_global_batch, model_cost
+from hetctl.plan.partition import proportional_split, ranges, uniform_split
+from hetctl.plan.schema import Baseline, Estimate, ModelSpec, Parallel, Plan, Rank, Stage
+from hetctl.plan.search import Found, Layout, Pins, Searcher, memory_needed
+from hetctl.probe.facts import Cluster
+from hetctl.vendors import stage_backend, vendor_info
+
+FRAMEWORKS = ("hetctl", "megatron", "flagscale", "deepspeed", "torchrun")
+HINT_MEMORY = "add nodes or chips with more memory, lower --micro-batch or --seq-len, or plan a smaller model"
+
+
+def plan_cluster(
+    cluster: Cluster,
+    spec: ModelSpec,
+    *,
+    global_batch: int | None = None,
+    micro_batch: int = 1,
+    framework: str = "hetctl",
+    pins: Pins = Pins(),
+    cluster_path: str | Path | None = None,
+    homogeneous: bool = True,
+) -> Plan:
+    """Decide the fastest layout of ``spec`` on ``cluster``.
+
+    Args:
+        cluster: the probed (or hand-written) cluster facts.
+        spec: the model, with its sequence length.
+        global_batch: sequences per optimizer step (default: the preset's, or
+            about 4M tokens).
+        micro_batch: sequences per micro-batch.
+        framework: the launch template; Megatron and DeepSpeed get one TP degree
+            for every stage.
+        pins: degrees fixed by the user.
+        cluster_path: recorded in the plan; relative inventory paths resolve
+            against its folder.
+        homogeneous: compute each chip type's alone-figure (the second
+            utilization); off only for callers that plan repeatedly.
+
+    Raises:
+        ConfigError: bad options or a chip without a TFLOPS or memory figure.
+        PlanInfeasible: no layout fits (memory, chip count, pins).
+    """
+    t0 = time.perf_counter()
+    if framework not in FRAMEWORKS:
+        raise ConfigError(f"--framework {framework}: unknown", f"use one of {', '.join(FRAMEWORKS)}")
+    gb = global_batch if global_batch is not None else default_global_batch(spec)
+    _check_options(gb, micro_batch, pins, spec)
+    devices = collect(cluster)
+    if not devices.kinds:
+        raise PlanInfeasible(
+            "no usable chips: " + ("; ".join(devices.notes) if devices.notes else "the cluster file lists no nodes"),
+            "probe the cluster again once nodes are reachable",
+        )
+    work = Workload(cost=model_cost(spec), micro_batch=micro_batch, global_batch=gb)
+    found = Searcher(devices.kinds, spec, work, framework, pins).run()
+    if found.best is None:
+        raise _infeasible(found, pins, work, spec, devices)
+    lay = found.best
+    notes = list(devices.notes)
+    if pins.any():
+        free = Searcher(devices.kinds, spec, work, framework, Pins()).run().best
+        if free is not None and free.step < lay.step * 0.99:
+            notes.append(
+                f"the pin ({_pins(pins)}) costs {100 * (1 - free.step / lay.step):.1f}% throughput: "
+                f"unpinned best is {_shape(free)} at {free.step:.3f} s/step against {lay.step:.3f}"
+            )
+    homog = _homogeneous(devices, spec, work, framework, lay) if homogeneous else None
+    plan = _build(lay, spec, work, devices, framework, cluster, cluster_path, homog, notes, found)
+    plan.plan_time_s = round(time.perf_counter() - t0, 4)
+    return plan
+
+
+def _check_options(gb: int, mb: int, pins: Pins, spec: ModelSpec) -> None:
+    if mb < 1 or gb < 1:
+        raise ConfigError(f"--micro-batch {mb} / --global-batch {gb}: both must be at least 1")
+    if gb % mb:
+        raise ConfigError(f"--global-batch {gb} is not a multiple of --micro-batch {mb}")
+    for name, value in (("pp", pins.pp), ("dp", pins.dp), ("tp", pins.tp)):
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name} {value}: must be at least 1")
+    if pins.dp is not None and gb % (pins.dp * mb):
+        raise ConfigError(
+            f"--dp {pins.dp}: global batch {gb} is not divisible by dp × micro-batch ({pins.dp} × {mb})",
+            "change --dp, --global-batch or --micro-batch",
+        )
+    if pins.pp is not None and pins.pp > spec.num_layers:
+        raise ConfigError(f"--pp {pins.pp}: more stages than the model's {spec.num_layers} layers")
+    if pins.tp is not None:
+        groups = spec.num_query_groups or spec.num_attention_heads
+        if pins.tp & (pins.tp - 1) or spec.num_attention_heads % pins.tp or groups % pins.tp:
+            raise ConfigError(
+                f"--tp {pins.tp}: must be a power of two dividing the model's {spec.num_attention_heads} heads "
+                f"and {groups} KV groups"
+            )
+
+
+def _shape(lay: Layout) -> str:
+    tps = sorted({st.tp for st in lay.types})
+    return f"pp {lay.pp} × dp {lay.dp}, tp {'/'.join(map(str, tps))}"
+
+
+def _pins(pins: Pins) -> str:
+    return ", ".join(f"--{k} {v}" for k, v in (("pp", pins.pp), ("dp", pins.dp), ("tp", pins.tp)) if v is not None)
+
+
+def _infeasible(found: Found, pins: Pins, work: Workload, spec: ModelSpec, devices: Devices) -> PlanInfeasible:
+    miss = found.miss
+    chips = sum(k.chips() for k in devices.kinds)
+    if miss is None:
+        why = f"no layout of {spec.name} on {chips} chips matches"
+        if pins.any():
+            why += f" the pins ({_pins(pins)})"
+        return PlanInfeasible(
+            f"{why}: check that the global batch {work.global_batch} splits into dp × micro-batch and that "
+            "the chips can form the pinned stages",
+            "drop or change --pp/--dp/--tp",
+        )
+    counts = proportional_split(spec.num_layers, [st.flops for st in miss.types]) or [1] * len(miss.types)
+    p = len(miss.types)
+    worst, worst_s = -1.0, 0
+    for s, (st, n) in enumerate(zip(miss.types, counts)):
+        need = st.memory(n, min(p - s, miss.m), s == 0, s == p - 1)
+        if need / st.limit > worst:
+            worst, worst_s = need / st.limit, s
+    st, n = miss.types[worst_s], counts[worst_s]
+    need = st.memory(n, min(p - worst_s, miss.m), worst_s == 0, worst_s == p - 1)
+    node = st.kind.groups[0].node
+    return PlanInfeasible(
+        f"no plan fits in memory: the nearest, pp {p} × dp {miss.dp} × tp {st.tp}, holds "
+        f"{max(0, sum(max(0, c) for c in miss.caps))} of {spec.num_layers} layers; stage {worst_s} "
+        f"({st.kind.label} on {node}…) needs {need / 1e9:.1f} GB per chip for {n} layers and "
+        f"{min(p - worst_s, miss.m)} micro-batches in flight, has {st.limit / 1e9:.1f} GB",
+        HINT_MEMORY,
+    )
+
+
+def _homogeneous(devices: Devices, spec, work, framework, lay: Layout) -> dict[str, float | str]:
+    """Tokens/s of each chip type alone (or why it cannot train the model alone)."""
+    tokens = work.global_batch * spec.seq_len
+    out: dict[str, float | str] = {}
+    if len(devices.kinds) == 1:
+        return {devices.kinds[0].label: tokens / lay.step}
+    for kind in devices.kinds:
+        name = f"{kind.label} ({kind.tflops:g} TFLOPS)"
+        best = Searcher(subset(devices, {kind.id}).kinds, spec, work, framework, Pins(), keep=2).run().best
+        out[name] = tokens / best.step if best is not None else "cannot hold the model alone"
+    return out
+
+
+def _estimate(lay: Layout, work: Workload, spec: ModelSpec, total_flops: float, homog) -> Estimate:
+    step = lay.step
+    tokens = work.global_batch * spec.seq_len
+    flops = work.cost.train_flops_per_token() * tokens
+    vs_h = None
+    if homog and all(isinstance(v, float) for v in homog.values()):
+        vs_h = round((tokens / step) / sum(homog.values()), 4)
+    return Estimate(
+        step_time_s=round(step, 6),
+        bubble=round(lay.sim.bubble if lay.sim else 0.0, 4),
+        utilization=round(flops / (step * total_flops), 4),
+        utilization_vs_homogeneous=vs_h,
+        tokens_per_s=round(tokens / step, 2),
+        stage_busy_s=[round(b, 6) for b in (lay.sim.busy if lay.sim else ())],
+    )
+
+
+def _baselines(lay: Layout, work, spec, total_flops, search: Searcher) -> dict[str, Baseline]:
+    out = {}
+    mem_pos = [(min(lay.pp - s, lay.m), s == 0, s == lay.pp - 1) for s in range(lay.pp)]
+    for rule, counts in (("uniform", uniform_split(spec.num_layers, lay.pp)),
+                         ("proportional", proportional_split(spec.num_layers, [st.flops for st in lay.types]))):
+        if counts is None:
+            out[rule] = Baseline(infeasible=f"{lay.pp} stages for {spec.num_layers} layers")
+            continue
+        over = [(s, st.memory(n, *pos), st) for s, (st, n, pos) in enumerate(zip(lay.types, counts, mem_pos))
+                if n > lay.caps[s]]
+        if over:
+            s, need, st = over[0]
+            out[rule] = Baseline(layers=counts, infeasible=(
+                f"stage {s} ({st.kind.label}) would need {need / 1e9:.1f} GB per chip for {counts[s]} layers, "
+                f"has {st.limit / 1e9:.1f} GB"))
+            continue
+        alt = search.with_counts(lay, counts, rule)
+        out[rule] = Baseline(layers=counts, estimate=_estimate(alt, work, spec, total_flops, None))
+    return out
+
+
+def _build(lay: Layout, spec, work, devices: Devices, framework, cluster: Cluster, cluster_path,
+           homog, notes: list[str], found: Found) -> Plan:
+    total = devices.total_flops()
+    mem = memory_needed(lay)
+    stages, ranks, local = [], [], {}
+    spans = ranges(lay.counts)
+    for r, row in enumerate(lay.placement):
+        for s, (group, chips) in enumerate(row):
+            st = lay.types[s]
+            info = vendor_info(group.vendor)
+            stages.append(Stage(
+                replica=r, stage=s, node=group.node, vendor=group.vendor, model=group.model, chips=list(chips),
+                tp=st.tp, layers=spans[s], precision=st.kind.precision, backend=stage_backend(group.vendor),
+                backend_next=lay.backends[s] if s < lay.pp - 1 else None, device_type=info.device_type,
+                visible_devices_env=info.visible_devices_env, est_ms=round((lay.fwd[s] + lay.bwd[s]) * 1e3, 3),
+                memory_gb=round(mem[s] / 1e9, 2), memory_limit_gb=group.memory_gb,
+            ))
+            for chip in chips:
+                lr = local.get(group.node, 0)
+                local[group.node] = lr + 1
+                ranks.append(Rank(rank=len(ranks), node=group.node, local_rank=lr, stage=s, replica=r,
+                                  chip=None if info.visible_devices_env is None else chip))
+    search = Searcher(devices.kinds, spec, work, framework, Pins())
+    inventory = cluster.inventory
+    if inventory and cluster_path and not Path(inventory).is_absolute():
+        inventory = str((Path(cluster_path).parent / inventory).resolve())
+    tokens = work.global_batch * spec.seq_len
+    from hetctl.plan.explain import explain
+
+    plan = Plan(
+        model=spec,
+        parallel=Parallel(pp=lay.pp, dp=lay.dp, tp=max(st.tp for st in lay.types), micro_batch=work.micro_batch,
+                          micro_batches=lay.m, global_batch=work.global_batch),
+        framework=framework,
+        cluster=str(cluster_path) if cluster_path else None,
+        inventory=inventory,
+        nodes=list(dict.fromkeys(r.node for r in ranks)),
+        stages=stages,
+        ranks=ranks,
+        estimate=_estimate(lay, work, spec, total, homog),
+        baselines=_baselines(lay, work, spec, total, search),
+        ideal_tokens_per_s=round(total / (work.cost.train_flops_per_token()), 2),
+        notes=[],
+    )
+    plan.notes = notes + explain(plan, lay, devices, found, homog, tokens)
+    return plan
