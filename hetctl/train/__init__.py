@@ -1,0 +1,8 @@
+"""The reference pipeline trainer (torch, optional extra): ``python -m hetctl.train`` runs one rank.
+
+Modules: ``model`` (decoder-only transformer in checkpoint units), ``data``
+(deterministic synthetic batches), ``topology`` (the rank's place, from the
+plan), ``pipeline`` (1F1B step, point-to-point and all-reduce), ``ckpt``
+(layer-granular checkpoints), ``main`` (the rank's entry point).
+Importing this package does not import torch.
+"""

@@ -1,0 +1,218 @@
+"""``python -m hetctl.train``: one rank of the reference pipeline trainer.
+
+The launcher (agent, or ``tests/rankrunner.py``) sets the rank contract
+(:data:`hetctl.runtime.TRAIN_ENV`); the run length and checkpoint interval come
+as options, defaulting to ``HETCTL_STEPS`` and ``HETCTL_CKPT_EVERY``. The last
+stage prints ``step=… loss=… step_ms=…`` per step; every rank writes its
+heartbeat each step, and a final one with ``done: true``. Faults are injected
+from outside with real signals; SIGTERM ends the rank at once (default handler).
+
+Exit codes: 0 done; 2 a configuration mistake (one line on stderr naming the
+variable, plan key or checkpoint file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import importlib
+import os
+import sys
+import time
+
+from hetctl.errors import HetctlError
+from hetctl.runtime import RankContext, load_plan
+
+# The torch plugin that registers each device type, imported only on that vendor's nodes.
+DEVICE_PLUGINS = {
+    "npu": "torch_npu",
+    "musa": "torch_musa",
+    "mlu": "torch_mlu",
+    "gcu": "torch_gcu",
+    "hpu": "habana_frameworks.torch.core",
+}
+
+
+def parse_args(argv: list[str] | None, env: os._Environ | dict) -> argparse.Namespace:
+    """Options of the trainer; ``HETCTL_STEPS``/``HETCTL_CKPT_EVERY`` give the defaults."""
+    ap = argparse.ArgumentParser(prog="python -m hetctl.train", description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=int(env.get("HETCTL_STEPS") or 0) or None,
+                    help="total optimizer steps of the run (default $HETCTL_STEPS)")
+    ap.add_argument("--checkpoint-every", type=int, default=int(env.get("HETCTL_CKPT_EVERY") or 0),
+                    help="write a checkpoint every K steps; 0 writes none (default $HETCTL_CKPT_EVERY)")
+    ap.add_argument("--seed", type=int, default=1234, help="seed of weights and data (default 1234)")
+    ap.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
+    ap.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0)")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads per rank (default 1)")
+    ap.add_argument("--comm-timeout", type=float, default=300.0,
+                    help="seconds a collective or receive may wait before the rank fails (default 300)")
+    args = ap.parse_args(argv)
+    if not args.steps or args.steps < 1:
+        ap.error("--steps (or HETCTL_STEPS) must be a positive number of steps")
+    if args.checkpoint_every < 0:
+        ap.error("--checkpoint-every must be >= 0")
+    return args
+
+
+def _device(topo, torch):  # noqa: ANN001, ANN202 - torch passed in so the module imports without it
+    if topo.device_type == "cpu":
+        return torch.device("cpu")
+    plugin = DEVICE_PLUGINS.get(topo.device_type)
+    if plugin:
+        try:
+            importlib.import_module(plugin)
+        except ImportError:
+            raise HetctlError(f"HETCTL_DEVICE_TYPE={topo.device_type} needs the torch plugin {plugin}, "
+                              "which is not importable on this node", "install the vendor's torch plugin") from None
+    # Normally the launcher narrows the vendor's visible-devices variable to this rank's chip (one
+    # device, index 0); when every chip is visible, the plan's chip number is the index.
+    mod = torch.get_device_module(topo.device_type)
+    count = mod.device_count()
+    if count < 1:
+        raise HetctlError(f"HETCTL_DEVICE_TYPE={topo.device_type} but torch sees no such device on this node",
+                          "check the driver and the visible-devices variable")
+    index = 0 if count == 1 else (topo.chip if topo.chip is not None and topo.chip < count else 0)
+    mod.set_device(index)
+    return torch.device(topo.device_type, index)
+
+
+def _default_backend(topo) -> str:  # noqa: ANN001
+    """gloo for CPU tensors plus the vendor library for device tensors, when any link or group uses one."""
+    vendor = {b for b in (topo.backend, topo.backend_prev, topo.backend_next) if b and b != "gloo"}
+    if topo.device_type == "cpu" or not vendor:
+        return "gloo"
+    return f"cpu:gloo,{topo.device_type}:{sorted(vendor)[0]}"
+
+
+def run(args: argparse.Namespace, ctx: RankContext) -> int:
+    """Set up this rank, train from the resume step to ``args.steps``, checkpoint, report."""
+    plan = load_plan(ctx.plan)
+    from hetctl.run.checkpoint import model_digest
+    from hetctl.train.topology import topology
+
+    topo = topology(plan, ctx)
+    spec = plan["model"]
+    if args.checkpoint_every and ctx.ckpt_dir is None:
+        raise HetctlError("--checkpoint-every is set but HETCTL_CKPT_DIR is not", "set it, or pass --checkpoint-every 0")
+    if ctx.resume_step and ctx.ckpt_dir is None:
+        raise HetctlError(f"HETCTL_RESUME_STEP={ctx.resume_step} but HETCTL_CKPT_DIR is not set")
+    blobs = None
+    if ctx.resume_step:
+        # Read and verify this stage's files before importing torch and joining the group, so a
+        # missing, foreign or corrupted checkpoint is one clear error instead of a peer's hang.
+        from hetctl.run.checkpoint import read_verified
+        from hetctl.train.units import unit_files
+
+        blobs = read_verified(ctx.ckpt_dir, ctx.resume_step, unit_files(topo.layers, topo.is_first, topo.is_last),
+                              model_digest(spec))
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
+    import torch
+    import torch.distributed as dist
+
+    from hetctl.train import ckpt, data, pipeline
+    from hetctl.train.model import StageModule, build_units
+
+    torch.set_num_threads(args.threads)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    device = _device(topo, torch)
+    timeout = datetime.timedelta(seconds=args.comm_timeout)
+    store = dist.TCPStore(ctx.master_addr, ctx.master_port, ctx.world_size, is_master=ctx.rank == 0, timeout=timeout)
+    backend = _default_backend(topo)
+    dist.init_process_group(backend=backend, store=store, rank=ctx.rank, world_size=ctx.world_size, timeout=timeout)
+    try:
+        # Collectives on Python objects (checkpoint hashes) need a CPU group.
+        ctrl = None if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
+        dp_group = None
+        if topo.dp > 1:
+            for st, members in enumerate(topo.dp_groups):
+                g = dist.new_group(list(members), timeout=timeout, backend="gloo" if topo.backend == "gloo" else None)
+                if st == topo.stage:
+                    dp_group = g
+
+        units = build_units(spec, topo.layers, topo.is_first, topo.is_last, args.seed)
+        units.to(device)
+        module = StageModule(units)
+        hyper = {"lr": args.lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": args.weight_decay}
+        optimizer = torch.optim.AdamW(module.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
+                                      weight_decay=args.weight_decay)
+        digest = model_digest(spec)
+        start = ctx.resume_step or 0
+        if start:
+            state = ckpt.load(blobs, units, optimizer)
+            ckpt.check_state(state, args.seed, topo.global_batch, hyper, ctx.ckpt_dir / f"step-{start}")
+
+        comm = pipeline.Comm(topo, device, dp_group)
+        amp = functools.partial(pipeline.autocast, device, topo.precision)
+        seq, vocab = int(spec["seq_len"]), int(spec["vocab_size"])
+        role = {"stage": topo.stage, "replica": topo.replica}
+        first_loss = loss_value = None
+        step_times: list[float] = []
+        ctx.heartbeat(start, phase="ready", **role)
+        for step in range(start + 1, args.steps + 1):
+            t0 = time.perf_counter()
+
+            @functools.lru_cache(maxsize=None)
+            def batch(m: int, step: int = step) -> tuple:
+                x, y = data.micro_batch(args.seed, step, topo.replica, m, topo.micro_batch, topo.micro_batches,
+                                        seq, vocab)
+                return x.to(device), y.to(device)
+
+            optimizer.zero_grad(set_to_none=False)
+            loss = pipeline.train_step(module, topo, comm, batch, int(spec["hidden_size"]), seq, amp)
+            comm.all_reduce_grads(units)
+            optimizer.step()
+            if loss is not None:
+                loss_value = float(comm.all_reduce_loss(loss).item())
+                first_loss = loss_value if first_loss is None else first_loss
+            ms = (time.perf_counter() - t0) * 1000.0
+            step_times.append(ms)
+            if topo.is_last:
+                print(f"step={step} loss={loss_value:.9g} step_ms={ms:.1f}", flush=True)
+                ctx.heartbeat(step, loss=loss_value, step_ms=round(ms, 3), **role)
+            else:
+                ctx.heartbeat(step, step_ms=round(ms, 3), **role)
+            if args.checkpoint_every and step % args.checkpoint_every == 0:
+                state = {
+                    "step": step,
+                    "seed": args.seed,
+                    "data": {"next_step": step + 1, "global_batch": topo.global_batch,
+                             "samples_seen": step * topo.global_batch},
+                    "rng": {"kind": "counter", "seed": args.seed, "counter": step},
+                    "optimizer": hyper,
+                    "model": spec,
+                }
+                meta = {"seed": args.seed, "run_id": ctx.run_id, "attempt": ctx.attempt,
+                        "pp": topo.pp, "dp": topo.dp, "global_batch": topo.global_batch}
+                ckpt.save(ctx.ckpt_dir, step, units, optimizer, rank=ctx.rank, replica=topo.replica,
+                          num_layers=topo.num_layers, digest=digest, state=state, meta=meta, group=ctrl)
+
+        steady = step_times[1:] or step_times
+        final = {"done": True, "steps": args.steps, **role}
+        if steady:
+            mean_ms = sum(steady) / len(steady)
+            final.update(step_ms=round(mean_ms, 3), tokens_per_s=round(topo.global_batch * seq / (mean_ms / 1000), 1))
+        if topo.is_last and loss_value is not None:
+            final.update(loss=loss_value, first_loss=first_loss)
+            if topo.replica == 0:
+                print(f"done steps={args.steps} final_loss={loss_value:.9g} first_loss={first_loss:.9g} "
+                      f"tokens_per_s={final.get('tokens_per_s')}", flush=True)
+        elif topo.is_last and topo.replica == 0:
+            print(f"done steps={args.steps}: nothing to train after resume step {start}", flush=True)
+        dist.barrier(group=ctrl)
+        ctx.heartbeat(args.steps, **final)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: a configuration mistake is one line on stderr and exit code 2, never a traceback."""
+    try:
+        ctx = RankContext.from_env()
+        args = parse_args(argv, os.environ)
+        return run(args, ctx)
+    except HetctlError as e:
+        print(f"hetctl.train: error: {e.message}" + (f" (hint: {e.hint})" if e.hint else ""), file=sys.stderr)
+        return e.exit_code

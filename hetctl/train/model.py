@@ -1,0 +1,148 @@
+"""The reference model: a decoder-only transformer cut into checkpoint units.
+
+A *unit* is what a checkpoint stores in one file: ``embedding`` (tokens and
+learned positions, first stage), ``layer-NNNNN`` (one transformer block) and
+``head`` (final norm and output projection, last stage). A stage builds only
+its own units, so memory follows the plan's split.
+
+Every unit's initial weights come from a generator seeded by ``(seed, unit
+name)``: the same layer gets the same numbers whichever stage or node builds it,
+which is what lets a different split — a re-plan onto survivors — reproduce a
+run bit for bit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Any, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hetctl.train.units import unit_names
+
+INIT_STD = 0.02
+
+
+def derive_seed(seed: int, *parts: Any) -> int:
+    """A 63-bit seed from ``seed`` and labels, stable across processes and Python versions."""
+    text = ":".join(str(p) for p in (seed, *parts))
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm with a learned scale (plain ops, so every vendor plugin runs it)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class Embedding(nn.Module):
+    """Token plus learned absolute position embedding."""
+
+    def __init__(self, spec: Mapping[str, Any]) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(spec["vocab_size"], spec["hidden_size"])
+        self.positions = nn.Embedding(spec["seq_len"], spec["hidden_size"])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(ids.shape[1], device=ids.device)
+        return self.tokens(ids) + self.positions(pos)
+
+
+class Block(nn.Module):
+    """Pre-norm block: causal grouped-query attention, then a SwiGLU MLP (Llama's shape)."""
+
+    def __init__(self, spec: Mapping[str, Any]) -> None:
+        super().__init__()
+        h, heads = spec["hidden_size"], spec["num_attention_heads"]
+        groups = spec.get("num_query_groups") or heads
+        if h % heads or heads % groups:
+            raise ValueError(f"hidden_size {h}, heads {heads}, query groups {groups} do not divide")
+        self.heads, self.groups, self.head_dim = heads, groups, h // heads
+        kv = groups * self.head_dim
+        self.attn_norm = RMSNorm(h)
+        self.q = nn.Linear(h, h, bias=False)
+        self.k = nn.Linear(h, kv, bias=False)
+        self.v = nn.Linear(h, kv, bias=False)
+        self.o = nn.Linear(h, h, bias=False)
+        self.mlp_norm = RMSNorm(h)
+        self.gate = nn.Linear(h, spec["ffn_hidden_size"], bias=False)
+        self.up = nn.Linear(h, spec["ffn_hidden_size"], bias=False)
+        self.down = nn.Linear(spec["ffn_hidden_size"], h, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        y = self.attn_norm(x)
+        q = self.q(y).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k(y).view(b, s, self.groups, self.head_dim).transpose(1, 2)
+        v = self.v(y).view(b, s, self.groups, self.head_dim).transpose(1, 2)
+        if self.groups != self.heads:
+            rep = self.heads // self.groups
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(a.transpose(1, 2).reshape(b, s, h))
+        y = self.mlp_norm(x)
+        return x + self.down(F.silu(self.gate(y)) * self.up(y))
+
+
+class Head(nn.Module):
+    """Final norm and the projection to vocabulary logits (not tied: the embedding lives on another stage)."""
+
+    def __init__(self, spec: Mapping[str, Any]) -> None:
+        super().__init__()
+        self.norm = RMSNorm(spec["hidden_size"])
+        self.out = nn.Linear(spec["hidden_size"], spec["vocab_size"], bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(x))
+
+
+def _init_unit(unit: nn.Module, name: str, seed: int, num_layers: int) -> None:
+    """Fill ``unit`` from its own generator: norms at 1, residual outputs scaled by 1/sqrt(2L) (GPT-2)."""
+    gen = torch.Generator().manual_seed(derive_seed(seed, "init", name))
+    with torch.no_grad():
+        for pname, p in unit.named_parameters():
+            if pname.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                std = INIT_STD / math.sqrt(2 * num_layers) if pname in ("o.weight", "down.weight") else INIT_STD
+                p.normal_(0.0, std, generator=gen)
+
+
+def build_units(spec: Mapping[str, Any], layers: tuple[int, int], first: bool, last: bool, seed: int) -> nn.ModuleDict:
+    """The units of one stage, in forward order, initialised on the CPU.
+
+    Modules are created on the meta device and filled once from their seeded
+    generator, so the default initialisers never run (they would double the
+    start-up time of a large stage).
+    """
+    kinds: dict[str, type[nn.Module]] = {"embedding": Embedding, "head": Head}
+    units = nn.ModuleDict()
+    for name in unit_names(layers, first, last):
+        with torch.device("meta"):
+            unit = kinds.get(name, Block)(spec)
+        unit = unit.to_empty(device="cpu")
+        _init_unit(unit, name, seed, spec["num_layers"])
+        units[name] = unit
+    return units
+
+
+class StageModule(nn.Module):
+    """A stage's units applied in order: token ids (first stage) or hidden states in, hidden or logits out."""
+
+    def __init__(self, units: nn.ModuleDict) -> None:
+        super().__init__()
+        self.units = units
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for unit in self.units.values():
+            x = unit(x)
+        return x

@@ -1,0 +1,159 @@
+"""Where a rank sits in the pipeline, derived from the plan (pure; no torch).
+
+The plan's ``ranks[]`` and ``stages[]`` give each rank its neighbours: the
+previous and next stage of the same replica (pipeline send/recv) and the ranks
+holding the same stage in every replica (the data-parallel group that
+all-reduces that stage's gradients). Everything the launcher put in the
+environment is checked against the plan here, so a mismatched plan copy fails
+at start-up with one line instead of hanging in a collective.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from hetctl.errors import ConfigError
+from hetctl.runtime import RankContext
+
+
+@dataclass(frozen=True)
+class Topology:
+    """One rank's view of the pipeline-parallel × data-parallel grid."""
+
+    rank: int
+    stage: int
+    replica: int
+    pp: int
+    dp: int
+    layers: tuple[int, int]
+    num_layers: int
+    prev_rank: int | None
+    next_rank: int | None
+    dp_groups: tuple[tuple[int, ...], ...]
+    """Per stage index, the ranks holding it, ordered by replica (every rank needs all of them to create groups)."""
+    micro_batch: int
+    micro_batches: int
+    global_batch: int
+    device_type: str
+    backend: str
+    """Comm library inside the stage: the data-parallel all-reduce."""
+    backend_prev: str | None
+    """Comm library on the link from the previous stage (None on the first)."""
+    backend_next: str | None
+    """Comm library on the link to the next stage (None on the last)."""
+    precision: str
+    chip: int | None
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.pp - 1
+
+    @property
+    def dp_group(self) -> tuple[int, ...]:
+        return self.dp_groups[self.stage]
+
+
+def _stage_key(s: Mapping[str, Any]) -> tuple[int, int]:
+    return int(s["replica"]), int(s["stage"])
+
+
+def topology(plan: Mapping[str, Any], ctx: RankContext) -> Topology:
+    """Derive and check this rank's place from a plan dict (``plan.yaml`` as read by :func:`load_plan`).
+
+    Raises:
+        ConfigError: the plan and the environment disagree, the plan is
+            inconsistent, or it asks for something the reference trainer does not
+            do (tensor parallelism).
+    """
+    where = str(ctx.plan)
+    try:
+        model, par = plan["model"], plan["parallel"]
+        stages = {_stage_key(s): s for s in plan["stages"]}
+        ranks = {int(r["rank"]): r for r in plan["ranks"]}
+        pp, dp = int(par["pp"]), int(par["dp"])
+        mb, micro, gb = int(par["micro_batch"]), int(par["micro_batches"]), int(par["global_batch"])
+        num_layers = int(model["num_layers"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"{where}: not a hetctl plan (missing or bad {e})", "pass the plan written by `hetctl plan`") from None
+
+    if len(ranks) != ctx.world_size:
+        raise ConfigError(f"{where}: plan has {len(ranks)} ranks but WORLD_SIZE={ctx.world_size}")
+    me = ranks.get(ctx.rank)
+    if me is None:
+        raise ConfigError(f"{where}: ranks[] has no rank {ctx.rank}")
+    if (int(me["replica"]), int(me["stage"])) != (ctx.replica, ctx.stage):
+        raise ConfigError(
+            f"{where}: rank {ctx.rank} is replica {me['replica']} stage {me['stage']} in the plan, "
+            f"but HETCTL_REPLICA={ctx.replica} HETCTL_STAGE={ctx.stage}",
+            "the node has a stale plan copy; relaunch",
+        )
+    if gb != mb * micro * dp:
+        raise ConfigError(
+            f"{where}: parallel.global_batch={gb} is not micro_batch×micro_batches×dp = {mb}×{micro}×{dp}"
+        )
+
+    cell: dict[tuple[int, int], int] = {}
+    for r in ranks.values():
+        key = (int(r["replica"]), int(r["stage"]))
+        if key in cell:
+            st = stages.get(key, {})
+            raise ConfigError(
+                f"{where}: replica {key[0]} stage {key[1]} has more than one rank (tp={st.get('tp', '?')})",
+                "the reference trainer does not do tensor parallelism; plan with tp=1 or use another framework",
+            )
+        cell[key] = int(r["rank"])
+
+    for rep in range(dp):
+        nxt = 0
+        for st in range(pp):
+            s = stages.get((rep, st))
+            if s is None or (rep, st) not in cell:
+                raise ConfigError(f"{where}: replica {rep} stage {st} is missing from stages[] or ranks[]")
+            if int(s.get("tp", 1)) != 1:
+                raise ConfigError(
+                    f"{where}: stages[replica={rep}, stage={st}].tp={s['tp']}: the reference trainer does not do "
+                    "tensor parallelism",
+                    "plan with tp=1 (e.g. --tp 1) or launch with a framework that has it",
+                )
+            a, b = (int(x) for x in s["layers"])
+            if a != nxt or b < a:
+                raise ConfigError(f"{where}: stages[replica={rep}, stage={st}].layers=[{a}, {b}) does not follow {nxt}")
+            nxt = b
+        if nxt != num_layers:
+            raise ConfigError(f"{where}: replica {rep} covers layers [0, {nxt}) of model.num_layers={num_layers}")
+
+    mine = stages[(ctx.replica, ctx.stage)]
+    layers = tuple(int(x) for x in mine["layers"])
+    if layers != ctx.layers:
+        raise ConfigError(
+            f"{where}: stage {ctx.stage} of replica {ctx.replica} has layers {layers[0]}:{layers[1]} "
+            f"but HETCTL_LAYERS={ctx.layers[0]}:{ctx.layers[1]}",
+            "the node has a stale plan copy; relaunch",
+        )
+    prev = stages.get((ctx.replica, ctx.stage - 1))
+    return Topology(
+        rank=ctx.rank,
+        stage=ctx.stage,
+        replica=ctx.replica,
+        pp=pp,
+        dp=dp,
+        layers=layers,  # type: ignore[arg-type]
+        num_layers=num_layers,
+        prev_rank=cell.get((ctx.replica, ctx.stage - 1)),
+        next_rank=cell.get((ctx.replica, ctx.stage + 1)),
+        dp_groups=tuple(tuple(cell[(rep, st)] for rep in range(dp)) for st in range(pp)),
+        micro_batch=mb,
+        micro_batches=micro,
+        global_batch=gb,
+        device_type=ctx.device_type,
+        backend=ctx.backend,
+        backend_prev=(prev.get("backend_next") or "gloo") if prev is not None else None,
+        backend_next=(mine.get("backend_next") or "gloo") if ctx.stage < pp - 1 else None,
+        precision=str(mine.get("precision", "fp32")),
+        chip=me.get("chip"),
+    )
