@@ -1,0 +1,160 @@
+"""Benchmark: ``hetctl probe`` against ``pdsh`` running the same collector on the same hosts.
+
+Starts ``--hosts`` real OpenSSH servers on loopback (``tests/sshd.py``), then,
+for each host count in ``--counts`` and ``--reps`` times, alternating which goes
+first:
+
+* ``hetctl probe -i inventory.yaml --json`` (a fresh CLI process: imports,
+  inventory, one SSH connection per node, the collector on stdin, parsing);
+* ``pdsh -R ssh -f F -w <hosts> '<python> -c <collector source> <args>'`` with
+  OpenSSH under a generated ssh_config (same key, same known_hosts, strict
+  host keys) and the same fan-out.
+
+Both run the same collector with the same tool table on the same hosts, and
+both are checked to have received one JSON answer per host. Prints the median
+wall time of each, the ratio hetctl/pdsh, and the time per host, so that
+growth with host count at fixed fan-out is visible. The CPU columns are the
+client side only (the hetctl process; pdsh and its ssh processes): the server
+side (sshd, the collector) is the same work for both. Wall times on a shared
+machine move with its load; the load average is printed before and after.
+
+Needs root (sshd), ``/usr/sbin/sshd``, ``ssh`` and ``pdsh``. Run from the repo root::
+
+    python bench/fanout.py --hosts 16 --reps 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from hetctl.probe.run import collector_args, node_script  # noqa: E402
+from tests.sshd import SshdCluster  # noqa: E402
+
+
+def write_ssh_config(cluster: SshdCluster, path: Path) -> Path:
+    """An OpenSSH client config giving each host its alias, port, key and known_hosts."""
+    blocks = []
+    for h in cluster:
+        blocks.append(
+            f"Host {h.name}\n  HostName {h.addr}\n  Port {h.port}\n  User root\n"
+            f"  IdentityFile {cluster.client_key}\n  IdentitiesOnly yes\n"
+            f"  UserKnownHostsFile {cluster.known_hosts}\n  StrictHostKeyChecking yes\n"
+            f"  BatchMode yes\n  ConnectTimeout 10\n  LogLevel ERROR\n"
+        )
+    path.write_text("\n".join(blocks))
+    return path
+
+
+def _children_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def time_hetctl(inventory: Path, n: int) -> tuple[float, float]:
+    """Wall seconds and client CPU seconds of one ``hetctl probe``."""
+    c0, t0 = _children_cpu(), time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "hetctl", "probe", "-i", str(inventory), "--json"],
+                          capture_output=True, text=True)
+    elapsed, cpu = time.perf_counter() - t0, _children_cpu() - c0
+    if proc.returncode != 0:
+        raise SystemExit(f"hetctl probe failed ({proc.returncode}):\n{proc.stderr}")
+    nodes = json.loads(proc.stdout)["nodes"]
+    if len(nodes) != n or not all(x["reachable"] for x in nodes):
+        raise SystemExit(f"hetctl probe: expected {n} reachable nodes, got {nodes}")
+    return elapsed, cpu
+
+
+def time_pdsh(names: list[str], command: str, env: dict[str, str], fanout: int) -> tuple[float, float]:
+    """Wall seconds and client CPU seconds (pdsh and its ssh processes) of one pdsh run."""
+    c0, t0 = _children_cpu(), time.perf_counter()
+    proc = subprocess.run(["pdsh", "-R", "ssh", "-f", str(fanout), "-w", ",".join(names), command],
+                          capture_output=True, text=True, env=env)
+    elapsed, cpu = time.perf_counter() - t0, _children_cpu() - c0
+    answers = [ln for ln in proc.stdout.splitlines() if '"collector":1' in ln]
+    if proc.returncode != 0 or len(answers) != len(names):
+        raise SystemExit(f"pdsh failed ({proc.returncode}, {len(answers)} answers):\n{proc.stderr[-2000:]}")
+    return elapsed, cpu
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hosts", type=int, default=16, help="sshd hosts to start (>= 16 for the issue's check)")
+    ap.add_argument("--reps", type=int, default=5, help="repetitions per tool and host count")
+    ap.add_argument("--fanout", type=int, default=64, help="concurrent connections for both tools")
+    ap.add_argument("--counts", default=None, help="comma-separated host counts (default 4,8,16,…,--hosts)")
+    opts = ap.parse_args()
+    counts = [int(x) for x in opts.counts.split(",")] if opts.counts else sorted(
+        {c for c in (4, 8, 16, 32, 64, 128) if c < opts.hosts} | {opts.hosts})
+    if max(counts) > opts.hosts:
+        raise SystemExit("--counts cannot exceed --hosts")
+
+    with tempfile.TemporaryDirectory(prefix="hetctl-bench-") as tmp:
+        tmp_path = Path(tmp)
+        home = tmp_path / "home"
+        (home / ".ssh").mkdir(parents=True)
+        names = [f"h{i + 1:03d}" for i in range(opts.hosts)]
+        t0 = time.perf_counter()
+        with SshdCluster(tmp_path / "sshd", names=names) as cluster:
+            started = time.perf_counter() - t0
+            ssh_config = write_ssh_config(cluster, tmp_path / "ssh_config")
+            # The developer's own ssh setup stays out of both tools.
+            env = {**os.environ, "HOME": str(home), "PDSH_SSH_ARGS": f"-F {ssh_config} -x -a %h"}
+            env.pop("SSH_AUTH_SOCK", None)
+            os.environ.update({"HOME": str(home)})
+            os.environ.pop("SSH_AUTH_SOCK", None)
+            remote = shlex.join(["python3", "-c", node_script("collector.py").decode(), collector_args()])
+            print(f"{opts.hosts} sshd hosts on loopback started in {started:.2f} s; "
+                  f"fan-out {opts.fanout}; {opts.reps} reps; {os.cpu_count()} CPUs")
+            print(f"load average before: {os.getloadavg()[0]:.2f}")
+            print(f"{'hosts':>5} {'hetctl s':>9} {'pdsh s':>8} {'ratio':>6} {'hetctl ms/host':>15} {'pdsh ms/host':>13}"
+                  f" {'hetctl cpu s':>13} {'pdsh cpu s':>11}")
+            rows = []
+            for n in counts:
+                sub = cluster.hosts[:n]
+                inv = tmp_path / f"inventory-{n}.yaml"
+                data = cluster.inventory()
+                data["nodes"] = data["nodes"][:n]
+                data["ssh"]["fanout"] = opts.fanout
+                inv.write_text(yaml.safe_dump(data))
+                het, pd, het_cpu, pd_cpu = [], [], [], []
+                for rep in range(opts.reps):
+                    order = (0, 1) if rep % 2 == 0 else (1, 0)
+                    for which in order:
+                        if which == 0:
+                            wall, cpu = time_hetctl(inv, n)
+                            het.append(wall)
+                            het_cpu.append(cpu)
+                        else:
+                            wall, cpu = time_pdsh([h.name for h in sub], remote, env, opts.fanout)
+                            pd.append(wall)
+                            pd_cpu.append(cpu)
+                mh, mp = statistics.median(het), statistics.median(pd)
+                rows.append((n, mh, mp))
+                print(f"{n:>5} {mh:>9.3f} {mp:>8.3f} {mh / mp:>6.2f} {1000 * mh / n:>15.1f} {1000 * mp / n:>13.1f}"
+                      f" {statistics.median(het_cpu):>13.3f} {statistics.median(pd_cpu):>11.3f}", flush=True)
+            n, mh, mp = rows[-1]
+            print(f"load average after: {os.getloadavg()[0]:.2f}")
+            print(f"\nratio hetctl/pdsh at {n} hosts: {mh / mp:.2f} (goal <= 1.5)")
+            if len(rows) > 1:
+                n0, h0, p0 = rows[0]
+                print(f"growth {n0}->{n} hosts ({n / n0:.0f}x): hetctl {mh / h0:.2f}x, pdsh {mp / p0:.2f}x "
+                      f"(linear would be {n / n0:.0f}x)")
+
+
+if __name__ == "__main__":
+    main()
