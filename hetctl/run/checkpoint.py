@@ -230,6 +230,9 @@ def validate(directory: str | Path, model_digest: str | None = None, hash_files:
     if not man["files"]:
         problems.append("manifest lists no files")
     for name, entry in sorted(man["files"].items()):
+        if "/" in name or "\\" in name or name in ("", ".", ".."):
+            problems.append(f"{name!r}: not a file name inside the step directory")
+            continue
         p = d / name
         try:
             size = p.stat().st_size
