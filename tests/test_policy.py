@@ -51,7 +51,7 @@ def test_hang_is_treated_like_a_crash_and_named_as_a_hang():
     t = Tally()
     d = decide(failed(hang(node="n3", rank=5)), t, PolicyConfig(), attempt=0)
     assert d.action == Action.RESTART
-    assert "rank 5 on n3 hung" in d.reason
+    assert d.reason == "rank 5 on n3: no heartbeat for 3.0 s"
     assert t.node_failures["n3"] == 1
 
 
@@ -107,6 +107,9 @@ def test_describe_names_rank_node_and_cause():
     assert describe(crash(node="n2", rank=3, sig=9)) == "rank 3 on n2 killed by signal 9"
     assert describe(FailureRecord(FaultKind.CRASH, "a", 0, rank=0, exit_code=1)) == "rank 0 on a exited 1"
     assert describe(lost("n7")) == "node n7 lost: agent stream ended"
+    assert describe(FailureRecord(FaultKind.HANG, "a", 0, rank=2)) == "rank 2 on a hung (heartbeat stale)"
+    assert describe(FailureRecord(FaultKind.CRASH, "a", 0, rank=2, signal=9, reason="killed by SIGKILL")) == \
+        "rank 2 on a: killed by SIGKILL"
 
 
 def test_tally_round_trips_through_a_dict():

@@ -113,7 +113,9 @@ from tests.sshd import SshdCluster, _marked  # noqa: E402
 e2e = pytest.mark.skipif(os.geteuid() != 0 or not Path("/usr/sbin/sshd").exists(),
                          reason="needs root and /usr/sbin/sshd for real sshd hosts")
 STEPS, EVERY = 24, 4
-FAST = ("--hang-timeout", "3", "--node-timeout", "4", "--grace", "2")
+# Generous timeouts: two shared cores under load can stall a healthy step for seconds. The hang
+# test sets its own short --hang-timeout.
+FAST = ("--hang-timeout", "60", "--node-timeout", "10", "--grace", "2")
 TFLOPS = {"node-1": 1.0, "node-2": 1.0, "node-3": 1.0}
 
 
@@ -196,8 +198,8 @@ class Launch:
         self._wait(lambda: ckpt.latest_valid(self.ckpt) is not None and ckpt.latest_valid(self.ckpt)[0] >= step,
                    f"checkpoint {step}")
 
-    def wait_ranks(self, attempt: int = 0) -> list:
-        return self._wait(lambda: rank_procs(self.run_id, attempt), "rank processes")
+    def wait_ranks(self) -> list:
+        return self._wait(lambda: rank_procs(self.run_id), "rank processes")
 
     def finish(self, timeout: float = 300) -> dict:
         out, err = self.proc.communicate(timeout=timeout)
@@ -243,7 +245,7 @@ def plan_of(run: Path, attempt: int) -> Plan:
 def test_kill9_rank_restarts_same_plan_and_matches_bit_for_bit(cluster, site, reference):
     run = Launch(site, "kill9")
     run.wait_checkpoint(EVERY * 2)
-    victim = signal_rank(run.run_id, 1, signal.SIGKILL, attempt=0)
+    victim = signal_rank(run.run_id, 1, signal.SIGKILL)
     summary = run.finish()
     assert summary["state"] == "succeeded" and summary["steps"] == STEPS
     assert summary["final_loss"] == reference["final_loss"]  # bit for bit: same floats
@@ -251,7 +253,7 @@ def test_kill9_rank_restarts_same_plan_and_matches_bit_for_bit(cluster, site, re
     failed = run.events("rank_failed")
     assert [(e["rank"], e["signal"], e["attempt"]) for e in failed] == [(1, 9, 0)], failed
     restart = run.events("restart")
-    assert len(restart) == 1 and restart[0]["resume_step"] >= EVERY * 2 and "signal 9" in restart[0]["reason"]
+    assert len(restart) == 1 and restart[0]["resume_step"] >= EVERY * 2 and "SIGKILL" in restart[0]["reason"]
     assert plan_of(run.run, 1) == plan_of(run.run, 0)  # same plan
     assert not psutil.pid_exists(victim.pid) or psutil.Process(victim.pid).status() == psutil.STATUS_ZOMBIE
     assert wait_no_processes(cluster, 10) == []
@@ -259,9 +261,9 @@ def test_kill9_rank_restarts_same_plan_and_matches_bit_for_bit(cluster, site, re
 
 @e2e
 def test_sigstopped_rank_is_a_hang_and_the_restart_matches(cluster, site, reference):
-    run = Launch(site, "hang")
+    run = Launch(site, "hang", "--hang-timeout", "6")
     run.wait_checkpoint(EVERY * 2)
-    signal_rank(run.run_id, 0, signal.SIGSTOP, attempt=0)
+    signal_rank(run.run_id, 0, signal.SIGSTOP)
     summary = run.finish()
     assert summary["final_loss"] == reference["final_loss"]
     assert summary["attempts"] == 2 and summary["restarts"] == 1
@@ -284,7 +286,7 @@ def test_corrupted_newest_checkpoint_is_skipped_and_the_previous_used(cluster, s
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0x01  # one flipped bit, same size: only the sha256 can tell
     victim.write_bytes(bytes(data))
-    signal_rank(run.run_id, 1, signal.SIGKILL, attempt=0)
+    signal_rank(run.run_id, 1, signal.SIGKILL)
     summary = run.finish()
     assert summary["final_loss"] == reference["final_loss"]
     skipped = run.events("checkpoint_skipped")

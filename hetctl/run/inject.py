@@ -118,7 +118,7 @@ class KillAtStep:
     def _fire(self) -> None:
         try:
             self.fired_at = time.time()
-            self.victim = signal_rank(self.run_id, self.rank, self.sig, self.attempt)
+            self.victim = signal_rank(self.run_id, self.rank, self.sig)  # only this attempt's ranks run now
             what = f"injected fault: {signal.Signals(self.sig).name} sent to rank {self.rank} (pid {self.victim.pid})"
         except (LookupError, OSError) as e:
             self.error = str(e)

@@ -125,8 +125,14 @@ class Tally:
 
 
 def describe(f: FailureRecord) -> str:
-    """One line for a failure record: ``rank 3 on n2 killed by signal 9``."""
+    """One line for a failure record: ``rank 3 on n2 killed by signal 9``.
+
+    The controller's own reason (``killed by SIGKILL``, ``hang: no heartbeat progress
+    for 3.0s after step 12``) is used as it stands when there is one.
+    """
     who = f"rank {f.rank} on {f.node}" if f.rank is not None else f"node {f.node}"
+    if f.kind in (FaultKind.CRASH, FaultKind.HANG) and f.reason:
+        return f"{who}: {f.reason}"
     if f.kind == FaultKind.CRASH:
         if f.signal:
             what = f"killed by signal {f.signal}"
