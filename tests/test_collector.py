@@ -256,7 +256,7 @@ def test_software_names_plugin_comm_library_and_driver_of_the_vendor():
     sw = assemble._software(
         {"python": "3.10.12", "torch": "2.1.0", "plugins": {"torch_npu": "2.1.0.post3"},
          "drivers": {"ascend": "24.1.rc2", "nvidia": "550"}}, "ascend")
-    assert (sw.vendor_plugin, sw.comm_library, sw.driver) == ("torch_npu 2.1.0.post3", "hccl", "ascend 24.1.rc2")
+    assert (sw.vendor_plugin, sw.comm_library, sw.driver) == ("torch_npu 2.1.0.post3", "HCCL", "ascend 24.1.rc2")
     sw = assemble._software({"plugins": {}, "drivers": {}}, "biren")
     assert sw.comm_library is None and sw.vendor_plugin is None
     assert assemble._software({}, "cpu").comm_library == "gloo"

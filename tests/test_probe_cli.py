@@ -120,20 +120,20 @@ def test_probe_mixed_cluster_writes_the_right_cluster_file(mixed, tmp_path):
     assert _chips(h200) == [(0, "nvidia", "NVIDIA H200", 140.4, "0000:83:00.0", "nvidia-smi-csv")]
     assert h200.chips[0].tflops == Tflops(bf16=989.4, fp16=989.4, fp32=66.9)
     assert h200.chips[0].measured_tflops is None
-    assert h200.software.comm_library == "nccl" and h200.software.driver == "nvidia 590.48.01"
+    assert h200.software.comm_library == "NCCL" and h200.software.driver == "nvidia 590.48.01"
     assert {(n.name, n.kind, n.speed_gbps) for n in h200.nics} == {
         ("lo", "loopback", None), ("eno1", "ethernet", 25.0), ("ibp1", "ib", 400.0)}
 
     assert _chips(nodes["ascend"]) == [(0, "ascend", "910B2C", 64.0, "0000:5a:00.0", "npu-smi"),
                                        (1, "ascend", "910B2C", 64.0, "0000:29:00.0", "npu-smi")]
     assert all(c.tflops == Tflops(bf16=376.0, fp16=376.0, fp32=None) for c in nodes["ascend"].chips)
-    assert nodes["ascend"].software.comm_library == "hccl"
+    assert nodes["ascend"].software.comm_library == "HCCL"
     assert [(n.name, n.kind, n.speed_gbps) for n in nodes["ascend"].nics] == [("enp1", "ethernet", 100.0)]
 
     mt = nodes["mthreads"]
     assert _chips(mt) == [(0, "mthreads", "MTT S4000", 32.0, "0000:08:00.0", "mthreads-gmi")]
     assert mt.chips[0].tflops == Tflops(bf16=100.0, fp16=100.0, fp32=25.0)
-    assert mt.software.vendor_plugin == "torch_musa 1.3.0" and mt.software.comm_library == "mccl"
+    assert mt.software.vendor_plugin == "torch_musa 1.3.0" and mt.software.comm_library == "MCCL"
 
     metax = nodes["metax"].chips
     assert [(c.index, c.vendor, c.model, c.memory_gb) for c in metax] == [(i, "metax", "MetaX C550", 64.0) for i in range(8)]

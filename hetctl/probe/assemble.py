@@ -4,7 +4,8 @@ Pure functions only: they take the inventory node and the JSON the collector
 (``hetctl/probe/collector.py``) printed, and return facts. Chip parsing is
 delegated to :func:`hetctl.probe.tools.chips_from_raw`; this module adds the
 node-level facts (CPU, memory, NICs, software, comm library) and folds in
-``--bench`` measurements.
+``--bench`` measurements. Device types and collective libraries per vendor come
+from the one vendor table, :mod:`hetctl.vendors`.
 """
 
 from __future__ import annotations
@@ -12,21 +13,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Protocol, Sequence
 
 from hetctl.probe.facts import Chip, Cpu, Nic, NodeFacts, Software, Tflops
-
-# Vendor → torch device type (the rank contract's HETCTL_DEVICE_TYPE).
-DEVICE_TYPES: dict[str, str] = {
-    "nvidia": "cuda", "amd": "cuda", "hygon": "cuda", "iluvatar": "cuda", "metax": "cuda",
-    "ascend": "npu", "mthreads": "musa", "cambricon": "mlu", "enflame": "gcu",
-    "gaudi": "hpu", "biren": "supa", "cpu": "cpu",
-}
-
-# Vendor → collective library used inside one vendor (vendors.md §1). Biren's
-# is not publicly documented, so it stays unknown rather than guessed.
-COMM_LIBRARIES: dict[str, str] = {
-    "nvidia": "nccl", "amd": "rccl", "hygon": "rccl", "iluvatar": "nccl", "metax": "mccl",
-    "ascend": "hccl", "mthreads": "mccl", "cambricon": "cncl", "enflame": "eccl",
-    "gaudi": "hccl", "cpu": "gloo",
-}
+from hetctl.vendors import VENDOR_TABLE
 
 # Vendor → the torch plugin distribution that provides its device type.
 PLUGINS: dict[str, str] = {
@@ -93,7 +80,7 @@ def _software(raw_sw: Mapping[str, Any], vendor: str) -> Software:
     driver = next((f"{m} {drivers[m]}" for m in DRIVER_MODULES.get(vendor, ()) if m in drivers), None)
     return Software(
         python=raw_sw.get("python"), torch=raw_sw.get("torch"), vendor_plugin=vendor_plugin,
-        comm_library=COMM_LIBRARIES.get(vendor), driver=driver,
+        comm_library=VENDOR_TABLE[vendor].comm_library if vendor in VENDOR_TABLE else None, driver=driver,
     )
 
 
@@ -138,9 +125,9 @@ def bench_request(facts: NodeFacts) -> dict[str, Any] | None:
     if not facts.reachable or not facts.chips:
         return None
     vendor = main_vendor(facts.chips)
-    device_type = DEVICE_TYPES.get(vendor)
-    if device_type is None:
+    if vendor not in VENDOR_TABLE:
         return None
+    device_type = VENDOR_TABLE[vendor].device_type
     count = sum(1 for c in facts.chips if c.vendor == vendor)
     return {"device_type": device_type, "count": count}
 
