@@ -32,7 +32,7 @@ TRAIN_ENV: dict[str, str] = {
     "<VENDOR>_VISIBLE_DEVICES": "the chips this rank may use, in the vendor's variable "
     "(CUDA_VISIBLE_DEVICES, ASCEND_RT_VISIBLE_DEVICES, MUSA_VISIBLE_DEVICES, …)",
     "HETCTL_RUN_ID": "the run's id (runs/<id>/)",
-    "HETCTL_ATTEMPT": "attempt number of this run, 1 for the first launch",
+    "HETCTL_ATTEMPT": "attempt number of this run, 0 for the first launch (runs/<id>/attempts/<n>/)",
     "HETCTL_PLAN": "path of the plan on the node (.json, or .yaml when pyyaml is installed)",
     "HETCTL_STAGE": "pipeline stage index of this rank",
     "HETCTL_REPLICA": "data-parallel replica index of this rank",
@@ -138,7 +138,7 @@ class RankContext:
             master_addr=_get(env, "MASTER_ADDR"),
             master_port=_int(env, "MASTER_PORT", minimum=1),
             run_id=_get(env, "HETCTL_RUN_ID"),
-            attempt=_int(env, "HETCTL_ATTEMPT", minimum=1),
+            attempt=_int(env, "HETCTL_ATTEMPT", minimum=0),
             plan=Path(_get(env, "HETCTL_PLAN")),
             stage=_int(env, "HETCTL_STAGE"),
             replica=_int(env, "HETCTL_REPLICA"),

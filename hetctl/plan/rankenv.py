@@ -100,7 +100,7 @@ def rank_env(
         plan: the plan being launched.
         rank: a :class:`Rank` of the plan or its number.
         master_addr, master_port: rank 0's rendezvous store.
-        run_id, attempt: the run and its attempt number (1 for the first).
+        run_id, attempt: the run and its attempt number (0 for the first, as in ``attempts/<n>/``).
         plan_path: where the plan lies on the rank's node.
         heartbeat_file: the file this rank rewrites every step.
         ckpt_dir: the run's checkpoint folder as the node sees it.

@@ -1,0 +1,238 @@
+"""The controller's watch loop and the materialized launch, driven without processes.
+
+The monitor is fed the agent's events in a scripted order with a scripted clock,
+so fault detection (crash, hang, silent or vanished agent) and the outcome it
+leads to are checked exactly; :func:`materialize` is checked against the plan.
+The same code runs against real agents in ``test_launch.py``.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import pytest
+
+from hetctl.inventory import Node
+from hetctl.plan.schema import Plan
+from hetctl.run import materialize as mat
+from hetctl.run.controller import Thresholds
+from hetctl.run.events import EventLog, read_events
+from hetctl.run.monitor import Monitor
+from hetctl.run.outcome import FaultKind, RunState
+from hetctl.run.rundir import RunDir
+from tests.rankrunner import tiny_plan
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def plan() -> Plan:
+    return Plan.model_validate(tiny_plan([2, 2, 2], dp=2))  # ranks 0-2 replica 0, 3-5 replica 1; node nR
+
+
+@pytest.fixture
+def nodes(plan):
+    return {n: Node(name=n, host=f"10.0.0.{i + 1}", python="/opt/py/bin/python3", workdir=f"/w/{n}",
+                    env={"OMP_NUM_THREADS": "1", "WANDB_API_KEY": "s3cret"})
+            for i, n in enumerate(plan.nodes)}
+
+
+@pytest.fixture
+def spec(plan, nodes):
+    return mat.materialize(plan, nodes, run_id="r1", attempt=2, master_addr="10.0.0.1", master_port=29511,
+                           steps=30, checkpoint_every=10, resume_step=20, ckpt_dir="/shared/ckpt/r1")
+
+
+def make_monitor(plan, spec, tmp_path, clock, **th):
+    run = RunDir.create(tmp_path, "r1")
+    events = EventLog(run.events_path, clock=lambda: clock.t)
+    mon = Monitor(plan, spec, run, events, Thresholds(**{"hang_timeout": 5, "start_timeout": 30,
+                                                         "node_timeout": 3, **th}),
+                  attempt=2, clock=clock)
+    now = clock()
+    for n in mon.node_state:
+        mon.last_seen[n] = now
+    for st in mon.ranks.values():
+        st.progress_at = now
+    return mon, run
+
+
+def feed(mon, clock, node, ev, dt=0.0, **fields):
+    clock.t += dt
+    mon.handle(node, {"ev": ev, **fields} if ev else None)
+    mon.check(clock.t)
+
+
+def start_all(mon, clock, plan):
+    for r in plan.ranks:
+        feed(mon, clock, r.node, "hello")
+        feed(mon, clock, r.node, "started", rank=r.rank, pid=100 + r.rank)
+
+
+def test_materialize_follows_the_plan(plan, spec):
+    assert [n.node for n in spec.nodes] == plan.nodes
+    stage = {(s.replica, s.stage): s for s in plan.stages}
+    for r in plan.ranks:
+        rl = spec.rank(r.rank)
+        env = rl.env
+        assert rl.node == r.node and env["RANK"] == str(r.rank) and env["WORLD_SIZE"] == str(len(plan.ranks))
+        assert env["HETCTL_LAYERS"] == "{}:{}".format(*stage[(r.replica, r.stage)].layers)
+        assert (env["HETCTL_STAGE"], env["HETCTL_REPLICA"]) == (str(r.stage), str(r.replica))
+        assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("10.0.0.1", "29511")
+        assert env["HETCTL_RESUME_STEP"] == "20" and env["HETCTL_CKPT_DIR"] == "/shared/ckpt/r1"
+        assert env["HETCTL_PLAN"] == f"/w/{r.node}/runs/r1/2/plan.json"
+        assert env["HETCTL_HEARTBEAT_FILE"] == rl.heartbeat and rl.heartbeat.startswith(f"/w/{r.node}/runs/r1/2/")
+        assert rl.argv == ("/opt/py/bin/python3", "-m", "hetctl.train", "--steps", "30", "--checkpoint-every", "10")
+    n0 = spec.nodes[0]
+    assert n0.agent_argv == ("/opt/py/bin/python3", mat.agent_path("/w/n0"))
+    wire = n0.start_command(4.0)
+    assert wire["grace_s"] == 4.0 and [r["rank"] for r in wire["ranks"]] == [0]
+
+
+def test_dry_run_masks_secrets_but_keeps_them_for_the_run(spec):
+    assert spec.nodes[0].env["WANDB_API_KEY"] == "s3cret"
+    shown = spec.to_dict()["nodes"][0]["env"]
+    assert shown == {"OMP_NUM_THREADS": "1", "WANDB_API_KEY": "***"}
+
+
+def test_plan_naming_an_unknown_node_is_a_clear_error(plan, nodes):
+    from hetctl.errors import ConfigError
+
+    del nodes["n4"]
+    with pytest.raises(ConfigError, match="n4 that the inventory lacks"):
+        mat.materialize(plan, nodes, run_id="r", attempt=0, master_addr="a", master_port=1, steps=1,
+                        checkpoint_every=0, ckpt_dir="/c")
+
+
+def test_zipapp_is_deterministic_and_self_contained():
+    import io
+    import zipfile
+
+    data = mat.agent_zipapp()
+    names = zipfile.ZipFile(io.BytesIO(data)).namelist()
+    assert names == ["__main__.py", "hetctl/__init__.py", "hetctl/errors.py", "hetctl/runtime.py", "hetctl/agent.py"]
+    mat.agent_zipapp.cache_clear()
+    mat.agent_zipapp_digest.cache_clear()
+    assert mat.agent_zipapp() == data
+
+
+def test_crash_is_a_rank_failed_event_and_the_root_cause(plan, spec, tmp_path):
+    clock = Clock()
+    mon, run = make_monitor(plan, spec, tmp_path, clock)
+    start_all(mon, clock, plan)
+    feed(mon, clock, "n2", "heartbeat", 0.5, rank=2, hb={"step": 1, "time": 5.0, "loss": 5.5, "step_ms": 40})
+    feed(mon, clock, "n2", "log", rank=2, lines=["step=1 loss=5.5", "Traceback: boom"])
+    feed(mon, clock, "n2", "exited", 0.1, rank=2, code=1, signal=None)
+    feed(mon, clock, "n1", "exited", 0.1, rank=1, code=None, signal=9)
+    out = mon.outcome(RunState.FAILED)
+    assert [(f.kind, f.rank) for f in out.failures] == [(FaultKind.CRASH, 2), (FaultKind.CRASH, 1)]
+    assert out.root_cause.reason == "exit code 1" and out.failures[1].reason == "killed by SIGKILL"
+    mon._close_logs()
+    assert out.root_cause.log_tail.endswith("Traceback: boom")
+    assert [e["rank"] for e in read_events(run.events_path, "rank_failed")] == [2, 1]
+
+
+def test_hang_blames_the_stopped_process_not_its_waiting_peers(plan, spec, tmp_path):
+    clock = Clock()
+    mon, _ = make_monitor(plan, spec, tmp_path, clock)
+    start_all(mon, clock, plan)
+    for r in plan.ranks:
+        feed(mon, clock, r.node, "heartbeat", rank=r.rank, hb={"step": 3, "time": 1.0})
+    for _ in range(4):  # agents stay alive; nothing moves; the stopped rank was stalled first
+        for n in plan.nodes:
+            feed(mon, clock, n, "alive", ranks={"4": "T"} if n == "n4" else {})
+        clock.t += 1.0
+    assert not mon.failures
+    clock.t += 1.5
+    for n in plan.nodes:
+        feed(mon, clock, n, "alive")
+    hang = mon.outcome(RunState.FAILED).root_cause
+    assert (hang.kind, hang.rank, hang.node) == (FaultKind.HANG, 4, "n4")
+    assert "after step 3" in hang.reason and "SIGSTOP" in hang.reason
+    assert len(mon.failures) == 1
+
+
+def test_first_heartbeat_may_take_start_timeout(plan, spec, tmp_path):
+    clock = Clock()
+    mon, _ = make_monitor(plan, spec, tmp_path, clock)
+    start_all(mon, clock, plan)
+    for _ in range(29):  # 29 s of imports and rendezvous, agents alive: fine before any heartbeat
+        clock.t += 1.0
+        for n in plan.nodes:
+            feed(mon, clock, n, "alive")
+    assert not mon.failures
+    clock.t += 1.5
+    for n in plan.nodes:
+        feed(mon, clock, n, "alive")
+    assert [f.kind for f in mon.failures] == [FaultKind.HANG]
+    assert "never reached" in mon.failures[0].reason
+
+
+def test_silent_or_vanished_agent_is_a_lost_node_listed_first(plan, spec, tmp_path):
+    clock = Clock()
+    mon, run = make_monitor(plan, spec, tmp_path, clock)
+    start_all(mon, clock, plan)
+    feed(mon, clock, "n0", "exited", 1.0, rank=0, code=1, signal=None)  # a peer's crash arrives first
+    for dt in (1.0, 1.5):  # n3 says nothing for 3.5 s > node_timeout
+        clock.t += dt
+        for n in plan.nodes:
+            if n != "n3":
+                feed(mon, clock, n, "alive")
+    feed(mon, clock, "n1", None, 0.1)  # n1's stream ends without "stopped"
+    out = mon.outcome(RunState.FAILED)
+    kinds = [(f.kind, f.node) for f in out.failures]
+    assert kinds[:2] == [(FaultKind.NODE_LOST, "n3"), (FaultKind.NODE_LOST, "n1")]
+    assert kinds[2] == (FaultKind.CRASH, "n0")
+    assert "no word from the agent" in out.failures[0].reason
+    assert {e["node"] for e in read_events(run.events_path, "node_lost")} == {"n1", "n3"}
+
+
+def test_success_outcome_carries_losses_speed_and_stage_times(plan, spec, tmp_path):
+    clock = Clock()
+    mon, run = make_monitor(plan, spec, tmp_path, clock)
+    start_all(mon, clock, plan)
+    for step in range(1, 5):
+        for r in plan.ranks:
+            hb = {"step": step, "time": 100.0 + step * 0.5, "step_ms": 40.0 + 10 * r.stage}
+            if r.stage == 2:
+                hb["loss"] = 6.0 - step
+            feed(mon, clock, r.node, "heartbeat", 0.01, rank=r.rank, hb=hb)
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+    for r in plan.ranks:
+        inbox.put((r.node, {"ev": "exited", "rank": r.rank, "code": 0, "signal": None}))
+    assert mon.watch(inbox, threading.Event()) == RunState.SUCCEEDED
+    out = mon.outcome(RunState.SUCCEEDED)
+    assert (out.first_loss, out.final_loss, out.last_step) == (5.0, 2.0, 4)
+    tokens_per_step = plan.parallel.global_batch * plan.model.seq_len
+    assert out.tokens_per_s == pytest.approx(3 * tokens_per_step / 1.5)
+    assert out.stage_step_ms == {(rep, s): 40.0 + 10 * s for rep in (0, 1) for s in (0, 1, 2)}
+    progress = read_events(run.events_path, "progress")
+    assert progress[-1]["step"] == 4 and progress[-1]["loss"] == 2.0
+
+
+def test_on_progress_failure_ends_the_attempt(plan, spec, tmp_path):
+    from hetctl.run.outcome import FailureRecord
+
+    seen = []
+
+    def on_progress(stage_ms):
+        seen.append(dict(stage_ms))
+        if len(seen) == 3:
+            return [FailureRecord(FaultKind.STRAGGLER, "n1", 0.0, reason="slow")]
+        return None
+
+    clock = Clock()
+    mon, _ = make_monitor(plan, spec, tmp_path, clock)
+    mon.on_progress = on_progress
+    start_all(mon, clock, plan)
+    for step in (1, 2, 2, 3):  # a repeated step is not a new sample
+        feed(mon, clock, "n1", "heartbeat", rank=1, hb={"step": step, "time": step, "step_ms": 70.0})
+    assert seen == [{(0, 1): 70.0}] * 3
+    assert mon.failures[0].kind == FaultKind.STRAGGLER
