@@ -75,7 +75,9 @@ MIXED = ["h200", "ascend", "mthreads", "metax", "cpu", "enflame", "biren"]
 def mixed(make_sshd_cluster, tmp_path_factory) -> SshdCluster:
     """Seven real sshd hosts, one kind of node each."""
     plugins = fake_dist(tmp_path_factory.mktemp("site"), "torch_musa", "1.3.0")
-    c = make_sshd_cluster(names=MIXED, extra_env={"mthreads": {"PYTHONPATH": str(plugins)}})
+    # h200's CUDA runtime sees no device even where the test machine has a GPU: its chip is replayed.
+    c = make_sshd_cluster(names=MIXED, extra_env={"mthreads": {"PYTHONPATH": str(plugins)},
+                                                  "h200": {"CUDA_VISIBLE_DEVICES": ""}})
     c["h200"].install_tool("nvidia-smi", {
         "--query-gpu=*": nvidia_query_csv(H200_CAPTURE, CSV_FIELDS),
         "-L": SAMPLES / "nvidia-smi_L_h200.txt",
