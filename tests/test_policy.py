@@ -306,3 +306,64 @@ def test_progress_hook_reports_a_straggler_and_ends_the_attempt_only_under_rebal
             assert "3.00x slower" in records[0].reason
         else:
             assert records == []
+
+
+# --- re-planning (the real planner on hand-written cluster facts) ---------------------------
+
+from hetctl.plan.models import load_model as load_spec  # noqa: E402
+from hetctl.plan.planner import plan_cluster  # noqa: E402
+from hetctl.plan.search import Pins  # noqa: E402
+from hetctl.probe.facts import Chip, Cluster, NodeFacts  # noqa: E402
+from hetctl.run.replan import layer_split, replan, survivors, with_speeds  # noqa: E402
+
+
+def cpu_cluster(*names, tflops=1.0):
+    return Cluster(nodes=[NodeFacts(name=n, host=n, tflops_override=tflops, memory_gb=16.0,
+                                    chips=[Chip(index=0, vendor="cpu", model="cpu", memory_gb=16.0)])
+                          for n in names])
+
+
+def test_replan_on_survivors_keeps_model_batch_and_dp_width():
+    cl = cpu_cluster("a", "b", "c", "d")
+    plan = plan_cluster(cl, load_spec("tiny"), pins=Pins(pp=2, dp=2))
+    lost = plan.stages[-1].node
+    new = replan(plan, cl, drop=[lost], reason=f"{lost} lost")
+    assert lost not in {r.node for r in new.ranks}
+    assert new.model == plan.model and new.parallel.global_batch == plan.parallel.global_batch
+    assert new.parallel.micro_batch == plan.parallel.micro_batch and new.parallel.dp == 2
+    assert new.notes[0] == f"re-planned: {lost} lost"
+
+
+def test_replan_changes_dp_width_only_when_it_must_and_says_so():
+    cl = cpu_cluster("a", "b")
+    plan = plan_cluster(cl, load_spec("tiny"), pins=Pins(pp=1, dp=2))
+    new = replan(plan, cl, drop=["b"])
+    assert new.parallel.dp == 1 and {r.node for r in new.ranks} == {"a"}
+    assert any("data-parallel width 2 → 1" in n for n in new.notes)
+
+
+def test_replan_with_nobody_left_is_infeasible():
+    cl = cpu_cluster("a")
+    plan = plan_cluster(cl, load_spec("tiny"))
+    with pytest.raises(PlanInfeasible, match="no node left"):
+        replan(plan, cl, drop=["a"])
+
+
+def test_measured_slowdown_moves_layers_off_the_slow_node():
+    cl = cpu_cluster("a", "b")
+    plan = plan_cluster(cl, load_spec("tiny"), pins=Pins(pp=2, dp=1))
+    slow = plan.stages_of(0)[0].node
+    before = {s.node: s.layers[1] - s.layers[0] for s in plan.stages}
+    new = replan(plan, cl, factors={slow: 0.4}, reason="rebalance")
+    after = {s.node: s.layers[1] - s.layers[0] for s in new.stages}
+    assert after.get(slow, 0) < before[slow], (layer_split(plan), layer_split(new))
+    assert sum(after.values()) == plan.model.num_layers
+
+
+def test_with_speeds_records_measured_tflops_and_survivors_drop_nodes():
+    cl = cpu_cluster("a", "b", tflops=2.0)
+    scaled = with_speeds(cl, {"a": 0.5})
+    a = next(n for n in scaled.nodes if n.name == "a")
+    assert a.chips[0].measured_tflops.fp32 == 1.0
+    assert next(n for n in scaled.nodes if n.name == "b").chips[0].measured_tflops is None
+    assert [n.name for n in survivors(cl, ["b"]).nodes] == ["a"]
