@@ -128,16 +128,18 @@ def stage_type(kind: Kind, tp: int, work: Workload, dp: int) -> StageType:
     rate = kind.tflops * 1e12 * tp
     eb = elem_bytes(kind.precision)
     act_bytes = float(work.tokens * c.hidden * eb)
+    vendors = kind.vendors
     tp_comm = 0.0
     if tp > 1:
-        bw = vendor_info(kind.vendor).intra_node_gbs * GB
+        bw = min(vendor_info(v).intra_node_gbs for v in vendors) * GB
         tp_comm = 2 * (2 * (tp - 1) / tp) * act_bytes / bw
     compute = work.tokens * c.layer_flops / rate
     if kind.precision == "fp32":
         state, sync_bytes = 16.0, 2 * (dp - 1) / dp * 4.0
     else:
         state, sync_bytes = 2.0 + 4.0 + 12.0 / dp, (dp - 1) / dp * 6.0
-    per_param = sync_bytes / (kind.nic_gbs * GB / kind.max_group()) / tp  # seconds per parameter of the stage
+    sync_bw = kind.nic_gbs * GB / kind.max_group() * (GLOO_EFFICIENCY if len(vendors) > 1 else 1.0)
+    per_param = sync_bytes / sync_bw / tp  # seconds per parameter of the stage
     limit = kind.memory_gb * GB
     return StageType(
         kind=kind, tp=tp,
@@ -147,7 +149,7 @@ def stage_type(kind: Kind, tp: int, work: Workload, dp: int) -> StageType:
         act_layer=work.tokens * c.hidden * c.act_coeff * (eb / 2.0) / tp,
         mem_first=c.embed_params / tp * state, act_first=act_bytes / tp,
         mem_last=c.head_params / tp * state + work.tokens * c.vocab * 4.0 / tp,
-        reserve=0.05 * limit + (0.5 if kind.vendor == "cpu" else 1.5) * GB, limit=limit,
+        reserve=0.05 * limit + (0.5 if vendors == ("cpu",) else 1.5) * GB, limit=limit,
         sync_layer=per_param * c.layer_params, sync_first=per_param * c.embed_params,
         sync_last=per_param * c.head_params, sync_fixed=3e-5 * dp if dp > 1 else 0.0,
         flops=rate,

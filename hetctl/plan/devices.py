@@ -68,6 +68,11 @@ class Kind:
     def label(self) -> str:
         return f"{self.vendor} {self.model}"
 
+    @property
+    def vendors(self) -> tuple[str, ...]:
+        """The vendors of the kind's groups (several only for a merged kind)."""
+        return tuple(sorted({g.vendor for g in self.groups}))
+
     def chips(self) -> int:
         return sum(len(g.chips) for g in self.groups)
 
@@ -227,6 +232,24 @@ def _kind(kid: int, groups: list[Group]) -> Kind:
         id=kid, vendor=first.vendor, model=first.model, precision=first.precision,
         tflops=min(g.tflops for g in groups), memory_gb=min(g.memory_gb for g in groups),
         nic_gbs=min(g.nic_gbs for g in groups), groups=ordered,
+    )
+
+
+def merge(kinds: list[Kind]) -> Kind:
+    """One kind standing for a stage position whose replicas run on different kinds.
+
+    Per-chip figures are the minimums (the position runs at its slowest
+    member's pace); a position spanning vendors synchronises over gloo.
+    """
+    ids = sorted(k.id for k in kinds)
+    order = ("bf16", "fp16", "fp32")
+    return Kind(
+        id=-(1 + sum(i * 1000 ** n for n, i in enumerate(ids))),
+        vendor="+".join(sorted({k.vendor for k in kinds})),
+        model="+".join(sorted({k.model for k in kinds})),
+        precision=max((k.precision for k in kinds), key=order.index),
+        tflops=min(k.tflops for k in kinds), memory_gb=min(k.memory_gb for k in kinds),
+        nic_gbs=min(k.nic_gbs for k in kinds), groups=tuple(g for k in kinds for g in k.groups),
     )
 
 

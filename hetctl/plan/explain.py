@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from hetctl.plan.devices import Devices
 from hetctl.plan.schema import Plan
-from hetctl.plan.search import Found, Layout
+from hetctl.plan.layout import Found, Layout
 
 
 def _runs(lay: Layout) -> list[tuple[str, int, int]]:
@@ -66,9 +66,15 @@ def explain(plan: Plan, lay: Layout, devices: Devices, found: Found, homog, toke
             f"{st.kind.label}: {st.kind.precision} at {st.kind.tflops:g} TFLOPS per chip ({', '.join(srcs)}), "
             f"{st.kind.memory_gb:g} GB; backend {plan.stages[lay.types.index(st)].backend} inside the stage"
         )
-    links = sorted({(a.kind.vendor, b.kind.vendor, be) for a, b, be in zip(lay.types, lay.types[1:], lay.backends)})
+    stages = {(s.replica, s.stage): s for s in plan.stages}
+    links = sorted({(s.vendor, stages[(s.replica, s.stage + 1)].vendor, s.backend_next)
+                    for s in plan.stages if s.backend_next})
     if links:
         lines.append("links: " + ", ".join(f"{a}→{b} over {be}" for a, b, be in links))
+    mixed = [s for s, st in enumerate(lay.types) if len(st.kind.vendors) > 1 or st.kind.id < 0]
+    if mixed:
+        lines.append(f"stage position(s) {', '.join(map(str, mixed))} run on different chip kinds in different "
+                     "replicas; each runs at its slowest member's pace (and syncs over gloo across vendors)")
     counts = ", ".join(map(str, lay.counts))
     base = {k: v for k, v in plan.baselines.items()}
     cmp = []

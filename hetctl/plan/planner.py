@@ -27,11 +27,13 @@ from hetctl.plan.devices import Devices, collect, subset
 from hetctl.plan.models import default_global_batch, model_cost
 from hetctl.plan.partition import proportional_split, ranges, uniform_split
 from hetctl.plan.schema import Baseline, Estimate, ModelSpec, Parallel, Plan, Rank, Stage
-from hetctl.plan.search import Found, Layout, Pins, Searcher, memory_needed
+from hetctl.plan.layout import Found, Layout, memory_needed
+from hetctl.plan.search import Pins, Searcher
 from hetctl.probe.facts import Cluster
-from hetctl.vendors import stage_backend, vendor_info
+from hetctl.vendors import link_backend, stage_backend, vendor_info
 
 FRAMEWORKS = ("hetctl", "megatron", "flagscale", "deepspeed", "torchrun")
+WARNING = "warning: "  # notes shown without --explain
 HINT_MEMORY = "add nodes or chips with more memory, lower --micro-batch or --seq-len, or plan a smaller model"
 
 
@@ -71,6 +73,11 @@ def plan_cluster(
         raise ConfigError(f"--framework {framework}: unknown", f"use one of {', '.join(FRAMEWORKS)}")
     gb = global_batch if global_batch is not None else default_global_batch(spec)
     _check_options(gb, micro_batch, pins, spec)
+    if framework == "hetctl" and pins.tp not in (None, 1):
+        raise ConfigError(
+            f"--tp {pins.tp}: the reference trainer (--framework hetctl) has no tensor parallelism",
+            "drop --tp, or plan for a framework that has it (--framework flagscale, megatron…)",
+        )
     devices = collect(cluster)
     if not devices.kinds:
         raise PlanInfeasible(
@@ -82,14 +89,18 @@ def plan_cluster(
     if found.best is None:
         raise _infeasible(found, pins, work, spec, devices)
     lay = found.best
-    notes = list(devices.notes)
+    notes = [WARNING + n for n in devices.notes]
     if pins.any():
         free = Searcher(devices.kinds, spec, work, framework, Pins()).run().best
         if free is not None and free.step < lay.step * 0.99:
             notes.append(
-                f"the pin ({_pins(pins)}) costs {100 * (1 - free.step / lay.step):.1f}% throughput: "
+                f"{WARNING}the pin ({_pins(pins)}) costs {100 * (1 - free.step / lay.step):.1f}% throughput: "
                 f"unpinned best is {_shape(free)} at {free.step:.3f} s/step against {lay.step:.3f}"
             )
+    vendors = sorted({st.kind.vendor for st in lay.types})
+    if framework in ("megatron", "deepspeed") and len(vendors) > 1:
+        notes.append(f"{WARNING}one {framework} job cannot span vendors ({', '.join(vendors)}); "
+                     "the scripts are rendered, but use --framework flagscale or hetctl to run them")
     homog = _homogeneous(devices, spec, work, framework, lay) if homogeneous else None
     plan = _build(lay, spec, work, devices, framework, cluster, cluster_path, homog, notes, found)
     plan.plan_time_s = round(time.perf_counter() - t0, 4)
@@ -168,7 +179,7 @@ def _homogeneous(devices: Devices, spec, work, framework, lay: Layout) -> dict[s
         return {devices.kinds[0].label: tokens / lay.step}
     for kind in devices.kinds:
         name = f"{kind.label} ({kind.tflops:g} TFLOPS)"
-        best = Searcher(subset(devices, {kind.id}).kinds, spec, work, framework, Pins(), keep=2).run().best
+        best = Searcher(subset(devices, {kind.id}).kinds, spec, work, framework, Pins(), keep=1).run(False).best
         out[name] = tokens / best.step if best is not None else "cannot hold the model alone"
     return out
 
@@ -206,7 +217,9 @@ def _baselines(lay: Layout, work, spec, total_flops, search: Searcher) -> dict[s
                 f"stage {s} ({st.kind.label}) would need {need / 1e9:.1f} GB per chip for {counts[s]} layers, "
                 f"has {st.limit / 1e9:.1f} GB"))
             continue
-        alt = search.with_counts(lay, counts, rule)
+        alt = lay.alternates.get(rule)
+        if alt is None or alt.counts != counts:
+            alt = search.with_counts(lay, counts, rule)
         out[rule] = Baseline(layers=counts, estimate=_estimate(alt, work, spec, total_flops, None))
     return out
 
@@ -221,10 +234,13 @@ def _build(lay: Layout, spec, work, devices: Devices, framework, cluster: Cluste
         for s, (group, chips) in enumerate(row):
             st = lay.types[s]
             info = vendor_info(group.vendor)
+            # A position whose replicas run on several vendors synchronises over gloo.
+            backend = stage_backend(group.vendor) if len(st.kind.vendors) == 1 else "gloo"
+            nxt = link_backend(group.vendor, row[s + 1][0].vendor) if s < lay.pp - 1 else None
             stages.append(Stage(
                 replica=r, stage=s, node=group.node, vendor=group.vendor, model=group.model, chips=list(chips),
-                tp=st.tp, layers=spans[s], precision=st.kind.precision, backend=stage_backend(group.vendor),
-                backend_next=lay.backends[s] if s < lay.pp - 1 else None, device_type=info.device_type,
+                tp=st.tp, layers=spans[s], precision=st.kind.precision, backend=backend,
+                backend_next=nxt, device_type=info.device_type,
                 visible_devices_env=info.visible_devices_env, est_ms=round((lay.fwd[s] + lay.bwd[s]) * 1e3, 3),
                 memory_gb=round(mem[s] / 1e9, 2), memory_limit_gb=group.memory_gb,
             ))

@@ -78,26 +78,35 @@ def simulate_1f1b(fwd: Sequence[float], bwd: Sequence[float], micro_batches: int
     p, m = len(fwd), micro_batches
     if p == 0 or m <= 0:
         return SimResult(0.0, tuple(0.0 for _ in range(p)), tuple(0.0 for _ in range(p)))
-    ops = [schedule_1f1b(s, p, m) for s in range(p)]
     f_done = [[-1.0] * m for _ in range(p)]
     b_done = [[-1.0] * m for _ in range(p)]
+    # The schedule_1f1b order, by index: w warm-up forwards, then forward w+k and
+    # backward k alternating, then the remaining backwards.
+    warm = [min(p - s - 1, m) for s in range(p)]
     nxt = [0] * p
     free_at = [0.0] * p
+    total = 2 * m
     left = 2 * p * m
     sweeps = (range(p), range(p - 1, -1, -1))
     turn = 0
     while left:
         moved = 0
         for s in sweeps[turn]:
-            seq, i, t = ops[s], nxt[s], free_at[s]
+            i, t, w = nxt[s], free_at[s], warm[s]
             f_mine, b_mine = f_done[s], b_done[s]
             f_prev = f_done[s - 1] if s > 0 else None
             b_next = b_done[s + 1] if s < p - 1 else f_mine
             df, db = fwd[s], bwd[s]
-            n = len(seq)
-            while i < n:
-                kind, mb = seq[i]
-                if kind == FWD:
+            steady_end = w + 2 * (m - w)
+            while i < total:
+                if i < w:
+                    is_fwd, mb = True, i
+                elif i < steady_end:
+                    k = i - w
+                    is_fwd, mb = (k % 2 == 0), (w + k // 2 if k % 2 == 0 else k // 2)
+                else:
+                    is_fwd, mb = False, m - w + (i - steady_end)
+                if is_fwd:
                     ready = f_prev[mb] if f_prev is not None else 0.0
                     if ready < 0:
                         break

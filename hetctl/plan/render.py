@@ -1,0 +1,290 @@
+"""Write ``plan/``: ``plan.yaml`` and one launch script per node, from Jinja2 templates.
+
+The templates live in the package (``hetctl/templates/<framework>.sh.j2``) so
+they ship in the wheel. Every value that reaches the shell is quoted with
+:func:`shlex.quote`; values decided at launch time (rendezvous address, run id,
+checkpoint folder…) are read from the script's environment with defaults for a
+run by hand.
+
+Frameworks:
+
+- ``hetctl`` — the reference trainer, ``python -m hetctl.train``, one chip
+  visible per rank, plan rank order.
+- ``megatron`` — Megatron-LM's ``pretrain_gpt.py`` with
+  ``--pipeline-model-parallel-layout`` (one ``|``-separated segment per stage,
+  ``E`` in the first, ``L`` in the last, ``t*N`` decoder layers; grammar of
+  ``megatron/core/transformer/pipeline_parallel_layer_layout.py``), ranks in
+  Megatron's ``tp-cp-ep-dp-pp`` order.
+- ``flagscale`` — FlagScale's heterogeneous mode: ``--enable-hetero``,
+  ``--hetero-process-meshes`` (``tp cp ep dp pp`` per mesh, a mesh being a run
+  of stages with one device type and TP degree), ``--hetero-device-types``,
+  ``--hetero-current-device-type`` per rank and
+  ``--hetero-pipeline-layer-split``; logical ranks mesh by mesh.
+- ``deepspeed`` / ``torchrun`` — the user's script (``$HETCTL_SCRIPT``) with the
+  rank contract; DeepSpeed also gets ``--local_rank`` and a config matching the
+  plan's batch and precision, ranks in its ``pipe-data-model`` order.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+from hetctl.errors import ConfigError
+from hetctl.plan.rankenv import LAUNCH_TIME, stage_of, static_env
+from hetctl.plan.schema import Plan, Rank
+
+DEFAULT_PORT = 29500
+
+
+# -- Megatron's pipeline layout ---------------------------------------------
+
+
+def megatron_layout(counts: list[int]) -> str:
+    """``--pipeline-model-parallel-layout`` for decoder layers ``counts`` per stage.
+
+    >>> megatron_layout([3, 5, 4])
+    'E,t*3|t*5|t*4,L'
+    """
+    segs = []
+    for i, n in enumerate(counts):
+        parts = []
+        if i == 0:
+            parts.append("E")
+        if n:
+            parts.append("t" if n == 1 else f"t*{n}")
+        if i == len(counts) - 1:
+            parts.append("L")
+        segs.append(",".join(parts))
+    return "|".join(segs)
+
+
+def parse_megatron_layout(layout: str) -> list[int]:
+    """Decoder layers per stage of a layout string, by Megatron's grammar.
+
+    Commas are cosmetic, ``(…)*N`` and ``x*N`` repeat, ``|`` splits stages,
+    ``E``/``L``/``t``/``m`` are embedding, loss, decoder and MTP layers. The
+    embedding must come first and the loss last, each exactly once.
+
+    Raises:
+        ValueError: the string does not follow the grammar.
+    """
+    text = layout.replace(",", "")
+    text = re.sub(r"\(([^)]+)\)\*(\d+)", lambda x: x.group(1) * int(x.group(2)), text)
+    text = re.sub(r"(.)\*(\d+)", lambda x: x.group(1) * int(x.group(2)), text)
+    stages = text.split("|")
+    flat = "".join(stages)
+    bad = set(flat) - set("ELtm")
+    if bad:
+        raise ValueError(f"invalid layer character(s) {''.join(sorted(bad))!r} in {layout!r}")
+    if not flat.startswith("E") or not flat.endswith("L") or flat.count("E") != 1 or flat.count("L") != 1:
+        raise ValueError(f"{layout!r}: the embedding must come first and the loss last, once each")
+    return [s.count("t") for s in stages]
+
+
+# -- FlagScale meshes and framework rank orders ---------------------------------
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """Consecutive stages with one device type and TP degree (FlagScale's process mesh)."""
+
+    label: str
+    tp: int
+    first: int
+    stages: int
+
+
+def _device_label(vendor: str, model: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "", f"{vendor}{model}") or vendor
+
+
+def meshes(plan: Plan) -> list[Mesh]:
+    """FlagScale process meshes of the plan (identical in every replica)."""
+    out: list[Mesh] = []
+    for s in plan.stages_of(0):
+        label = _device_label(s.vendor, s.model)
+        if out and out[-1].tp == s.tp and out[-1].label.split("_")[0] == label:
+            last = out[-1]
+            out[-1] = Mesh(last.label, last.tp, last.first, last.stages + 1)
+        else:
+            seen = sum(1 for m in out if m.label.split("_")[0] == label)
+            out.append(Mesh(label if not seen else f"{label}_{seen + 1}", s.tp, s.stage, 1))
+    return out
+
+
+def framework_rank(plan: Plan, rank: Rank, mesh_list: list[Mesh] | None = None) -> int:
+    """The rank in Megatron/FlagScale/DeepSpeed order: per mesh, TP fastest, then DP, then PP.
+
+    With one mesh (one TP degree) this is Megatron's ``tp-cp-ep-dp-pp`` and
+    DeepSpeed's ``pipe-data-model`` topology.
+    """
+    mesh_list = mesh_list or meshes(plan)
+    stage = stage_of(plan, rank)
+    tp_idx = stage.chips.index(rank.chip) if rank.chip in stage.chips else 0
+    if rank.chip is None:  # CPU stages: the TP index is the rank's place in its stage
+        peers = sorted(r.rank for r in plan.ranks if r.replica == rank.replica and r.stage == rank.stage)
+        tp_idx = peers.index(rank.rank)
+    base = 0
+    for m in mesh_list:
+        if m.first <= rank.stage < m.first + m.stages:
+            return base + tp_idx + m.tp * (rank.replica + plan.parallel.dp * (rank.stage - m.first))
+        base += m.tp * plan.parallel.dp * m.stages
+    raise ValueError(f"stage {rank.stage} is in no mesh")
+
+
+# -- rendering ---------------------------------------------------------------------
+
+
+def _env_words(env: dict[str, str]) -> str:
+    words = []
+    for key, value in env.items():
+        if key == "HETCTL_HEARTBEAT_FILE":
+            words.append(f'{key}="$HETCTL_HEARTBEAT_DIR"/{shlex.quote(value)}')
+        elif key in LAUNCH_TIME:
+            words.append(f'{key}="${key}"')
+        else:
+            words.append(f"{key}={shlex.quote(value)}")
+    return " \\\n    ".join(words)
+
+
+def _environment():
+    import jinja2
+
+    env = jinja2.Environment(
+        loader=jinja2.PackageLoader("hetctl", "templates"),
+        undefined=jinja2.StrictUndefined,
+        autoescape=False,
+        keep_trailing_newline=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    env.filters["q"] = lambda v: shlex.quote(str(v))
+    return env
+
+
+def _model_args(plan: Plan) -> list[str]:
+    m, par = plan.model, plan.parallel
+    args = [
+        "--num-layers", m.num_layers, "--hidden-size", m.hidden_size, "--ffn-hidden-size", m.ffn_hidden_size,
+        "--num-attention-heads", m.num_attention_heads,
+    ]
+    if m.num_query_groups:
+        args += ["--group-query-attention", "--num-query-groups", m.num_query_groups]
+    args += ["--seq-length", m.seq_len, "--max-position-embeddings", m.seq_len,
+             "--micro-batch-size", par.micro_batch, "--global-batch-size", par.global_batch]
+    if m.swiglu:
+        args += ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+                 "--disable-bias-linear"]
+    args += ["--untie-embeddings-and-output-weights", "--use-distributed-optimizer"]
+    prec = {s.precision for s in plan.stages}
+    if "bf16" in prec and len(prec) == 1:
+        args.append("--bf16")
+    elif prec & {"bf16", "fp16"}:
+        args.append("--fp16")
+    return [str(a) for a in args]
+
+
+def render_node_scripts(plan: Plan, hosts: dict[str, str] | None = None, plan_path: str = "plan.yaml") -> dict[str, str]:
+    """One launch script per node of the plan, for ``plan.framework``.
+
+    Args:
+        plan: the plan.
+        hosts: node name → address (rank 0's becomes the default MASTER_ADDR).
+        plan_path: default for ``HETCTL_PLAN``.
+
+    Returns:
+        node name → script text.
+    """
+    hosts = hosts or {}
+    fw = plan.framework
+    env = _environment()
+    try:
+        template = env.get_template(f"{fw}.sh.j2")
+    except Exception as e:  # jinja2.TemplateNotFound
+        raise ConfigError(f"--framework {fw}: no launch template", "use hetctl, megatron, flagscale, deepspeed or torchrun") from e
+    mesh_list = meshes(plan)
+    first = min(plan.ranks, key=lambda r: r.rank)
+    visible = "rank" if fw == "hetctl" else "node"
+    reorder = fw in ("megatron", "flagscale", "deepspeed")
+    vendors = sorted({s.vendor for s in plan.stages})
+    layout = megatron_layout([b - a for a, b in (s.layers for s in plan.stages_of(0))])
+    common = {
+        "plan": plan, "framework": fw, "world": len(plan.ranks),
+        "master_addr": hosts.get(first.node, first.node), "master_port": DEFAULT_PORT, "plan_path": plan_path,
+        "model_args": _model_args(plan), "layout": layout, "meshes": mesh_list, "vendors": vendors,
+        "layer_split": [b - a for a, b in (s.layers for s in plan.stages_of(0))],
+        "uniform_tp": len({s.tp for s in plan.stages}) == 1,
+        "ds_config": json.dumps(_ds_config(plan), indent=2),
+        "device_types": sorted({s.device_type for s in plan.stages}),
+    }
+    out = {}
+    for node in plan.nodes:
+        ranks = []
+        for r in sorted(plan.ranks_on(node), key=lambda r: r.rank):
+            stage = stage_of(plan, r)
+            e = static_env(plan, r, visible)
+            if reorder:
+                e["RANK"] = str(framework_rank(plan, r, mesh_list))
+            e.update({k: "" for k in LAUNCH_TIME})
+            e["HETCTL_HEARTBEAT_FILE"] = f"rank-{e['RANK']}.json"
+            label = next(m.label for m in mesh_list if m.first <= r.stage < m.first + m.stages)
+            ranks.append({
+                "rank": int(e["RANK"]), "plan_rank": r.rank, "local_rank": int(e["LOCAL_RANK"]),
+                "env": _env_words(e), "device_label": label,
+                "comment": (f"replica {r.replica}, stage {r.stage}, layers [{stage.layers[0]}, {stage.layers[1]}), "
+                            f"{stage.vendor} {stage.model} chip {r.chip if r.chip is not None else '-'} "
+                            f"(tp {stage.tp}, {stage.precision}, {stage.backend})"),
+            })
+        out[node] = template.render(node=node, ranks=ranks, **common)
+    return out
+
+
+def _ds_config(plan: Plan) -> dict:
+    par = plan.parallel
+    prec = {s.precision for s in plan.stages}
+    return {
+        "train_batch_size": par.global_batch,
+        "train_micro_batch_size_per_gpu": par.micro_batch,
+        "gradient_accumulation_steps": par.micro_batches,
+        "bf16": {"enabled": prec == {"bf16"}},
+        "fp16": {"enabled": "fp16" in prec},
+        "zero_optimization": {"stage": 1},
+    }
+
+
+_SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]")
+
+
+def script_name(node: str) -> str:
+    """File name of a node's script (characters outside ``[A-Za-z0-9._-]`` become ``_``)."""
+    return _SAFE_NAME.sub("_", node) + ".sh"
+
+
+def write_plan_dir(plan: Plan, out_dir: str | Path, hosts: dict[str, str] | None = None) -> list[Path]:
+    """Write ``plan.yaml`` and ``nodes/<node>.sh`` (executable) under ``out_dir``.
+
+    Returns:
+        The paths written, plan first.
+    """
+    from hetctl.yamlio import save_model
+
+    out = Path(out_dir)
+    plan_file = out / "plan.yaml"
+    header = (f"hetctl plan: {plan.model.name} on {len(plan.nodes)} nodes, pp {plan.parallel.pp} × "
+              f"dp {plan.parallel.dp}, framework {plan.framework}")
+    written = [save_model(plan_file, plan, header=header)]
+    nodes_dir = out / "nodes"
+    nodes_dir.mkdir(parents=True, exist_ok=True)
+    for old in nodes_dir.glob("*.sh"):
+        old.unlink()
+    scripts = render_node_scripts(plan, hosts, plan_path=str(plan_file.resolve()))
+    for node, text in scripts.items():
+        path = nodes_dir / script_name(node)
+        path.write_text(text)
+        path.chmod(0o755)
+        written.append(path)
+    return written

@@ -1,0 +1,72 @@
+"""The rich summary of a plan: stages of the first pipeline, then the estimate beside the baselines.
+
+Returns renderables; ``hetctl.cli`` prints them.
+"""
+
+from __future__ import annotations
+
+from rich.table import Table
+
+from hetctl.plan.planner import WARNING
+from hetctl.plan.schema import Estimate, Plan
+
+
+def _fmt_tokens(x: float) -> str:
+    return f"{x:,.0f}"
+
+
+def stage_table(plan: Plan) -> Table:
+    """One row per stage of replica 0 (every replica has the same layout)."""
+    par = plan.parallel
+    title = (f"{plan.model.name}: pp {par.pp} × dp {par.dp} ({len(plan.ranks)} ranks, {len(plan.nodes)} nodes), "
+             f"{par.micro_batches} micro-batches of {par.micro_batch}, global batch {par.global_batch}")
+    table = Table(title=title, title_justify="left")
+    for col, just in (("stage", "right"), ("node", "left"), ("chips", "left"), ("tp", "right"),
+                      ("layers", "left"), ("prec", "left"), ("est ms", "right"), ("memory GB", "right"),
+                      ("to next", "left")):
+        table.add_column(col, justify=just)
+    stages = plan.stages_of(0)
+    for s in stages:
+        chips = ",".join(map(str, s.chips)) if len(s.chips) <= 4 else f"{s.chips[0]}-{s.chips[-1]}"
+        limit = f"{s.memory_limit_gb:g}" if s.memory_limit_gb is not None else "?"
+        table.add_row(
+            str(s.stage), s.node, f"{s.vendor} {s.model} [{chips}]", str(s.tp),
+            f"[{s.layers[0]}, {s.layers[1]}) {s.layers[1] - s.layers[0]}", s.precision, f"{s.est_ms:.4g}",
+            f"{s.memory_gb:g} / {limit}", s.backend_next or "-",
+        )
+    if par.dp > 1:
+        table.caption = f"replicas 1-{par.dp - 1} repeat this layout on other nodes (see plan.yaml)"
+    return table
+
+
+def _row(name: str, est: Estimate | None, ref: float, why: str | None = None) -> list[str]:
+    if est is None:
+        return [name, "-", "-", "-", "-", "-", f"infeasible: {why}" if why else "-"]
+    vs_h = f"{100 * est.utilization_vs_homogeneous:.1f}%" if est.utilization_vs_homogeneous is not None else "-"
+    return [name, f"{est.step_time_s:.4g}", _fmt_tokens(est.tokens_per_s), f"{100 * est.bubble:.1f}%",
+            f"{100 * est.utilization:.1f}%", vs_h, f"{est.tokens_per_s / ref:.3f}×" if ref else "-"]
+
+
+def estimate_table(plan: Plan) -> Table:
+    """The plan's simulated estimate beside the uniform and proportional splits and the ideal."""
+    table = Table(title=f"estimate (1F1B simulation), planned in {plan.plan_time_s:.3g} s", title_justify="left")
+    for col in ("layout", "step s", "tokens/s", "bubble", "util (peak)", "vs homogeneous", "vs hetctl"):
+        table.add_column(col, justify="left" if col == "layout" else "right")
+    ref = plan.estimate.tokens_per_s
+    table.add_row(*_row("hetctl", plan.estimate, ref))
+    for name, base in plan.baselines.items():
+        table.add_row(*_row(name, base.estimate, ref, base.infeasible))
+    if plan.ideal_tokens_per_s:
+        table.add_row("ideal (work ÷ compute)", "-", _fmt_tokens(plan.ideal_tokens_per_s), "0%", "100%", "-",
+                      f"{plan.ideal_tokens_per_s / ref:.3f}×")
+    return table
+
+
+def warnings(plan: Plan) -> list[str]:
+    """Notes shown without --explain (nodes left out, costly pins, framework limits)."""
+    return [n[len(WARNING):] for n in plan.notes if n.startswith(WARNING)]
+
+
+def explanations(plan: Plan) -> list[str]:
+    """The --explain lines."""
+    return [n for n in plan.notes if not n.startswith(WARNING)]
