@@ -121,11 +121,12 @@ def probe_cmd(
 
 
 def _fmt_tflops(t) -> str:  # noqa: ANN001 - Tflops
-    for dtype in ("bf16", "fp16", "fp32"):
-        value = getattr(t, dtype) if t is not None else None
-        if value is not None:
-            return f"{value:.4g} {dtype}"
-    return "?"
+    """The fastest dtype's figure (bf16 on accelerators; on CPUs often fp32)."""
+    known = [(getattr(t, d), d) for d in ("bf16", "fp16", "fp32") if t is not None and getattr(t, d) is not None]
+    if not known:
+        return "?"
+    value, dtype = max(known, key=lambda vd: vd[0])
+    return f"{value:.4g} {dtype}"
 
 
 def _print_probe(cluster, *, bench: bool) -> None:  # noqa: ANN001 - Cluster
@@ -171,6 +172,7 @@ def _print_probe(cluster, *, bench: bool) -> None:  # noqa: ANN001 - Cluster
 @app.command("plan")
 @handle_errors
 def plan_cmd(
+    cluster_arg: str | None = typer.Argument(None, metavar="[CLUSTER]", help="Cluster file (same as --cluster)."),
     cluster: str = typer.Option("cluster.yaml", "-c", "--cluster", help="Cluster file written by `hetctl probe`."),
     model: str = typer.Option(..., "-m", "--model", help="Preset (tiny, llama2-7b, llama2-13b, llama2-70b, llama3-8b, "
                               "llama3-70b, qwen2-72b, gpt3-175b) or a YAML file in Megatron's names."),
@@ -201,6 +203,8 @@ def plan_cmd(
     from hetctl.probe.facts import Cluster
     from hetctl.yamlio import load_model, to_json
 
+    if cluster_arg is not None:
+        cluster = cluster_arg
     facts = load_model(cluster, Cluster, "cluster file")
     spec = load_spec(model, seq_len=seq_len)
     plan = plan_cluster(
