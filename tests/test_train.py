@@ -176,11 +176,14 @@ def test_rank_killed_then_resumed_is_bit_identical(baseline, tmp_path):
     expected = {s: baseline.losses()[s] for s in range(found[0] + 1, STEPS + 1)}
     assert resumed.losses() == expected
     assert resumed.heartbeat(2)["loss"] == baseline.heartbeat(2)["loss"]
+    assert [resumed.stderr(r) for r in range(3)] == ["", "", ""]  # same seed, batch and optimizer: no warning
 
 
 def test_other_split_same_dp_is_bit_identical(baseline, tmp_path):
     fresh = run_plan(tiny_plan([4, 2]), tmp_path / "fresh", steps=20)
     assert fresh.losses() == {s: baseline.losses()[s] for s in range(1, 21)}
+    single = run_plan(tiny_plan([6]), tmp_path / "single", steps=5)  # no pipeline at all
+    assert single.losses() == {s: baseline.losses()[s] for s in range(1, 6)}
     # A checkpoint written by the 2+2+2 split, resumed by a 1+5 split (a re-plan onto fewer nodes).
     replanned = run_plan(tiny_plan([1, 5]), tmp_path / "replan", steps=STEPS, resume_step=20,
                          ckpt_dir=baseline.ckpt_dir)
@@ -216,6 +219,9 @@ def test_resume_from_missing_or_foreign_checkpoint(baseline, tmp_path):
     with Ranks(tiny_plan([3, 3]), tmp_path / "missing", steps=STEPS, resume_step=15,
                ckpt_dir=baseline.ckpt_dir) as ranks:
         _one_line_error(ranks.start(), "step-15: no manifest.json")
+    with Ranks(tiny_plan([3, 3]), tmp_path / "seed", steps=STEPS, resume_step=20, ckpt_dir=baseline.ckpt_dir,
+               args=("--seed", "99")) as ranks:
+        _one_line_error(ranks.start(), "written with --seed 1234, this run has --seed 99")
     other = tiny_plan([3, 3], model={**TINY, "hidden_size": 32})
     with Ranks(other, tmp_path / "foreign", steps=STEPS, resume_step=20, ckpt_dir=baseline.ckpt_dir) as ranks:
         _one_line_error(ranks.start(), "this plan's model is")

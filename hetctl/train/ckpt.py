@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import io
 import json
-import sys
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -26,7 +25,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hetctl.errors import ConfigError
 from hetctl.run import checkpoint as manifest
 from hetctl.train.units import STATE, expected_files
 
@@ -112,19 +110,3 @@ def load(blobs: Mapping[str, bytes], units: nn.ModuleDict, optimizer: torch.opti
             optimizer.state[p] = {k: (v if k == "step" or not torch.is_tensor(v) else v.to(p.device))
                                   for k, v in st.items()}
     return json.loads(blobs[STATE])
-
-
-def check_state(state: Mapping[str, Any], seed: int, global_batch: int, hyper: Mapping[str, Any], where: Path) -> None:
-    """Refuse a checkpoint taken with another seed; warn when the batch or optimizer settings changed."""
-    if state.get("seed") != seed:
-        raise ConfigError(
-            f"checkpoint {where}: written with --seed {state.get('seed')}, this run has --seed {seed}",
-            f"pass --seed {state.get('seed')} to continue that run",
-        )
-    data = state.get("data", {})
-    if data.get("global_batch") != global_batch:
-        print(f"warning: checkpoint {where} was trained with global batch {data.get('global_batch')}, "
-              f"continuing with {global_batch}; the data differs from an undisturbed run", file=sys.stderr)
-    if state.get("optimizer") != dict(hyper):
-        print(f"warning: checkpoint {where} used optimizer settings {state.get('optimizer')}, "
-              f"continuing with {dict(hyper)}", file=sys.stderr)

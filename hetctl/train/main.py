@@ -17,6 +17,7 @@ import argparse
 import datetime
 import functools
 import importlib
+import json
 import os
 import sys
 import time
@@ -85,6 +86,11 @@ def _default_backend(topo) -> str:  # noqa: ANN001
     return f"cpu:gloo,{topo.device_type}:{sorted(vendor)[0]}"
 
 
+def _hyper(args: argparse.Namespace) -> dict:
+    """AdamW settings, as recorded in (and compared with) a checkpoint's state.json."""
+    return {"lr": args.lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": args.weight_decay}
+
+
 def run(args: argparse.Namespace, ctx: RankContext) -> int:
     """Set up this rank, train from the resume step to ``args.steps``, checkpoint, report."""
     plan = load_plan(ctx.plan)
@@ -101,11 +107,13 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
     if ctx.resume_step:
         # Read and verify this stage's files before importing torch and joining the group, so a
         # missing, foreign or corrupted checkpoint is one clear error instead of a peer's hang.
-        from hetctl.run.checkpoint import read_verified
-        from hetctl.train.units import unit_files
+        from hetctl.run.checkpoint import read_verified, step_dir
+        from hetctl.train.units import STATE, check_state, unit_files
 
         blobs = read_verified(ctx.ckpt_dir, ctx.resume_step, unit_files(topo.layers, topo.is_first, topo.is_last),
                               model_digest(spec))
+        check_state(json.loads(blobs[STATE]), args.seed, topo.global_batch, _hyper(args),
+                    step_dir(ctx.ckpt_dir, ctx.resume_step))
 
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
     import torch
@@ -126,6 +134,8 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
         ctrl = None if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
         dp_group = None
         if topo.dp > 1:
+            # Every rank creates every group, in stage order; the backend only matters to the members,
+            # whose HETCTL_BACKEND is their stage's.
             for st, members in enumerate(topo.dp_groups):
                 g = dist.new_group(list(members), timeout=timeout, backend="gloo" if topo.backend == "gloo" else None)
                 if st == topo.stage:
@@ -134,14 +144,14 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
         units = build_units(spec, topo.layers, topo.is_first, topo.is_last, args.seed)
         units.to(device)
         module = StageModule(units)
-        hyper = {"lr": args.lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": args.weight_decay}
-        optimizer = torch.optim.AdamW(module.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
-                                      weight_decay=args.weight_decay)
+        hyper = _hyper(args)
+        optimizer = torch.optim.AdamW(module.parameters(), lr=hyper["lr"], betas=tuple(hyper["betas"]),
+                                      eps=hyper["eps"], weight_decay=hyper["weight_decay"])
         digest = model_digest(spec)
         start = ctx.resume_step or 0
         if start:
-            state = ckpt.load(blobs, units, optimizer)
-            ckpt.check_state(state, args.seed, topo.global_batch, hyper, ctx.ckpt_dir / f"step-{start}")
+            ckpt.load(blobs, units, optimizer)
+            del blobs
 
         comm = pipeline.Comm(topo, device, dp_group)
         amp = functools.partial(pipeline.autocast, device, topo.precision)
@@ -210,8 +220,8 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point: a configuration mistake is one line on stderr and exit code 2, never a traceback."""
     try:
-        ctx = RankContext.from_env()
         args = parse_args(argv, os.environ)
+        ctx = RankContext.from_env()
         return run(args, ctx)
     except HetctlError as e:
         print(f"hetctl.train: error: {e.message}" + (f" (hint: {e.hint})" if e.hint else ""), file=sys.stderr)

@@ -1,4 +1,4 @@
-"""Names of checkpoint units and their files (pure; no torch).
+"""Checkpoint layout of the reference trainer (pure; no torch): unit names, files, state record.
 
 A unit is what one checkpoint file holds: ``embedding`` on the first stage,
 ``layer-NNNNN`` per transformer layer, ``head`` on the last stage. Naming them
@@ -6,6 +6,12 @@ by layer index, never by stage, is what lets any split load any checkpoint.
 """
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Mapping
+
+from hetctl.errors import ConfigError
 
 STATE = "state.json"
 
@@ -28,3 +34,19 @@ def unit_files(layers: tuple[int, int], first: bool, last: bool) -> list[str]:
 def expected_files(num_layers: int) -> set[str]:
     """Every file a complete checkpoint of a ``num_layers`` model has (besides the manifest)."""
     return set(unit_files((0, num_layers), True, True))
+
+
+def check_state(state: Mapping[str, Any], seed: int, global_batch: int, hyper: Mapping[str, Any], where: Path) -> None:
+    """Refuse a checkpoint taken with another seed; warn when the batch or optimizer settings changed."""
+    if state.get("seed") != seed:
+        raise ConfigError(
+            f"checkpoint {where}: written with --seed {state.get('seed')}, this run has --seed {seed}",
+            f"pass --seed {state.get('seed')} to continue that run",
+        )
+    data = state.get("data", {})
+    if data.get("global_batch") != global_batch:
+        print(f"warning: checkpoint {where} was trained with global batch {data.get('global_batch')}, "
+              f"continuing with {global_batch}; the data differs from an undisturbed run", file=sys.stderr)
+    if state.get("optimizer") != dict(hyper):
+        print(f"warning: checkpoint {where} used optimizer settings {state.get('optimizer')}, "
+              f"continuing with {dict(hyper)}", file=sys.stderr)
