@@ -74,12 +74,13 @@ def event_line(ev: dict) -> str | None:
         return f"{k}: attempt {a} — {ev.get('reason', '')}" + (
             f" (from step {ev['resume_step']})" if ev.get("resume_step") else "")
     if k == "straggler":
-        return (f"straggler: {ev['node']} stage {ev['stage']} at {ev.get('measured_ms', 0):.0f} ms "
-                f"vs {ev.get('planned_ms', 0):.0f} ms planned")
+        return (f"straggler: {ev['node']} stage {ev['stage']} at {ev.get('measured_ms', 0):.3g} ms "
+                f"vs {ev.get('planned_ms', 0):.3g} ms planned")
     if k == "finished":
         return f"finished at step {ev['steps']}"
-    if k in ("stopped", "failed", "gave_up"):
-        return f"{k}: {ev.get('reason', '')}"
+    if k == "gave_up":
+        return f"giving up: {ev.get('reason', '')}"
+    # "failed" and "stopped" close the run: the summary that follows says it.
     return None
 
 

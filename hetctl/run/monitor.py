@@ -185,6 +185,7 @@ class Monitor:
             st = self.ranks.get(int(msg["rank"]))
             if st:
                 st.state, st.pid, st.progress_at = "running", msg.get("pid"), now
+                self._log_file(st.rank)  # every rank has its log, even one that prints nothing
         elif ev == "heartbeat":
             self._heartbeat(int(msg["rank"]), msg.get("hb") or {}, now)
         elif ev == "log":
@@ -301,16 +302,23 @@ class Monitor:
         text = self._lost_tail(node) if self._lost_tail else ""
         return f": {text.splitlines()[-1]}" if text else ""
 
-    def _log(self, rank: int, lines: list[str], dropped: int) -> None:
-        st = self.ranks.get(rank)
-        if st is None:
-            return
+    def _log_file(self, rank: int):  # noqa: ANN202 - a text file
+        """The rank's log in the run folder, opened (and headed) on first use; all attempts append."""
         f = self._logs.get(rank)
         if f is None:
+            st = self.ranks[rank]
             path = self.run_dir.log_path(st.node, rank)
             path.parent.mkdir(parents=True, exist_ok=True)
             f = self._logs[rank] = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in drain()
             f.write(f"==> hetctl attempt {self.attempt}, rank {rank} on {st.node} <==\n")
+            f.flush()
+        return f
+
+    def _log(self, rank: int, lines: list[str], dropped: int) -> None:
+        st = self.ranks.get(rank)
+        if st is None:
+            return
+        f = self._log_file(rank)
         for line in lines:
             f.write(line + "\n")
         if dropped:

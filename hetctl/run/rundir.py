@@ -72,6 +72,7 @@ class RunInfo(_Strict):
     membership_changes: int = 0
     inputs: RunInputs
     tally: dict = Field(default_factory=dict, description="the elastic policy's counters, for resume")
+    first_loss: float | None = Field(None, description="loss at the run's first step (attempt 0)")
     summary: RunSummary | None = None
 
 

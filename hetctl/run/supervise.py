@@ -51,7 +51,10 @@ def start_error(failures: list[FailureRecord]) -> RemoteError:
         f = starts[0]
         return RemoteError(f"cannot launch on node {f.node}: {f.reason}", "nothing was started on any node",
                            node=f.node)
-    lines = "; ".join(f"{f.node}: {f.reason}" for f in starts)
+    by_reason: dict[str, list[str]] = {}
+    for f in starts:
+        by_reason.setdefault(f.reason, []).append(f.node)
+    lines = "; ".join(f"{', '.join(nodes)}: {reason}" for reason, nodes in by_reason.items())
     return RemoteError(f"cannot launch on {len(starts)} nodes: {lines}", "nothing was started on any node")
 
 
@@ -100,8 +103,11 @@ def supervise(
         req = AttemptRequest(plan=attempt_plan, attempt=attempt, steps=info.inputs.steps,
                              checkpoint_every=info.inputs.checkpoint_every, ckpt_dir=info.inputs.checkpoint_dir,
                              resume_step=step or 0)
-        return run_attempt(req, inventory=inventory, run=run, events=events, thresholds=thresholds,
-                           on_progress=on_progress, on_update=on_update, stop=stop, connect=connect)
+        outcome = run_attempt(req, inventory=inventory, run=run, events=events, thresholds=thresholds,
+                              on_progress=on_progress, on_update=on_update, stop=stop, connect=connect)
+        if info.first_loss is None and not step and outcome.first_loss is not None:
+            info.first_loss = outcome.first_loss  # the run's, not a resumed attempt's
+        return outcome
 
     if policy is not None:
         from hetctl.run.elastic import supervise_elastic
@@ -133,10 +139,11 @@ def _finish(run: RunDir, info: RunInfo, events: EventLog, outcome: AttemptOutcom
     info.restarts = restarts
     info.summary = RunSummary(
         run_id=run.run_id,
-        run_dir=str(run.path),
+        run_dir=str(run.path.resolve()),
         state=outcome.state.value,
         steps=max(outcome.last_step, prev.steps if prev else 0),
-        first_loss=prev.first_loss if prev and prev.first_loss is not None else outcome.first_loss,
+        first_loss=next((x for x in (info.first_loss, prev.first_loss if prev else None, outcome.first_loss)
+                         if x is not None), None),
         final_loss=outcome.final_loss if outcome.final_loss is not None else (prev.final_loss if prev else None),
         restarts=restarts,
         attempts=info.attempts,

@@ -1,0 +1,239 @@
+"""``hetctl launch`` end to end on four real sshd hosts on loopback, with the reference trainer.
+
+probe → plan (pinned with ``--pp``/``--dp``) → launch, each a real ``hetctl``
+process; the agents run behind real OpenSSH sessions and the ranks are real
+``python -m hetctl.train`` processes talking gloo. Faults are real signals to the
+controller process; "nothing left running" is checked on /proc for every
+process that carries this cluster's session marker.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+from hetctl.plan.schema import Plan
+from hetctl.run.checkpoint import latest_valid, steps as checkpoint_steps, validate
+from hetctl.run.events import read_events
+from hetctl.yamlio import load_model
+from tests.sshd import SshdCluster, _marked
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not Path("/usr/sbin/sshd").exists(),
+                                reason="needs root and /usr/sbin/sshd for real sshd hosts")
+
+STEPS = 30
+TFLOPS = {"node-1": 2.0, "node-2": 1.0, "node-3": 1.0, "node-4": 1.0}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = SshdCluster(tmp_path_factory.mktemp("launch-sshd"), 4).start()
+    yield c
+    c.stop()
+    assert not c.leftovers(), "processes left behind on the launch hosts"
+
+
+@pytest.fixture(scope="module")
+def site(cluster, tmp_path_factory):
+    """A folder with the inventory (checkpoints on 'shared storage') and the probed cluster file."""
+    d = tmp_path_factory.mktemp("launch")
+    (d / "home" / ".ssh").mkdir(parents=True)
+    inv = cluster.inventory(
+        defaults={"user": "root", "identity_file": str(cluster.client_key), "python": sys.executable,
+                  "env": {"OMP_NUM_THREADS": "1"}},
+        checkpoint_dir=str(d / "shared-ckpt"),
+    )
+    for n in inv["nodes"]:
+        n["tflops"] = TFLOPS[n["name"]]
+    (d / "inventory.yaml").write_text(yaml.safe_dump(inv, sort_keys=False))
+    r = hetctl(d, "probe", "-i", "inventory.yaml", "-o", "cluster.yaml")
+    assert r.returncode == 0, r.stderr
+    return d
+
+
+def env_of(d: Path) -> dict:
+    env = {**os.environ, "HOME": str(d / "home"), "COLUMNS": "200"}
+    env.pop("SSH_AUTH_SOCK", None)
+    return env
+
+
+def hetctl(d: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hetctl", *args], cwd=d, env=env_of(d), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def make_plan(d: Path, name: str, pp: int, dp: int) -> Plan:
+    r = hetctl(d, "plan", "-c", "cluster.yaml", "--model", "tiny", "--pp", str(pp), "--dp", str(dp), "-o", name)
+    assert r.returncode == 0, r.stderr
+    plan = load_model(d / name / "plan.yaml", Plan)
+    assert (plan.parallel.pp, plan.parallel.dp) == (pp, dp)
+    return plan
+
+
+def run_processes(cluster: SshdCluster) -> list[psutil.Process]:
+    """Every live process started through this cluster's SSH sessions (agents, ranks, pre-flight)."""
+    return [p for p in _marked(cluster.id) if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def wait_no_processes(cluster: SshdCluster, timeout: float) -> list[psutil.Process]:
+    deadline = time.monotonic() + timeout
+    left = run_processes(cluster)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = run_processes(cluster)
+    return left
+
+
+def check_succeeded(d: Path, r: subprocess.CompletedProcess, plan: Plan) -> dict:
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    assert summary["state"] == "succeeded" and summary["steps"] == STEPS
+    assert summary["final_loss"] < 0.8 * summary["first_loss"], summary  # the loss falls clearly
+    assert summary["tokens_per_s"] > 0 and summary["attempts"] == 1 and summary["restarts"] == 0
+    run = Path(summary["run_dir"])
+    assert load_model(run / "attempts" / "0" / "plan.yaml", Plan) == plan
+    info = yaml.safe_load((run / "run.yaml").read_text())
+    assert info["state"] == "succeeded" and info["summary"]["final_loss"] == summary["final_loss"]
+    for r_ in plan.ranks:
+        log = (run / "logs" / r_.node / f"rank-{r_.rank}.log").read_text()
+        assert log.startswith(f"==> hetctl attempt 0, rank {r_.rank} on {r_.node} <==")
+    last = [r_ for r_ in plan.ranks if r_.stage == plan.parallel.pp - 1]
+    for r_ in last:
+        text = (run / "logs" / r_.node / f"rank-{r_.rank}.log").read_text()
+        assert f"step={STEPS} loss=" in text
+    kinds = [e["kind"] for e in read_events(run / "events.jsonl")]
+    assert kinds[0] == "launched" and kinds[-1] == "finished" and "progress" in kinds
+    assert not {"rank_failed", "node_lost"} & set(kinds)
+    ckpt = Path(info["inputs"]["checkpoint_dir"])
+    assert ckpt == d / "shared-ckpt" / summary["run_id"]
+    found = checkpoint_steps(ckpt)
+    assert sorted(s for s, _ in found) == [10, 20, 30]
+    assert all(validate(p) == [] for _, p in found)
+    assert latest_valid(ckpt)[0] == STEPS
+    return summary
+
+
+def test_pp3_trains_to_the_end_with_logs_and_checkpoints(cluster, site):
+    plan = make_plan(site, "plan-pp3", 3, 1)
+    assert len({s.node for s in plan.stages}) == 3
+    r = hetctl(site, "launch", "plan-pp3", "--steps", str(STEPS), "--checkpoint-every", "10", "--json")
+    check_succeeded(site, r, plan)
+    assert wait_no_processes(cluster, 10) == []
+
+
+def test_pp_by_dp_trains_to_the_end(cluster, site):
+    plan = make_plan(site, "plan-pp2dp2", 2, 2)
+    assert len(plan.ranks) == 4 and len({r.node for r in plan.ranks}) == 4
+    r = hetctl(site, "launch", "plan-pp2dp2", "--steps", str(STEPS), "--checkpoint-every", "10", "--json")
+    check_succeeded(site, r, plan)
+    assert wait_no_processes(cluster, 10) == []
+
+
+def test_dry_run_is_the_plan_materialized(cluster, site):
+    plan = make_plan(site, "plan-dry", 2, 2)
+    before = {h.name: sorted(os.listdir(h.workdir)) for h in cluster}
+    runs_before = sorted(os.listdir(site / "runs")) if (site / "runs").exists() else []
+    r = hetctl(site, "launch", "plan-dry", "--dry-run", "--json", "--steps", "7", "--master-port", "29555")
+    assert r.returncode == 0, r.stderr
+    spec = json.loads(r.stdout)
+    stage = {(s.replica, s.stage): s for s in plan.stages}
+    ranks = {x["rank"]: (n, x) for n in spec["nodes"] for x in n["ranks"]}
+    assert sorted(ranks) == [r_.rank for r_ in plan.ranks]
+    host = {h.name: h.addr for h in cluster}
+    rank0 = next(r_ for r_ in plan.ranks if r_.rank == 0)
+    for r_ in plan.ranks:
+        node, x = ranks[r_.rank]
+        env = x["env"]
+        assert node["node"] == r_.node and node["host"] == host[r_.node]
+        assert env["RANK"] == str(r_.rank) and env["WORLD_SIZE"] == str(len(plan.ranks))
+        assert env["HETCTL_STAGE"] == str(r_.stage) and env["HETCTL_REPLICA"] == str(r_.replica)
+        assert env["HETCTL_LAYERS"] == "{}:{}".format(*stage[(r_.replica, r_.stage)].layers)
+        assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == (host[rank0.node], "29555")
+        assert env["HETCTL_STEPS"] == "7" and x["argv"][:3] == [sys.executable, "-m", "hetctl.train"]
+    assert node["env"] == {"OMP_NUM_THREADS": "1"}
+    assert {h.name: sorted(os.listdir(h.workdir)) for h in cluster} == before  # nothing touched
+    assert (sorted(os.listdir(site / "runs")) if (site / "runs").exists() else []) == runs_before
+
+
+def start_launch(d: Path, plan_dir: str, *extra: str) -> tuple[subprocess.Popen, Path]:
+    """Start a long launch and return once its first progress event is in the run folder."""
+    runs = d / f"runs-{plan_dir}"
+    proc = subprocess.Popen([sys.executable, "-m", "hetctl", "launch", plan_dir, "--steps", "100000",
+                             "--checkpoint-every", "0", "--run-dir", str(runs), *extra],
+                            cwd=d, env=env_of(d), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        logs = list(runs.glob("*/events.jsonl"))
+        if logs and any(e.get("step", 0) >= 2 for e in read_events(logs[0], "progress")):
+            return proc, logs[0].parent
+        if proc.poll() is not None:
+            raise AssertionError(f"launch ended early: {proc.communicate()}")
+        time.sleep(0.1)
+    proc.kill()
+    raise AssertionError("no progress within 120 s")
+
+
+def test_sigterm_stops_every_rank_on_every_host(cluster, site):
+    make_plan(site, "plan-term", 3, 1)
+    proc, run = start_launch(site, "plan-term", "--grace", "3")
+    assert len(run_processes(cluster)) >= 6  # three agents and three ranks (and their sessions)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err
+    assert "stopped" in out
+    assert wait_no_processes(cluster, 5) == []
+    assert yaml.safe_load((run / "run.yaml").read_text())["state"] == "stopped"
+    assert read_events(run / "events.jsonl")[-1]["kind"] == "stopped"
+    assert not read_events(run / "events.jsonl", "rank_failed")  # our own stop is no failure
+
+
+def test_sigkilled_controller_leaves_agents_to_stop_their_ranks(cluster, site):
+    make_plan(site, "plan-kill", 3, 1)
+    grace = 2.0
+    proc, run = start_launch(site, "plan-kill", "--grace", str(grace))
+    ranks = [p for p in run_processes(cluster) if "hetctl.train" in " ".join(p.cmdline())]
+    assert len(ranks) == 3
+    proc.kill()  # no cleanup at all: the SSH sessions drop, each agent sees its stdin close
+    proc.wait()
+    deadline = time.monotonic() + grace + 5.0  # grace, plus the session teardown
+    while any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in ranks) \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in ranks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert wait_no_processes(cluster, 5) == []
+    assert yaml.safe_load((run / "run.yaml").read_text())["state"] == "running"  # resume can tell
+
+
+@pytest.mark.parametrize("breakage", ["python", "workdir"])
+def test_broken_node_is_a_clear_error_before_anything_starts(cluster, site, tmp_path, breakage):
+    make_plan(site, "plan-pre", 3, 1)
+    inv = yaml.safe_load((site / "inventory.yaml").read_text())
+    fresh = {}
+    for n in inv["nodes"]:  # fresh workdirs, so "nothing was shipped" is visible
+        fresh[n["name"]] = n["workdir"] = str(tmp_path / "wd" / n["name"])
+    bad = inv["nodes"][1]
+    if breakage == "python":
+        bad["python"] = "/opt/no-such/python3"
+    else:
+        (tmp_path / "a-file").write_text("")
+        bad["workdir"] = str(tmp_path / "a-file" / "work")
+    (tmp_path / "inv.yaml").write_text(yaml.safe_dump(inv))
+    r = hetctl(site, "launch", "plan-pre", "-i", str(tmp_path / "inv.yaml"), "--steps", "5",
+               "--run-dir", str(tmp_path / "runs"))
+    assert r.returncode == 3, r.stderr
+    err = " ".join(r.stderr.split())
+    assert f"node {bad['name']}" in err and "nothing was started" in err
+    assert ("/opt/no-such/python3" in err and "not found" in err) if breakage == "python" else "not writable" in err
+    assert "Traceback" not in r.stderr
+    for name, wd in fresh.items():
+        assert not list(Path(wd).glob("hetctl-agent-*")) and not (Path(wd) / "runs").exists(), name
+    assert wait_no_processes(cluster, 5) == []
