@@ -39,7 +39,8 @@ TRAIN_ENV: dict[str, str] = {
     "HETCTL_LAYERS": "transformer layers of this stage, 'start:end' half-open",
     "HETCTL_DEVICE_TYPE": "torch device type: cuda, npu, musa, mlu, gcu, hpu or cpu",
     "HETCTL_BACKEND": "comm library inside the stage (nccl, hccl, gloo, …)",
-    "HETCTL_HEARTBEAT_FILE": "JSON file the rank rewrites every step (step, time, metrics)",
+    "HETCTL_HEARTBEAT_FILE": "JSON file the rank rewrites every step (step, time, loss, step_ms, compute_ms; "
+    "done: true at the end)",
     "HETCTL_CKPT_DIR": "checkpoint directory of the run: <checkpoint_dir>/<run-id>",
     "HETCTL_RESUME_STEP": "checkpoint step to resume from; empty or 0 starts from scratch",
     "HETCTL_STEPS": "default for the trainer's --steps (total optimizer steps of the run)",
@@ -198,7 +199,11 @@ def write_heartbeat(path: str | Path, step: int, **metrics: Any) -> None:
     p = Path(path)
     record = {"step": int(step), "time": time.time(), **metrics}
     data = json.dumps(record, separators=(",", ":"), allow_nan=True)
-    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.")
+    except FileNotFoundError:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.")
     try:
         with os.fdopen(fd, "w") as f:
             f.write(data)

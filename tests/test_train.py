@@ -69,6 +69,8 @@ def test_heartbeat_is_atomic_json(tmp_path):
     assert data["step"] == 49 and data["loss"] == 1.5 and data["time"] > 0
     assert [p.name for p in tmp_path.iterdir()] == ["hb.json"]  # no temp files left behind
     assert read_heartbeat(tmp_path / "none.json") is None
+    write_heartbeat(tmp_path / "hb" / "rank-3.json", 0, phase="ready")  # the folder appears on first write
+    assert read_heartbeat(tmp_path / "hb" / "rank-3.json")["phase"] == "ready"
 
 
 def test_load_plan_json_and_yaml(tmp_path):
@@ -163,7 +165,8 @@ def test_pp3_trains_and_checkpoints(baseline):
 def test_rank_killed_then_resumed_is_bit_identical(baseline, tmp_path):
     with Ranks(tiny_plan([2, 2, 2]), tmp_path, steps=STEPS, ckpt_every=EVERY) as crashed:
         crashed.start()
-        crashed.wait_for_step(2, 23)
+        hb = crashed.wait_for_step(2, 23)
+        assert {"loss", "step_ms", "compute_ms", "stage", "replica"} <= set(hb) and hb["compute_ms"] <= hb["step_ms"]
         crashed.kill(1, signal.SIGKILL)  # the middle stage dies mid-run
         crashed.stop_all()
         assert crashed.procs[1].returncode == -signal.SIGKILL

@@ -169,6 +169,7 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
                                         seq, vocab)
                 return x.to(device), y.to(device)
 
+            comm.take_wait()
             optimizer.zero_grad(set_to_none=False)
             loss = pipeline.train_step(module, topo, comm, batch, int(spec["hidden_size"]), seq, amp)
             comm.all_reduce_grads(units)
@@ -177,12 +178,13 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
                 loss_value = float(comm.all_reduce_loss(loss).item())
                 first_loss = loss_value if first_loss is None else first_loss
             ms = (time.perf_counter() - t0) * 1000.0
+            timing = {"step_ms": round(ms, 3), "compute_ms": round(ms - comm.take_wait() * 1000.0, 3)}
             step_times.append(ms)
             if topo.is_last:
                 print(f"step={step} loss={loss_value:.9g} step_ms={ms:.1f}", flush=True)
-                ctx.heartbeat(step, loss=loss_value, step_ms=round(ms, 3), **role)
+                ctx.heartbeat(step, loss=loss_value, **timing, **role)
             else:
-                ctx.heartbeat(step, step_ms=round(ms, 3), **role)
+                ctx.heartbeat(step, **timing, **role)
             if args.checkpoint_every and step % args.checkpoint_every == 0:
                 state = {
                     "step": step,

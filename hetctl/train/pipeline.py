@@ -16,6 +16,7 @@ same data-parallel width gives the same numbers.
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Callable, Iterator
 
 import torch
@@ -50,6 +51,8 @@ class Comm:
         self.topo = topo
         self.device = device
         self.dp_group = dp_group
+        self.wait_s = 0.0
+        """Seconds spent blocked on communication since the last :meth:`take_wait`."""
         self._pending: list[tuple[dist.Work, torch.Tensor]] = []
 
     def _wire(self, backend: str | None, t: torch.Tensor) -> torch.Tensor:
@@ -57,7 +60,9 @@ class Comm:
 
     def _recv(self, backend: str | None, src: int, shape: tuple[int, ...], tag: int) -> torch.Tensor:
         buf = torch.empty(shape, dtype=torch.float32, device="cpu" if backend == "gloo" else self.device)
+        t0 = time.perf_counter()
         dist.irecv(buf, src=src, tag=tag).wait()
+        self.wait_s += time.perf_counter() - t0
         return buf.to(self.device)
 
     def _send(self, backend: str | None, dst: int, t: torch.Tensor, tag: int) -> None:
@@ -78,14 +83,22 @@ class Comm:
 
     def wait_sends(self) -> None:
         """Complete every outstanding send (their buffers are kept alive until then)."""
+        t0 = time.perf_counter()
         for work, _ in self._pending:
             work.wait()
         self._pending.clear()
+        self.wait_s += time.perf_counter() - t0
+
+    def take_wait(self) -> float:
+        """Communication seconds since the last call (step time minus this is the stage's compute time)."""
+        wait, self.wait_s = self.wait_s, 0.0
+        return wait
 
     def all_reduce_grads(self, units: nn.ModuleDict) -> None:
         """Sum gradients over the stage's data-parallel group, one unit per call, in unit order."""
         if self.dp_group is None:
             return
+        t0 = time.perf_counter()
         for unit in units.values():
             grads = [p.grad for p in unit.parameters()]
             flat = self._wire(self.topo.backend, torch.cat([g.reshape(-1) for g in grads]))
@@ -95,13 +108,16 @@ class Comm:
             for g in grads:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
+        self.wait_s += time.perf_counter() - t0
 
     def all_reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Sum the last stages' loss shares over the replicas (a no-op without data parallelism)."""
         if self.dp_group is None:
             return loss
+        t0 = time.perf_counter()
         wire = self._wire(self.topo.backend, loss)
         dist.all_reduce(wire, group=self.dp_group)
+        self.wait_s += time.perf_counter() - t0
         return wire
 
 
