@@ -28,6 +28,7 @@ from torch import nn
 from hetctl.run import checkpoint as manifest
 from hetctl.train.units import STATE, expected_files
 
+
 def _unit_payload(unit: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     optim = {}
     for pname, p in unit.named_parameters():
@@ -93,7 +94,7 @@ def load(blobs: Mapping[str, bytes], units: nn.ModuleDict, optimizer: torch.opti
 
     Args:
         blobs: ``{file: bytes}`` from :func:`hetctl.run.checkpoint.read_verified`
-            for :func:`unit_files` of this stage.
+            for :func:`hetctl.train.units.unit_files` of this stage.
         units: the stage's units, already on their device.
         optimizer: the AdamW over them, before its first step.
 
