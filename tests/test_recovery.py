@@ -203,11 +203,15 @@ class Launch:
 
     def finish(self, timeout: float = 300) -> dict:
         out, err = self.proc.communicate(timeout=timeout)
-        assert self.proc.returncode == 0, err
+        assert self.proc.returncode == 0, f"{err}\n{self.story()}"
         return json.loads(out)
 
     def events(self, kind: str | None = None) -> list[dict]:
         return read_events(self.run / "events.jsonl", kind)
+
+    def story(self) -> str:
+        """The run's events without progress lines, for assertion messages."""
+        return "\n".join(json.dumps(e) for e in self.events() if e["kind"] != "progress")
 
 
 @pytest.fixture(scope="module")
@@ -248,7 +252,7 @@ def test_kill9_rank_restarts_same_plan_and_matches_bit_for_bit(cluster, site, re
     victim = signal_rank(run.run_id, 1, signal.SIGKILL)
     summary = run.finish()
     assert summary["state"] == "succeeded" and summary["steps"] == STEPS
-    assert summary["final_loss"] == reference["final_loss"]  # bit for bit: same floats
+    assert summary["final_loss"] == reference["final_loss"], run.story()  # bit for bit: same floats
     assert summary["attempts"] == 2 and summary["restarts"] == 1
     failed = run.events("rank_failed")
     assert [(e["rank"], e["signal"], e["attempt"]) for e in failed] == [(1, 9, 0)], failed
@@ -261,11 +265,11 @@ def test_kill9_rank_restarts_same_plan_and_matches_bit_for_bit(cluster, site, re
 
 @e2e
 def test_sigstopped_rank_is_a_hang_and_the_restart_matches(cluster, site, reference):
-    run = Launch(site, "hang", "--hang-timeout", "6")
+    run = Launch(site, "hang", "--hang-timeout", "10")
     run.wait_checkpoint(EVERY * 2)
     signal_rank(run.run_id, 0, signal.SIGSTOP)
     summary = run.finish()
-    assert summary["final_loss"] == reference["final_loss"]
+    assert summary["final_loss"] == reference["final_loss"], run.story()
     assert summary["attempts"] == 2 and summary["restarts"] == 1
     failed = run.events("rank_failed")
     assert failed and failed[0]["reason"].startswith("hang") and failed[0]["attempt"] == 0
@@ -288,7 +292,7 @@ def test_corrupted_newest_checkpoint_is_skipped_and_the_previous_used(cluster, s
     victim.write_bytes(bytes(data))
     signal_rank(run.run_id, 1, signal.SIGKILL)
     summary = run.finish()
-    assert summary["final_loss"] == reference["final_loss"]
+    assert summary["final_loss"] == reference["final_loss"], run.story()
     skipped = run.events("checkpoint_skipped")
     assert skipped and skipped[0]["step"] == newest and "sha256 mismatch" in skipped[0]["problems"][0]
     assert run.events("restart")[0]["resume_step"] == newest - EVERY
@@ -311,7 +315,7 @@ def test_sigkilled_controller_then_resume_finishes_with_the_same_loss(cluster, s
     assert r.returncode == 0, r.stderr
     summary = json.loads(r.stdout)
     assert summary["state"] == "succeeded" and summary["steps"] == STEPS
-    assert summary["final_loss"] == reference["final_loss"]
+    assert summary["final_loss"] == reference["final_loss"], run.story()
     resumed = run.events("resumed")
     assert len(resumed) == 1 and resumed[0]["resume_step"] >= EVERY * 2 and resumed[0]["attempt"] == 1
     assert (run.run / "attempts" / "1" / "plan.yaml").is_file()
@@ -343,7 +347,7 @@ def test_lost_node_replans_on_the_survivors_and_matches(make_sshd_cluster, tmp_p
     c[lost].kill()  # its sshd and every process it started
     summary = run.finish()
     assert summary["state"] == "succeeded" and summary["steps"] == STEPS
-    assert summary["final_loss"] == reference["final_loss"]  # same DP width: bit for bit
+    assert summary["final_loss"] == reference["final_loss"], run.story()  # same DP width: bit for bit
     assert [e["node"] for e in run.events("node_lost")] == [lost]
     replan = run.events("replan")
     assert len(replan) == 1 and replan[0]["dropped"] == [lost] and replan[0]["membership_changes"] == 1

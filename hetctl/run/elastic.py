@@ -42,6 +42,23 @@ def _bottleneck_ms(outcome: AttemptOutcome) -> float | None:
     return max(outcome.stage_step_ms.values()) if outcome.stage_step_ms else None
 
 
+def _carry_losses(outcome: AttemptOutcome, state: dict[str, Any]) -> None:
+    """Make the outcome speak for the run so far, not only for its own attempt.
+
+    The run's first loss is the first attempt's; an attempt that resumed at the last
+    step trains nothing, and the run's final loss is then the one reported for that
+    step by the attempt that computed it.
+    """
+    if state["first_loss"] is None:
+        state["first_loss"] = outcome.first_loss
+    if outcome.final_loss is not None:
+        state["final"] = (outcome.last_step, outcome.final_loss)
+    elif state["final"] is not None and outcome.last_step <= state["final"][0]:
+        outcome.last_step, outcome.final_loss = state["final"]
+    if state["first_loss"] is not None:
+        outcome.first_loss = state["first_loss"]
+
+
 def supervise_elastic(
     run: Any,
     plan: Plan,
@@ -85,7 +102,7 @@ def supervise_elastic(
     membership_changes_before = max(0, info.membership_changes - tally.membership_changes)
     if plan_file is None and getattr(info.inputs, "plan_dir", None):
         plan_file = Path(info.inputs.plan_dir) / "plan.yaml"
-    state: dict[str, Any] = {"cluster": None, "rebalanced_from": None}
+    state: dict[str, Any] = {"cluster": None, "rebalanced_from": None, "first_loss": None, "final": None}
     names = [n.name for n in inventory.nodes]
 
     def attempt_hook(attempt: int, attempt_plan: Plan) -> Callable:
@@ -103,6 +120,7 @@ def supervise_elastic(
 
     def run_attempt(attempt: int, attempt_plan: Plan, step: int | None) -> AttemptOutcome:
         outcome = run_one(attempt, attempt_plan, step or 0, on_progress=attempt_hook(attempt, attempt_plan))
+        _carry_losses(outcome, state)
         before = state["rebalanced_from"]
         if before is not None:
             state["rebalanced_from"] = None
