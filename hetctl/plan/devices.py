@@ -147,11 +147,14 @@ def _nic_gbs(node: NodeFacts) -> float:
     return (max(eth) if eth else DEFAULT_NIC_GBPS) / 8.0
 
 
-def _node_chips(node: NodeFacts) -> list[Chip]:
-    """The node's chips; a node without accelerators offers its CPU as one chip."""
+def node_chips(node: NodeFacts) -> list[Chip]:
+    """The node's chips by index; a node listing none offers its CPU as one chip."""
     if node.chips:
         return sorted(node.chips, key=lambda c: c.index)
     return [Chip(index=0, vendor="cpu", model=node.cpu.model or "cpu", memory_gb=node.memory_gb)]
+
+
+_node_chips = node_chips  # the name hetctl.run.replan imports
 
 
 def node_groups(node: NodeFacts) -> list[Group]:
@@ -161,7 +164,7 @@ def node_groups(node: NodeFacts) -> list[Group]:
         ConfigError: a chip has no TFLOPS figure, or its memory is unknown.
     """
     by_key: dict[tuple[str, str], list[Chip]] = {}
-    for chip in _node_chips(node):
+    for chip in node_chips(node):
         by_key.setdefault((chip.vendor, chip.model), []).append(chip)
     groups = []
     for (vendor, model), chips in by_key.items():

@@ -17,6 +17,45 @@ from hetctl.plan.simulate import SimResult
 
 Slot = tuple[Group, tuple[int, ...]]  # a node's group and the chips of one stage
 
+# Per stage position, which kind runs the stage in each replica, as runs of
+# (kind index, replicas): ((3, 8),) is kind 3 in all of 8 replicas.
+Column = tuple[tuple[int, int], ...]
+Columns = tuple[Column, ...]
+
+
+def pairs(a: Column, b: Column) -> set[tuple[int, int]]:
+    """The (kind, kind) pairs two adjacent positions put next to each other in some replica."""
+    out, i, j, left_a, left_b = set(), 0, 0, a[0][1], b[0][1]
+    while True:
+        out.add((a[i][0], b[j][0]))
+        step = min(left_a, left_b)
+        left_a -= step
+        left_b -= step
+        if not left_a:
+            i += 1
+            if i == len(a):
+                return out
+            left_a = a[i][1]
+        if not left_b:
+            j += 1
+            left_b = b[j][1]
+
+
+def cut_columns(order: tuple[int, ...], slots: dict[int, int], dp: int, positions: int) -> Columns:
+    """Cut the slots, kind after kind in ``order``, into ``positions`` columns of ``dp``."""
+    cols, cur, room = [], [], dp
+    for i in order:
+        left = slots[i]
+        while left and len(cols) < positions:
+            take = min(left, room)
+            cur.append((i, take))
+            left -= take
+            room -= take
+            if not room:
+                cols.append(tuple(cur))
+                cur, room = [], dp
+    return tuple(cols)
+
 
 @dataclass
 class Layout:

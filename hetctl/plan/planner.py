@@ -95,7 +95,7 @@ def plan_cluster(
         if free is not None and free.step < lay.step * 0.99:
             notes.append(
                 f"{WARNING}the pin ({_pins(pins)}) costs {100 * (1 - free.step / lay.step):.1f}% throughput: "
-                f"unpinned best is {_shape(free)} at {free.step:.3f} s/step against {lay.step:.3f}"
+                f"unpinned best is {_shape(free)} at {free.step:.4g} s/step against {lay.step:.4g}"
             )
     vendors = sorted({st.kind.vendor for st in lay.types})
     if framework in ("megatron", "deepspeed") and len(vendors) > 1:
@@ -193,7 +193,7 @@ def _estimate(lay: Layout, work: Workload, spec: ModelSpec, total_flops: float, 
         vs_h = round((tokens / step) / sum(homog.values()), 4)
     return Estimate(
         step_time_s=round(step, 6),
-        bubble=round(lay.sim.bubble if lay.sim else 0.0, 4),
+        bubble=round(max(0.0, lay.sim.bubble) if lay.sim else 0.0, 4),
         utilization=round(flops / (step * total_flops), 4),
         utilization_vs_homogeneous=vs_h,
         tokens_per_s=round(tokens / step, 2),

@@ -37,7 +37,9 @@ from dataclasses import dataclass
 
 from hetctl.plan.costmodel import StageType, Workload, kind_link, link, stage_type
 from hetctl.plan.devices import Kind, merge
-from hetctl.plan.layout import Found, Layout, Miss, split_terms, stage_times, sync_times
+from hetctl.plan.layout import (
+    Columns, Found, Layout, Miss, cut_columns, pairs, split_terms, stage_times, sync_times,
+)
 from hetctl.plan.models import valid_tp
 from hetctl.plan.partition import minmax_split, proportional_split, uniform_split
 from hetctl.plan.schema import ModelSpec
@@ -48,46 +50,6 @@ from hetctl.plan.simulate import estimate_1f1b, simulate_1f1b
 # FlagScale (process meshes) and a user's own script may differ per stage.
 TP_MODE = {"hetctl": "none", "megatron": "uniform", "deepspeed": "uniform", "flagscale": "any", "torchrun": "any"}
 KEEP = 4  # candidates placed and simulated
-
-# Per stage position, which kind runs the stage in each replica, as runs of
-# (kind index, replicas): ((3, 8),) is kind 3 in all of 8 replicas.
-Column = tuple[tuple[int, int], ...]
-Columns = tuple[Column, ...]
-
-
-def _pairs(a: Column, b: Column) -> set[tuple[int, int]]:
-    """The (kind, kind) pairs two adjacent positions put next to each other in some replica."""
-    out, i, j, left_a, left_b = set(), 0, 0, a[0][1], b[0][1]
-    while True:
-        out.add((a[i][0], b[j][0]))
-        step = min(left_a, left_b)
-        left_a -= step
-        left_b -= step
-        if not left_a:
-            i += 1
-            if i == len(a):
-                return out
-            left_a = a[i][1]
-        if not left_b:
-            j += 1
-            left_b = b[j][1]
-
-
-def _cut(order: tuple[int, ...], slots: dict[int, int], dp: int, positions: int) -> Columns:
-    """Cut the slots, kind after kind in ``order``, into ``positions`` columns of ``dp``."""
-    cols, cur, room = [], [], dp
-    for i in order:
-        left = slots[i]
-        while left and len(cols) < positions:
-            take = min(left, room)
-            cur.append((i, take))
-            left -= take
-            room -= take
-            if not room:
-                cols.append(tuple(cur))
-                cur, room = [], dp
-    return tuple(cols)
-
 
 @dataclass(frozen=True)
 class Pins:
@@ -117,7 +79,7 @@ class Searcher:
 
     # -- stage types and links by kind ---------------------------------------------
 
-    def ctype(self, column: Column, tps: tuple[int, ...], dp: int) -> StageType | None:
+    def ctype(self, column: tuple[tuple[int, int], ...], tps: tuple[int, ...], dp: int) -> StageType | None:
         """The cost of a stage position (None when its kinds disagree on the TP degree)."""
         members = tuple(sorted({k for k, _ in column}))
         key = (members, tps[members[0]], dp)
@@ -222,7 +184,7 @@ class Searcher:
             cut = min(slots[i], excess)
             slots[i] -= cut
             excess -= cut
-        return _cut(order, slots, dp, target)
+        return cut_columns(order, slots, dp, target)
 
     def orders(self, used: list[int]) -> list[tuple[int, ...]]:
         """Kind orders with same-vendor kinds adjacent (kind indexes, not repeated).
@@ -292,7 +254,7 @@ class Searcher:
             if len(ca) == 1 and len(cb) == 1:
                 links.append(self._kind_link(ca[0][0], cb[0][0], tps))
             else:
-                links.append(max(self._kind_link(a, b, tps) for a, b in _pairs(ca, cb)))
+                links.append(max(self._kind_link(a, b, tps) for a, b in pairs(ca, cb)))
         return self.split(types, links, dp, m)
 
     def split(self, types: list[StageType], links: list[float], dp: int, m: int) -> Layout | None:
