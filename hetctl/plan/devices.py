@@ -2,10 +2,12 @@
 
 A *group* is the chips of one vendor and model inside one node — the pool a
 stage (a tensor-parallel set of chips) is cut from. A *kind* gathers groups
-that are interchangeable for planning: same vendor, model, precision and
-memory, speed within 5 %. Kinds are what make pipeline replicas identical
+that are interchangeable for planning: same vendor, model and precision,
+memory and speed within 5 %. Kinds are what make pipeline replicas alike
 (every replica gets the same number of stages of each kind), so the
-data-parallel group of a stage is always one vendor and one library.
+data-parallel group of a stage is normally one vendor and one library; where
+the search mixes kinds at a stage position, that position runs at its
+slowest member's pace (and synchronises over gloo across vendors).
 
 Per chip TFLOPS, for the chosen precision: the measured figure (``probe
 --bench``) when there is one, else the node's ``tflops_override`` from the
@@ -21,7 +23,7 @@ from hetctl.errors import ConfigError
 from hetctl.probe.facts import Chip, Cluster, NodeFacts
 from hetctl.vendors import vendor_info
 
-SPEED_TOLERANCE = 1.05  # groups within 5 % of each other's TFLOPS share a kind
+SPEED_TOLERANCE = 1.05  # groups within 5 % of each other's TFLOPS and memory share a kind
 DEFAULT_NIC_GBPS = 10.0  # assumed when probe saw no NIC speed (plain 10 GbE)
 
 
@@ -210,21 +212,32 @@ def collect(cluster: Cluster) -> Devices:
     return Devices(kinds=make_kinds(groups), notes=notes)
 
 
+def _buckets(items: list[Group], value) -> list[list[Group]]:  # noqa: ANN001 - a key function
+    """Split items sorted by ``value`` wherever it grows past 5 % of the bucket's first."""
+    out: list[list[Group]] = []
+    for g in sorted(items, key=lambda g: (value(g), g.node)):
+        if out and value(g) <= value(out[-1][0]) * SPEED_TOLERANCE:
+            out[-1].append(g)
+        else:
+            out.append([g])
+    return out
+
+
 def make_kinds(groups: list[Group]) -> list[Kind]:
-    """Bucket groups into kinds: same vendor, model, precision, memory; speed within 5 %."""
+    """Bucket groups into kinds: same vendor, model and precision; memory and speed within 5 %.
+
+    Nodes of one model often report slightly different memory (driver
+    reservations) or measured speed; treating them as one kind at the bucket's
+    minimum keeps replicas identical.
+    """
     by_key: dict[tuple, list[Group]] = {}
     for g in groups:
-        by_key.setdefault((g.vendor, g.model, g.precision, round(g.memory_gb, 1)), []).append(g)
+        by_key.setdefault((g.vendor, g.model, g.precision), []).append(g)
     kinds: list[Kind] = []
     for key in sorted(by_key):
-        members = sorted(by_key[key], key=lambda g: (g.tflops, g.node))
-        bucket: list[Group] = []
-        for g in members + [None]:  # type: ignore[list-item]
-            if bucket and (g is None or g.tflops > bucket[0].tflops * SPEED_TOLERANCE):
+        for mem_bucket in _buckets(by_key[key], lambda g: g.memory_gb):
+            for bucket in _buckets(mem_bucket, lambda g: g.tflops):
                 kinds.append(_kind(len(kinds), bucket))
-                bucket = []
-            if g is not None:
-                bucket.append(g)
     return kinds
 
 

@@ -301,10 +301,9 @@ class Searcher:
                     bar = -kept[0] if len(kept) >= lead else math.inf
                     add(self.evaluate(tps, cols, dp, bar), (tps, cols))
         found.sort(key=lambda x: (x[0], x[1]))
-        leaders = found[:lead]
-        for _, _, lay, (tps, _) in list(leaders):
-            for cols in self.candidates(tps, lay.dp, first_orders=False):
-                add(self.evaluate(tps, cols, lay.dp), (tps, cols))
+        for tps, dp in dict.fromkeys((key[0], lay.dp) for _, _, lay, key in found[:lead]):
+            for cols in self.candidates(tps, dp, first_orders=False):
+                add(self.evaluate(tps, cols, dp), (tps, cols))
         found.sort(key=lambda x: (x[0], x[1]))
         placed = []
         for _, _, lay, (tps, cols) in found[:self.keep]:
