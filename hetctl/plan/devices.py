@@ -72,8 +72,12 @@ class Kind:
 
     @property
     def vendors(self) -> tuple[str, ...]:
-        """The vendors of the kind's groups (several only for a merged kind)."""
-        return tuple(sorted({g.vendor for g in self.groups}))
+        """The vendors of the kind's groups (several only for a merged kind; cached)."""
+        cached = self.__dict__.get("_vendors")
+        if cached is None:
+            cached = tuple(sorted({g.vendor for g in self.groups}))
+            object.__setattr__(self, "_vendors", cached)
+        return cached
 
     def chips(self) -> int:
         return sum(len(g.chips) for g in self.groups)

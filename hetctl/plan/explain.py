@@ -7,7 +7,15 @@ from __future__ import annotations
 
 from hetctl.plan.devices import Devices
 from hetctl.plan.schema import Plan
+from hetctl.vendors import vendor_info
 from hetctl.plan.layout import Found, Layout
+
+
+def _library(vendors: tuple[str, ...]) -> str | None:
+    if len(vendors) != 1:
+        return None
+    lib = vendor_info(vendors[0]).comm_library
+    return lib if lib else "collective library not public: gloo"
 
 
 def _runs(lay: Layout) -> list[tuple[str, int, int]]:
@@ -64,7 +72,8 @@ def explain(plan: Plan, lay: Layout, devices: Devices, found: Found, homog, toke
         srcs = sorted({s for g in st.kind.groups for s in g.sources})
         lines.append(
             f"{st.kind.label}: {st.kind.precision} at {st.kind.tflops:g} TFLOPS per chip ({', '.join(srcs)}), "
-            f"{st.kind.memory_gb:g} GB; backend {plan.stages[lay.types.index(st)].backend} inside the stage"
+            f"{st.kind.memory_gb:g} GB; torch backend {plan.stages[lay.types.index(st)].backend} inside the stage"
+            + (f" ({_library(st.kind.vendors)})" if _library(st.kind.vendors) else "")
         )
     stages = {(s.replica, s.stage): s for s in plan.stages}
     links = sorted({(s.vendor, stages[(s.replica, s.stage + 1)].vendor, s.backend_next)

@@ -81,6 +81,11 @@ class Searcher:
 
     def ctype(self, column: tuple[tuple[int, int], ...], tps: tuple[int, ...], dp: int) -> StageType | None:
         """The cost of a stage position (None when its kinds disagree on the TP degree)."""
+        if len(column) == 1:
+            i = column[0][0]
+            key = ((i,), tps[i], dp)
+            if key in self._types:
+                return self._types[key]
         members = tuple(sorted({k for k, _ in column}))
         key = (members, tps[members[0]], dp)
         if key not in self._types:
