@@ -66,8 +66,8 @@ class Case:
 
 
 CASES = (
-    Case("four-to-one", "llama2-13b", (512,), about="4 × 8 H100 (989.4 TF) and 4 × 8 Ascend 910B2C derated to 247.35 TF"),
-    Case("mix-768", HETERO_140B, (1024, 4096),
+    Case("four-to-one", "llama2-13b", (512, 2048), about="4 × 8 H100 (989.4 TF) and 4 × 8 Ascend 910B2C derated to 247.35 TF"),
+    Case("mix-768", HETERO_140B, (1024, 2048),
          about="16 × 8 NVIDIA H800 and 80 × 8 Ascend 910B3, 8 × 200 Gb/s rails per node"),
     Case("six-vendors-4096", "llama2-70b", (1024, 8192),
          about="H100 1024, Ascend 910B2 1024, MetaX C500 512, MTT S4000 512, Hygon K100-AI 512, MLU590 512"),

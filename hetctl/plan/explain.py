@@ -75,6 +75,10 @@ def explain(plan: Plan, lay: Layout, devices: Devices, found: Found, homog, toke
             f"{st.kind.memory_gb:g} GB; torch backend {plan.stages[lay.types.index(st)].backend} inside the stage"
             + (f" ({_library(st.kind.vendors)})" if _library(st.kind.vendors) else "")
         )
+    switches = [{g.switch for g, _ in row if g.switch} for row in lay.placement]
+    if any(switches):
+        lines.append(f"switch labels: nodes are assigned to replicas switch by switch; a replica spans at most "
+                     f"{max(len(x) for x in switches)} switch(es) (links across switches are costed at half speed)")
     stages = {(s.replica, s.stage): s for s in plan.stages}
     links = sorted({(s.vendor, stages[(s.replica, s.stage + 1)].vendor, s.backend_next)
                     for s in plan.stages if s.backend_next})
