@@ -90,9 +90,10 @@ def plan_cluster(
         raise _infeasible(found, pins, work, spec, devices)
     lay = found.best
     notes = [WARNING + n for n in devices.notes]
+    free = lay
     if pins.any():
-        free = Searcher(devices.kinds, spec, work, framework, Pins()).run().best
-        if free is not None and free.step < lay.step * 0.99:
+        free = Searcher(devices.kinds, spec, work, framework, Pins()).run().best or lay
+        if free.step < lay.step * 0.99:
             notes.append(
                 f"{WARNING}the pin ({_pins(pins)}) costs {100 * (1 - free.step / lay.step):.1f}% throughput: "
                 f"unpinned best is {_shape(free)} at {free.step:.4g} s/step against {lay.step:.4g}"
@@ -101,7 +102,7 @@ def plan_cluster(
     if framework in ("megatron", "deepspeed") and len(vendors) > 1:
         notes.append(f"{WARNING}one {framework} job cannot span vendors ({', '.join(vendors)}); "
                      "the scripts are rendered, but use --framework flagscale or hetctl to run them")
-    homog = _homogeneous(devices, spec, work, framework, lay) if homogeneous else None
+    homog = _homogeneous(devices, spec, work, framework, free) if homogeneous else None
     plan = _build(lay, spec, work, devices, framework, cluster, cluster_path, homog, notes, found)
     plan.plan_time_s = round(time.perf_counter() - t0, 4)
     return plan
@@ -171,12 +172,15 @@ def _infeasible(found: Found, pins: Pins, work: Workload, spec: ModelSpec, devic
     )
 
 
-def _homogeneous(devices: Devices, spec, work, framework, lay: Layout) -> dict[str, float | str]:
-    """Tokens/s of each chip type alone (or why it cannot train the model alone)."""
+def _homogeneous(devices: Devices, spec, work, framework, best: Layout) -> dict[str, float | str]:
+    """Tokens/s of each chip type alone (or why it cannot train the model alone).
+
+    ``best`` is the unpinned winner, which is the answer when there is one type.
+    """
     tokens = work.global_batch * spec.seq_len
     out: dict[str, float | str] = {}
     if len(devices.kinds) == 1:
-        return {devices.kinds[0].label: tokens / lay.step}
+        return {devices.kinds[0].label: tokens / best.step}
     for kind in devices.kinds:
         name = f"{kind.label} ({kind.tflops:g} TFLOPS)"
         best = Searcher(subset(devices, {kind.id}).kinds, spec, work, framework, Pins(), keep=1).run(False).best
