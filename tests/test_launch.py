@@ -213,7 +213,7 @@ def test_sigkilled_controller_leaves_agents_to_stop_their_ranks(cluster, site):
     assert yaml.safe_load((run / "run.yaml").read_text())["state"] == "running"  # resume can tell
 
 
-@pytest.mark.parametrize("breakage", ["python", "workdir"])
+@pytest.mark.parametrize("breakage", ["python", "workdir", "unreachable"])
 def test_broken_node_is_a_clear_error_before_anything_starts(cluster, site, tmp_path, breakage):
     make_plan(site, "plan-pre", 3, 1)
     inv = yaml.safe_load((site / "inventory.yaml").read_text())
@@ -223,6 +223,12 @@ def test_broken_node_is_a_clear_error_before_anything_starts(cluster, site, tmp_
     bad = inv["nodes"][1]
     if breakage == "python":
         bad["python"] = "/opt/no-such/python3"
+    elif breakage == "unreachable":
+        import socket
+
+        with socket.socket() as s:  # a port nobody listens on
+            s.bind((bad["host"], 0))
+            bad["port"] = s.getsockname()[1]
     else:
         (tmp_path / "a-file").write_text("")
         bad["workdir"] = str(tmp_path / "a-file" / "work")
@@ -232,7 +238,9 @@ def test_broken_node_is_a_clear_error_before_anything_starts(cluster, site, tmp_
     assert r.returncode == 3, r.stderr
     err = " ".join(r.stderr.split())
     assert f"node {bad['name']}" in err and "nothing was started" in err
-    assert ("/opt/no-such/python3" in err and "not found" in err) if breakage == "python" else "not writable" in err
+    expected = {"python": "python `/opt/no-such/python3` not found", "workdir": "is not writable",
+                "unreachable": "connection refused"}[breakage]
+    assert expected in err and f"{bad['name']}: {bad['name']}" not in err
     assert "Traceback" not in r.stderr
     for name, wd in fresh.items():
         assert not list(Path(wd).glob("hetctl-agent-*")) and not (Path(wd) / "runs").exists(), name

@@ -236,3 +236,29 @@ def test_on_progress_failure_ends_the_attempt(plan, spec, tmp_path):
         feed(mon, clock, "n1", "heartbeat", rank=1, hb={"step": step, "time": step, "step_ms": 70.0})
     assert seen == [{(0, 1): 70.0}] * 3
     assert mon.failures[0].kind == FaultKind.STRAGGLER
+
+
+def test_live_view_table_and_plain_lines(plan, spec, tmp_path):
+    from rich.console import Console
+
+    from hetctl.run.live import LiveView, render_table
+
+    clock = Clock()
+    mon, _ = make_monitor(plan, spec, tmp_path, clock)
+    start_all(mon, clock, plan)
+    feed(mon, clock, "n5", "heartbeat", 1.0, rank=5, hb={"step": 7, "time": 1.0, "loss": 3.25, "step_ms": 41.6})
+    feed(mon, clock, "n1", "alive", 0.5, ranks={"1": "T"})
+    table = Console(width=150, record=True)
+    table.print(render_table(mon.snapshot(), "run r1"))
+    text = table.export_text()
+    row = next(line for line in text.splitlines() if " 5 " in line and "n5" in line)
+    assert "cpu" in row and "1.2" in row and "4:6" in row and "running" in row and "3.2500" in row and "42" in row
+    assert "running (T)" in text
+    plain = Console(width=150, record=True, force_terminal=False)
+    with LiveView(plain, live=False) as view:
+        view.update(mon.snapshot())  # no table without a terminal
+        view.event({"kind": "progress", "attempt": 2, "step": 7, "loss": 3.25, "stages": [{"step_ms": 41.6}]})
+        view.event({"kind": "rank_failed", "attempt": 2, "node": "n5", "rank": 5, "reason": "killed by SIGKILL"})
+        view.event({"kind": "heartbeat_summary"})
+    assert plain.export_text().splitlines() == [
+        "  step 7, loss 3.2500, step 42 ms", "attempt 2: rank 5 on n5 failed: killed by SIGKILL"]

@@ -289,7 +289,8 @@ class AttemptController:
             if not agent.eof.is_set():
                 agent.send({"cmd": "stop"})
         deadline = self.clock() + self.th.grace_s + 5.0
-        monitor.drain(self.inbox, set(self.agents), deadline, lost_tail=lambda n: self.agents[n].tail())
+        live = {n for n, a in self.agents.items() if not a.eof.is_set()}  # a lost node will not answer
+        monitor.drain(self.inbox, live, deadline, lost_tail=lambda n: self.agents[n].tail())
         for agent in self.agents.values():
             try:
                 agent.proc.close_stdin()
@@ -317,7 +318,8 @@ class AttemptController:
             try:
                 return fn(node)
             except HetctlError as e:
-                msg = e.message if not e.hint else f"{e.message} ({e.hint})"
+                msg = e.message.removeprefix(f"{node.name}: ")  # the failure record names the node
+                msg = msg if not e.hint else f"{msg} ({e.hint})"
                 raise HetctlError(prefix + msg) from None
             except OSError as e:
                 raise HetctlError(prefix + (e.strerror or str(e))) from None
