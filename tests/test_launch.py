@@ -245,3 +245,22 @@ def test_broken_node_is_a_clear_error_before_anything_starts(cluster, site, tmp_
     for name, wd in fresh.items():
         assert not list(Path(wd).glob("hetctl-agent-*")) and not (Path(wd) / "runs").exists(), name
     assert wait_no_processes(cluster, 5) == []
+
+
+def test_demo_runs_the_whole_flow_on_this_machine(tmp_path):
+    """``hetctl demo``: local inventory → probe → plan tiny (node-a twice as fast) → launch → summary."""
+    (tmp_path / "home" / ".ssh").mkdir(parents=True)
+    r = hetctl(tmp_path, "demo", "--dir", "demo", "--steps", "12", "--checkpoint-every", "6", "--no-inject-failure",
+               "--json")
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    assert summary["state"] == "succeeded" and summary["steps"] == 12
+    assert summary["final_loss"] < summary["first_loss"]
+    assert Path(summary["run_dir"]).parent == tmp_path / "demo" / "runs"
+    plan = load_model(tmp_path / "demo" / "plan" / "plan.yaml", Plan)
+    layers = {s.node: s.layers[1] - s.layers[0] for s in plan.stages}
+    assert set(layers) == {"node-a", "node-b", "node-c"}
+    assert layers["node-a"] > max(layers["node-b"], layers["node-c"])  # twice the TFLOPS, more layers
+    assert sorted(p.name for p in (tmp_path / "demo" / "plan" / "nodes").iterdir()) == [
+        "node-a.sh", "node-b.sh", "node-c.sh"]
+    assert "1/3 probe" in r.stderr and "3/3 launch" in r.stderr and "launched 3 ranks" in r.stderr

@@ -4,7 +4,8 @@ Three "nodes" with ``transport: local`` share this machine; their inventory give
 them different ``tflops`` so the planner has something to balance (node-a is
 twice as fast and gets about twice the layers). Each step is the real one: the
 probe collector runs on every node, the planner plans the ``tiny`` preset with a
-3-stage pipeline, and the launch goes through the per-node agents.
+3-stage pipeline (``plan/plan.yaml`` and ``plan/nodes/*.sh``), and the launch
+goes through the per-node agents.
 """
 
 from __future__ import annotations
@@ -60,10 +61,10 @@ def plan_tiny(directory: str | Path, cluster: Any, stages: int = 3) -> tuple[Pla
     """Plan the ``tiny`` preset as a ``stages``-stage pipeline; write ``<directory>/plan/``."""
     from hetctl.plan.models import load_model
     from hetctl.plan.planner import plan_cluster
+    from hetctl.plan.render import write_plan_dir
     from hetctl.plan.search import Pins
 
     cluster_path = Path(directory) / "cluster.yaml"
     plan = plan_cluster(cluster, load_model("tiny"), pins=Pins(pp=stages, dp=1), cluster_path=cluster_path)
-    plan_dir = Path(directory) / "plan"
-    save_model(plan_dir / "plan.yaml", plan, header="hetctl demo: tiny on three local nodes")
-    return plan, plan_dir / "plan.yaml"
+    written = write_plan_dir(plan, Path(directory) / "plan", hosts={n.name: n.host for n in cluster.nodes})
+    return plan, written[0]
