@@ -43,6 +43,11 @@ def load_plan_and_inventory(plan_dir: str | Path, inventory: str | Path | None =
     if not pf.exists():
         raise ConfigError(f"{pf}: plan not found", "run `hetctl plan` first, or pass the plan folder")
     plan = load_model(pf, Plan, "plan")
+    if plan.framework != "hetctl":
+        raise ConfigError(
+            f"{pf}: framework {plan.framework}: `hetctl launch` runs the reference trainer (framework hetctl)",
+            f"run {pf.parent / 'nodes'}/<node>.sh on each node, or re-plan with --framework hetctl",
+        )
     inv_path = Path(inventory) if inventory else None
     if inv_path is None:
         if not plan.inventory:

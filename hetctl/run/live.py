@@ -31,7 +31,7 @@ def _fmt(v: float | None, spec: str) -> str:
 
 def render_table(snap: Snapshot, title: str = "") -> Table:
     """The table: one row per rank (node, vendor, stage, layers, state, step, loss, step ms, heartbeat age)."""
-    t = Table(title=title or None, title_justify="left", expand=False, pad_edge=False)
+    t = Table(title=title or None, title_justify="left", expand=False)
     for col, just in (("node", "left"), ("vendor", "left"), ("rank", "right"), ("stage", "right"),
                       ("layers", "left"), ("state", "left"), ("step", "right"), ("loss", "right"),
                       ("step ms", "right"), ("hb age", "right")):
