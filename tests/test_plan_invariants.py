@@ -215,14 +215,16 @@ def test_chip_without_tflops_names_node_and_chip():
     assert plan_cluster(c, load_model("tiny")).stages[0].precision == "bf16"
 
 
-def test_measured_figure_wins_over_override_and_spec():
+def test_override_wins_then_measured_then_spec():
     n = node("a", "nvidia", "NVIDIA A100-SXM4-80GB", 1, 80.0, 312.0, 312.0, override=200.0)
     n.chips[0].measured_tflops = Tflops(bf16=150.0)
     from hetctl.plan.devices import chip_rate
 
+    assert chip_rate(n, n.chips[0]) == (200.0, "bf16", "inventory tflops")
+    n.tflops_override = None
     assert chip_rate(n, n.chips[0]) == (150.0, "bf16", "measured")
     n.chips[0].measured_tflops = None
-    assert chip_rate(n, n.chips[0]) == (200.0, "bf16", "inventory tflops")
+    assert chip_rate(n, n.chips[0]) == (312.0, "bf16", "spec")
 
 
 def test_no_reachable_node_and_bad_pins_are_clear():

@@ -131,11 +131,13 @@ def chip_rate(node: NodeFacts, chip: Chip) -> tuple[float, str, str]:
         ConfigError: no figure at all for this chip.
     """
     prec = _precision(chip)
+    # The user's explicit figure wins over everything we found, then a
+    # measurement wins over the datasheet peak.
+    if node.tflops_override:
+        return float(node.tflops_override), prec, "inventory tflops"
     measured = getattr(chip.measured_tflops, prec, None) if chip.measured_tflops else None
     if measured:
         return float(measured), prec, "measured"
-    if node.tflops_override:
-        return float(node.tflops_override), prec, "inventory tflops"
     spec = getattr(chip.tflops, prec)
     if spec:
         return float(spec), prec, "spec"
