@@ -318,8 +318,8 @@ def demo_cmd(
 
         victim = max(r.rank for r in plan.ranks) if len(plan.ranks) > 1 else 0
         at = max(1, steps // 2)
-        err.print(f"  a failure will be injected: rank {victim} gets kill -9 at step {at} "
-                  "(--no-inject-failure for a clean run)", highlight=False)
+        err.print(f"  a failure will be injected: rank {victim} gets kill -9 once the run passes step {at} "
+                  "(--no-inject-failure for a clean run)", highlight=False, soft_wrap=True)
         listeners.append(KillAtStep(run.run_id, victim, at, on_fire=lambda line: err.print(
             f"[bold magenta]{line}[/]", highlight=False)))
     result = _run_live(plan, inv, run, info, Thresholds(grace_s=3.0), json_out,
