@@ -246,6 +246,9 @@ def launch_cmd(
     master_port: int | None = typer.Option(None, "--master-port", min=1, max=65535,
                                            help="Rendezvous port; default: a free port on rank 0's node."),
     grace: float = typer.Option(5.0, "--grace", min=0.0, help="Seconds between SIGTERM and SIGKILL when stopping."),
+    entry: str | None = typer.Option(None, "--entry", help="What each rank runs after the node's python, e.g. "
+                                     "'train.py --lr 3e-4' or '-m mypkg.train' (a path on the node, relative to "
+                                     "its workdir); default: the reference trainer, -m hetctl.train."),
     max_restarts: int = typer.Option(3, "--max-restarts", min=0,
                                      help="Restarts after a crash or hang before giving up (node losses count apart)."),
     hang_timeout: float = typer.Option(300.0, "--hang-timeout", min=0.5,
@@ -261,10 +264,11 @@ def launch_cmd(
     from hetctl.run import launcher
     from hetctl.run.controller import Thresholds
 
-    plan, inv, pf = launcher.load_plan_and_inventory(plan_dir, inventory)
+    words = launcher.parse_entry(entry)
+    plan, inv, pf = launcher.load_plan_and_inventory(plan_dir, inventory, entry=words)
     if dry_run:
         spec = launcher.dry_run(plan, inv, steps=steps, checkpoint_every=checkpoint_every, run_root=run_dir,
-                                master_port=master_port)
+                                master_port=master_port, entry=words)
         if json_out:
             import json
 
@@ -276,7 +280,7 @@ def launch_cmd(
     if warning:
         err.print(f"[yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
     run, info = launcher.new_run(plan, inv, run_root=run_dir, plan_path=pf, steps=steps,
-                                 checkpoint_every=checkpoint_every)
+                                 checkpoint_every=checkpoint_every, entry=words)
     th = Thresholds(grace_s=grace, hang_timeout=hang_timeout, node_timeout=node_timeout)
     policy = _policy(max_restarts, max_node_failures, rebalance)
     result = _run_live(plan, inv, run, info, th, json_out, policy=policy)

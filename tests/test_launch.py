@@ -264,3 +264,41 @@ def test_demo_runs_the_whole_flow_on_this_machine(tmp_path):
     assert sorted(p.name for p in (tmp_path / "demo" / "plan" / "nodes").iterdir()) == [
         "node-a.sh", "node-b.sh", "node-c.sh"]
     assert "1/3 probe" in r.stderr and "3/3 launch" in r.stderr and "launched 3 ranks" in r.stderr
+
+
+USER_SCRIPT = """
+import os, sys, time
+import hetctl.runtime as rt
+
+ctx = rt.RankContext.from_env()
+print(f"user script rank {ctx.rank}/{ctx.world_size} stage {ctx.stage} layers {ctx.layers} args {sys.argv[1:]}",
+      flush=True)
+for step in range(1, ctx.steps + 1):
+    rt.heartbeat(step, loss=10.0 / step, step_ms=5.0, first_loss=10.0)  # polling may miss step 1
+    time.sleep(0.05)
+"""
+
+
+def test_entry_runs_a_users_own_script(tmp_path):
+    """``--entry``: the agents start the user's script with the same rank contract (local nodes, no torch)."""
+    from tests.rankrunner import tiny_plan
+
+    (tmp_path / "home" / ".ssh").mkdir(parents=True)
+    (tmp_path / "train.py").write_text(USER_SCRIPT)
+    inv = {"defaults": {"transport": "local", "python": sys.executable},
+           "nodes": [{"name": f"n{i}", "host": "localhost", "workdir": f"wd/n{i}"} for i in range(2)]}
+    (tmp_path / "inventory.yaml").write_text(yaml.safe_dump(inv))
+    plan = Plan.model_validate({**tiny_plan([4, 2]), "inventory": "inventory.yaml"})
+    (tmp_path / "plan").mkdir()
+    (tmp_path / "plan" / "plan.yaml").write_text(yaml.safe_dump(plan.model_dump(mode="json")))
+    r = hetctl(tmp_path, "launch", "plan", "--entry", f"{tmp_path / 'train.py'} --lr 3e-4", "--steps", "8",
+               "--json", timeout=120)
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    assert (summary["state"], summary["steps"], summary["first_loss"], summary["final_loss"]) == (
+        "succeeded", 8, 10.0, 1.25)
+    run = Path(summary["run_dir"])
+    assert "user script rank 1/2 stage 1 layers (4, 6) args ['--lr', '3e-4']" in \
+        (run / "logs" / "n1" / "rank-1.log").read_text()
+    assert yaml.safe_load((run / "run.yaml").read_text())["inputs"]["entry"] == [str(tmp_path / "train.py"),
+                                                                               "--lr", "3e-4"]

@@ -28,7 +28,9 @@ in :mod:`hetctl.run.monitor`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import queue
 import threading
 import time
@@ -169,7 +171,10 @@ class AttemptController:
         self.inventory = inventory
         self.run_dir = run
         self.events = events
-        self.th = thresholds
+        # A user's script may never call hetctl.runtime.heartbeat: only the reference trainer
+        # is held to a first heartbeat; any script that does heartbeat is watched for hangs.
+        self.th = thresholds if tuple(req.entry) == mat.REFERENCE_TRAINER else \
+            dataclasses.replace(thresholds, start_timeout=math.inf)
         self.on_progress = on_progress
         self.on_update = on_update
         self.stop_flag = stop or threading.Event()

@@ -31,7 +31,23 @@ def plan_file(plan_dir: str | Path) -> Path:
     return p if p.is_file() else p / "plan.yaml"
 
 
-def load_plan_and_inventory(plan_dir: str | Path, inventory: str | Path | None = None) -> tuple[Plan, Any, Path]:
+def parse_entry(entry: str | None) -> tuple[str, ...]:
+    """``--entry``: what each rank runs after the node's python (``-m pkg.mod …`` or ``script.py …``)."""
+    import shlex
+
+    if not entry:
+        return mat.REFERENCE_TRAINER
+    try:
+        words = tuple(shlex.split(entry))
+    except ValueError as e:
+        raise ConfigError(f"--entry {entry!r}: {e}", "quote it like a shell command line") from None
+    if not words or words == ("-m",):
+        raise ConfigError(f"--entry {entry!r}: nothing to run", "e.g. --entry 'train.py --lr 3e-4'")
+    return words
+
+
+def load_plan_and_inventory(plan_dir: str | Path, inventory: str | Path | None = None,
+                            entry: tuple[str, ...] = mat.REFERENCE_TRAINER) -> tuple[Plan, Any, Path]:
     """The plan, the inventory it runs on (``-i`` wins over the plan's own), and the plan file.
 
     A relative inventory path recorded in the plan is tried as written (from the
@@ -43,10 +59,11 @@ def load_plan_and_inventory(plan_dir: str | Path, inventory: str | Path | None =
     if not pf.exists():
         raise ConfigError(f"{pf}: plan not found", "run `hetctl plan` first, or pass the plan folder")
     plan = load_model(pf, Plan, "plan")
-    if plan.framework != "hetctl":
+    if plan.framework != "hetctl" and tuple(entry) == mat.REFERENCE_TRAINER:
         raise ConfigError(
             f"{pf}: framework {plan.framework}: `hetctl launch` runs the reference trainer (framework hetctl)",
-            f"run {pf.parent / 'nodes'}/<node>.sh on each node, or re-plan with --framework hetctl",
+            f"run {pf.parent / 'nodes'}/<node>.sh on each node, re-plan with --framework hetctl, "
+            "or name your own script with --entry",
         )
     inv_path = Path(inventory) if inventory else None
     if inv_path is None:
@@ -84,7 +101,7 @@ def checkpoint_warning(inventory: Any, plan: Plan) -> str | None:
 
 
 def dry_run(plan: Plan, inventory: Any, *, steps: int, checkpoint_every: int, run_root: str | Path,
-            master_port: int | None = None) -> mat.LaunchSpec:
+            master_port: int | None = None, entry: tuple[str, ...] = mat.REFERENCE_TRAINER) -> mat.LaunchSpec:
     """The first attempt as it would run, without contacting any node.
 
     Launch-time values that only the nodes can give appear as placeholders: the
@@ -98,7 +115,7 @@ def dry_run(plan: Plan, inventory: Any, *, steps: int, checkpoint_every: int, ru
     return mat.materialize(
         plan, {n.name: n for n in inventory.nodes}, run_id=rid, attempt=0,
         master_addr=mat.master_address(node0), master_port=master_port or mat.PORT_AT_LAUNCH.format(node=rank0),
-        steps=steps, checkpoint_every=checkpoint_every, ckpt_dir=ckpt,
+        steps=steps, checkpoint_every=checkpoint_every, ckpt_dir=ckpt, entry=entry,
     )
 
 
@@ -129,7 +146,7 @@ def stop_on_signals() -> Iterator[threading.Event]:
 
 
 def new_run(plan: Plan, inventory: Any, *, run_root: str | Path, plan_path: Path | None, steps: int,
-            checkpoint_every: int) -> tuple[RunDir, RunInfo]:
+            checkpoint_every: int, entry: tuple[str, ...] = mat.REFERENCE_TRAINER) -> tuple[RunDir, RunInfo]:
     """Create ``runs/<id>/`` with its first ``run.yaml``."""
     import time
 
@@ -143,6 +160,7 @@ def new_run(plan: Plan, inventory: Any, *, run_root: str | Path, plan_path: Path
             steps=steps, checkpoint_every=checkpoint_every,
             checkpoint_dir=checkpoint_dir(inventory, run),
             command=["hetctl", *sys.argv[1:]],
+            entry=list(entry),
         ),
     )
     run.save_info(info)

@@ -42,6 +42,8 @@ class RunInputs(_Strict):
     checkpoint_every: int
     checkpoint_dir: str = Field(description="this run's checkpoints: <inventory checkpoint_dir>/<run-id>")
     command: list[str] = Field(default_factory=list, description="the hetctl command line")
+    entry: list[str] = Field(default_factory=lambda: ["-m", "hetctl.train"],
+                             description="what each rank runs after the node's python")
 
 
 class RunSummary(_Strict):

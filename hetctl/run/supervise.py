@@ -102,7 +102,7 @@ def supervise(
         run.save_info(info)
         req = AttemptRequest(plan=attempt_plan, attempt=attempt, steps=info.inputs.steps,
                              checkpoint_every=info.inputs.checkpoint_every, ckpt_dir=info.inputs.checkpoint_dir,
-                             resume_step=step or 0)
+                             resume_step=step or 0, entry=tuple(info.inputs.entry))
         outcome = run_attempt(req, inventory=inventory, run=run, events=events, thresholds=thresholds,
                               on_progress=on_progress, on_update=on_update, stop=stop, connect=connect)
         if info.first_loss is None and not step and outcome.first_loss is not None:
