@@ -7,7 +7,7 @@ import pytest
 from hetctl.errors import PlanInfeasible
 from hetctl.run.outcome import AttemptOutcome, FailureRecord, FaultKind, RunState
 from hetctl.run.policy import Action, PolicyConfig, Tally, decide, describe, run_loop
-from hetctl.run.straggler import StragglerWatch, find_stragglers, progress_hook, speed_factors
+from hetctl.run.straggler import StragglerWatch, find_stragglers, predicted_gain, progress_hook, speed_factors
 
 
 def crash(node="n1", rank=1, sig=9, t=0.0):
@@ -283,10 +283,22 @@ def test_watch_blip_below_patience_is_not_reported():
     assert out == []
 
 
-def test_speed_factors_follow_measured_slowdown():
+def test_speed_factors_follow_measured_slowdown_with_the_fastest_at_one():
     f = speed_factors({(0, 0): 100.0, (0, 1): 200.0, (0, 2): 100.0}, {(0, 0): 1.0, (0, 1): 1.0, (0, 2): 1.0},
                       {(0, 0): "a", (0, 1): "b", (0, 2): "c"})
     assert f == {"a": 1.0, "b": 0.5, "c": 1.0}
+    two = speed_factors({(0, 0): 150.0, (0, 1): 450.0}, {(0, 0): 1.0, (0, 1): 1.0}, {(0, 0): "a", (0, 1): "b"})
+    assert two == {"a": 1.0, "b": pytest.approx(1 / 3)}  # not a=1.5, b=0.5 around their mean
+
+
+def test_predicted_gain_from_measured_per_layer_cost():
+    old = [(0, 0, "a", (0, 4)), (0, 1, "b", (4, 8))]
+    measured = {(0, 0): 100.0, (0, 1): 400.0}  # b costs 100 ms a layer, a 25
+    assert predicted_gain(old, old, measured) == 1.0
+    moved = [(0, 0, "a", (0, 7)), (0, 1, "b", (7, 8))]  # a: 175 ms, b: 100 ms
+    assert predicted_gain(old, moved, measured) == pytest.approx(400 / 175)
+    spare = [(0, 0, "a", (0, 4)), (0, 1, "b", (4, 5)), (0, 2, "c", (5, 8))]  # c unmeasured: as fast as a
+    assert predicted_gain(old, spare, measured) == pytest.approx(400 / 100)
 
 
 def test_progress_hook_reports_a_straggler_and_ends_the_attempt_only_under_rebalance():
@@ -364,6 +376,26 @@ def test_with_speeds_records_measured_tflops_and_survivors_drop_nodes():
     cl = cpu_cluster("a", "b", tflops=2.0)
     scaled = with_speeds(cl, {"a": 0.5})
     a = next(n for n in scaled.nodes if n.name == "a")
-    assert a.chips[0].measured_tflops.fp32 == 1.0
+    assert a.chips[0].measured_tflops.fp32 == 1.0 and a.tflops_override == 1.0
     assert next(n for n in scaled.nodes if n.name == "b").chips[0].measured_tflops is None
     assert [n.name for n in survivors(cl, ["b"]).nodes] == ["a"]
+
+
+def test_progress_hook_restarts_only_when_confirm_sees_a_gain():
+    for worth, expect in ((False, []), (True, [FaultKind.STRAGGLER])):
+        events, asked = [], []
+        w = StragglerWatch({(0, 0): 1.0, (0, 1): 1.0}, {(0, 0): "a", (0, 1): "b"}, tolerance=0.5, window=1,
+                           patience=1)
+
+        def confirm(found, means, worth=worth):
+            asked.append(([s.node for s in found], dict(means)))
+            return worth, "predicted 2.00x" if worth else "not worth a restart: predicts 1.02x"
+
+        hook = progress_hook(w, lambda kind, **f: events.append(f), attempt=0, rebalance=True, confirm=confirm)
+        hook({(0, 0): 10.0})
+        records = list(hook({(0, 1): 40.0}))
+        assert asked == [(["b"], {(0, 0): 10.0, (0, 1): 40.0})]
+        assert [r.kind for r in records] == expect
+        assert events[0]["rebalance"] is worth and events[0]["verdict"].startswith("predicted" if worth else "not")
+        if worth:
+            assert "predicted 2.00x" in records[0].reason

@@ -372,3 +372,57 @@ def test_demo_injects_a_kill_and_recovers(tmp_path):
     assert [e["kind"] for e in events if e["kind"] in ("rank_failed", "restart", "launched", "finished")] == \
         ["launched", "rank_failed", "restart", "launched", "finished"]
     assert rank_procs(summary["run_id"]) == []
+
+
+@e2e
+def test_restarts_used_up_fail_cleanly_and_resume_finishes_the_run(cluster, site, reference):
+    run = Launch(site, "used-up", "--max-restarts", "0")
+    run.wait_checkpoint(EVERY * 2)
+    signal_rank(run.run_id, 1, signal.SIGKILL)
+    out, err = run.proc.communicate(timeout=300)
+    assert run.proc.returncode == 5, err
+    summary = json.loads(out)
+    assert summary["state"] == "failed" and "restarts used up (0/0)" in summary["reason"]
+    assert "SIGKILL" in summary["reason"]
+    assert f"hetctl resume {run.run.resolve()}" in " ".join(err.split())
+    assert [e["kind"] for e in run.events() if e["kind"] in ("gave_up", "failed")] == ["gave_up", "failed"]
+    assert wait_no_processes(cluster, 10) == []
+    r = hetctl(site, "resume", str(run.run), "--json", *FAST)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["final_loss"] == reference["final_loss"], run.story()
+
+
+CPU_CGROUP = Path("/sys/fs/cgroup/cpu")
+
+
+@e2e
+@pytest.mark.skipif(not (CPU_CGROUP / "cgroup.procs").exists(), reason="needs the cgroup v1 cpu controller")
+def test_slow_node_is_reported_as_straggler_and_rebalanced(cluster, site, reference):
+    """node-2 gets a quarter of one CPU (a cgroup on its sshd, inherited by all it starts): a real slow node."""
+    group = CPU_CGROUP / f"hetctl-test-{cluster.id}"
+    group.mkdir()
+    try:
+        (group / "cpu.cfs_period_us").write_text("100000")
+        (group / "cpu.cfs_quota_us").write_text("25000")
+        (group / "cgroup.procs").write_text(str(cluster["node-2"].proc.pid))
+        run = Launch(site, "slow", "--rebalance")
+        summary = run.finish()
+    finally:
+        for pid in (group / "cgroup.procs").read_text().split():
+            try:
+                (CPU_CGROUP / "cgroup.procs").write_text(pid)
+            except OSError:
+                pass
+        group.rmdir()
+    stragglers = run.events("straggler")
+    assert stragglers and stragglers[0]["node"] == "node-2" and stragglers[0]["slowdown"] > 1.25, run.story()
+    replan = run.events("replan")
+    assert len(replan) == 1 and replan[0]["measured"] and replan[0]["dropped"] == [], run.story()
+    layout = run.events("replan_layout")[0]
+    assert layout["speed_factors"]["node-2"] < 0.8, layout
+    before, after = plan_of(run.run, 0), plan_of(run.run, 1)
+    width = {p: {s.node: s.layers[1] - s.layers[0] for s in p.stages} for p in (before, after)}
+    assert width[after].get("node-2", 0) < width[before]["node-2"], width
+    gain = run.events("rebalanced")
+    assert gain and gain[0]["bottleneck_ms_after"] < gain[0]["bottleneck_ms_before"], run.story()
+    assert summary["final_loss"] == reference["final_loss"], run.story()  # another split, same DP width

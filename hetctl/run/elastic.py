@@ -14,12 +14,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
+from hetctl.errors import HetctlError
 from hetctl.plan.schema import Plan
 from hetctl.run import checkpoint as ckpt
 from hetctl.run.outcome import AttemptOutcome, RunState
 from hetctl.run.policy import Decision, PolicyConfig, Tally, describe, run_loop
 from hetctl.run.replan import layer_split, load_cluster, replan
-from hetctl.run.straggler import StragglerWatch, progress_hook, speed_factors
+from hetctl.run.straggler import StragglerWatch, layout_of, predicted_gain, progress_hook, speed_factors
 
 RunOne = Callable[..., AttemptOutcome]
 
@@ -102,13 +103,39 @@ def supervise_elastic(
     membership_changes_before = max(0, info.membership_changes - tally.membership_changes)
     if plan_file is None and getattr(info.inputs, "plan_dir", None):
         plan_file = Path(info.inputs.plan_dir) / "plan.yaml"
-    state: dict[str, Any] = {"cluster": None, "rebalanced_from": None, "first_loss": None, "final": None}
+    state: dict[str, Any] = {"cluster": None, "rebalanced_from": None, "first_loss": None, "final": None,
+                             "pending": None}
     names = [n.name for n in inventory.nodes]
+
+    def cluster() -> Any:
+        if state["cluster"] is None:
+            state["cluster"] = load_cluster(plan, inventory, plan_file=plan_file)
+        return state["cluster"].model_copy(update={"nodes": [n for n in state["cluster"].nodes if n.name in names]})
+
+    def measured_plan(old: Plan, means: Any, reason: str) -> tuple[Plan, dict]:
+        planned = {(s.replica, s.stage): s.est_ms for s in old.stages}
+        where = {(s.replica, s.stage): s.node for s in old.stages}
+        factors = speed_factors(means, planned, where)
+        return replan(old, cluster(), drop=tally.dropped, factors=factors, reason=reason), factors
 
     def attempt_hook(attempt: int, attempt_plan: Plan) -> Callable:
         watch = StragglerWatch.from_plan(attempt_plan, tolerance=config.straggler_tolerance,
                                          window=config.straggler_window, patience=config.straggler_patience)
-        hook = progress_hook(watch, events.emit, attempt=attempt, rebalance=config.rebalance)
+
+        def confirm(found: list, means: Any) -> tuple[bool, str]:
+            """Re-plan now with the window's measured speeds; restart only for a real gain."""
+            try:
+                new, factors = measured_plan(attempt_plan, means, "rebalancing on measured stage speeds")
+            except HetctlError as e:
+                return False, f"no re-plan possible: {e.message}"
+            gain = predicted_gain(layout_of(attempt_plan), layout_of(new), means)
+            split = " ".join(layer_split(new))
+            if gain < config.rebalance_min_gain:
+                return False, f"not worth a restart: the best plan ({split}) predicts {gain:.2f}x"
+            state["pending"] = (attempt_plan, new, factors)
+            return True, f"re-planned as {split}, slowest stage predicted {gain:.2f}x shorter"
+
+        hook = progress_hook(watch, events.emit, attempt=attempt, rebalance=config.rebalance, confirm=confirm)
         if on_progress is None:
             return hook
 
@@ -131,17 +158,16 @@ def supervise_elastic(
         return outcome
 
     def do_replan(old: Plan, decision: Decision, outcome: AttemptOutcome, _tally: Tally) -> Plan:
-        if state["cluster"] is None:
-            state["cluster"] = load_cluster(old, inventory, plan_file=plan_file)
-        cluster = state["cluster"]
-        cluster = cluster.model_copy(update={"nodes": [n for n in cluster.nodes if n.name in names]})
         factors = None
+        pending, state["pending"] = state.get("pending"), None
         if decision.measured:
-            planned = {(s.replica, s.stage): s.est_ms for s in old.stages}
-            where = {(s.replica, s.stage): s.node for s in old.stages}
-            factors = speed_factors(outcome.stage_step_ms, planned, where)
             state["rebalanced_from"] = outcome
-        new = replan(old, cluster, drop=tally.dropped, factors=factors, reason=decision.reason)
+            if pending is not None and pending[0] is old:  # planned when the straggler was confirmed
+                new, factors = pending[1], pending[2]
+            else:
+                new, factors = measured_plan(old, outcome.stage_step_ms, decision.reason)
+        else:
+            new = replan(old, cluster(), drop=tally.dropped, reason=decision.reason)
         events.emit("replan_layout", before=layer_split(old), after=layer_split(new),
                     dp_before=old.parallel.dp, dp_after=new.parallel.dp,
                     speed_factors={k: round(v, 3) for k, v in (factors or {}).items()},

@@ -69,7 +69,8 @@ def survivors(cluster: Cluster, drop: Sequence[str], keep_only: Sequence[str] | 
 
 
 def with_speeds(cluster: Cluster, factors: Mapping[str, float]) -> Cluster:
-    """Scale each node's chips to their measured relative speed (``measured_tflops``).
+    """Scale each node's chips to their measured relative speed (``measured_tflops``, and the
+    inventory's ``tflops`` override when the node has one, since that figure wins in the planner).
 
     A factor of 0.5 (the node's stages ran twice their planned share) halves the
     figure the planner used for every chip of the node, so the next plan gives it
@@ -88,7 +89,10 @@ def with_speeds(cluster: Cluster, factors: Mapping[str, float]) -> Cluster:
             rate, prec, _src = chip_rate(n, c)
             measured = Tflops(**{prec: round(rate * f, 6)})
             chips.append(c.model_copy(update={"measured_tflops": measured}))
-        nodes.append(n.model_copy(update={"chips": chips}))
+        update: dict = {"chips": chips}
+        if n.tflops_override:  # the inventory's figure wins over measurements in the planner: scale it too
+            update["tflops_override"] = round(n.tflops_override * f, 6)
+        nodes.append(n.model_copy(update=update))
     return cluster.model_copy(update={"nodes": nodes})
 
 

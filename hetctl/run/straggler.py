@@ -156,22 +156,57 @@ def speed_factors(
     planned_ms: Mapping[tuple[int, int], float],
     nodes: Mapping[tuple[int, int], str],
 ) -> dict[str, float]:
-    """Relative speed per node from measured stage times (1.0 = as the plan assumed).
+    """Relative speed per node from measured stage times; the fastest measured node is 1.0.
 
-    A node whose stages took twice their planned share (relative to the median of all
-    stages) gets 0.5: multiply its chips' TFLOPS by it and re-plan. The median
-    normalisation removes a cost model that is uniformly off.
+    A node whose stages took three times their planned share, relative to the node
+    that did best against the plan, gets 0.33: multiply its chips' TFLOPS by it and
+    re-plan. Normalising to the fastest (not to an average) leaves nodes that were not
+    measured — spares the next plan may use — on the same footing as healthy ones, and
+    removes a cost model that is uniformly off.
     """
     ratios = {
         k: m / planned_ms[k] for k, m in measured_ms.items() if planned_ms.get(k, 0) > 0 and m > 0
     }
     if not ratios:
         return {}
-    ref = statistics.median(ratios.values())
     per_node: dict[str, list[float]] = {}
     for k, r in ratios.items():
-        per_node.setdefault(nodes[k], []).append(ref / r)
-    return {n: statistics.fmean(v) for n, v in per_node.items()}
+        per_node.setdefault(nodes[k], []).append(r)
+    best = min(statistics.fmean(v) for v in per_node.values())
+    return {n: best / statistics.fmean(v) for n, v in per_node.items()}
+
+
+StageLayout = Iterable[tuple[int, int, str, tuple[int, int]]]  # (replica, stage, node, layers)
+
+
+def predicted_gain(old: StageLayout, new: StageLayout, measured_ms: Mapping[tuple[int, int], float]) -> float:
+    """How much shorter the slowest stage gets if ``new`` replaces ``old``, from measured times.
+
+    Each measured node's cost per layer is its stage time divided by its layer count;
+    a node without a measurement (a spare) is assumed as fast as the fastest measured
+    one. Returns current bottleneck ÷ predicted bottleneck (1.0: no gain); the
+    embedding and head ride along with the layers of their stage.
+    """
+    per_layer: dict[str, list[float]] = {}
+    for replica, stage, node, (a, b) in old:
+        ms = measured_ms.get((replica, stage))
+        if ms and b > a:
+            per_layer.setdefault(node, []).append(ms / (b - a))
+    if not per_layer:
+        return 1.0
+    cost = {n: statistics.fmean(v) for n, v in per_layer.items()}
+    fastest = min(cost.values())
+    current = max(measured_ms.values())
+    predicted = max(((b - a) * cost.get(node, fastest) for _r, _s, node, (a, b) in new), default=current)
+    return current / predicted if predicted > 0 else 1.0
+
+
+def layout_of(plan) -> list[tuple[int, int, str, tuple[int, int]]]:  # noqa: ANN001 - Plan
+    """A plan's stages as ``(replica, stage, node, layers)`` for :func:`predicted_gain`."""
+    return [(s.replica, s.stage, s.node, tuple(s.layers)) for s in plan.stages]
+
+
+Confirm = Callable[[list[Straggler], Mapping[tuple[int, int], float]], "tuple[bool, str]"]
 
 
 def progress_hook(
@@ -180,6 +215,7 @@ def progress_hook(
     *,
     attempt: int,
     rebalance: bool,
+    confirm: Confirm | None = None,
 ) -> Callable[[Mapping[tuple[int, int], float]], Iterable[FailureRecord]]:
     """The controller's ``on_progress``: feed the watch, log stragglers, end the attempt under ``--rebalance``.
 
@@ -187,21 +223,32 @@ def progress_hook(
         watch: the attempt's :class:`StragglerWatch`.
         emit: ``emit(kind, **fields)`` (an :class:`~hetctl.run.events.EventLog`).
         attempt: attempt number, for the event.
-        rebalance: when True a straggler becomes a STRAGGLER failure record (the policy re-plans
-            with measured speeds); otherwise it is only reported.
+        rebalance: when True a straggler may end the attempt with a STRAGGLER failure record
+            (the policy then re-plans with measured speeds); otherwise it is only reported.
+        confirm: under ``rebalance``, ``confirm(stragglers, mean stage ms)`` returns
+            ``(restart, verdict)``: whether a re-plan pays for a restart from the checkpoint
+            (a new plan that would not be faster does not), and one line saying why.
     """
 
     def on_progress(stage_ms: Mapping[tuple[int, int], float]) -> list[FailureRecord]:
-        records = []
+        found: list[Straggler] = []
         for (replica, stage), ms in stage_ms.items():
-            for s in watch.observe(replica, stage, ms):
-                emit("straggler", attempt=attempt, node=s.node, replica=s.replica, stage=s.stage,
-                     measured_ms=round(s.measured_ms, 3), planned_ms=round(s.planned_ms, 3),
-                     slowdown=round(s.slowdown, 3), tolerance=watch.tolerance, rebalance=rebalance)
-                if rebalance:
-                    why = (f"stage {s.stage} of replica {s.replica} is {s.slowdown:.2f}x slower than its peers "
-                           f"relative to the plan ({s.measured_ms:.1f} ms vs {s.planned_ms:.1f} ms planned)")
-                    records.append(FailureRecord(FaultKind.STRAGGLER, s.node, time.time(), reason=why))
-        return records
+            found += watch.observe(replica, stage, ms)
+        if not found:
+            return []
+        act, verdict = rebalance, None
+        if rebalance and confirm is not None:
+            act, verdict = confirm(found, watch.means())
+        for s in found:
+            emit("straggler", attempt=attempt, node=s.node, replica=s.replica, stage=s.stage,
+                 measured_ms=round(s.measured_ms, 3), planned_ms=round(s.planned_ms, 3),
+                 slowdown=round(s.slowdown, 3), tolerance=watch.tolerance, rebalance=act,
+                 **({"verdict": verdict} if verdict else {}))
+        if not act:
+            return []
+        s = max(found, key=lambda x: x.slowdown)
+        why = (f"stage {s.stage} of replica {s.replica} is {s.slowdown:.2f}x slower than its peers relative to "
+               f"the plan ({s.measured_ms:.1f} ms measured)" + (f"; {verdict}" if verdict else ""))
+        return [FailureRecord(FaultKind.STRAGGLER, s.node, time.time(), reason=why)]
 
     return on_progress
