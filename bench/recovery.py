@@ -46,7 +46,6 @@ sys.path.insert(0, str(ROOT))
 from hetctl.inventory import load_inventory  # noqa: E402
 from hetctl.plan.schema import Plan  # noqa: E402
 from hetctl.run import materialize as mat  # noqa: E402
-from hetctl.run.checkpoint import latest_valid  # noqa: E402
 from hetctl.run.events import read_events  # noqa: E402
 from hetctl.run.inject import rank_procs, signal_rank  # noqa: E402
 from hetctl.runtime import read_heartbeat  # noqa: E402

@@ -421,8 +421,8 @@ def test_slow_node_is_reported_as_straggler_and_rebalanced(cluster, site, refere
     layout = run.events("replan_layout")[0]
     assert layout["speed_factors"]["node-2"] < 0.8, layout
     before, after = plan_of(run.run, 0), plan_of(run.run, 1)
-    width = {p: {s.node: s.layers[1] - s.layers[0] for s in p.stages} for p in (before, after)}
-    assert width[after].get("node-2", 0) < width[before]["node-2"], width
+    width = [{s.node: s.layers[1] - s.layers[0] for s in p.stages} for p in (before, after)]
+    assert width[1].get("node-2", 0) < width[0]["node-2"], width
     gain = run.events("rebalanced")
     assert gain and gain[0]["bottleneck_ms_after"] < gain[0]["bottleneck_ms_before"], run.story()
     assert summary["final_loss"] == reference["final_loss"], run.story()  # another split, same DP width

@@ -12,7 +12,11 @@ Order of business, each step refusing with one clear line:
    fresh plan is made for the same model and global batch;
 5. the elastic loop continues into the same run folder as attempt ``n + 1``.
 
-Steps 1–3 are here; 4–5 reuse ``launch``'s supervision (:mod:`hetctl.run.supervise`).
+:func:`prepare` does steps 1–4 and starts nothing; :func:`resume_run` does step 5
+through ``launch``'s supervision (:func:`hetctl.run.supervise.supervise` with the
+elastic policy). The restart budget starts afresh and nodes dropped earlier may
+take part again if the new probe finds them healthy; the run's restart and
+membership-change totals carry on in ``run.yaml``.
 """
 
 from __future__ import annotations
