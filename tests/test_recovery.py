@@ -172,10 +172,10 @@ def wait_no_processes(cluster: SshdCluster, timeout: float) -> list[psutil.Proce
 class Launch:
     """A ``hetctl launch --json`` running in the background, with its run folder once it exists."""
 
-    def __init__(self, d: Path, name: str, *extra: str) -> None:
+    def __init__(self, d: Path, name: str, *extra: str, steps: int = STEPS) -> None:
         self.d, self.runs = d, d / f"runs-{name}"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "hetctl", "launch", "plan", "--steps", str(STEPS), "--checkpoint-every",
+            [sys.executable, "-m", "hetctl", "launch", "plan", "--steps", str(steps), "--checkpoint-every",
              str(EVERY), "--run-dir", str(self.runs), "--json", *FAST, *extra],
             cwd=d, env=env_of(d), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.run = self._wait(lambda: next(iter(self.runs.glob("*/run.yaml")), None), "a run folder").parent
@@ -327,7 +327,7 @@ def test_sigkilled_controller_then_resume_finishes_with_the_same_loss(cluster, s
 
 @e2e
 def test_resume_refuses_while_a_rank_of_the_run_is_alive(cluster, site):
-    run = Launch(site, "alive")
+    run = Launch(site, "alive", steps=100000)
     run.wait_checkpoint(EVERY)
     r = hetctl(site, "resume", str(run.run), "--grace", "0")
     assert r.returncode == 2 and "live process" in r.stderr and "Traceback" not in r.stderr, r.stderr
