@@ -29,11 +29,18 @@ def latest_checkpoint(ckpt_dir: str | Path, model: dict, emit: Callable[..., Any
     """The newest valid checkpoint step of the run (None: none yet); each skipped one becomes an event.
 
     The checkpoint folder is shared storage (DESIGN §5), so the controller reads it
-    directly.
+    directly; when it cannot see the folder it says so (``checkpoint_unseen``) rather
+    than quietly training from step 0.
     """
 
     def skipped(status: ckpt.StepStatus) -> None:
         emit("checkpoint_skipped", step=status.step, path=str(status.path), problems=status.problems)
+
+    if not Path(ckpt_dir).is_dir():
+        emit("checkpoint_unseen", path=str(ckpt_dir),
+             reason="no checkpoint folder visible to the controller: the next attempt starts from step 0 "
+                    "(set checkpoint_dir in the inventory to storage this machine mounts too)")
+        return None
 
     found = ckpt.latest_valid(ckpt_dir, ckpt.model_digest(model), on_skip=skipped)
     return found[0] if found else None
