@@ -38,8 +38,9 @@ def latest_checkpoint(ckpt_dir: str | Path, model: dict, emit: Callable[..., Any
 
     if not Path(ckpt_dir).is_dir():
         emit("checkpoint_unseen", path=str(ckpt_dir),
-             reason="no checkpoint folder visible to the controller: the next attempt starts from step 0 "
-                    "(set checkpoint_dir in the inventory to storage this machine mounts too)")
+             reason="the controller sees no checkpoint folder, so the next attempt starts from step 0; "
+                    "expected before the first checkpoint, otherwise set checkpoint_dir in the inventory "
+                    "to storage this machine mounts too")
         return None
 
     found = ckpt.latest_valid(ckpt_dir, ckpt.model_digest(model), on_skip=skipped)
