@@ -159,6 +159,39 @@ def test_hang_blames_the_stopped_process_not_its_waiting_peers(plan, spec, tmp_p
     assert len(mon.failures) == 1
 
 
+def test_hang_blames_the_stopped_first_stage_even_when_its_peers_stalled_earlier(plan, spec, tmp_path):
+    clock = Clock()
+    mon, _ = make_monitor(plan, spec, tmp_path, clock, node_timeout=60)
+    start_all(mon, clock, plan)
+    stopped = plan.ranks[0].rank
+    for r in sorted(plan.ranks, key=lambda r: r.rank == stopped):  # in 1F1B the first stage finishes last
+        feed(mon, clock, r.node, "heartbeat", 0.5 if r.rank == stopped else 0.0, rank=r.rank, hb={"step": 3})
+    clock.t += 4.7  # the peers are past the 5 s timeout (5.2 s), the stopped rank not yet (4.7 s)
+    for n in plan.nodes:
+        feed(mon, clock, n, "alive", ranks={str(stopped): "T"} if n == plan.ranks[0].node else {})
+    hang = mon.outcome(RunState.FAILED).root_cause
+    assert (hang.kind, hang.rank) == (FaultKind.HANG, stopped) and "SIGSTOP" in hang.reason
+
+
+def test_a_new_phase_of_the_same_step_is_progress(plan, spec, tmp_path):
+    clock = Clock()
+    mon, _ = make_monitor(plan, spec, tmp_path, clock, node_timeout=60)
+    start_all(mon, clock, plan)
+    for r in plan.ranks:
+        feed(mon, clock, r.node, "heartbeat", rank=r.rank, hb={"step": 10})
+    clock.t += 4.0
+    for r in plan.ranks:  # a slow checkpoint write: same step, new phase
+        feed(mon, clock, r.node, "heartbeat", rank=r.rank, hb={"step": 10, "phase": "checkpoint"})
+    clock.t += 4.0
+    for n in plan.nodes:
+        feed(mon, clock, n, "alive")
+    assert not mon.failures  # 8 s since the step, 4 s since the last sign of life
+    clock.t += 1.5
+    for n in plan.nodes:
+        feed(mon, clock, n, "alive")
+    assert [f.kind for f in mon.failures] == [FaultKind.HANG]
+
+
 def test_first_heartbeat_may_take_start_timeout(plan, spec, tmp_path):
     clock = Clock()
     mon, _ = make_monitor(plan, spec, tmp_path, clock)

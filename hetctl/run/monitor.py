@@ -55,6 +55,7 @@ class RankStatus:
     hb_wall: float | None = None  # the node's clock at the rank's last heartbeat
     progress_at: float | None = None  # controller clock when the step last advanced
     proc_state: str = ""
+    phase: str | None = None  # the trainer's phase within a step: None while stepping, "checkpoint", "finishing"
     exit_code: int | None = None
     signal: int | None = None
 
@@ -208,8 +209,9 @@ class Monitor:
             return
         step = hb["step"]
         advanced = st.step is None or step > st.step
-        if advanced:
-            st.progress_at = now
+        if advanced or hb.get("phase") != st.phase:
+            st.progress_at = now  # a new step, or a new phase (checkpointing, finishing) of the same step
+        st.phase = hb.get("phase")
         st.step = step
         st.hb_wall = hb.get("time")
         if hb.get("step_ms") is not None:
@@ -270,8 +272,12 @@ class Monitor:
             if now - st.progress_at > limit:
                 stale.append(st)
         if stale:
-            # A rank SIGSTOPped (state T) is the cause; its pipeline peers merely wait on it.
-            st = sorted(stale, key=lambda s: (s.proc_state != "T", s.progress_at))[0]
+            # A rank SIGSTOPped (state T) is the cause; its pipeline peers merely wait on it. It may
+            # not be the stalest one itself: in 1F1B the first stage finishes a step last, so its
+            # waiting peers can pass the timeout before it does.
+            frozen = [s for s in self.ranks.values()
+                      if s.proc_state == "T" and s.state in ("running", "starting") and s.progress_at is not None]
+            st = min(frozen or stale, key=lambda s: s.progress_at)
             age = now - st.progress_at
             what = f"hang: no heartbeat progress for {age:.1f}s"
             what += f" after step {st.step}" if st.step is not None else " (never reached step 1)"

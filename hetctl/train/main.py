@@ -180,12 +180,12 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
             ms = (time.perf_counter() - t0) * 1000.0
             timing = {"step_ms": round(ms, 3), "compute_ms": round(ms - comm.take_wait() * 1000.0, 3)}
             step_times.append(ms)
+            last_metrics = {"loss": loss_value} if topo.is_last else {}
             if topo.is_last:
                 print(f"step={step} loss={loss_value:.9g} step_ms={ms:.1f}", flush=True)
-                ctx.heartbeat(step, loss=loss_value, **timing, **role)
-            else:
-                ctx.heartbeat(step, **timing, **role)
+            ctx.heartbeat(step, **last_metrics, **timing, **role)
             if args.checkpoint_every and step % args.checkpoint_every == 0:
+                ctx.heartbeat(step, phase="checkpoint", **last_metrics, **timing, **role)  # slow disks are not hangs
                 state = {
                     "step": step,
                     "seed": args.seed,
@@ -212,6 +212,7 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
                       f"tokens_per_s={final.get('tokens_per_s')}", flush=True)
         elif topo.is_last and topo.replica == 0:
             print(f"done steps={args.steps}: nothing to train after resume step {start}", flush=True)
+        ctx.heartbeat(args.steps, phase="finishing", **role)
         dist.barrier(group=ctrl)
         ctx.heartbeat(args.steps, **final)
     finally:
