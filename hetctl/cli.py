@@ -233,6 +233,17 @@ def _print_plan(plan, *, explain: bool) -> None:  # noqa: ANN001 - Plan, importe
 # --- end plan ----------------------------------------------------------------
 
 # --- launch / demo (issue 4) -----------------------------------------------
+# Fault-policy options shared by `launch` and `resume` (one definition, one help text).
+GRACE_OPT = typer.Option(5.0, "--grace", min=0.0, help="Seconds between SIGTERM and SIGKILL when stopping.")
+HANG_TIMEOUT_OPT = typer.Option(300.0, "--hang-timeout", min=0.5,
+                                help="Seconds without heartbeat progress before a rank counts as hung.")
+NODE_TIMEOUT_OPT = typer.Option(20.0, "--node-timeout", min=1.0,
+                                help="Seconds of silence from a node's agent before the node counts as lost.")
+MAX_NODE_FAILURES_OPT = typer.Option(3, "--max-node-failures", min=1,
+                                     help="Crashes or hangs on one node before it is marked abnormal and dropped.")
+REBALANCE_OPT = typer.Option(False, "--rebalance", help="Re-plan with measured stage speeds when a straggler persists.")
+
+
 @app.command("launch")
 @handle_errors
 def launch_cmd(
@@ -245,20 +256,16 @@ def launch_cmd(
     json_out: bool = typer.Option(False, "--json", help="Print the summary (or the dry run) as JSON on stdout."),
     master_port: int | None = typer.Option(None, "--master-port", min=1, max=65535,
                                            help="Rendezvous port; default: a free port on rank 0's node."),
-    grace: float = typer.Option(5.0, "--grace", min=0.0, help="Seconds between SIGTERM and SIGKILL when stopping."),
+    grace: float = GRACE_OPT,
     entry: str | None = typer.Option(None, "--entry", help="What each rank runs after the node's python, e.g. "
                                      "'train.py --lr 3e-4' or '-m mypkg.train' (a path on the node, relative to "
                                      "its workdir); default: the reference trainer, -m hetctl.train."),
     max_restarts: int = typer.Option(3, "--max-restarts", min=0,
                                      help="Restarts after a crash or hang before giving up (node losses count apart)."),
-    hang_timeout: float = typer.Option(300.0, "--hang-timeout", min=0.5,
-                                       help="Seconds without heartbeat progress before a rank counts as hung."),
-    node_timeout: float = typer.Option(20.0, "--node-timeout", min=1.0,
-                                       help="Seconds of silence from a node's agent before the node counts as lost."),
-    max_node_failures: int = typer.Option(3, "--max-node-failures", min=1,
-                                          help="Crashes or hangs on one node before it is marked abnormal and dropped."),
-    rebalance: bool = typer.Option(False, "--rebalance",
-                                   help="Re-plan with measured stage speeds when a straggler persists."),
+    hang_timeout: float = HANG_TIMEOUT_OPT,
+    node_timeout: float = NODE_TIMEOUT_OPT,
+    max_node_failures: int = MAX_NODE_FAILURES_OPT,
+    rebalance: bool = REBALANCE_OPT,
 ) -> None:
     """Start every rank of a plan through a per-node agent, show it live, keep it alive through faults."""
     from hetctl.run import launcher
@@ -410,17 +417,13 @@ def resume_cmd(
     inventory: str | None = typer.Option(None, "-i", "--inventory", help="Inventory YAML; default: the run's."),
     steps: int | None = typer.Option(None, "--steps", min=1, help="Total steps to reach; default: the run's."),
     json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON on stdout."),
-    grace: float = typer.Option(5.0, "--grace", min=0.0, help="Seconds between SIGTERM and SIGKILL when stopping."),
+    grace: float = GRACE_OPT,
     max_restarts: int = typer.Option(3, "--max-restarts", min=0,
                                      help="Restarts after a crash or hang before giving up (a fresh budget)."),
-    hang_timeout: float = typer.Option(300.0, "--hang-timeout", min=0.5,
-                                       help="Seconds without heartbeat progress before a rank counts as hung."),
-    node_timeout: float = typer.Option(20.0, "--node-timeout", min=1.0,
-                                       help="Seconds of silence from a node's agent before the node counts as lost."),
-    max_node_failures: int = typer.Option(3, "--max-node-failures", min=1,
-                                          help="Crashes or hangs on one node before it is marked abnormal and dropped."),
-    rebalance: bool = typer.Option(False, "--rebalance",
-                                   help="Re-plan with measured stage speeds when a straggler persists."),
+    hang_timeout: float = HANG_TIMEOUT_OPT,
+    node_timeout: float = NODE_TIMEOUT_OPT,
+    max_node_failures: int = MAX_NODE_FAILURES_OPT,
+    rebalance: bool = REBALANCE_OPT,
 ) -> None:
     """Continue a stopped, killed or failed run from its newest valid checkpoint, on a fresh plan."""
     from hetctl.run.controller import Thresholds

@@ -373,6 +373,19 @@ class SshdCluster:
             found.setdefault(p.pid, p)
         return list(found.values())
 
+    def session_processes(self) -> list[psutil.Process]:
+        """Live processes started through this cluster's SSH sessions (agents, ranks, pre-flight)."""
+        return [p for p in _marked(self.id) if _running(p)]
+
+    def wait_no_session_processes(self, timeout: float) -> list[psutil.Process]:
+        """Poll until no session process is left or ``timeout`` passes; return what is left."""
+        deadline = time.monotonic() + timeout
+        left = self.session_processes()
+        while left and time.monotonic() < deadline:
+            time.sleep(0.1)
+            left = self.session_processes()
+        return left
+
     def inventory(self, **overrides: object) -> dict:
         """An inventory dict reaching every host as root with the client key, strict host keys.
 

@@ -25,7 +25,7 @@ from hetctl.plan.schema import Plan
 from hetctl.run.checkpoint import latest_valid, steps as checkpoint_steps, validate
 from hetctl.run.events import read_events
 from hetctl.yamlio import load_model
-from tests.sshd import SshdCluster, _marked
+from tests.sshd import SshdCluster
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not Path("/usr/sbin/sshd").exists(),
                                 reason="needs root and /usr/sbin/sshd for real sshd hosts")
@@ -79,20 +79,6 @@ def make_plan(d: Path, name: str, pp: int, dp: int) -> Plan:
     return plan
 
 
-def run_processes(cluster: SshdCluster) -> list[psutil.Process]:
-    """Every live process started through this cluster's SSH sessions (agents, ranks, pre-flight)."""
-    return [p for p in _marked(cluster.id) if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-
-
-def wait_no_processes(cluster: SshdCluster, timeout: float) -> list[psutil.Process]:
-    deadline = time.monotonic() + timeout
-    left = run_processes(cluster)
-    while left and time.monotonic() < deadline:
-        time.sleep(0.1)
-        left = run_processes(cluster)
-    return left
-
-
 def check_succeeded(d: Path, r: subprocess.CompletedProcess, plan: Plan) -> dict:
     assert r.returncode == 0, r.stderr
     summary = json.loads(r.stdout)
@@ -127,7 +113,7 @@ def test_pp3_trains_to_the_end_with_logs_and_checkpoints(cluster, site):
     assert len({s.node for s in plan.stages}) == 3
     r = hetctl(site, "launch", "plan-pp3", "--steps", str(STEPS), "--checkpoint-every", "10", "--json")
     check_succeeded(site, r, plan)
-    assert wait_no_processes(cluster, 10) == []
+    assert cluster.wait_no_session_processes(10) == []
 
 
 def test_pp_by_dp_trains_to_the_end(cluster, site):
@@ -135,7 +121,7 @@ def test_pp_by_dp_trains_to_the_end(cluster, site):
     assert len(plan.ranks) == 4 and len({r.node for r in plan.ranks}) == 4
     r = hetctl(site, "launch", "plan-pp2dp2", "--steps", str(STEPS), "--checkpoint-every", "10", "--json")
     check_succeeded(site, r, plan)
-    assert wait_no_processes(cluster, 10) == []
+    assert cluster.wait_no_session_processes(10) == []
 
 
 def test_dry_run_is_the_plan_materialized(cluster, site):
@@ -185,12 +171,12 @@ def start_launch(d: Path, plan_dir: str, *extra: str) -> tuple[subprocess.Popen,
 def test_sigterm_stops_every_rank_on_every_host(cluster, site):
     make_plan(site, "plan-term", 3, 1)
     proc, run = start_launch(site, "plan-term", "--grace", "3")
-    assert len(run_processes(cluster)) >= 6  # three agents and three ranks (and their sessions)
+    assert len(cluster.session_processes()) >= 6  # three agents and three ranks (and their sessions)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == 130, err
     assert "stopped" in out
-    assert wait_no_processes(cluster, 5) == []
+    assert cluster.wait_no_session_processes(5) == []
     assert yaml.safe_load((run / "run.yaml").read_text())["state"] == "stopped"
     assert read_events(run / "events.jsonl")[-1]["kind"] == "stopped"
     assert not read_events(run / "events.jsonl", "rank_failed")  # our own stop is no failure
@@ -200,7 +186,7 @@ def test_sigkilled_controller_leaves_agents_to_stop_their_ranks(cluster, site):
     make_plan(site, "plan-kill", 3, 1)
     grace = 2.0
     proc, run = start_launch(site, "plan-kill", "--grace", str(grace))
-    ranks = [p for p in run_processes(cluster) if "hetctl.train" in " ".join(p.cmdline())]
+    ranks = [p for p in cluster.session_processes() if "hetctl.train" in " ".join(p.cmdline())]
     assert len(ranks) == 3
     proc.kill()  # no cleanup at all: the SSH sessions drop, each agent sees its stdin close
     proc.wait()
@@ -209,7 +195,7 @@ def test_sigkilled_controller_leaves_agents_to_stop_their_ranks(cluster, site):
             and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not [p for p in ranks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    assert wait_no_processes(cluster, 5) == []
+    assert cluster.wait_no_session_processes(5) == []
     assert yaml.safe_load((run / "run.yaml").read_text())["state"] == "running"  # resume can tell
 
 
@@ -244,7 +230,7 @@ def test_broken_node_is_a_clear_error_before_anything_starts(cluster, site, tmp_
     assert "Traceback" not in r.stderr
     for name, wd in fresh.items():
         assert not list(Path(wd).glob("hetctl-agent-*")) and not (Path(wd) / "runs").exists(), name
-    assert wait_no_processes(cluster, 5) == []
+    assert cluster.wait_no_session_processes(5) == []
 
 
 def test_demo_runs_the_whole_flow_on_this_machine(tmp_path):

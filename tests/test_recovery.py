@@ -108,7 +108,7 @@ from hetctl.plan.schema import Plan  # noqa: E402
 from hetctl.run.events import read_events  # noqa: E402
 from hetctl.run.inject import rank_procs, signal_rank  # noqa: E402
 from hetctl.yamlio import load_model  # noqa: E402
-from tests.sshd import SshdCluster, _marked  # noqa: E402
+from tests.sshd import SshdCluster  # noqa: E402
 
 e2e = pytest.mark.skipif(os.geteuid() != 0 or not Path("/usr/sbin/sshd").exists(),
                          reason="needs root and /usr/sbin/sshd for real sshd hosts")
@@ -154,19 +154,6 @@ def make_site(cluster: SshdCluster, d: Path) -> Path:
     assert [s.node for s in plan.stages] == ["node-1", "node-2"] or len(plan.stages) == 2
     save_model(d / "plan" / "plan.yaml", plan)
     return d
-
-
-def run_processes(cluster: SshdCluster) -> list[psutil.Process]:
-    return [p for p in _marked(cluster.id) if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-
-
-def wait_no_processes(cluster: SshdCluster, timeout: float) -> list[psutil.Process]:
-    deadline = time.monotonic() + timeout
-    left = run_processes(cluster)
-    while left and time.monotonic() < deadline:
-        time.sleep(0.1)
-        left = run_processes(cluster)
-    return left
 
 
 class Launch:
@@ -260,7 +247,7 @@ def test_kill9_rank_restarts_same_plan_and_matches_bit_for_bit(cluster, site, re
     assert len(restart) == 1 and restart[0]["resume_step"] >= EVERY * 2 and "SIGKILL" in restart[0]["reason"]
     assert plan_of(run.run, 1) == plan_of(run.run, 0)  # same plan
     assert not psutil.pid_exists(victim.pid) or psutil.Process(victim.pid).status() == psutil.STATUS_ZOMBIE
-    assert wait_no_processes(cluster, 10) == []
+    assert cluster.wait_no_session_processes(10) == []
 
 
 @e2e
@@ -276,7 +263,7 @@ def test_sigstopped_rank_is_a_hang_and_the_restart_matches(cluster, site, refere
     stopped = [e for e in failed if "SIGSTOP" in e["reason"]]
     assert stopped and stopped[0]["rank"] == 0  # the stopped rank is named, not its waiting peer
     assert run.events("restart")[0]["resume_step"] >= EVERY * 2
-    assert wait_no_processes(cluster, 10) == []
+    assert cluster.wait_no_session_processes(10) == []
 
 
 @e2e
@@ -296,7 +283,7 @@ def test_corrupted_newest_checkpoint_is_skipped_and_the_previous_used(cluster, s
     skipped = run.events("checkpoint_skipped")
     assert skipped and skipped[0]["step"] == newest and "sha256 mismatch" in skipped[0]["problems"][0]
     assert run.events("restart")[0]["resume_step"] == newest - EVERY
-    assert wait_no_processes(cluster, 10) == []
+    assert cluster.wait_no_session_processes(10) == []
 
 
 @e2e
@@ -322,7 +309,7 @@ def test_sigkilled_controller_then_resume_finishes_with_the_same_loss(cluster, s
     again = hetctl(site, "resume", str(run.run))
     assert again.returncode == 2 and "already has a checkpoint at step 24 of 24" in again.stderr
     assert "Traceback" not in again.stderr
-    assert wait_no_processes(cluster, 10) == []
+    assert cluster.wait_no_session_processes(10) == []
 
 
 @e2e
@@ -333,7 +320,7 @@ def test_resume_refuses_while_a_rank_of_the_run_is_alive(cluster, site):
     assert r.returncode == 2 and "live process" in r.stderr and "Traceback" not in r.stderr, r.stderr
     run.proc.send_signal(signal.SIGTERM)
     run.proc.communicate(timeout=60)
-    assert wait_no_processes(cluster, 10) == []
+    assert cluster.wait_no_session_processes(10) == []
 
 
 @e2e
@@ -386,7 +373,7 @@ def test_restarts_used_up_fail_cleanly_and_resume_finishes_the_run(cluster, site
     assert "SIGKILL" in summary["reason"]
     assert f"hetctl resume {run.run.resolve()}" in " ".join(err.split())
     assert [e["kind"] for e in run.events() if e["kind"] in ("gave_up", "failed")] == ["gave_up", "failed"]
-    assert wait_no_processes(cluster, 10) == []
+    assert cluster.wait_no_session_processes(10) == []
     r = hetctl(site, "resume", str(run.run), "--json", *FAST)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["final_loss"] == reference["final_loss"], run.story()

@@ -108,7 +108,7 @@ class Searcher:
         key = (a, b, tps[a], tps[b])
         secs = self._links.get(key)
         if secs is None:
-            ka, kb = self.kinds[a], self.kinds[b]
+            ka = self.kinds[a]
             # Two stages of one kind share a node when its nodes hold several TP groups.
             same = a == b and ka.max_group() // tps[a] >= 2
             sa, sb = self.ctype(((a, 1),), tps, 1), self.ctype(((b, 1),), tps, 1)
