@@ -294,4 +294,82 @@ def test_live_view_table_and_plain_lines(plan, spec, tmp_path):
         view.event({"kind": "rank_failed", "attempt": 2, "node": "n5", "rank": 5, "reason": "killed by SIGKILL"})
         view.event({"kind": "heartbeat_summary"})
     assert plain.export_text().splitlines() == [
-        "  step 7, loss 3.2500, step 42 ms", "attempt 2: rank 5 on n5 failed: killed by SIGKILL"]
+        "  step 7, loss 3.2500, 42 ms/step", "attempt 2: rank 5 on n5 failed: killed by SIGKILL"]
+
+
+def _plain_lines(events: list[dict]) -> list[str]:
+    """What a LiveView prints for ``events`` without a terminal."""
+    from rich.console import Console
+
+    from hetctl.run.live import LiveView
+
+    plain = Console(width=400, record=True, force_terminal=False)
+    with LiveView(plain, live=False) as view:
+        for ev in events:
+            view.event(ev)
+    return plain.export_text().splitlines()
+
+
+def test_live_view_renders_the_elastic_loops_events():
+    # Field sets as elastic.py, policy.py, resume.py and straggler.py emit them.
+    lines = _plain_lines([
+        {"kind": "progress", "attempt": 3, "step": 10, "loss": None, "stages": [{"step": 10}]},  # just resumed
+        {"kind": "checkpoint_skipped", "step": 20, "path": "ck/step-20", "problems": ["rank 2 shard missing"]},
+        {"kind": "checkpoint_unseen", "path": "/mnt/ck", "reason": "the controller sees no checkpoint folder"},
+        {"kind": "resumed", "attempt": 3, "resume_step": 10, "steps": 40, "nodes": ["n1", "n2"],
+         "unchecked": ["n3"]},
+        {"kind": "node_abnormal", "attempt": 1, "node": "n2", "failures": 3},
+        {"kind": "replan", "attempt": 2, "reason": "n2 marked abnormal after 3 failures", "dropped": ["n2"],
+         "measured": False, "resume_step": 10, "replan_s": 0.01},
+        {"kind": "replan_layout", "before": ["n1:0-2", "n2:2-4"], "after": ["n1:0-1", "n3:1-4"], "dp_before": 1,
+         "dp_after": 1, "speed_factors": {"n1": 0.476, "n3": 1.0}, "est_step_s": 0.2},
+        {"kind": "rebalanced", "attempt": 2, "bottleneck_ms_before": 80.0, "bottleneck_ms_after": 40.0,
+         "tokens_per_s_before": 1000.0, "tokens_per_s_after": 1900.0, "speedup": 2.0},
+        {"kind": "restart", "attempt": 1, "reason": "rank 2 on n2: killed by SIGKILL", "resume_step": None,
+         "restarts": 1, "max_restarts": 3},
+        {"kind": "gave_up", "attempt": 4, "reason": "restarts used up (3/3)", "restarts": 3, "dropped": ["n2"]},
+    ])
+    assert lines == [
+        "checkpoint step 20 skipped (ck/step-20): rank 2 shard missing",
+        "checkpoints: the controller sees no checkpoint folder (looked for /mnt/ck)",
+        "attempt 3: resuming from checkpoint step 10 towards step 40 on n1, n2; "
+        "could not check n3 for leftover ranks (unreachable)",
+        "n2 marked abnormal after 3 failures; dropped from the run",
+        "re-planning without n2: attempt 2 starts from checkpoint step 10, after n2 marked abnormal after 3 "
+        "failures",
+        "new layout: n1:0-2 n2:2-4 → n1:0-1 n3:1-4 (measured speed: n1 0.48, n3 1.00)",
+        "attempt 2 rebalanced: slowest stage 80 → 40 ms a step (2.00× faster), 1000 → 1900 tokens/s",
+        "restart 1 of 3: attempt 1 starts from step 0 (no checkpoint yet), after rank 2 on n2: killed by SIGKILL",
+        "giving up after attempt 4: restarts used up (3/3) (dropped: n2)",
+    ]
+
+
+def test_live_view_straggler_shows_the_slowdown_not_a_rounded_plan():
+    base = {"kind": "straggler", "attempt": 0, "node": "node-a", "replica": 0, "stage": 0, "measured_ms": 41.6,
+            "planned_ms": 0.0123, "slowdown": 2.104, "tolerance": 0.5}
+    lines = _plain_lines([
+        {**base, "rebalance": False},
+        {**base, "replica": 1, "rebalance": True, "verdict": "re-planned as node-a:0-1 node-b:1-4, slowest "
+                                                              "stage predicted 1.60x shorter"},
+        {**base, "rebalance": False, "verdict": "not worth a restart: the best plan (…) predicts 1.05x"},
+    ])
+    head = "straggler: stage 0 on node-a is 2.10× slower than planned relative to the other stages " \
+           "(41.6 ms a step measured, 0.0123 ms planned): node-a is slower than the plan assumed"
+    assert lines == [
+        head + "; reported only, --rebalance re-plans around it",
+        head.replace("stage 0 on", "stage 0 of replica 1 on") + "; rebalancing: re-planned as node-a:0-1 "
+                                                                  "node-b:1-4, slowest stage predicted 1.60x shorter",
+        head + "; not rebalancing: not worth a restart: the best plan (…) predicts 1.05x",
+    ]
+
+
+def test_live_view_has_a_line_for_every_kind_the_loop_emits():
+    from hetctl.run.live import event_line
+
+    for kind in ("launched", "rank_failed", "node_lost", "node_abnormal", "restart", "replan", "replan_layout",
+                 "rebalanced", "straggler", "checkpoint_skipped", "checkpoint_unseen", "resumed", "finished",
+                 "gave_up"):
+        ev = {"kind": kind, "attempt": 1, "node": "n1", "rank": 0, "reason": "r", "nodes": ["n1"], "ranks": 1,
+              "master_addr": "h", "master_port": 1, "steps": 5, "step": 5, "path": "p"}
+        assert event_line(ev), kind
+    assert event_line({"kind": "some_future_kind"}) is None

@@ -48,40 +48,131 @@ def render_table(snap: Snapshot, title: str = "") -> Table:
     return t
 
 
-def event_line(ev: dict) -> str | None:
-    """A one-line rendering of an event, or None for kinds not worth a line."""
-    k = ev.get("kind")
-    a = ev.get("attempt")
-    if k == "launched":
-        return (f"attempt {a}: launched {ev['ranks']} ranks on {len(ev['nodes'])} nodes "
-                f"(rendezvous {ev['master_addr']}:{ev['master_port']}"
-                + (f", resuming from step {ev['resume_step']}" if ev.get("resume_step") else "") + ")")
-    if k == "progress":
-        if not ev.get("step"):
-            return None  # ranks are up, training not yet under way
-        parts = [f"step {ev['step']}"]
-        if ev.get("loss") is not None:
-            parts.append(f"loss {ev['loss']:.4f}")
-        ms = [s.get("step_ms") for s in ev.get("stages", []) if s.get("step_ms") is not None]
-        if ms:
-            parts.append(f"step {max(ms):.0f} ms")
-        return "  " + ", ".join(parts)
-    if k == "rank_failed":
-        return f"attempt {a}: rank {ev['rank']} on {ev['node']} failed: {ev['reason']}"
-    if k == "node_lost":
-        return f"attempt {a}: node {ev['node']} lost: {ev['reason']}"
-    if k in ("restart", "replan"):
-        return f"{k}: attempt {a} — {ev.get('reason', '')}" + (
-            f" (from step {ev['resume_step']})" if ev.get("resume_step") else "")
-    if k == "straggler":
-        return (f"straggler: {ev['node']} stage {ev['stage']} at {ev.get('measured_ms', 0):.3g} ms "
-                f"vs {ev.get('planned_ms', 0):.3g} ms planned")
-    if k == "finished":
-        return f"finished at step {ev['steps']}"
-    if k == "gave_up":
-        return f"giving up: {ev.get('reason', '')}"
+def _ms(v: float | None) -> str:
+    """Milliseconds with enough digits for a tiny model (0.0123 ms) and a big one (1234 ms)."""
+    if v is None:
+        return "?"
+    return f"{v:.0f}" if v >= 100 else f"{v:.3g}"
+
+
+def _from_step(step: int | None) -> str:
+    return f"from checkpoint step {step}" if step else "from step 0 (no checkpoint yet)"
+
+
+def _progress(ev: dict) -> str | None:
+    ms = [s.get("step_ms") for s in ev.get("stages", []) if s.get("step_ms") is not None]
+    if not ev.get("step") or (ev.get("loss") is None and not ms):
+        return None  # ranks are up (or just resumed), no step trained yet
+    parts = [f"step {ev['step']}"]
+    if ev.get("loss") is not None:
+        parts.append(f"loss {ev['loss']:.4f}")
+    if ms:
+        parts.append(f"{max(ms):.0f} ms/step")
+    return "  " + ", ".join(parts)
+
+
+def _straggler(ev: dict) -> str:
+    """``stage 1 on node-a is 2.10× slower than planned relative to the other stages …``.
+
+    ``slowdown`` is the stage's measured/planned ratio over the median of its peers', so a
+    cost model that is off for every stage alike (a CPU run: planned 0.06 ms, measured
+    300 ms) does not inflate it; what remains means the node is slower than the plan
+    assumed (the inventory's or the probe's speed for it is too high, or it is loaded).
+    """
+    where = f"stage {ev.get('stage')}" + (f" of replica {ev['replica']}" if ev.get("replica") else "")
+    figures = f"{_ms(ev.get('measured_ms'))} ms a step measured, {_ms(ev.get('planned_ms'))} ms planned"
+    if ev.get("slowdown"):
+        line = (f"straggler: {where} on {ev.get('node')} is {ev['slowdown']:.2f}× slower than planned relative "
+                f"to the other stages ({figures}): {ev.get('node')} is slower than the plan assumed")
+    else:
+        line = f"straggler: {where} on {ev.get('node')}: {figures}"
+    if ev.get("verdict"):
+        return line + f"; {'rebalancing' if ev.get('rebalance') else 'not rebalancing'}: {ev['verdict']}"
+    if ev.get("rebalance"):
+        return line + "; ending the attempt to rebalance"
+    return line + "; reported only, --rebalance re-plans around it"
+
+
+def _restart(ev: dict) -> str:
+    budget = f"restart {ev['restarts']} of {ev['max_restarts']}" if ev.get("max_restarts") else "restarting"
+    return (f"{budget}: attempt {ev.get('attempt')} starts {_from_step(ev.get('resume_step'))}"
+            f", after {ev.get('reason', '')}")
+
+
+def _replan(ev: dict) -> str:
+    what = "re-planning with measured speeds" if ev.get("measured") else "re-planning"
+    dropped = f" without {', '.join(ev['dropped'])}" if ev.get("dropped") else ""
+    return (f"{what}{dropped}: attempt {ev.get('attempt')} starts {_from_step(ev.get('resume_step'))}"
+            f", after {ev.get('reason', '')}")
+
+
+def _replan_layout(ev: dict) -> str:
+    line = f"new layout: {' '.join(ev.get('before') or [])} → {' '.join(ev.get('after') or [])}"
+    if ev.get("dp_before") is not None and ev.get("dp_before") != ev.get("dp_after"):
+        line += f", data-parallel {ev['dp_before']} → {ev['dp_after']}"
+    if ev.get("speed_factors"):
+        line += " (measured speed: " + ", ".join(f"{n} {f:.2f}" for n, f in sorted(ev["speed_factors"].items())) + ")"
+    return line
+
+
+def _rebalanced(ev: dict) -> str:
+    b0, b1 = ev.get("bottleneck_ms_before"), ev.get("bottleneck_ms_after")
+    line = f"attempt {ev.get('attempt')} rebalanced: slowest stage {_ms(b0)} → {_ms(b1)} ms a step"
+    if ev.get("speedup"):
+        line += f" ({ev['speedup']:.2f}× faster)"
+    t0, t1 = ev.get("tokens_per_s_before"), ev.get("tokens_per_s_after")
+    if t0 and t1:
+        line += f", {t0:.0f} → {t1:.0f} tokens/s"
+    return line
+
+
+def _resumed(ev: dict) -> str:
+    line = (f"attempt {ev.get('attempt')}: resuming {_from_step(ev.get('resume_step'))} towards step "
+            f"{ev.get('steps')} on {', '.join(ev.get('nodes') or []) or '?'}")
+    if ev.get("unchecked"):
+        line += f"; could not check {', '.join(ev['unchecked'])} for leftover ranks (unreachable)"
+    return line
+
+
+def _gave_up(ev: dict) -> str:
+    line = f"giving up after attempt {ev.get('attempt')}: {ev.get('reason', '')}"
+    if ev.get("dropped"):
+        line += f" (dropped: {', '.join(ev['dropped'])})"
+    return line
+
+
+_LINES = {
+    "launched": lambda ev: (
+        f"attempt {ev['attempt']}: launched {ev['ranks']} ranks on {len(ev['nodes'])} nodes "
+        f"(rendezvous {ev['master_addr']}:{ev['master_port']}"
+        + (f", resuming from step {ev['resume_step']}" if ev.get("resume_step") else "") + ")"),
+    "progress": _progress,
+    "rank_failed": lambda ev: f"attempt {ev['attempt']}: rank {ev['rank']} on {ev['node']} failed: {ev['reason']}",
+    "node_lost": lambda ev: f"attempt {ev['attempt']}: node {ev['node']} lost: {ev['reason']}",
+    "node_abnormal": lambda ev: (f"{ev['node']} marked abnormal after {ev.get('failures', '?')} failures; "
+                                 "dropped from the run"),
+    "restart": _restart,
+    "replan": _replan,
+    "replan_layout": _replan_layout,
+    "rebalanced": _rebalanced,
+    "straggler": _straggler,
+    "checkpoint_skipped": lambda ev: (f"checkpoint step {ev.get('step')} skipped ({ev.get('path')}): "
+                                      + ("; ".join(ev.get("problems") or []) or "invalid")),
+    "checkpoint_unseen": lambda ev: f"checkpoints: {ev.get('reason', '')} (looked for {ev.get('path')})",
+    "resumed": _resumed,
+    "finished": lambda ev: f"finished at step {ev['steps']}",
+    "gave_up": _gave_up,
     # "failed" and "stopped" close the run: the summary that follows says it.
-    return None
+}
+
+_STYLE = {"rank_failed": "red", "node_lost": "red", "node_abnormal": "red", "failed": "red", "gave_up": "red",
+          "straggler": "yellow", "checkpoint_skipped": "yellow", "checkpoint_unseen": "yellow"}
+
+
+def event_line(ev: dict) -> str | None:
+    """A one-line rendering of an event, or None for kinds not worth a line (and unknown kinds)."""
+    fn = _LINES.get(ev.get("kind"))
+    return fn(ev) if fn is not None else None
 
 
 class LiveView:
@@ -125,6 +216,6 @@ class LiveView:
         line = event_line(ev)
         if line is None:
             return
-        style = "red" if ev.get("kind") in ("rank_failed", "node_lost", "failed", "gave_up") else None
+        style = _STYLE.get(ev.get("kind"))
         with self._lock:
             self.console.print(line, style=style, highlight=False, soft_wrap=True)
