@@ -25,6 +25,7 @@ from hetctl.plan.schema import Plan
 from hetctl.run.checkpoint import latest_valid, steps as checkpoint_steps, validate
 from hetctl.run.events import read_events
 from hetctl.yamlio import load_model
+from tests.sites import env_of, hetctl, probed_site
 from tests.sshd import SshdCluster
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not Path("/usr/sbin/sshd").exists(),
@@ -45,30 +46,7 @@ def cluster(tmp_path_factory):
 @pytest.fixture(scope="module")
 def site(cluster, tmp_path_factory):
     """A folder with the inventory (checkpoints on 'shared storage') and the probed cluster file."""
-    d = tmp_path_factory.mktemp("launch")
-    (d / "home" / ".ssh").mkdir(parents=True)
-    inv = cluster.inventory(
-        defaults={"user": "root", "identity_file": str(cluster.client_key), "python": sys.executable,
-                  "env": {"OMP_NUM_THREADS": "1"}},
-        checkpoint_dir=str(d / "shared-ckpt"),
-    )
-    for n in inv["nodes"]:
-        n["tflops"] = TFLOPS[n["name"]]
-    (d / "inventory.yaml").write_text(yaml.safe_dump(inv, sort_keys=False))
-    r = hetctl(d, "probe", "-i", "inventory.yaml", "-o", "cluster.yaml")
-    assert r.returncode == 0, r.stderr
-    return d
-
-
-def env_of(d: Path) -> dict:
-    env = {**os.environ, "HOME": str(d / "home"), "COLUMNS": "200"}
-    env.pop("SSH_AUTH_SOCK", None)
-    return env
-
-
-def hetctl(d: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hetctl", *args], cwd=d, env=env_of(d), capture_output=True,
-                          text=True, timeout=timeout)
+    return probed_site(cluster, tmp_path_factory.mktemp("launch"), TFLOPS)
 
 
 def make_plan(d: Path, name: str, pp: int, dp: int) -> Plan:

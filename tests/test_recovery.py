@@ -108,6 +108,7 @@ from hetctl.plan.schema import Plan  # noqa: E402
 from hetctl.run.events import read_events  # noqa: E402
 from hetctl.run.inject import rank_procs, signal_rank  # noqa: E402
 from hetctl.yamlio import load_model  # noqa: E402
+from tests.sites import env_of, hetctl, probed_site  # noqa: E402
 from tests.sshd import SshdCluster  # noqa: E402
 
 e2e = pytest.mark.skipif(os.geteuid() != 0 or not Path("/usr/sbin/sshd").exists(),
@@ -119,30 +120,9 @@ FAST = ("--hang-timeout", "60", "--node-timeout", "10", "--grace", "2")
 TFLOPS = {"node-1": 1.0, "node-2": 1.0, "node-3": 1.0}
 
 
-def env_of(d: Path) -> dict:
-    env = {**os.environ, "HOME": str(d / "home"), "COLUMNS": "200"}
-    env.pop("SSH_AUTH_SOCK", None)
-    return env
-
-
-def hetctl(d: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hetctl", *args], cwd=d, env=env_of(d), capture_output=True,
-                          text=True, timeout=timeout)
-
-
 def make_site(cluster: SshdCluster, d: Path) -> Path:
     """Inventory with shared checkpoint storage, probed, and a pp 2 × dp 1 plan of ``tiny``."""
-    (d / "home" / ".ssh").mkdir(parents=True)
-    inv = cluster.inventory(
-        defaults={"user": "root", "identity_file": str(cluster.client_key), "python": sys.executable,
-                  "env": {"OMP_NUM_THREADS": "1"}},
-        checkpoint_dir=str(d / "shared-ckpt"),
-    )
-    for n in inv["nodes"]:
-        n["tflops"] = TFLOPS[n["name"]]
-    (d / "inventory.yaml").write_text(yaml.safe_dump(inv, sort_keys=False))
-    r = hetctl(d, "probe", "-i", "inventory.yaml", "-o", "cluster.yaml")
-    assert r.returncode == 0, r.stderr
+    probed_site(cluster, d, TFLOPS)
     from hetctl.plan.models import load_model as load_spec
     from hetctl.plan.planner import plan_cluster
     from hetctl.plan.search import Pins

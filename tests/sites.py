@@ -1,0 +1,41 @@
+"""A probed site on real sshd hosts, and the real CLI run against it (shared by the launch and recovery tests)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from tests.sshd import SshdCluster
+
+
+def env_of(d: Path) -> dict:
+    """The CLI's environment: a HOME of the site's own (no developer ssh config), no ssh-agent."""
+    env = {**os.environ, "HOME": str(d / "home"), "COLUMNS": "200"}
+    env.pop("SSH_AUTH_SOCK", None)
+    return env
+
+
+def hetctl(d: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run ``hetctl ARGS`` in the site folder ``d`` as a user would."""
+    return subprocess.run([sys.executable, "-m", "hetctl", *args], cwd=d, env=env_of(d), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def probed_site(cluster: SshdCluster, d: Path, tflops: dict[str, float]) -> Path:
+    """Write ``d/inventory.yaml`` (checkpoints on 'shared storage', per-node tflops) and probe it to ``cluster.yaml``."""
+    (d / "home" / ".ssh").mkdir(parents=True)
+    inv = cluster.inventory(
+        defaults={"user": "root", "identity_file": str(cluster.client_key), "python": sys.executable,
+                  "env": {"OMP_NUM_THREADS": "1"}},
+        checkpoint_dir=str(d / "shared-ckpt"),
+    )
+    for n in inv["nodes"]:
+        n["tflops"] = tflops[n["name"]]
+    (d / "inventory.yaml").write_text(yaml.safe_dump(inv, sort_keys=False))
+    r = hetctl(d, "probe", "-i", "inventory.yaml", "-o", "cluster.yaml")
+    assert r.returncode == 0, r.stderr
+    return d
