@@ -189,24 +189,25 @@ def load_plan(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def write_heartbeat(path: str | Path, step: int, **metrics: Any) -> None:
-    """Atomically replace ``path`` with ``{"step", "time", **metrics}`` as JSON.
+def write_atomic(path: str | Path, data: bytes, *, fsync: bool = False) -> None:
+    """Replace ``path`` with ``data`` through a temp file in the same folder and a rename.
 
-    A temp file in the same directory renamed over the old one, so a reader
-    never sees half a file. No fsync: a heartbeat lost in a power cut is moot,
-    and this stays cheap enough for every step.
+    Readers see the old file or the new one, never half of one. ``fsync`` makes the
+    bytes durable before the rename (checkpoints); heartbeats skip it to stay cheap.
+    The folder is created on first use.
     """
     p = Path(path)
-    record = {"step": int(step), "time": time.time(), **metrics}
-    data = json.dumps(record, separators=(",", ":"), allow_nan=True)
     try:
         fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.")
     except FileNotFoundError:
         p.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.")
     try:
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(fd, "wb") as f:
             f.write(data)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, p)
     except BaseException:
         try:
@@ -214,6 +215,16 @@ def write_heartbeat(path: str | Path, step: int, **metrics: Any) -> None:
         except OSError:
             pass
         raise
+
+
+def write_heartbeat(path: str | Path, step: int, **metrics: Any) -> None:
+    """Atomically replace ``path`` with ``{"step", "time", **metrics}`` as JSON.
+
+    No fsync: a heartbeat lost in a power cut is moot, and this stays cheap
+    enough for every step.
+    """
+    record = {"step": int(step), "time": time.time(), **metrics}
+    write_atomic(path, json.dumps(record, separators=(",", ":"), allow_nan=True).encode())
 
 
 def heartbeat(step: int, **metrics: Any) -> None:

@@ -21,12 +21,12 @@ import hashlib
 import json
 import os
 import re
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
+from hetctl import runtime
 from hetctl.errors import ConfigError
 
 MANIFEST = "manifest.json"
@@ -71,20 +71,7 @@ def file_entry(data: bytes) -> dict[str, Any]:
 
 def write_atomic(path: str | Path, data: bytes) -> None:
     """Write ``data`` to ``path`` via a synced temp file and a rename, so readers see all or nothing."""
-    p = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, p)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    runtime.write_atomic(path, data, fsync=True)
 
 
 def _fsync_dir(path: Path) -> None:
