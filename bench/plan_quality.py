@@ -42,9 +42,9 @@ sys.path.insert(0, str(ROOT))
 
 from hetctl.plan.models import load_model  # noqa: E402
 from hetctl.plan.planner import plan_cluster  # noqa: E402
-from hetctl.plan.schema import ModelSpec  # noqa: E402
-from hetctl.probe.facts import Cluster  # noqa: E402
-from hetctl.yamlio import load_model as load_yaml  # noqa: E402
+from hetctl.files.plan import ModelSpec  # noqa: E402
+from hetctl.files.cluster import Cluster  # noqa: E402
+from hetctl.files.yamlio import load_model as load_yaml  # noqa: E402
 
 CLUSTERS = Path(__file__).resolve().parent / "clusters"
 

@@ -43,13 +43,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hetctl.inventory import load_inventory  # noqa: E402
-from hetctl.plan.schema import Plan  # noqa: E402
-from hetctl.run import materialize as mat  # noqa: E402
-from hetctl.run.events import read_events  # noqa: E402
-from hetctl.run.inject import rank_procs, signal_rank  # noqa: E402
-from hetctl.runtime import read_heartbeat  # noqa: E402
-from hetctl.yamlio import dump_yaml, save_model  # noqa: E402
+from hetctl.files.inventory import load_inventory  # noqa: E402
+from hetctl.files.plan import Plan  # noqa: E402
+from hetctl.launch import materialize as mat  # noqa: E402
+from hetctl.files.events import read_events  # noqa: E402
+from hetctl.launch.inject import rank_procs, signal_rank  # noqa: E402
+from hetctl.node.runtime import read_heartbeat  # noqa: E402
+from hetctl.files.yamlio import dump_yaml, save_model  # noqa: E402
 from tests.rankrunner import tiny_plan  # noqa: E402
 
 NODES = ("node-a", "node-b")
@@ -58,7 +58,7 @@ NODES = ("node-a", "node-b")
 # newest valid checkpoint, then exec the trainer (same pid, so torchrun watches the trainer).
 WRAPPER = r"""
 import json, os, sys
-from hetctl.run.checkpoint import latest_valid
+from hetctl.node.manifest import latest_valid
 restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 env = json.load(open(os.path.join(sys.argv[1], "rank-%s.json" % os.environ["RANK"])))
 env = {k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
@@ -196,7 +196,7 @@ def replan_time(plan: Plan) -> float:
     """Seconds the planner takes to re-plan the tiny model on one survivor (for a lost node)."""
     from hetctl.plan.models import load_model
     from hetctl.plan.planner import plan_cluster
-    from hetctl.probe.facts import Chip, Cluster, NodeFacts
+    from hetctl.files.cluster import Chip, Cluster, NodeFacts
 
     node = NodeFacts(name="node-a", host="localhost", tflops_override=1.0, memory_gb=8.0,
                      chips=[Chip(index=0, vendor="cpu", model="cpu", memory_gb=8.0)])

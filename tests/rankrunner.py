@@ -1,7 +1,7 @@
 """Start the ranks of a plan as local processes, the way the agent would.
 
 A test helper, not a mock: every rank is a real ``python -m hetctl.train``
-process with the full rank environment (``hetctl.runtime.TRAIN_ENV``), talking
+process with the full rank environment (``hetctl.node.runtime.TRAIN_ENV``), talking
 gloo over loopback. It lets the trainer be tested without the agent and the
 controller, and lets a test inject faults with real signals.
 """
@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hetctl.plan.schema import Estimate, ModelSpec, Parallel, Plan, Rank, Stage
-from hetctl.runtime import read_heartbeat
+from hetctl.files.plan import Estimate, ModelSpec, Parallel, Plan, Rank, Stage
+from hetctl.node.runtime import read_heartbeat
 
 TINY = {"name": "tiny", "num_layers": 6, "hidden_size": 64, "ffn_hidden_size": 172,
         "num_attention_heads": 4, "num_query_groups": 2, "vocab_size": 256, "seq_len": 32}

@@ -10,7 +10,7 @@ every host. Sessions on a host get, through ``SetEnv``:
   replay real captured output in front of everything else;
 * ``HOME`` = the host's own home folder, so ``~`` differs per host;
 * ``HETCTL_SYSFS_ROOT`` = the host's fake root (``<root>/sys/bus/pci/devices``,
-  ``<root>/dev``), read by :mod:`hetctl.probe.collector` instead of ``/``;
+  ``<root>/dev``), read by :mod:`hetctl.node.collector` instead of ``/``;
 * ``HETCTL_TEST_SSHD`` = a marker naming cluster and host, by which
   :meth:`SshdCluster.leftovers` finds any process a test left behind, even one
   that left the sshd process tree.

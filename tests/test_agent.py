@@ -1,6 +1,6 @@
 """The per-node agent on real processes: spawn, report, forward, stop, and leave nothing behind.
 
-Each test starts ``python -m hetctl.agent`` (or the shipped zipapp) as a real
+Each test starts ``python -m hetctl.node.agent`` (or the shipped zipapp) as a real
 subprocess, speaks its JSON-lines protocol, and checks the rank processes with
 psutil. The ranks are small Python scripts written per test.
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from hetctl.run.materialize import agent_zipapp
+from hetctl.launch.materialize import agent_zipapp
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -120,7 +120,7 @@ def agent(tmp_path):
     started: list[AgentProc] = []
 
     def make(argv: list[str] | None = None, env: dict | None = None) -> AgentProc:
-        a = AgentProc(argv or [sys.executable, "-m", "hetctl.agent"], REPO if argv is None else tmp_path, env)
+        a = AgentProc(argv or [sys.executable, "-m", "hetctl.node.agent"], REPO if argv is None else tmp_path, env)
         started.append(a)
         a.wait_for(lambda e: e["ev"] == "hello")
         return a
@@ -229,9 +229,9 @@ def test_shipped_zipapp_runs_without_site_packages(agent, tmp_path):
     # -S: no site-packages, so neither an installed hetctl nor psutil can help.
     a = agent([sys.executable, "-S", str(pyz)], env={"PATH": os.environ["PATH"]})
     script = """
-        import os, hetctl.runtime
-        assert hetctl.runtime.__file__.startswith(os.environ["PYTHONPATH"])
-        hetctl.runtime.heartbeat(7, loss=1.5)
+        import os, hetctl.node.runtime
+        assert hetctl.node.runtime.__file__.startswith(os.environ["PYTHONPATH"])
+        hetctl.node.runtime.heartbeat(7, loss=1.5)
         print("runtime ok", flush=True)
     """
     spec = rank_spec(tmp_path, 0, script, argv_prefix=[sys.executable, "-S"],

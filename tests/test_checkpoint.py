@@ -8,7 +8,7 @@ import os
 import pytest
 
 from hetctl.errors import ConfigError
-from hetctl.run import checkpoint as ck
+from hetctl.node import manifest as ck
 
 DIGEST = ck.model_digest({"num_layers": 2, "hidden_size": 8, "ffn_hidden_size": 16, "num_attention_heads": 2,
                           "vocab_size": 32, "seq_len": 8})

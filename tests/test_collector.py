@@ -17,13 +17,14 @@ from types import SimpleNamespace
 
 import pytest
 
+from hetctl.probe.gather import collector_args
 from hetctl.probe import assemble
-from hetctl.probe.facts import Chip, NodeFacts, Tflops
+from hetctl.files.cluster import Chip, NodeFacts, Tflops
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLES = ROOT / "tests" / "fixtures" / "smi-samples"
-COLLECTOR = ROOT / "hetctl" / "probe" / "collector.py"
-BENCH = ROOT / "hetctl" / "probe" / "bench_matmul.py"
+COLLECTOR = ROOT / "hetctl" / "node" / "collector.py"
+BENCH = ROOT / "hetctl" / "node" / "bench.py"
 
 
 def make_sysfs(
@@ -120,7 +121,7 @@ def test_collector_reads_simulated_hardware_and_replayed_tool(tmp_path):
     bin_dir = tmp_path / "bin"
     replay_tool(bin_dir, "npu-smi", "npu-smi_info_910b2c_paddle-docs.txt")
     tools = {"npu-smi": ["npu-smi", "info"], "absent": ["nvidia-smi-not-installed", "-L"]}
-    raw = run_collector({"tools": tools, "timeout": 20}, sysfs=sysfs, bin_dir=bin_dir)
+    raw = run_collector({**json.loads(collector_args()), "tools": tools, "timeout": 20}, sysfs=sysfs, bin_dir=bin_dir)
 
     expected_npu = (SAMPLES / "npu-smi_info_910b2c_paddle-docs.txt").read_text().split("\n", 1)[1]
     assert set(raw["tools"]) == {"npu-smi"}
@@ -201,9 +202,11 @@ def test_bench_reports_missing_device_instead_of_a_number():
     pytest.importorskip("torch")
     report = run_bench({"device_type": "cuda", "count": 8})
     assert report["results"] == [] and "torch.cuda is not available" in report["error"]
-    report = run_bench({"device_type": "npu"})
+    from hetctl.vendors import VENDOR_TABLE
+
+    report = run_bench({"device_type": "npu", "plugin": VENDOR_TABLE["ascend"].torch_module})
     assert report["results"] == [] and "torch_npu is not importable" in report["error"]
-    assert "no benchmark" in run_bench({"device_type": "tpu"})["error"]
+    assert "torch.tpu is not available" in run_bench({"device_type": "tpu"})["error"]
 
 
 # --- assembly (pure) ---------------------------------------------------------
@@ -223,8 +226,8 @@ def test_unreachable_row_is_one_line():
 
 def test_bench_request_follows_the_main_vendor():
     chips = [Chip(index=i, vendor="ascend", model="910B2C") for i in range(2)]
-    assert assemble.bench_request(_facts(chips)) == {"device_type": "npu", "count": 2}
-    assert assemble.bench_request(_facts([Chip(index=0, vendor="cpu")])) == {"device_type": "cpu", "count": 1}
+    assert assemble.bench_request(_facts(chips)) == {"device_type": "npu", "count": 2, "plugin": "torch_npu"}
+    assert assemble.bench_request(_facts([Chip(index=0, vendor="cpu")])) == {"device_type": "cpu", "count": 1, "plugin": None}
     assert assemble.bench_request(NodeFacts(name="x", host="x", reachable=False)) is None
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from hetctl.errors import ConfigError
-from hetctl.inventory import Inventory, Node, load_inventory
+from hetctl.files.inventory import Inventory, Node, load_inventory
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -21,10 +21,10 @@ import psutil
 import pytest
 import yaml
 
-from hetctl.plan.schema import Plan
-from hetctl.run.checkpoint import latest_valid, steps as checkpoint_steps, validate
-from hetctl.run.events import read_events
-from hetctl.yamlio import load_model
+from hetctl.files.plan import Plan
+from hetctl.node.manifest import latest_valid, steps as checkpoint_steps, validate
+from hetctl.files.events import read_events
+from hetctl.files.yamlio import load_model
 from tests.sites import env_of, hetctl, probed_site
 from tests.sshd import SshdCluster
 
@@ -232,7 +232,7 @@ def test_demo_runs_the_whole_flow_on_this_machine(tmp_path):
 
 USER_SCRIPT = """
 import os, sys, time
-import hetctl.runtime as rt
+import hetctl.node.runtime as rt
 
 ctx = rt.RankContext.from_env()
 print(f"user script rank {ctx.rank}/{ctx.world_size} stage {ctx.stage} layers {ctx.layers} args {sys.argv[1:]}",

@@ -12,15 +12,16 @@ import queue
 import threading
 
 import pytest
+from pathlib import Path
 
-from hetctl.inventory import Node
-from hetctl.plan.schema import Plan
-from hetctl.run import materialize as mat
-from hetctl.run.controller import Thresholds
-from hetctl.run.events import EventLog, read_events
-from hetctl.run.monitor import Monitor
-from hetctl.run.outcome import FaultKind, RunState
-from hetctl.run.rundir import RunDir
+from hetctl.files.inventory import Node
+from hetctl.files.plan import Plan
+from hetctl.launch import materialize as mat
+from hetctl.launch.controller import Thresholds
+from hetctl.files.events import EventLog, read_events
+from hetctl.launch.monitor import Monitor
+from hetctl.launch.outcome import FaultKind, RunState
+from hetctl.files.run import RunDir
 from tests.rankrunner import tiny_plan
 
 
@@ -117,7 +118,11 @@ def test_zipapp_is_deterministic_and_self_contained():
 
     data = mat.agent_zipapp()
     names = zipfile.ZipFile(io.BytesIO(data)).namelist()
-    assert names == ["__main__.py", "hetctl/__init__.py", "hetctl/errors.py", "hetctl/runtime.py", "hetctl/agent.py"]
+    node_dir = Path(mat.__file__).parents[1] / "node"
+    shipped = sorted(n.removeprefix("hetctl/node/") for n in names if n.startswith("hetctl/node/"))
+    assert shipped == sorted(p.name for p in node_dir.glob("*.py"))  # the folder is the list
+    assert "manifest.py" in shipped  # a --entry script on a bare node can write checkpoints resume accepts
+    assert {"__main__.py", "hetctl/__init__.py", "hetctl/errors.py", "hetctl/vendors.py", "hetctl/runtime.py"} <= set(names)
     mat.agent_zipapp.cache_clear()
     mat.agent_zipapp_digest.cache_clear()
     assert mat.agent_zipapp() == data
@@ -251,7 +256,7 @@ def test_success_outcome_carries_losses_speed_and_stage_times(plan, spec, tmp_pa
 
 
 def test_on_progress_failure_ends_the_attempt(plan, spec, tmp_path):
-    from hetctl.run.outcome import FailureRecord
+    from hetctl.launch.outcome import FailureRecord
 
     seen = []
 
@@ -274,7 +279,7 @@ def test_on_progress_failure_ends_the_attempt(plan, spec, tmp_path):
 def test_live_view_table_and_plain_lines(plan, spec, tmp_path):
     from rich.console import Console
 
-    from hetctl.run.live import LiveView, render_table
+    from hetctl.cli.live import LiveView, render_table
 
     clock = Clock()
     mon, _ = make_monitor(plan, spec, tmp_path, clock)
@@ -301,7 +306,7 @@ def _plain_lines(events: list[dict]) -> list[str]:
     """What a LiveView prints for ``events`` without a terminal."""
     from rich.console import Console
 
-    from hetctl.run.live import LiveView
+    from hetctl.cli.live import LiveView
 
     plain = Console(width=400, record=True, force_terminal=False)
     with LiveView(plain, live=False) as view:
@@ -364,7 +369,7 @@ def test_live_view_straggler_shows_the_slowdown_not_a_rounded_plan():
 
 
 def test_live_view_has_a_line_for_every_kind_the_loop_emits():
-    from hetctl.run.live import event_line
+    from hetctl.cli.live import event_line
 
     for kind in ("launched", "rank_failed", "node_lost", "node_abnormal", "restart", "replan", "replan_layout",
                  "rebalanced", "straggler", "checkpoint_skipped", "checkpoint_unseen", "resumed", "finished",

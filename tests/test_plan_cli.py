@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hetctl.plan.schema import Plan
-from hetctl.probe.facts import Cluster
-from hetctl.yamlio import load_model, save_model
+from hetctl.files.plan import Plan
+from hetctl.files.cluster import Cluster
+from hetctl.files.yamlio import load_model, save_model
 from tests.test_plan_invariants import check_invariants, node
 
 SAMPLES = Path(__file__).parent / "fixtures" / "smi-samples"

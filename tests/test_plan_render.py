@@ -25,9 +25,9 @@ from hetctl.plan.render import (
     framework_rank, megatron_layout, meshes, parse_megatron_layout, render_node_scripts, script_name,
     write_plan_dir,
 )
-from hetctl.plan.schema import Plan
-from hetctl.probe.facts import Cluster
-from hetctl.yamlio import load_model as load_yaml_model
+from hetctl.files.plan import Plan
+from hetctl.files.cluster import Cluster
+from hetctl.files.yamlio import load_model as load_yaml_model
 from tests.test_plan_invariants import SMALL, node
 
 CONTRACT = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",

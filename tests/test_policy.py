@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from hetctl.errors import PlanInfeasible
-from hetctl.run.outcome import AttemptOutcome, FailureRecord, FaultKind, RunState
-from hetctl.run.policy import Action, PolicyConfig, Tally, decide, describe, run_loop
-from hetctl.run.straggler import StragglerWatch, find_stragglers, predicted_gain, progress_hook, speed_factors
+from hetctl.launch.outcome import AttemptOutcome, FailureRecord, FaultKind, RunState
+from hetctl.elastic.policy import Action, PolicyConfig, Tally, decide, describe, run_loop
+from hetctl.elastic.straggler import StragglerWatch, find_stragglers, predicted_gain, progress_hook, speed_factors
 
 
 def crash(node="n1", rank=1, sig=9, t=0.0):
@@ -325,8 +325,8 @@ def test_progress_hook_reports_a_straggler_and_ends_the_attempt_only_under_rebal
 from hetctl.plan.models import load_model as load_spec  # noqa: E402
 from hetctl.plan.planner import plan_cluster  # noqa: E402
 from hetctl.plan.search import Pins  # noqa: E402
-from hetctl.probe.facts import Chip, Cluster, NodeFacts  # noqa: E402
-from hetctl.run.replan import layer_split, replan, survivors, with_speeds  # noqa: E402
+from hetctl.files.cluster import Chip, Cluster, NodeFacts  # noqa: E402
+from hetctl.elastic.replan import layer_split, replan, survivors, with_speeds  # noqa: E402
 
 
 def cpu_cluster(*names, tflops=1.0):

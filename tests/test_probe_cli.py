@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hetctl.probe.facts import Cluster, Tflops
+from hetctl.files.cluster import Cluster, Tflops
 from hetctl.probe.parsers.nvidia_smi import CSV_FIELDS
-from hetctl.yamlio import load_model
+from hetctl.files.yamlio import load_model
 from tests.sshd import SshdCluster
 from tests.test_collector import make_sysfs
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from hetctl.runtime import TRAIN_ENV
+from hetctl.node.runtime import TRAIN_ENV
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 

@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from hetctl.run import checkpoint as ckpt
-from hetctl.run.resume import ResumeRefused, check_checkpoint, check_no_rank_alive, find_alive
+from hetctl.node import manifest as ckpt
+from hetctl.elastic.resume import ResumeRefused, check_checkpoint, check_no_rank_alive, find_alive
 
 MODEL = {"name": "tiny", "num_layers": 4, "hidden_size": 64, "ffn_hidden_size": 256,
          "num_attention_heads": 4, "vocab_size": 256, "seq_len": 32}
@@ -104,10 +104,10 @@ from pathlib import Path  # noqa: E402
 import psutil  # noqa: E402
 import yaml  # noqa: E402
 
-from hetctl.plan.schema import Plan  # noqa: E402
-from hetctl.run.events import read_events  # noqa: E402
-from hetctl.run.inject import rank_procs, signal_rank  # noqa: E402
-from hetctl.yamlio import load_model  # noqa: E402
+from hetctl.files.plan import Plan  # noqa: E402
+from hetctl.files.events import read_events  # noqa: E402
+from hetctl.launch.inject import rank_procs, signal_rank  # noqa: E402
+from hetctl.files.yamlio import load_model  # noqa: E402
 from tests.sites import env_of, hetctl, probed_site  # noqa: E402
 from tests.sshd import SshdCluster  # noqa: E402
 
@@ -126,8 +126,8 @@ def make_site(cluster: SshdCluster, d: Path) -> Path:
     from hetctl.plan.models import load_model as load_spec
     from hetctl.plan.planner import plan_cluster
     from hetctl.plan.search import Pins
-    from hetctl.probe.facts import Cluster
-    from hetctl.yamlio import save_model
+    from hetctl.files.cluster import Cluster
+    from hetctl.files.yamlio import save_model
 
     facts = load_model(d / "cluster.yaml", Cluster)
     plan = plan_cluster(facts, load_spec("tiny"), pins=Pins(pp=2, dp=1), cluster_path=d / "cluster.yaml")

@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from hetctl.errors import AuthFailed, CommandFailed, HostKeyMismatch, Unreachable
-from hetctl.inventory import load_inventory
+from hetctl.files.inventory import load_inventory
 from hetctl.remote import TRANSPORTS, GroupFailed, LocalTransport, Process, SshTransport, Transport, connect, fanout
 from hetctl.remote.local import shell_command
 from tests.sshd import Replay, strip_source_header
@@ -473,7 +473,7 @@ def test_cluster_inventory_file_is_valid_yaml_for_every_host(sshd_cluster, sshd_
 
 @pytest.fixture
 def local(tmp_path):
-    from hetctl.inventory import Node
+    from hetctl.files.inventory import Node
 
     return LocalTransport(Node(name="here", host="localhost", transport="local", workdir=str(tmp_path), env={"NODE_VAR": "n"}))
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hetctl.probe.facts import Chip
+from hetctl.files.cluster import Chip
 from hetctl.probe.parsers import ixsmi, nvidia_smi
 from hetctl.probe.tools import PARSERS, SOURCE_PREFERENCE, TOOL_COMMANDS, VENDOR_PCI_IDS, chips_from_raw
 from tests.test_parsers import CAPTURES, _narrow_csv_from_capture, capture_sections, sample

@@ -14,8 +14,8 @@ import signal
 import pytest
 
 from hetctl.errors import ConfigError
-from hetctl.run import checkpoint
-from hetctl.runtime import TRAIN_ENV, RankContext, load_plan, read_heartbeat, write_heartbeat
+from hetctl.node import manifest as checkpoint
+from hetctl.node.runtime import TRAIN_ENV, RankContext, load_plan, read_heartbeat, write_heartbeat
 from hetctl.train.topology import topology
 from tests.rankrunner import TINY, Ranks, run_plan, tiny_plan
 
@@ -33,7 +33,7 @@ def rank_env(plan_path, rank=0, world=1, stage=0, replica=0, layers="0:6", **ext
     return env
 
 
-# --- hetctl.runtime ----------------------------------------------------------------
+# --- hetctl.node.runtime ----------------------------------------------------------------
 
 
 def test_context_from_env_reads_the_contract(tmp_path):

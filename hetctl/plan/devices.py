@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hetctl.errors import ConfigError
-from hetctl.probe.facts import Chip, Cluster, NodeFacts
+from hetctl.files.cluster import Chip, Cluster, NodeFacts
 from hetctl.vendors import vendor_info
 
 SPEED_TOLERANCE = 1.05  # groups within 5 % of each other's TFLOPS and memory share a kind
@@ -162,7 +162,7 @@ def node_chips(node: NodeFacts) -> list[Chip]:
     return [Chip(index=0, vendor="cpu", model=node.cpu.model or "cpu", memory_gb=node.memory_gb)]
 
 
-_node_chips = node_chips  # the name hetctl.run.replan imports
+_node_chips = node_chips  # the name hetctl.elastic.replan imports
 
 
 def node_groups(node: NodeFacts) -> list[Group]:

@@ -6,7 +6,7 @@ Pure: returns strings that go into ``plan.notes`` (the CLI prints them).
 from __future__ import annotations
 
 from hetctl.plan.devices import Devices
-from hetctl.plan.schema import Plan
+from hetctl.files.plan import Plan
 from hetctl.vendors import vendor_info
 from hetctl.plan.layout import Found, Layout
 

@@ -25,7 +25,7 @@ import yaml
 from pydantic import ValidationError
 
 from hetctl.errors import ConfigError
-from hetctl.plan.schema import ModelSpec
+from hetctl.files.plan import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ def load_model(name_or_path: str, seq_len: int | None = None) -> ModelSpec:
 
 
 def _model_file(path: Path) -> ModelSpec:
-    from hetctl.yamlio import read_yaml, validation_error
+    from hetctl.files.yamlio import read_yaml, validation_error
 
     data, root = read_yaml(path, "model file")
     if not isinstance(data, dict):

@@ -1,6 +1,6 @@
 """``plan_cluster``: cluster facts + model → the plan file's contents.
 
-Pure: takes data, returns a :class:`~hetctl.plan.schema.Plan` (nothing is
+Pure: takes data, returns a :class:`~hetctl.files.plan.Plan` (nothing is
 printed or written here). The search itself is :mod:`hetctl.plan.search`; this
 module turns its winner into stages, ranks, the estimate, the baselines, the
 per-type homogeneous references and the ``--explain`` notes.
@@ -26,10 +26,10 @@ from hetctl.plan.costmodel import Workload
 from hetctl.plan.devices import Devices, collect, subset
 from hetctl.plan.models import default_global_batch, model_cost
 from hetctl.plan.partition import proportional_split, ranges, uniform_split
-from hetctl.plan.schema import Baseline, Estimate, ModelSpec, Parallel, Plan, Rank, Stage
+from hetctl.files.plan import Baseline, Estimate, ModelSpec, Parallel, Plan, Rank, Stage
 from hetctl.plan.layout import Found, Layout, memory_needed
 from hetctl.plan.search import Pins, Searcher
-from hetctl.probe.facts import Cluster
+from hetctl.files.cluster import Cluster
 from hetctl.vendors import link_backend, stage_backend, vendor_info
 
 FRAMEWORKS = ("hetctl", "megatron", "flagscale", "deepspeed", "torchrun")

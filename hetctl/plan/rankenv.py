@@ -2,7 +2,7 @@
 
 :func:`rank_env` is what ``hetctl launch`` gives each rank and what the launch
 scripts in ``plan/nodes/`` export; the variables themselves are described in
-:data:`hetctl.runtime.TRAIN_ENV` (the README's table).
+:data:`hetctl.node.runtime.TRAIN_ENV` (the README's table).
 
 Two parts: :func:`static_env` follows from the plan alone (rank numbers, the
 chips the rank may use, its stage and layers), while the names in
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from hetctl.plan.schema import Plan, Rank, Stage
+from hetctl.files.plan import Plan, Rank, Stage
 
 LAUNCH_TIME: tuple[str, ...] = (
     "MASTER_ADDR", "MASTER_PORT", "HETCTL_RUN_ID", "HETCTL_ATTEMPT", "HETCTL_PLAN",

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from hetctl.errors import ConfigError
 from hetctl.plan.rankenv import LAUNCH_TIME, stage_of, static_env
-from hetctl.plan.schema import Plan, Rank
+from hetctl.files.plan import Plan, Rank
 
 DEFAULT_PORT = 29500
 
@@ -270,7 +270,7 @@ def write_plan_dir(plan: Plan, out_dir: str | Path, hosts: dict[str, str] | None
     Returns:
         The paths written, plan first.
     """
-    from hetctl.yamlio import save_model
+    from hetctl.files.yamlio import save_model
 
     out = Path(out_dir)
     plan_file = out / "plan.yaml"

@@ -8,7 +8,7 @@ from __future__ import annotations
 from rich.table import Table
 
 from hetctl.plan.planner import WARNING
-from hetctl.plan.schema import Estimate, Plan
+from hetctl.files.plan import Estimate, Plan
 
 
 def _fmt_tokens(x: float) -> str:

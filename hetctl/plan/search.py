@@ -42,7 +42,7 @@ from hetctl.plan.layout import (
 )
 from hetctl.plan.models import valid_tp
 from hetctl.plan.partition import minmax_split, proportional_split, uniform_split
-from hetctl.plan.schema import ModelSpec
+from hetctl.files.plan import ModelSpec
 from hetctl.plan.simulate import estimate_1f1b, simulate_1f1b
 
 # How each framework can split a stage across chips: the reference trainer has

@@ -1,7 +1,7 @@
-"""Turn a node's raw collector output into :class:`~hetctl.probe.facts.NodeFacts`.
+"""Turn a node's raw collector output into :class:`~hetctl.files.cluster.NodeFacts`.
 
 Pure functions only: they take the inventory node and the JSON the collector
-(``hetctl/probe/collector.py``) printed, and return facts. Chip parsing is
+(``hetctl/node/collector.py``) printed, and return facts. Chip parsing is
 delegated to :func:`hetctl.probe.tools.chips_from_raw`; this module adds the
 node-level facts (CPU, memory, NICs, software, comm library) and folds in
 ``--bench`` measurements. Device types and collective libraries per vendor come
@@ -12,27 +12,21 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Protocol, Sequence
 
-from hetctl.probe.facts import Chip, Cpu, Nic, NodeFacts, Software, Tflops
+from hetctl.files.cluster import Chip, Cpu, Nic, NodeFacts, Software, Tflops
 from hetctl.vendors import VENDOR_TABLE
 
-# Vendor → the torch plugin distribution that provides its device type.
-PLUGINS: dict[str, str] = {
-    "ascend": "torch_npu", "mthreads": "torch_musa", "cambricon": "torch_mlu",
-    "enflame": "torch_gcu", "gaudi": "habana_torch_plugin", "biren": "torch_supa",
-}
+# Vendor → the torch plugin distribution that provides its device type (from the vendor table).
+PLUGINS: dict[str, str] = {v.name: v.plugin_dist for v in VENDOR_TABLE.values() if v.plugin_dist}
 
-# Vendor → kernel modules whose version the collector may have read.
-DRIVER_MODULES: dict[str, tuple[str, ...]] = {
-    "nvidia": ("nvidia",), "amd": ("amdgpu",), "hygon": ("hydcu", "amdgpu"), "ascend": ("ascend",),
-    "mthreads": ("mtgpu",), "metax": ("metax",), "iluvatar": ("iluvatar",),
-    "cambricon": ("cambricon_drv",), "enflame": ("enflame",), "gaudi": ("habanalabs",), "biren": ("biren",),
-}
+# Vendor → kernel modules whose version the collector may have read (from the vendor table).
+DRIVER_MODULES: dict[str, tuple[str, ...]] = {v.name: v.driver_modules for v in VENDOR_TABLE.values()
+                                              if v.driver_modules}
 
 NIC_KINDS = ("ib", "roce", "ethernet", "loopback", "other")
 
 
 class NodeLike(Protocol):
-    """What assembly needs from an inventory node (``hetctl.inventory.Node``)."""
+    """What assembly needs from an inventory node (``hetctl.files.inventory.Node``)."""
 
     name: str
     host: str
@@ -129,7 +123,7 @@ def bench_request(facts: NodeFacts) -> dict[str, Any] | None:
         return None
     device_type = VENDOR_TABLE[vendor].device_type
     count = sum(1 for c in facts.chips if c.vendor == vendor)
-    return {"device_type": device_type, "count": count}
+    return {"device_type": device_type, "count": count, "plugin": VENDOR_TABLE[vendor].torch_module}
 
 
 def apply_bench(facts: NodeFacts, report: Mapping[str, Any] | None, reason: str | None = None) -> NodeFacts:

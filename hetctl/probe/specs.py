@@ -21,7 +21,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from hetctl.errors import ConfigError
-from hetctl.probe.facts import VENDORS, Tflops, Vendor
+from hetctl.files.cluster import VENDORS, Tflops, Vendor
 from hetctl.probe.parsers._common import hex_id, is_masked
 
 SPEC_RESOURCE = "data/chips.yaml"
@@ -140,7 +140,7 @@ def parse_table(text: str, where: str = SPEC_RESOURCE) -> tuple[SpecRow, ...]:
     Raises:
         ConfigError: naming ``where``, the row and the key that is wrong.
     """
-    from hetctl.yamlio import validation_error
+    from hetctl.files.yamlio import validation_error
 
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
     try:

@@ -1,9 +1,9 @@
 """Which vendor tools the node-side collector runs, and how their raw output becomes chips.
 
-The collector (:mod:`hetctl.probe.collector`) runs every command of
+The collector (:mod:`hetctl.node.collector`) runs every command of
 :data:`TOOL_COMMANDS` whose binary exists and hands back raw text, PCI
 functions and ``/dev`` entries. :func:`chips_from_raw` turns that into
-:class:`~hetctl.probe.facts.Chip` records on the controller, purely:
+:class:`~hetctl.files.cluster.Chip` records on the controller, purely:
 
 1. every tool output is parsed by its parser (:data:`PARSERS`);
 2. per vendor the most reliable source wins (:data:`SOURCE_PREFERENCE`: the
@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from hetctl.probe.facts import VENDORS, Chip, Tflops
+from hetctl.files.cluster import VENDORS, Chip, Tflops
 from hetctl.probe.parsers import (
     amd_smi,
     cnmon,
@@ -275,7 +275,7 @@ def chips_from_raw(raw: dict) -> list[Chip]:
             "cpu": {"model": …}}``; every key may be missing.
 
     Returns:
-        Chips ordered by vendor (as in :data:`hetctl.probe.facts.VENDORS`) then
+        Chips ordered by vendor (as in :data:`hetctl.files.cluster.VENDORS`) then
         index; one ``cpu`` chip when no accelerator was found. ``memory_gb`` is
         the total the tool printed, MiB / 1024 (below the marketing size, as
         the hardware really offers it), or the spec table's reported total

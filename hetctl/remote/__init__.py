@@ -14,12 +14,12 @@ from hetctl.remote.ssh import SshTransport
 TRANSPORTS: dict[str, type] = {"ssh": SshTransport, "local": LocalTransport}
 
 
-def connect(node, ssh=None) -> Transport:  # noqa: ANN001 - hetctl.inventory.Node / SshSettings
+def connect(node, ssh=None) -> Transport:  # noqa: ANN001 - hetctl.files.inventory.Node / SshSettings
     """Open the transport for ``node`` (ssh connects now and raises on failure).
 
     Args:
-        node: a resolved :class:`hetctl.inventory.Node`.
-        ssh: the inventory's :class:`hetctl.inventory.SshSettings` (defaults when None).
+        node: a resolved :class:`hetctl.files.inventory.Node`.
+        ssh: the inventory's :class:`hetctl.files.inventory.SshSettings` (defaults when None).
 
     Raises:
         Unreachable, AuthFailed, HostKeyMismatch: for ssh nodes that cannot be reached.
@@ -27,7 +27,7 @@ def connect(node, ssh=None) -> Transport:  # noqa: ANN001 - hetctl.inventory.Nod
     if node.transport == "local":
         return LocalTransport(node)
     if ssh is None:
-        from hetctl.inventory import SshSettings
+        from hetctl.files.inventory import SshSettings
 
         ssh = SshSettings()
     return TRANSPORTS[node.transport](node, ssh)

@@ -110,7 +110,7 @@ class LocalTransport:
     timeout or :meth:`LocalProcess.kill` reaches everything it spawned in its group.
     """
 
-    def __init__(self, node) -> None:  # noqa: ANN001 - hetctl.inventory.Node
+    def __init__(self, node) -> None:  # noqa: ANN001 - hetctl.files.inventory.Node
         self.spec = node
         self.node: str = node.name
 

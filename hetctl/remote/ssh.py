@@ -39,7 +39,7 @@ from typing import IO, Mapping, Sequence
 import paramiko
 
 from hetctl.errors import AuthFailed, ConfigError, HostKeyMismatch, RemoteError, Unreachable
-from hetctl.inventory import parse_ssh_config, ssh_config_lookup
+from hetctl.files.inventory import parse_ssh_config, ssh_config_lookup
 from hetctl.remote.base import Result
 from hetctl.remote.local import TIMEOUT_EXIT, finish, shell_command
 
@@ -207,8 +207,8 @@ class SshTransport:
     """Runs a node's commands over SSH; one connection, many channels, thread-safe.
 
     Args:
-        node: the resolved :class:`hetctl.inventory.Node`.
-        settings: the inventory's :class:`hetctl.inventory.SshSettings`.
+        node: the resolved :class:`hetctl.files.inventory.Node`.
+        settings: the inventory's :class:`hetctl.files.inventory.SshSettings`.
 
     Raises:
         Unreachable, AuthFailed, HostKeyMismatch: the connection could not be made.

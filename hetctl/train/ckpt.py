@@ -11,7 +11,7 @@ its whole RNG state and no per-rank generator state is needed.
 
 Replica 0 of every stage writes its units; rank 0 gathers every writer's file
 sizes and hashes, checks that all units are there, and writes the manifest
-last (:func:`hetctl.run.checkpoint.write_manifest`).
+last (:func:`hetctl.node.manifest.write_manifest`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hetctl.run import checkpoint as manifest
+from hetctl.node import manifest as manifest
 from hetctl.train.units import STATE, expected_files
 
 
@@ -93,7 +93,7 @@ def load(blobs: Mapping[str, bytes], units: nn.ModuleDict, optimizer: torch.opti
     """Load this stage's units and their AdamW state from verified file contents.
 
     Args:
-        blobs: ``{file: bytes}`` from :func:`hetctl.run.checkpoint.read_verified`
+        blobs: ``{file: bytes}`` from :func:`hetctl.node.manifest.read_verified`
             for :func:`hetctl.train.units.unit_files` of this stage.
         units: the stage's units, already on their device.
         optimizer: the AdamW over them, before its first step.

@@ -1,7 +1,7 @@
 """``python -m hetctl.train``: one rank of the reference pipeline trainer.
 
 The launcher (agent, or ``tests/rankrunner.py``) sets the rank contract
-(:data:`hetctl.runtime.TRAIN_ENV`); the run length and checkpoint interval come
+(:data:`hetctl.node.runtime.TRAIN_ENV`); the run length and checkpoint interval come
 as options, defaulting to ``HETCTL_STEPS`` and ``HETCTL_CKPT_EVERY``. The last
 stage prints ``step=… loss=… step_ms=…`` per step; every rank writes its
 heartbeat each step, and a final one with ``done: true``. Faults are injected
@@ -23,16 +23,11 @@ import sys
 import time
 
 from hetctl.errors import HetctlError
-from hetctl.runtime import RankContext, load_plan
+from hetctl.node.runtime import RankContext, load_plan
+from hetctl.vendors import VENDOR_TABLE
 
-# The torch plugin that registers each device type, imported only on that vendor's nodes.
-DEVICE_PLUGINS = {
-    "npu": "torch_npu",
-    "musa": "torch_musa",
-    "mlu": "torch_mlu",
-    "gcu": "torch_gcu",
-    "hpu": "habana_frameworks.torch.core",
-}
+# The torch plugin that registers each device type (the vendor table's), imported only on that vendor's nodes.
+DEVICE_PLUGINS = {v.device_type: v.torch_module for v in VENDOR_TABLE.values() if v.torch_module}
 
 
 def parse_args(argv: list[str] | None, env: os._Environ | dict) -> argparse.Namespace:
@@ -94,7 +89,7 @@ def _hyper(args: argparse.Namespace) -> dict:
 def run(args: argparse.Namespace, ctx: RankContext) -> int:
     """Set up this rank, train from the resume step to ``args.steps``, checkpoint, report."""
     plan = load_plan(ctx.plan)
-    from hetctl.run.checkpoint import model_digest
+    from hetctl.node.manifest import model_digest
     from hetctl.train.topology import topology
 
     topo = topology(plan, ctx)
@@ -107,7 +102,7 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
     if ctx.resume_step:
         # Read and verify this stage's files before importing torch and joining the group, so a
         # missing, foreign or corrupted checkpoint is one clear error instead of a peer's hang.
-        from hetctl.run.checkpoint import read_verified, step_dir
+        from hetctl.node.manifest import read_verified, step_dir
         from hetctl.train.units import STATE, check_state, unit_files
 
         blobs = read_verified(ctx.ckpt_dir, ctx.resume_step, unit_files(topo.layers, topo.is_first, topo.is_last),

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from hetctl.errors import ConfigError
-from hetctl.runtime import RankContext
+from hetctl.node.runtime import RankContext
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Kunlunxin ``xpu_smi`` DEVICES table.
 
 ``| 0 | 0000:53:00.0 | R300 | 02Kxxx | /dev/xpu0 | 0 % | 0 / 63 MB | 0 / 32768 MB |``.
-hetctl's vendor list (``hetctl.probe.facts.Vendor``) does not include
+hetctl's vendor list (``hetctl.files.cluster.Vendor``) does not include
 Kunlunxin yet, so :mod:`hetctl.probe.tools` does not run this tool; the parser
 is kept so the format is covered when the vendor is added.
 """

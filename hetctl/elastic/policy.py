@@ -1,7 +1,7 @@
 """The elastic policy: what to do after an attempt ends, and the loop that applies it.
 
 Everything here is pure or takes its side effects as arguments. :func:`decide`
-maps one :class:`~hetctl.run.outcome.AttemptOutcome` plus the run's tally to a
+maps one :class:`~hetctl.launch.outcome.AttemptOutcome` plus the run's tally to a
 :class:`Decision` (DESIGN §4); :func:`run_loop` is the one control loop
 (monitor → succeeded: return; failed with restarts left: stop all, re-plan,
 relaunch; else stop and report), with the attempt runner, the re-planner, the
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 from hetctl.errors import PlanInfeasible
-from hetctl.run.outcome import AttemptOutcome, FailureRecord, FaultKind, RunState
+from hetctl.launch.outcome import AttemptOutcome, FailureRecord, FaultKind, RunState
 
 
 @dataclass(frozen=True)
@@ -279,7 +279,7 @@ def run_loop(
     """Run attempts until the run succeeds, is stopped, or the policy gives up.
 
     Args:
-        plan: the plan of the first attempt (a :class:`hetctl.plan.schema.Plan`; opaque here).
+        plan: the plan of the first attempt (a :class:`hetctl.files.plan.Plan`; opaque here).
         run_attempt: ``(attempt, plan, resume_step) -> AttemptOutcome``; it must return
             only once every rank of the attempt is stopped.
         replan: ``(plan, decision, outcome, tally) -> new plan``; raises

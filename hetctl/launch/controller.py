@@ -1,15 +1,15 @@
 """Run ONE attempt of a run: pre-flight, ship, start the agents, watch, stop everything.
 
-The elastic policy (``hetctl.run.policy``) decides what happens after an attempt;
+The elastic policy (``hetctl.elastic.policy``) decides what happens after an attempt;
 this module only runs one and reports how it ended as an
-:class:`~hetctl.run.outcome.AttemptOutcome`. Sequence:
+:class:`~hetctl.launch.outcome.AttemptOutcome`. Sequence:
 
 1. connect to every node of the plan and run a pre-flight there (bounded fan-out):
    the node's python exists, its workdir is writable, the trainer's modules are
    importable; rank 0's node also picks the rendezvous port. Any problem → a START
    failure per node and nothing is started anywhere.
 2. ship the agent zipapp and the plan (JSON) into each node's workdir;
-3. start one agent per node and send it the node's ranks (:mod:`hetctl.run.materialize`);
+3. start one agent per node and send it the node's ranks (:mod:`hetctl.launch.materialize`);
 4. watch the agents' event streams until every rank exited 0 (SUCCEEDED), the
    first fault (FAILED), or the stop flag (STOPPED). Faults:
 
@@ -23,7 +23,7 @@ this module only runs one and reports how it ended as an
    their ``stopped``, then tear the connections down.
 
 Clock and connect are parameters so tests can drive it; the watching itself lives
-in :mod:`hetctl.run.monitor`.
+in :mod:`hetctl.launch.monitor`.
 """
 
 from __future__ import annotations
@@ -38,12 +38,12 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from hetctl.errors import HetctlError
-from hetctl.plan.schema import Plan
-from hetctl.run import materialize as mat
-from hetctl.run.events import EventLog, Launched
-from hetctl.run.monitor import Monitor, OnProgress, OnUpdate
-from hetctl.run.outcome import AttemptOutcome, FailureRecord, FaultKind, RunState
-from hetctl.run.rundir import RunDir
+from hetctl.files.plan import Plan
+from hetctl.launch import materialize as mat
+from hetctl.files.events import EventLog, Launched
+from hetctl.launch.monitor import Monitor, OnProgress, OnUpdate
+from hetctl.launch.outcome import AttemptOutcome, FailureRecord, FaultKind, RunState
+from hetctl.files.run import RunDir
 
 
 @dataclass(frozen=True)
@@ -171,7 +171,7 @@ class AttemptController:
         self.inventory = inventory
         self.run_dir = run
         self.events = events
-        # A user's script may never call hetctl.runtime.heartbeat: only the reference trainer
+        # A user's script may never call hetctl.node.runtime.heartbeat: only the reference trainer
         # is held to a first heartbeat; any script that does heartbeat is watched for hangs.
         self.th = thresholds if tuple(req.entry) == mat.REFERENCE_TRAINER else \
             dataclasses.replace(thresholds, start_timeout=math.inf)

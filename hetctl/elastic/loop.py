@@ -1,6 +1,6 @@
-"""The elastic run: :func:`hetctl.run.policy.run_loop` wired to real attempts, checkpoints and the planner.
+"""The elastic run: :func:`hetctl.elastic.policy.run_loop` wired to real attempts, checkpoints and the planner.
 
-:func:`hetctl.run.supervise.supervise` hands over here when a policy is given.
+:func:`hetctl.elastic.supervise.supervise` hands over here when a policy is given.
 Per attempt this module builds the straggler watch for the attempt's plan; after
 a fault it finds the newest valid checkpoint (reporting skipped ones), re-plans
 on the survivors or with measured speeds (recording the plan as
@@ -15,12 +15,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 from hetctl.errors import HetctlError
-from hetctl.plan.schema import Plan
-from hetctl.run import checkpoint as ckpt
-from hetctl.run.outcome import AttemptOutcome, RunState
-from hetctl.run.policy import Decision, PolicyConfig, Tally, describe, run_loop
-from hetctl.run.replan import layer_split, load_cluster, replan
-from hetctl.run.straggler import StragglerWatch, layout_of, predicted_gain, progress_hook, speed_factors
+from hetctl.files.plan import Plan
+from hetctl.node import manifest as ckpt
+from hetctl.launch.outcome import AttemptOutcome, RunState
+from hetctl.elastic.policy import Decision, PolicyConfig, Tally, describe, run_loop
+from hetctl.elastic.replan import layer_split, load_cluster, replan
+from hetctl.elastic.straggler import StragglerWatch, layout_of, predicted_gain, progress_hook, speed_factors
 
 RunOne = Callable[..., AttemptOutcome]
 
@@ -86,12 +86,12 @@ def supervise_elastic(
     """Run attempts under the elastic policy until the run succeeds, stops, or the policy gives up.
 
     Args:
-        run: the :class:`~hetctl.run.rundir.RunDir`.
+        run: the :class:`~hetctl.files.run.RunDir`.
         plan: the first attempt's plan.
-        info: the run's :class:`~hetctl.run.rundir.RunInfo`; its ``tally`` carries the counters.
+        info: the run's :class:`~hetctl.files.run.RunInfo`; its ``tally`` carries the counters.
         inventory: the resolved inventory (nodes allowed in a new plan; probing when the
             cluster file is gone).
-        events: the run's :class:`~hetctl.run.events.EventLog`.
+        events: the run's :class:`~hetctl.files.events.EventLog`.
         config: the policy knobs.
         run_one: ``run_one(attempt, plan, resume_step, on_progress=…) -> AttemptOutcome``
             (records the plan, runs the attempt; every rank is stopped when it returns).

@@ -16,13 +16,13 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from hetctl.errors import ConfigError
-from hetctl.plan.schema import Plan
-from hetctl.run import materialize as mat
-from hetctl.run.controller import Thresholds
-from hetctl.run.events import EventLog
-from hetctl.run.rundir import RunDir, RunInfo, RunInputs
-from hetctl.run.supervise import Supervised, supervise
-from hetctl.yamlio import load_model
+from hetctl.files.plan import Plan
+from hetctl.launch import materialize as mat
+from hetctl.launch.controller import Thresholds
+from hetctl.files.events import EventLog
+from hetctl.files.run import RunDir, RunInfo, RunInputs
+from hetctl.elastic.supervise import Supervised, supervise
+from hetctl.files.yamlio import load_model
 
 
 def plan_file(plan_dir: str | Path) -> Path:
@@ -53,7 +53,7 @@ def load_plan_and_inventory(plan_dir: str | Path, inventory: str | Path | None =
     A relative inventory path recorded in the plan is tried as written (from the
     current directory), then relative to the plan folder.
     """
-    from hetctl.inventory import load_inventory
+    from hetctl.files.inventory import load_inventory
 
     pf = plan_file(plan_dir)
     if not pf.exists():
@@ -173,8 +173,8 @@ def launch_run(plan: Plan, inventory: Any, *, run: RunDir, info: RunInfo, view: 
     """Supervise the run to its end with Ctrl-C/SIGTERM wired to a clean stop.
 
     Args:
-        view: a :class:`hetctl.run.live.LiveView` (or None); it gets snapshots and events.
-        thresholds, policy, on_progress, connect: passed to :func:`hetctl.run.supervise.supervise`.
+        view: a :class:`hetctl.cli.live.LiveView` (or None); it gets snapshots and events.
+        thresholds, policy, on_progress, connect: passed to :func:`hetctl.elastic.supervise.supervise`.
     """
     listeners = [view.event] if view is not None else []
     with EventLog(run.events_path, listeners=listeners) as events, stop_on_signals() as stop:

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from hetctl.errors import HetctlError, RemoteError
 from hetctl.probe.assemble import apply_bench, bench_request, node_facts, unreachable
-from hetctl.probe.facts import Cluster, NodeFacts
+from hetctl.files.cluster import Cluster, NodeFacts
 from hetctl.remote.base import Result
 
 COLLECT_TIMEOUT_S = 120.0  # whole collector run; each tool has TOOL_TIMEOUT_S
@@ -29,15 +29,23 @@ OnDone = Callable[[str, NodeFacts], None]
 
 @lru_cache(maxsize=None)
 def node_script(name: str) -> bytes:
-    """Source of a node-side script shipped on stdin (``collector.py``, ``bench_matmul.py``)."""
-    return resources.files("hetctl.probe").joinpath(name).read_bytes()
+    """Source of a node-side script shipped on stdin (``collector.py``, ``bench.py``)."""
+    return resources.files("hetctl.node").joinpath(name).read_bytes()
 
 
 def collector_args(tool_timeout: float = TOOL_TIMEOUT_S) -> str:
-    """The JSON argument of the collector: the vendor tool table and timeout."""
-    from hetctl.probe.tools import TOOL_COMMANDS
+    """The JSON argument of the collector: the vendor tools, plugins and driver modules to read, and the timeout.
 
-    return json.dumps({"tools": TOOL_COMMANDS, "timeout": tool_timeout}, separators=(",", ":"))
+    The collector is stdlib-only and carries no vendor knowledge of its own: it
+    gets it here, from the tool table and the one vendor table.
+    """
+    from hetctl.probe.tools import TOOL_COMMANDS
+    from hetctl.vendors import VENDOR_TABLE
+
+    plugins = [v.plugin_dist for v in VENDOR_TABLE.values() if v.plugin_dist]
+    drivers = list(dict.fromkeys(m for v in VENDOR_TABLE.values() for m in v.driver_modules))
+    return json.dumps({"tools": TOOL_COMMANDS, "timeout": tool_timeout, "plugin_dists": plugins,
+                       "driver_modules": drivers}, separators=(",", ":"))
 
 
 def _stderr_tail(result: Result) -> str:
@@ -116,7 +124,7 @@ def _bench(transport: Any, node: Any, facts: NodeFacts) -> NodeFacts:
         python = facts.software.python or "?"
         return apply_bench(facts, None, f"no torch for {getattr(node, 'python', 'python3')} (Python {python})")
     try:
-        report = _run_script(transport, node, "bench_matmul.py", json.dumps(request), BENCH_TIMEOUT_S, "benchmark")
+        report = _run_script(transport, node, "bench.py", json.dumps(request), BENCH_TIMEOUT_S, "benchmark")
     except RemoteError as e:
         return apply_bench(facts, None, e.message)
     return apply_bench(facts, report)
@@ -126,7 +134,7 @@ def probe(inventory: Any, *, bench: bool = False, on_done: OnDone | None = None)
     """Probe every node of ``inventory`` in parallel (``ssh.fanout`` at a time).
 
     Args:
-        inventory: a loaded :class:`hetctl.inventory.Inventory`.
+        inventory: a loaded :class:`hetctl.files.inventory.Inventory`.
         bench: run the matmul benchmark on nodes with torch.
         on_done: called as ``on_done(node_name, facts)`` when a node finishes,
             from worker threads (for a progress bar).

@@ -68,15 +68,6 @@ DEV_PREFIXES = (
 )
 DEV_DIRS = ("biren", "dri", "accel")
 
-# Vendor torch plugins, by normalised distribution name (read from package
-# metadata so that torch itself is never imported: importing it costs seconds).
-PLUGIN_DISTS = (
-    "torch_npu", "torch_musa", "torch_mlu", "torch_gcu", "torch_supa",
-    "habana_torch_plugin", "torch_xmlir", "intel_extension_for_pytorch",
-)
-
-# Kernel modules whose version file names the accelerator driver.
-DRIVER_MODULES = ("nvidia", "amdgpu", "mtgpu", "metax", "iluvatar", "cambricon_drv", "hydcu", "enflame", "habanalabs", "biren")
 
 MAX_OUTPUT = 1 << 20  # bytes kept per tool stream
 
@@ -325,11 +316,18 @@ def installed_dists():
     return found
 
 
-def collect_software():
+def collect_software(plugin_dists=(), driver_modules=()):
+    """Versions of python, torch, the vendor plugins and the drivers.
+
+    ``plugin_dists`` (normalised distribution names, read from package metadata so
+    that torch itself is never imported: importing it costs seconds) and
+    ``driver_modules`` (kernel modules whose version file names the driver) come in
+    the collector's arguments, from hetctl's vendor table.
+    """
     dists = installed_dists()
-    plugins = {d: dists[d] for d in PLUGIN_DISTS if d in dists}
+    plugins = {d: dists[d] for d in plugin_dists if d in dists}
     drivers = {}
-    for mod in DRIVER_MODULES:
+    for mod in driver_modules:
         v = _read(_hw("/sys/module/%s/version" % mod))
         if v:
             drivers[mod] = v
@@ -363,7 +361,7 @@ def collect(args):
         "cpu": collect_cpu(),
         "memory_gb": collect_memory_gb(),
         "nics": collect_nics(),
-        "software": collect_software(),
+        "software": collect_software(args.get("plugin_dists") or (), args.get("driver_modules") or ()),
     }
     tool_thread.join(timeout + 10)
     raw["tools"] = dict(tools_box)

@@ -1,8 +1,8 @@
 """Watching one attempt: agent events in, rank states, faults, progress and logs out.
 
-:class:`Monitor` consumes the agents' JSON events (see :mod:`hetctl.agent`) from a
+:class:`Monitor` consumes the agents' JSON events (see :mod:`hetctl.node.agent`) from a
 queue, keeps one :class:`RankStatus` per rank (the observed twin of
-:class:`~hetctl.run.materialize.RankLaunch`), appends rank output to
+:class:`~hetctl.launch.materialize.RankLaunch`), appends rank output to
 ``runs/<id>/logs/<node>/rank-<r>.log``, writes ``progress``/``rank_failed``/
 ``node_lost`` events and decides when the attempt is over.
 
@@ -26,9 +26,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
-from hetctl.run.events import EventLog, NodeLost, Progress, RankFailed, StageProgress
-from hetctl.run.outcome import AttemptOutcome, FailureRecord, FaultKind, RunState
-from hetctl.run.rundir import RunDir
+from hetctl.files.events import EventLog, NodeLost, Progress, RankFailed, StageProgress
+from hetctl.launch.outcome import AttemptOutcome, FailureRecord, FaultKind, RunState
+from hetctl.files.run import RunDir
 
 OnProgress = Callable[[Mapping[tuple[int, int], float]], "Iterable[FailureRecord] | None"]
 OnUpdate = Callable[["Snapshot"], None]

@@ -3,13 +3,13 @@
 :func:`supervise` owns the run folder's bookkeeping around attempts: it records
 each attempt's plan under ``attempts/<n>/plan.yaml``, keeps ``run.yaml`` current
 (so ``hetctl resume`` can always read it, even after a SIGKILL), runs the attempt
-through :mod:`hetctl.run.controller`, and writes the closing event
+through :mod:`hetctl.launch.controller`, and writes the closing event
 (``finished``, ``stopped`` or ``failed``) and the summary.
 
 Without a policy it runs exactly one attempt. The elastic loop (restart on a
 crash, re-plan on lost nodes, DESIGN §4) plugs in through ``policy``: the
 :func:`run_one` closure built here has the ``(attempt, plan, resume_step) ->
-AttemptOutcome`` shape that :func:`hetctl.run.policy.run_loop` takes as its
+AttemptOutcome`` shape that :func:`hetctl.elastic.policy.run_loop` takes as its
 ``run_attempt``.
 """
 
@@ -20,12 +20,12 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from hetctl.errors import RemoteError
-from hetctl.plan.schema import Plan
-from hetctl.run.controller import AttemptRequest, Thresholds, run_attempt
-from hetctl.run.events import EventLog, Failed, Finished, Stopped
-from hetctl.run.monitor import OnProgress, OnUpdate
-from hetctl.run.outcome import AttemptOutcome, FailureRecord, FaultKind, RunState
-from hetctl.run.rundir import RunDir, RunInfo, RunSummary
+from hetctl.files.plan import Plan
+from hetctl.launch.controller import AttemptRequest, Thresholds, run_attempt
+from hetctl.files.events import EventLog, Failed, Finished, Stopped
+from hetctl.launch.monitor import OnProgress, OnUpdate
+from hetctl.launch.outcome import AttemptOutcome, FailureRecord, FaultKind, RunState
+from hetctl.files.run import RunDir, RunInfo, RunSummary
 
 
 @dataclass
@@ -83,12 +83,12 @@ def supervise(
         inventory: the resolved inventory (connections, workdirs, checkpoint_dir).
         events: the run's event log.
         thresholds: hang, node and grace timeouts of the controller.
-        policy: a :class:`hetctl.run.policy.PolicyConfig`; None runs a single attempt, otherwise
-            :func:`hetctl.run.elastic.supervise_elastic` runs attempts until the policy ends the run.
+        policy: a :class:`hetctl.elastic.policy.PolicyConfig`; None runs a single attempt, otherwise
+            :func:`hetctl.elastic.loop.supervise_elastic` runs attempts until the policy ends the run.
         first_attempt: number of the first attempt (``resume`` continues the count).
         resume_step: checkpoint step the first attempt resumes from (0: from scratch).
         on_progress: per-stage step times as they arrive (straggler detection).
-        on_update: live view refresh with a :class:`~hetctl.run.monitor.Snapshot`.
+        on_update: live view refresh with a :class:`~hetctl.launch.monitor.Snapshot`.
         stop: set it (SIGINT/SIGTERM) to stop every rank and end with ``stopped``.
         connect: node → Transport; defaults to :func:`hetctl.remote.connect`.
     """
@@ -110,7 +110,7 @@ def supervise(
         return outcome
 
     if policy is not None:
-        from hetctl.run.elastic import supervise_elastic
+        from hetctl.elastic.loop import supervise_elastic
 
         return supervise_elastic(run, plan, info=info, inventory=inventory, events=events, config=policy,
                                  run_one=run_one, finish=_finish, first_attempt=first_attempt,

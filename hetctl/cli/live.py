@@ -1,8 +1,8 @@
 """The live view of a run: a rich table on a terminal, plain lines otherwise.
 
 :class:`LiveView` is fed from two sides: :meth:`update` gets the controller's
-:class:`~hetctl.run.monitor.Snapshot` a few times a second (the table), and
-:meth:`event` is an :class:`~hetctl.run.events.EventLog` listener (launches,
+:class:`~hetctl.launch.monitor.Snapshot` a few times a second (the table), and
+:meth:`event` is an :class:`~hetctl.files.events.EventLog` listener (launches,
 failures, restarts, progress as lines). On a terminal the table redraws in
 place and notable events scroll above it; without a terminal (CI, ``| tee``)
 only the event lines are printed, ``progress`` included, so a log shows the
@@ -19,7 +19,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from hetctl.run.monitor import Snapshot
+from hetctl.launch.monitor import Snapshot
 
 _STATE_STYLE = {"running": "green", "done": "bold green", "failed": "bold red", "hung": "bold red",
                 "starting": "yellow", "stopped": "dim"}

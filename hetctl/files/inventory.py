@@ -39,7 +39,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, ValidationError, model_validator
 
 from hetctl.errors import ConfigError
-from hetctl.yamlio import _line_of, format_loc, read_yaml, validation_error
+from hetctl.files.yamlio import _line_of, format_loc, read_yaml, validation_error
 
 DEFAULT_WORKDIR = "~/.hetctl"
 DEFAULT_SSH_CONFIG = "~/.ssh/config"

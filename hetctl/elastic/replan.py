@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from hetctl.errors import ConfigError, HetctlError, PlanInfeasible
-from hetctl.plan.schema import Plan
-from hetctl.probe.facts import Cluster, NodeFacts, Tflops
+from hetctl.files.plan import Plan
+from hetctl.files.cluster import Cluster, NodeFacts, Tflops
 
 PlanFn = Callable[..., Plan]
 
@@ -32,9 +32,9 @@ def load_cluster(plan: Plan, inventory: Any = None, *, plan_file: str | Path | N
 
     ``plan.cluster`` is tried as written (from the current directory), then next to
     the plan file. Without it, the inventory is probed (``probe`` defaults to
-    :func:`hetctl.probe.run.probe`).
+    :func:`hetctl.probe.gather.probe`).
     """
-    from hetctl.yamlio import load_model
+    from hetctl.files.yamlio import load_model
 
     candidates = []
     if plan.cluster:
@@ -55,7 +55,7 @@ def load_cluster(plan: Plan, inventory: Any = None, *, plan_file: str | Path | N
             "pass the inventory with -i",
         )
     if probe is None:
-        from hetctl.probe.run import probe as probe_inventory
+        from hetctl.probe.gather import probe as probe_inventory
 
         probe = probe_inventory
     return probe(inventory)

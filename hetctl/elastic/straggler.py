@@ -15,7 +15,7 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
-from hetctl.run.outcome import FailureRecord, FaultKind
+from hetctl.launch.outcome import FailureRecord, FaultKind
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,7 @@ class StragglerWatch:
 
     @classmethod
     def from_plan(cls, plan, **kwargs) -> "StragglerWatch":  # noqa: ANN001 - Plan, kept import-free
-        """Build from a :class:`hetctl.plan.schema.Plan`'s stages."""
+        """Build from a :class:`hetctl.files.plan.Plan`'s stages."""
         planned = {(s.replica, s.stage): s.est_ms for s in plan.stages}
         nodes = {(s.replica, s.stage): s.node for s in plan.stages}
         return cls(planned, nodes, **kwargs)
@@ -221,7 +221,7 @@ def progress_hook(
 
     Args:
         watch: the attempt's :class:`StragglerWatch`.
-        emit: ``emit(kind, **fields)`` (an :class:`~hetctl.run.events.EventLog`).
+        emit: ``emit(kind, **fields)`` (an :class:`~hetctl.files.events.EventLog`).
         attempt: attempt number, for the event.
         rebalance: when True a straggler may end the attempt with a STRAGGLER failure record
             (the policy then re-plans with measured speeds); otherwise it is only reported.

@@ -88,9 +88,9 @@ def probe_cmd(
         raise ConfigError("no inventory given", "pass -i inventory.yaml (inventories/local.yaml is an example)")
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from hetctl.inventory import load_inventory
-    from hetctl.probe.run import probe
-    from hetctl.yamlio import save_model, to_json
+    from hetctl.files.inventory import load_inventory
+    from hetctl.probe.gather import probe
+    from hetctl.files.yamlio import save_model, to_json
 
     inv = load_inventory(inventory)
     progress = Progress(
@@ -200,8 +200,8 @@ def plan_cmd(
     from hetctl.plan.planner import plan_cluster
     from hetctl.plan.render import write_plan_dir
     from hetctl.plan.search import Pins
-    from hetctl.probe.facts import Cluster
-    from hetctl.yamlio import load_model, to_json
+    from hetctl.files.cluster import Cluster
+    from hetctl.files.yamlio import load_model, to_json
 
     if cluster_arg is not None:
         cluster = cluster_arg
@@ -268,8 +268,8 @@ def launch_cmd(
     rebalance: bool = REBALANCE_OPT,
 ) -> None:
     """Start every rank of a plan through a per-node agent, show it live, keep it alive through faults."""
-    from hetctl.run import launcher
-    from hetctl.run.controller import Thresholds
+    from hetctl.elastic import start as launcher
+    from hetctl.launch.controller import Thresholds
 
     words = launcher.parse_entry(entry)
     plan, inv, pf = launcher.load_plan_and_inventory(plan_dir, inventory, entry=words)
@@ -307,8 +307,9 @@ def demo_cmd(
     """The whole flow on this machine: three local nodes, probe, plan `tiny`, launch, summary."""
     from pathlib import Path
 
-    from hetctl.run import demo, launcher
-    from hetctl.run.controller import Thresholds
+    from hetctl.cli import demo
+    from hetctl.elastic import start as launcher
+    from hetctl.launch.controller import Thresholds
 
     inv_path = demo.write_inventory(directory)
     err.print(f"[bold]1/3 probe[/] {inv_path}", highlight=False)
@@ -325,7 +326,7 @@ def demo_cmd(
                                  checkpoint_every=checkpoint_every)
     listeners = []
     if inject_failure:
-        from hetctl.run.inject import KillAtStep
+        from hetctl.launch.inject import KillAtStep
 
         victim = max(r.rank for r in plan.ranks) if len(plan.ranks) > 1 else 0
         at = max(1, steps // 2)
@@ -343,9 +344,9 @@ def _run_live(plan, inv, run, info, thresholds, json_out: bool, policy=None, lis
 
     ``policy`` (a PolicyConfig) turns on the elastic loop; ``listeners`` also get every event.
     """
-    from hetctl.run import launcher
-    from hetctl.run.inject import Tee
-    from hetctl.run.live import LiveView
+    from hetctl.elastic import start as launcher
+    from hetctl.launch.inject import Tee
+    from hetctl.cli.live import LiveView
 
     with LiveView(err, title=f"run {run.run_id}") as view:
         shown = Tee(view, *listeners) if listeners else view
@@ -353,7 +354,7 @@ def _run_live(plan, inv, run, info, thresholds, json_out: bool, policy=None, lis
 
 
 def _policy(max_restarts: int, max_node_failures: int, rebalance: bool):  # noqa: ANN202
-    from hetctl.run.policy import PolicyConfig
+    from hetctl.elastic.policy import PolicyConfig
 
     return PolicyConfig(max_restarts=max_restarts, max_node_failures=max_node_failures, rebalance=rebalance)
 
@@ -361,8 +362,8 @@ def _policy(max_restarts: int, max_node_failures: int, rebalance: bool):  # noqa
 def _finish_launch(result, json_out: bool) -> None:  # noqa: ANN001
     """Summary on stdout; exit 0 only on success (3: could not start, 5: failed, 130: stopped)."""
     from hetctl.errors import RunFailed
-    from hetctl.run.outcome import FaultKind
-    from hetctl.run.supervise import start_error
+    from hetctl.launch.outcome import FaultKind
+    from hetctl.elastic.supervise import start_error
 
     s = result.summary
     root = result.outcome.root_cause
@@ -392,7 +393,7 @@ def _print_dry_run(spec) -> None:  # noqa: ANN001 - LaunchSpec
     """Per node: the agent command, then each rank's argv and environment (secrets masked)."""
     import shlex
 
-    from hetctl.run.materialize import mask_env
+    from hetctl.launch.materialize import mask_env
 
     out.print(f"[bold]dry run[/]: attempt {spec.attempt}, {sum(len(n.ranks) for n in spec.nodes)} ranks on "
               f"{len(spec.nodes)} nodes; rendezvous {spec.master_addr}:{spec.master_port}; "
@@ -426,10 +427,10 @@ def resume_cmd(
     rebalance: bool = REBALANCE_OPT,
 ) -> None:
     """Continue a stopped, killed or failed run from its newest valid checkpoint, on a fresh plan."""
-    from hetctl.run.controller import Thresholds
-    from hetctl.run.inject import Tee
-    from hetctl.run.live import LiveView
-    from hetctl.run.resume import prepare, resume_run
+    from hetctl.launch.controller import Thresholds
+    from hetctl.launch.inject import Tee
+    from hetctl.cli.live import LiveView
+    from hetctl.elastic.resume import prepare, resume_run
 
     err.print(f"[bold]resume[/] {run_dir}: checking for live ranks, checkpoints, re-probing", highlight=False)
     prep = prepare(run_dir, inventory=inventory, steps=steps, wait_s=grace + 10.0)

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from hetctl.errors import RemoteError
-from hetctl.plan.schema import Plan
-from hetctl.yamlio import dump_yaml, save_model
+from hetctl.files.plan import Plan
+from hetctl.files.yamlio import dump_yaml, save_model
 
 DEMO_NODES = (("node-a", 2.0), ("node-b", 1.0), ("node-c", 1.0))
 
@@ -43,8 +43,8 @@ def write_inventory(directory: str | Path) -> Path:
 
 def probe_nodes(inventory_path: Path) -> tuple[Any, Any]:
     """Load the demo inventory and probe it; every node must answer."""
-    from hetctl.inventory import load_inventory
-    from hetctl.probe.run import probe
+    from hetctl.files.inventory import load_inventory
+    from hetctl.probe.gather import probe
 
     inv = load_inventory(inventory_path)
     cluster = probe(inv)

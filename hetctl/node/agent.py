@@ -1,6 +1,6 @@
 """The per-node agent: spawns a node's ranks, reports on them, and never leaves one behind.
 
-Run as ``python -m hetctl.agent`` (or from the zipapp the controller ships to the
+Run as ``python -m hetctl.node.agent`` (or from the zipapp the controller ships to the
 node's workdir, so a node needs only Python). Standard library only; psutil is
 used when present to also catch descendants that left their process group.
 
@@ -16,7 +16,7 @@ and reads on its stdout (every event carries ``ev`` and ``t``, the node's clock)
     hello     pid, python, host, protocol        once, at startup
     started   rank, pid                          a rank was spawned
     log       rank, lines[, dropped]             batched output, rate-limited
-    heartbeat rank, hb (the rank's heartbeat file as written by hetctl.runtime)
+    heartbeat rank, hb (the rank's heartbeat file as written by hetctl.node.runtime)
     alive     ranks {rank: process state letter} every ~1 s, so silence means a lost node
     exited    rank, code, signal[, error]        at once, from a thread blocked in waitpid
     error     message                            a bad command

@@ -27,13 +27,15 @@ from functools import lru_cache
 from importlib import resources
 from typing import Any, Mapping, Sequence
 
-from hetctl.plan.schema import Plan
+from hetctl.files.plan import Plan
 
 REFERENCE_TRAINER = ("-m", "hetctl.train")
 PORT_AT_LAUNCH = "<free port on {node}, chosen at launch>"
 _SECRET = re.compile(r"(KEY|TOKEN|SECRET|PASSW|CREDENTIAL|AUTH)", re.IGNORECASE)
-# The agent and what a user's script may import on a node without hetctl installed.
-AGENT_MODULES = ("__init__.py", "errors.py", "runtime.py", "agent.py")
+# Besides hetctl/node/ (all of it), what the zipapp carries: the package root, the
+# error tree and the vendor table that node code imports, and the public
+# ``hetctl.runtime`` a user's script imports on a node without hetctl installed.
+ZIPAPP_EXTRA = ("__init__.py", "errors.py", "vendors.py", "runtime.py")
 
 
 @dataclass(frozen=True)
@@ -143,7 +145,7 @@ def materialize(
         workdirs: each node's workdir as the node expanded it (``~`` resolved); defaults
             to the inventory value (what ``--dry-run`` shows).
         pythonpath: per node, a ``PYTHONPATH`` for the ranks (the shipped zipapp, on nodes
-            without hetctl installed, so a user's script can ``import hetctl.runtime``).
+            without hetctl installed, so a user's script can ``import hetctl.node.runtime``).
         entry: what follows the node's python in each rank's argv.
 
     Raises:
@@ -214,9 +216,10 @@ def plan_json(plan: Plan) -> bytes:
 
 @lru_cache(maxsize=1)
 def agent_zipapp() -> bytes:
-    """A zipapp of the agent and ``hetctl.runtime`` (stdlib only), built in memory.
+    """A zipapp of ``hetctl/node/`` (stdlib only) and what it imports, built in memory from the folder.
 
-    Run with ``python3 hetctl-agent-<digest>.pyz``; on a node without hetctl it is
+    Everything in ``hetctl/node/`` ships, so the manifest writer, the runtime and
+    the agent always travel together. Run with ``python3 hetctl-agent-<digest>.pyz``; on a node without hetctl it is
     also put on the ranks' ``PYTHONPATH`` so a training script can ``import
     hetctl.runtime``. Deterministic bytes (fixed timestamps), so the digest only
     changes with the code.
@@ -230,9 +233,12 @@ def agent_zipapp() -> bytes:
             info.external_attr = 0o644 << 16
             z.writestr(info, data)
 
-        add("__main__.py", b"from hetctl.agent import main\nmain()\n")
-        for mod in AGENT_MODULES:
+        add("__main__.py", b"from hetctl.node.agent import main\nmain()\n")
+        for mod in ZIPAPP_EXTRA:
             add(f"hetctl/{mod}", pkg.joinpath(mod).read_bytes())
+        node = pkg.joinpath("node")
+        for name in sorted(e.name for e in node.iterdir() if e.name.endswith(".py")):
+            add(f"hetctl/node/{name}", node.joinpath(name).read_bytes())
     return buf.getvalue()
 
 
@@ -241,39 +247,16 @@ def agent_zipapp_digest() -> str:
     return hashlib.sha256(agent_zipapp()).hexdigest()[:12]
 
 
-# Run with the node's python as ``python -c PREFLIGHT WORKDIR WANT_PORT MODULES``: prints one
-# JSON line. Expands the workdir as the node sees it, proves it writable, reports which
-# modules are importable (without importing them: cheap), and picks a free TCP port.
-PREFLIGHT = r"""
-import importlib.util, json, os, socket, sys, tempfile
-wd = os.path.abspath(os.path.expanduser(sys.argv[1]))
-r = {"python": sys.version.split()[0], "executable": sys.executable, "workdir": wd, "writable": False}
-try:
-    os.makedirs(wd, exist_ok=True)
-    fd, p = tempfile.mkstemp(dir=wd, prefix=".hetctl-probe-")
-    os.close(fd)
-    os.unlink(p)
-    r["writable"] = True
-except OSError as e:
-    r["error"] = "%s: %s" % (e.filename or wd, e.strerror)
-mods = {}
-for m in filter(None, sys.argv[3].split(",")):
-    try:
-        mods[m] = importlib.util.find_spec(m) is not None
-    except (ImportError, ValueError):
-        mods[m] = False
-r["modules"] = mods
-if sys.argv[2] == "1":
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    s.bind(("", 0))
-    r["port"] = s.getsockname()[1]
-    s.close()
-print(json.dumps(r))
-"""
+
+
+def node_source(name: str) -> str:
+    """Source of a stdlib-only program in ``hetctl/node/`` that runs on a node as ``python -c``."""
+    return resources.files("hetctl.node").joinpath(name).read_text()
 
 
 def preflight_argv(python: str, workdir: str, want_port: bool, modules: Sequence[str]) -> list[str]:
-    return [python, "-c", PREFLIGHT, workdir, "1" if want_port else "0", ",".join(modules)]
+    """``python -c <hetctl/node/preflight.py> WORKDIR WANT_PORT MODULES`` (prints one JSON line)."""
+    return [python, "-c", node_source("preflight.py"), workdir, "1" if want_port else "0", ",".join(modules)]
 
 
 def parse_preflight(stdout: str) -> dict[str, Any] | None:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
-from hetctl import runtime
+from hetctl.node import runtime
 from hetctl.errors import ConfigError
 
 MANIFEST = "manifest.json"

@@ -4,7 +4,7 @@ Layout (DESIGN §1)::
 
     runs/<run-id>/
       run.yaml                  RunInfo: inputs, state, attempt count, summary
-      events.jsonl              hetctl.run.events, append-only
+      events.jsonl              hetctl.files.events, append-only
       attempts/<n>/plan.yaml    the plan each attempt ran (n counts from 0)
       logs/<node>/rank-<r>.log  every rank's output, all attempts appended
 
@@ -23,8 +23,8 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from hetctl.errors import ConfigError
-from hetctl.plan.schema import Plan
-from hetctl.yamlio import load_model, save_model
+from hetctl.files.plan import Plan
+from hetctl.files.yamlio import load_model, save_model
 
 _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
 

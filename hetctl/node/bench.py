@@ -3,7 +3,10 @@
 Shipped like the collector: ``python3 - ARGS`` with this file on stdin, where
 ``ARGS`` is one JSON object::
 
-    {"device_type": "cuda", "count": 8, "budget_s": 0.5}
+    {"device_type": "cuda", "count": 8, "budget_s": 0.5, "plugin": null}
+
+``plugin`` is the module that registers the device type with torch (``torch_npu``…),
+from hetctl's vendor table; null when torch has it built in.
 
 For each device ordinal ``0 .. count-1`` of ``device_type`` (cuda, npu, musa,
 mlu, gcu, hpu, supa, cpu) it times square ``torch.matmul`` in fp32 and, where
@@ -26,17 +29,6 @@ import json
 import sys
 import time
 
-# Device type → module that registers it with torch (None: built into torch).
-PLUGINS = {
-    "cuda": None,
-    "cpu": None,
-    "npu": "torch_npu",
-    "musa": "torch_musa",
-    "mlu": "torch_mlu",
-    "gcu": "torch_gcu",
-    "hpu": "habana_frameworks.torch.core",
-    "supa": "torch_supa",
-}
 
 # (first size, largest size) per device class.
 SIZES = {"cpu": (256, 2048)}
@@ -108,9 +100,7 @@ def bench(args):
     count = int(args.get("count", 1))
     budget = float(args.get("budget_s", 0.3 if device_type == "cpu" else 0.5))
     report = {"device_type": device_type, "torch": None, "error": None, "results": []}
-    if device_type not in PLUGINS:
-        report["error"] = "no benchmark for device type %r" % device_type
-        return report
+    plugin_name = args.get("plugin")
     try:
         import torch
     except Exception as e:  # noqa: BLE001 - any import failure means "no torch"
@@ -118,13 +108,13 @@ def bench(args):
         return report
     report["torch"] = torch.__version__
     plugin = None
-    if PLUGINS[device_type]:
+    if plugin_name:
         try:
             import importlib
 
-            plugin = importlib.import_module(PLUGINS[device_type])
+            plugin = importlib.import_module(plugin_name)
         except Exception as e:  # noqa: BLE001
-            report["error"] = "%s is not importable: %s" % (PLUGINS[device_type], _first_line(e))
+            report["error"] = "%s is not importable: %s" % (plugin_name, _first_line(e))
             return report
     module = getattr(torch, device_type, None)
     if device_type != "cpu":

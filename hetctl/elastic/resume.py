@@ -13,7 +13,7 @@ Order of business, each step refusing with one clear line:
 5. the elastic loop continues into the same run folder as attempt ``n + 1``.
 
 :func:`prepare` does steps 1–4 and starts nothing; :func:`resume_run` does step 5
-through ``launch``'s supervision (:func:`hetctl.run.supervise.supervise` with the
+through ``launch``'s supervision (:func:`hetctl.elastic.supervise.supervise` with the
 elastic policy). The restart budget starts afresh and nodes dropped earlier may
 take part again if the new probe finds them healthy; the run's restart and
 membership-change totals carry on in ``run.yaml``.
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from hetctl.errors import HetctlError
-from hetctl.run import checkpoint as ckpt
+from hetctl.node import manifest as ckpt
 
 
 class ResumeRefused(HetctlError):
@@ -36,38 +36,6 @@ class ResumeRefused(HetctlError):
     exit_code = 2
 
 
-# Runs on the node with its own python (stdlib only). Lists processes whose initial
-# environment carries this run's id: every rank and anything a rank started.
-ALIVE_SCRIPT = r"""
-import json, os, sys
-want = ("HETCTL_RUN_ID=" + sys.argv[1]).encode()
-me = os.getpid()
-found = []
-if os.path.isdir("/proc"):
-    for d in os.listdir("/proc"):
-        if not d.isdigit() or int(d) == me:
-            continue
-        try:
-            with open("/proc/%s/environ" % d, "rb") as f:
-                env = f.read().split(b"\0")
-        except OSError:
-            continue
-        if want not in env:
-            continue
-        try:
-            with open("/proc/%s/cmdline" % d, "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode("utf-8", "replace").strip()
-        except OSError:
-            cmd = ""
-        try:
-            with open("/proc/%s/stat" % d) as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            state = "?"
-        if state != "Z":
-            found.append([int(d), state, cmd[:200]])
-print(json.dumps({"proc": os.path.isdir("/proc"), "pids": found}))
-"""
 
 
 @dataclass(frozen=True)
@@ -81,12 +49,14 @@ class AliveProc:
 
 
 def alive_argv(python: str, run_id: str) -> list[str]:
-    """The command that lists a run's live processes on a node (see :data:`ALIVE_SCRIPT`)."""
-    return [python, "-c", ALIVE_SCRIPT, run_id]
+    """The command that lists a run's live processes on a node (``hetctl/node/alive.py`` as ``python -c``)."""
+    from hetctl.launch.materialize import node_source
+
+    return [python, "-c", node_source("alive.py"), run_id]
 
 
 def parse_alive(node: str, stdout: str) -> list[AliveProc] | None:
-    """The processes reported by :data:`ALIVE_SCRIPT`; None when the node could not tell."""
+    """The processes reported by ``hetctl/node/alive.py``; None when the node could not tell."""
     for line in reversed(stdout.strip().splitlines()):
         try:
             data = json.loads(line)
@@ -246,15 +216,15 @@ def prepare(
         inventory: inventory path (``-i``); default: the one the run was launched with.
         steps: new total step count (``--steps``); default: the run's.
         connect: node → Transport (default :func:`hetctl.remote.connect`).
-        probe: inventory → Cluster (default :func:`hetctl.probe.run.probe`).
+        probe: inventory → Cluster (default :func:`hetctl.probe.gather.probe`).
         wait_s: how long to wait for ranks of a killed controller to go away.
 
     Raises:
         ResumeRefused, ConfigError, PlanInfeasible: with what to do next.
     """
-    from hetctl.inventory import load_inventory
-    from hetctl.run.replan import replan
-    from hetctl.run.rundir import RunDir
+    from hetctl.files.inventory import load_inventory
+    from hetctl.elastic.replan import replan
+    from hetctl.files.run import RunDir
 
     run = RunDir.open(run_dir)
     info = run.load_info()
@@ -283,7 +253,7 @@ def prepare(
     info.inputs.steps = target
 
     if probe is None:
-        from hetctl.probe.run import probe as probe_inventory
+        from hetctl.probe.gather import probe as probe_inventory
 
         probe = probe_inventory
     cluster = probe(inv)
@@ -297,12 +267,12 @@ def resume_run(prep: Prepared, *, thresholds: Any, policy: Any, view: Any = None
                connect: Callable[[Any], Any] | None = None) -> Any:
     """Continue a prepared run as attempt ``prep.attempt`` under the elastic policy.
 
-    Returns the supervisor's result (:class:`hetctl.run.supervise.Supervised`).
+    Returns the supervisor's result (:class:`hetctl.elastic.supervise.Supervised`).
     """
-    from hetctl.run.events import EventLog
-    from hetctl.run.launcher import stop_on_signals
-    from hetctl.run.supervise import supervise
-    from hetctl.yamlio import save_model
+    from hetctl.files.events import EventLog
+    from hetctl.elastic.start import stop_on_signals
+    from hetctl.elastic.supervise import supervise
+    from hetctl.files.yamlio import save_model
 
     run, info = prep.run, prep.info
     save_model(run.attempt_dir(prep.attempt) / "cluster.yaml", prep.cluster, header="re-probed by hetctl resume")

@@ -1,0 +1,1 @@
+"""MANY attempts: the elastic policy, the one ElasticRun loop, start, resume, stragglers and re-planning."""

@@ -1,0 +1,1 @@
+"""What ships to a node: stdlib only (plus hetctl.errors and hetctl.vendors), packed into the agent zipapp."""

@@ -1,0 +1,47 @@
+"""Which processes of a run are alive on this node: runs there as ``python -c`` (stdlib only).
+
+Argument: the run id. Lists every process whose initial environment carries
+``HETCTL_RUN_ID=<id>`` (every rank and anything a rank started, daemons included)
+and prints one JSON line: ``{"proc": true, "pids": [[pid, state, command], …]}``
+(``proc`` false where there is no ``/proc`` to read, so the caller cannot tell).
+Zombies are left out: they hold nothing.
+"""
+
+import json
+import os
+import sys
+
+
+def alive(run_id: str) -> dict:
+    want = ("HETCTL_RUN_ID=" + run_id).encode()
+    me = os.getpid()
+    found = []
+    if not os.path.isdir("/proc"):
+        return {"proc": False, "pids": found}
+    for d in os.listdir("/proc"):
+        if not d.isdigit() or int(d) == me:
+            continue
+        try:
+            with open("/proc/%s/environ" % d, "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            continue
+        if want not in env:
+            continue
+        try:
+            with open("/proc/%s/cmdline" % d, "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode("utf-8", "replace").strip()
+        except OSError:
+            cmd = ""
+        try:
+            with open("/proc/%s/stat" % d) as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            state = "?"
+        if state != "Z":
+            found.append([int(d), state, cmd[:200]])
+    return {"proc": True, "pids": found}
+
+
+if __name__ == "__main__":
+    print(json.dumps(alive(sys.argv[1])))
