@@ -69,6 +69,18 @@ class CommandFailed(RemoteError):
         self.result = result
 
 
+class StartFailed(RemoteError):
+    """An attempt could not start: a node failed its pre-flight, shipping or agent start; nothing runs anywhere.
+
+    ``failures`` are the per-node records (:class:`hetctl.launch.outcome.FailureRecord`),
+    so the elastic loop can drop those nodes when a later attempt fails to start.
+    """
+
+    def __init__(self, message: str, hint: str | None = None, failures: tuple = ()) -> None:
+        super().__init__(message, hint)
+        self.failures = tuple(failures)
+
+
 class PlanInfeasible(HetctlError):
     """No plan satisfies memory and chip-count constraints."""
 

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Callable
 
@@ -22,6 +23,27 @@ from tests.sshd import SshdCluster
 
 FIXTURES = Path(__file__).parent / "fixtures"
 SMI_SAMPLES = FIXTURES / "smi-samples"
+
+# The one place that knows what real sshd hosts need, and what makes a test end-to-end.
+HAVE_SSHD = os.geteuid() == 0 and Path("/usr/sbin/sshd").exists()
+NO_SSHD = "needs root and /usr/sbin/sshd for real sshd hosts"
+# "cluster": the module-scoped sshd cluster of the launch and recovery suites.
+SSHD_FIXTURES = {"sshd_cluster", "make_sshd_cluster", "sshd_inventory", "cluster"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests on real sshd hosts are ``e2e`` and skipped (with the reason) where sshd cannot run.
+
+    A test needs sshd when it is marked ``sshd`` or uses a fixture that starts sshd
+    hosts; either way it joins the end-to-end lane, so ``-m "not e2e"`` never
+    starts a server.
+    """
+    for item in items:
+        uses = SSHD_FIXTURES & set(getattr(item, "fixturenames", ()))
+        if uses or item.get_closest_marker("sshd"):
+            item.add_marker(pytest.mark.e2e)
+            if not HAVE_SSHD:
+                item.add_marker(pytest.mark.skip(reason=NO_SSHD))
 
 
 @pytest.fixture(autouse=True)

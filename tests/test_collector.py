@@ -189,6 +189,7 @@ def run_bench(args: dict) -> dict:
     return json.loads(proc.stdout)
 
 
+@pytest.mark.e2e
 def test_bench_measures_cpu_matmul():
     pytest.importorskip("torch")
     report = run_bench({"device_type": "cpu", "budget_s": 0.1})
@@ -198,6 +199,7 @@ def test_bench_measures_cpu_matmul():
     assert set(tflops) | set(report["results"][0]["errors"]) == {"fp32", "bf16", "fp16"}
 
 
+@pytest.mark.e2e
 def test_bench_reports_missing_device_instead_of_a_number():
     pytest.importorskip("torch")
     report = run_bench({"device_type": "cuda", "count": 8})

@@ -28,8 +28,7 @@ from hetctl.files.yamlio import load_model
 from tests.sites import env_of, hetctl, probed_site
 from tests.sshd import SshdCluster
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not Path("/usr/sbin/sshd").exists(),
-                                reason="needs root and /usr/sbin/sshd for real sshd hosts")
+pytestmark = pytest.mark.sshd
 
 STEPS = 30
 TFLOPS = {"node-1": 2.0, "node-2": 1.0, "node-3": 1.0, "node-4": 1.0}

@@ -102,8 +102,7 @@ def test_a_malformed_cluster_file_names_file_line_and_key(site):
 
 # -- probe → plan on real sshd hosts ---------------------------------------------------
 
-needs_sshd = pytest.mark.skipif(os.geteuid() != 0 or not Path("/usr/sbin/sshd").exists(),
-                                reason="needs root and /usr/sbin/sshd for real sshd hosts")
+needs_sshd = pytest.mark.sshd
 
 
 @needs_sshd

@@ -7,7 +7,7 @@ import pytest
 from hetctl.errors import PlanInfeasible
 from hetctl.launch.outcome import AttemptOutcome, FailureRecord, FaultKind, RunState
 from hetctl.elastic.policy import Action, PolicyConfig, Tally, decide, describe, run_loop
-from hetctl.elastic.straggler import StragglerWatch, find_stragglers, predicted_gain, progress_hook, speed_factors
+from hetctl.elastic.straggler import StragglerHook, StragglerWatch, find_stragglers, predicted_gain, speed_factors
 
 
 def crash(node="n1", rank=1, sig=9, t=0.0):
@@ -151,8 +151,8 @@ class Script:
     def latest(self):
         return self.checkpoints.pop(0)
 
-    def emit(self, name, **fields):
-        self.events.append((name, fields))
+    def emit(self, event):
+        self.events.append((event.kind, event.fields()))
 
     def go(self, cfg, **kw):
         return run_loop(
@@ -301,12 +301,12 @@ def test_predicted_gain_from_measured_per_layer_cost():
     assert predicted_gain(old, spare, measured) == pytest.approx(400 / 100)
 
 
-def test_progress_hook_reports_a_straggler_and_ends_the_attempt_only_under_rebalance():
+def test_straggler_hook_reports_a_straggler_and_ends_the_attempt_only_under_rebalance():
     for rebalance in (False, True):
         events = []
         w = StragglerWatch({(0, 0): 2.0, (0, 1): 1.0}, {(0, 0): "a", (0, 1): "b"}, tolerance=0.25, window=2,
                            patience=2)
-        hook = progress_hook(w, lambda kind, **f: events.append((kind, f)), attempt=4, rebalance=rebalance)
+        hook = StragglerHook(w, lambda ev: events.append((ev.kind, ev.fields())), attempt=4, rebalance=rebalance)
         records = []
         for _ in range(5):
             records += hook({(0, 0): 20.0})
@@ -381,7 +381,28 @@ def test_with_speeds_records_measured_tflops_and_survivors_drop_nodes():
     assert [n.name for n in survivors(cl, ["b"]).nodes] == ["a"]
 
 
-def test_progress_hook_restarts_only_when_confirm_sees_a_gain():
+def test_straggler_hook_never_waits_for_the_replan():
+    """The re-plan runs beside the monitor's loop: a planner that blocks does not block the heartbeat path."""
+    import threading
+
+    release, events = threading.Event(), []
+    w = StragglerWatch({(0, 0): 1.0, (0, 1): 1.0}, {(0, 0): "a", (0, 1): "b"}, tolerance=0.5, window=1, patience=1)
+
+    def confirm(found, means):
+        release.wait(60)
+        return True, "predicted 2.00x"
+
+    hook = StragglerHook(w, lambda ev: events.append(ev), attempt=0, rebalance=True, confirm=confirm)
+    hook({(0, 0): 10.0})
+    assert hook({(0, 1): 40.0}) == []  # returned while confirm is still blocked
+    assert hook({(0, 0): 10.0}) == [] and events == []  # later steps go on, nothing acted on yet
+    release.set()
+    records = hook.settle(timeout=30)
+    assert [r.kind for r in records] == [FaultKind.STRAGGLER]
+    assert [(e.kind, e.node, e.rebalance) for e in events] == [("straggler", "b", True)]
+
+
+def test_straggler_hook_restarts_only_when_confirm_sees_a_gain():
     for worth, expect in ((False, []), (True, [FaultKind.STRAGGLER])):
         events, asked = [], []
         w = StragglerWatch({(0, 0): 1.0, (0, 1): 1.0}, {(0, 0): "a", (0, 1): "b"}, tolerance=0.5, window=1,
@@ -391,9 +412,9 @@ def test_progress_hook_restarts_only_when_confirm_sees_a_gain():
             asked.append(([s.node for s in found], dict(means)))
             return worth, "predicted 2.00x" if worth else "not worth a restart: predicts 1.02x"
 
-        hook = progress_hook(w, lambda kind, **f: events.append(f), attempt=0, rebalance=True, confirm=confirm)
+        hook = StragglerHook(w, lambda ev: events.append(ev.fields()), attempt=0, rebalance=True, confirm=confirm)
         hook({(0, 0): 10.0})
-        records = list(hook({(0, 1): 40.0}))
+        records = list(hook({(0, 1): 40.0})) + hook.settle(timeout=30)
         assert asked == [(["b"], {(0, 0): 10.0, (0, 1): 40.0})]
         assert [r.kind for r in records] == expect
         assert events[0]["rebalance"] is worth and events[0]["verdict"].startswith("predicted" if worth else "not")

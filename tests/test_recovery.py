@@ -111,8 +111,7 @@ from hetctl.files.yamlio import load_model  # noqa: E402
 from tests.sites import env_of, hetctl, probed_site  # noqa: E402
 from tests.sshd import SshdCluster  # noqa: E402
 
-e2e = pytest.mark.skipif(os.geteuid() != 0 or not Path("/usr/sbin/sshd").exists(),
-                         reason="needs root and /usr/sbin/sshd for real sshd hosts")
+e2e = pytest.mark.sshd
 STEPS, EVERY = 24, 4
 # Generous timeouts: two shared cores under load can stall a healthy step for seconds. The hang
 # test sets its own short --hang-timeout.
@@ -183,8 +182,6 @@ class Launch:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    if os.geteuid() != 0 or not Path("/usr/sbin/sshd").exists():
-        pytest.skip("needs root and /usr/sbin/sshd for real sshd hosts")
     c = SshdCluster(tmp_path_factory.mktemp("recovery-sshd"), 3).start()
     yield c
     c.stop()
@@ -324,6 +321,7 @@ def test_lost_node_replans_on_the_survivors_and_matches(make_sshd_cluster, tmp_p
     assert info["membership_changes"] == 1 and info["restarts"] == 0
 
 
+@pytest.mark.e2e
 def test_demo_injects_a_kill_and_recovers(tmp_path):
     r = subprocess.run([sys.executable, "-m", "hetctl", "demo", "--dir", str(tmp_path / "demo"), "--steps", "20",
                         "--checkpoint-every", "5", "--json"], capture_output=True, text=True, timeout=600,

@@ -20,6 +20,7 @@ from hetctl.train.topology import topology
 from tests.rankrunner import TINY, Ranks, run_plan, tiny_plan
 
 torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.e2e  # real torch training processes over gloo
 
 STEPS, EVERY = 40, 10
 

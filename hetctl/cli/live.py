@@ -41,7 +41,7 @@ def render_table(snap: Snapshot, title: str = "") -> Table:
         stage = f"{st.replica}.{st.stage}" if any(s.replica for s in snap.ranks) else str(st.stage)
         state = Text(st.state + (" (T)" if st.proc_state == "T" else ""), style=_STATE_STYLE.get(st.state, ""))
         t.add_row(
-            st.node, st.vendor, str(st.rank), stage, f"{st.layers[0]}:{st.layers[1]}", state,
+            Text(st.node), st.vendor, str(st.rank), stage, f"{st.layers[0]}:{st.layers[1]}", state,
             _fmt(st.step, "d"), _fmt(st.loss, ".4f"), _fmt(st.step_ms, ".0f"),
             "-" if age is None or st.state not in ("running", "starting", "hung") else f"{age:.1f}s",
         )
@@ -218,4 +218,4 @@ class LiveView:
             return
         style = _STYLE.get(ev.get("kind"))
         with self._lock:
-            self.console.print(line, style=style, highlight=False, soft_wrap=True)
+            self.console.print(Text(line, style=style or ""), highlight=False, soft_wrap=True)  # never markup

@@ -1,31 +1,104 @@
-"""The elastic run: :func:`hetctl.elastic.policy.run_loop` wired to real attempts, checkpoints and the planner.
+"""The elastic run: where the restart happens.
 
-:func:`hetctl.elastic.supervise.supervise` hands over here when a policy is given.
-Per attempt this module builds the straggler watch for the attempt's plan; after
-a fault it finds the newest valid checkpoint (reporting skipped ones), re-plans
-on the survivors or with measured speeds (recording the plan as
-``attempts/<n>/plan.yaml`` through the attempt runner), keeps the policy's
-counters in ``run.yaml`` so that ``hetctl resume`` continues the count, and closes
-the run with the supervisor's summary.
+:class:`ElasticRun` takes a :class:`Prepared` run (everything decided, nothing
+started) and runs its attempts until the run succeeds, is stopped, or the policy
+gives up (DESIGN §4)::
+
+    ElasticRun(prepared).run(stop, listeners)
+      └─ policy.run_loop                      the one control loop (pure, scripted in tests)
+           ├─ self._attempt(n, plan, step)    record the plan → launch.run_attempt → outcome
+           ├─ policy.decide(outcome)          finish / restart / re-plan / give up / stop
+           ├─ self._latest_step()             newest valid checkpoint (skipped ones reported)
+           └─ self._replan(plan, decision)    survivors and/or measured speeds → new plan
+
+Per attempt a :class:`~hetctl.elastic.straggler.StragglerHook` watches the stage
+timings; under ``--rebalance`` it re-plans beside the monitor (never inside it)
+and ends the attempt only when the new plan is predicted to pay. Every re-plan
+happens here, after the attempt has stopped. ``run.yaml`` is kept current at every
+step so that ``hetctl resume`` can continue the count after a SIGKILL.
 """
 
 from __future__ import annotations
 
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
-from hetctl.errors import HetctlError
+from hetctl.errors import HetctlError, StartFailed
+from hetctl.files.events import (
+    CheckpointSkipped,
+    CheckpointUnseen,
+    Event,
+    EventLog,
+    Failed,
+    Finished,
+    Listener,
+    Rebalanced,
+    ReplanLayout,
+    Stopped,
+)
 from hetctl.files.plan import Plan
-from hetctl.node import manifest as ckpt
-from hetctl.launch.outcome import AttemptOutcome, RunState
+from hetctl.files.run import RunDir, RunInfo, RunSummary
 from hetctl.elastic.policy import Decision, PolicyConfig, Tally, describe, run_loop
 from hetctl.elastic.replan import layer_split, load_cluster, replan
-from hetctl.elastic.straggler import StragglerWatch, layout_of, predicted_gain, progress_hook, speed_factors
+from hetctl.elastic.straggler import StragglerHook, StragglerWatch, layout_of, predicted_gain, speed_factors
+from hetctl.launch.controller import AttemptRequest, Thresholds, run_attempt
+from hetctl.launch.monitor import OnProgress, OnUpdate
+from hetctl.launch.outcome import AttemptOutcome, RunState
+from hetctl.node import manifest as ckpt
 
-RunOne = Callable[..., AttemptOutcome]
+AttemptFn = Callable[..., AttemptOutcome]
 
 
-def latest_checkpoint(ckpt_dir: str | Path, model: dict, emit: Callable[..., Any]) -> int | None:
+@dataclass
+class Prepared:
+    """A run ready to execute: every input decided and checked, nothing started, no side effects.
+
+    ``hetctl launch`` makes one with :func:`hetctl.elastic.start.prepare_launch`,
+    ``hetctl resume`` with :func:`hetctl.elastic.resume.prepare`; ``--dry-run``
+    prints what its first attempt materializes.
+
+    Attributes:
+        run: the run folder (created by ``launch``; the existing one for ``resume``).
+        info: the run's ``run.yaml`` contents, kept current by :class:`ElasticRun`.
+        inventory: the resolved inventory (connections, workdirs, checkpoint_dir).
+        plan: the plan of the first attempt.
+        policy: the elastic policy's knobs.
+        thresholds: hang, node and grace timeouts of the controller.
+        first_attempt: number of the first attempt (``resume`` continues the count).
+        resume_step: checkpoint step the first attempt starts from (0: from scratch).
+        opening: events written before the first attempt (``resumed``, skipped checkpoints).
+        plan_file: where the first plan came from (to find a relative cluster file).
+        checkpoint, unchecked, cluster: what ``resume`` found (the checkpoint it starts
+            from, nodes it could not check for live ranks, the re-probed cluster).
+    """
+
+    run: RunDir
+    info: RunInfo
+    inventory: Any
+    plan: Plan
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    thresholds: Thresholds = field(default_factory=Thresholds)
+    first_attempt: int = 0
+    resume_step: int = 0
+    opening: list[Event] = field(default_factory=list)
+    plan_file: Path | None = None
+    checkpoint: Any = None
+    unchecked: list[str] = field(default_factory=list)
+    cluster: Any = None
+
+
+@dataclass
+class RunResult:
+    """How the run ended: the summary (as in ``run.yaml``), the last attempt's outcome, attempts run here."""
+
+    summary: RunSummary
+    outcome: AttemptOutcome
+    attempts: int = 1
+
+
+def latest_checkpoint(ckpt_dir: str | Path, model: dict, emit: Callable[[Event], object]) -> int | None:
     """The newest valid checkpoint step of the run (None: none yet); each skipped one becomes an event.
 
     The checkpoint folder is shared storage (DESIGN §5), so the controller reads it
@@ -34,15 +107,15 @@ def latest_checkpoint(ckpt_dir: str | Path, model: dict, emit: Callable[..., Any
     """
 
     def skipped(status: ckpt.StepStatus) -> None:
-        emit("checkpoint_skipped", step=status.step, path=str(status.path), problems=status.problems)
+        emit(CheckpointSkipped(step=status.step, path=str(status.path), problems=list(status.problems)))
 
     if not Path(ckpt_dir).is_dir():
-        emit("checkpoint_unseen", path=str(ckpt_dir),
-             reason="the controller sees no checkpoint folder, so the next attempt starts from step 0; "
-                    "expected before the first checkpoint, otherwise set checkpoint_dir in the inventory "
-                    "to storage this machine mounts too")
+        emit(CheckpointUnseen(
+            path=str(ckpt_dir),
+            reason="the controller sees no checkpoint folder, so the next attempt starts from step 0; "
+                   "expected before the first checkpoint, otherwise set checkpoint_dir in the inventory "
+                   "to storage this machine mounts too"))
         return None
-
     found = ckpt.latest_valid(ckpt_dir, ckpt.model_digest(model), on_skip=skipped)
     return found[0] if found else None
 
@@ -51,162 +124,235 @@ def _bottleneck_ms(outcome: AttemptOutcome) -> float | None:
     return max(outcome.stage_step_ms.values()) if outcome.stage_step_ms else None
 
 
-def _carry_losses(outcome: AttemptOutcome, state: dict[str, Any]) -> None:
-    """Make the outcome speak for the run so far, not only for its own attempt.
-
-    The run's first loss is the first attempt's; an attempt that resumed at the last
-    step trains nothing, and the run's final loss is then the one reported for that
-    step by the attempt that computed it.
-    """
-    if state["first_loss"] is None:
-        state["first_loss"] = outcome.first_loss
-    if outcome.final_loss is not None:
-        state["final"] = (outcome.last_step, outcome.final_loss)
-    elif state["final"] is not None and outcome.last_step <= state["final"][0]:
-        outcome.last_step, outcome.final_loss = state["final"]
-    if state["first_loss"] is not None:
-        outcome.first_loss = state["first_loss"]
-
-
-def supervise_elastic(
-    run: Any,
-    plan: Plan,
-    *,
-    info: Any,
-    inventory: Any,
-    events: Any,
-    config: PolicyConfig,
-    run_one: RunOne,
-    finish: Callable[..., Any],
-    first_attempt: int = 0,
-    resume_step: int = 0,
-    on_progress: Callable | None = None,
-    plan_file: str | Path | None = None,
-) -> Any:
-    """Run attempts under the elastic policy until the run succeeds, stops, or the policy gives up.
+class ElasticRun:
+    """Runs a :class:`Prepared` run to its end under the elastic policy (module docstring).
 
     Args:
-        run: the :class:`~hetctl.files.run.RunDir`.
-        plan: the first attempt's plan.
-        info: the run's :class:`~hetctl.files.run.RunInfo`; its ``tally`` carries the counters.
-        inventory: the resolved inventory (nodes allowed in a new plan; probing when the
-            cluster file is gone).
-        events: the run's :class:`~hetctl.files.events.EventLog`.
-        config: the policy knobs.
-        run_one: ``run_one(attempt, plan, resume_step, on_progress=…) -> AttemptOutcome``
-            (records the plan, runs the attempt; every rank is stopped when it returns).
-        finish: ``finish(run, info, events, outcome, attempt=, attempts=, restarts=, reason=)``
-            writes the closing event and summary and returns the supervisor's result.
-        first_attempt: number of the first attempt here (``resume`` continues the count).
-        resume_step: checkpoint step the first attempt starts from (0: from scratch).
-        on_progress: an extra per-stage timing listener, called besides the straggler watch.
-        plan_file: where the first plan came from (to find a relative cluster file).
-
-    ``info.tally`` is the restart budget's state; ``info.restarts`` and
-    ``info.membership_changes`` are the run's totals. ``hetctl resume`` clears the
-    tally (a fresh budget, dropped nodes may return) and keeps the totals.
+        prepared: the run.
+        connect: node → Transport (default: the inventory's transports).
+        attempt_fn: runs one attempt, ``attempt_fn(request, **controller kwargs) -> AttemptOutcome``;
+            default :func:`hetctl.launch.controller.run_attempt`. Tests pass a scripted one.
     """
-    tally = Tally.from_dict(info.tally)
-    restarts_before = max(0, info.restarts - tally.restarts)
-    membership_changes_before = max(0, info.membership_changes - tally.membership_changes)
-    if plan_file is None and getattr(info.inputs, "plan_dir", None):
-        plan_file = Path(info.inputs.plan_dir) / "plan.yaml"
-    state: dict[str, Any] = {"cluster": None, "rebalanced_from": None, "first_loss": None, "final": None,
-                             "pending": None}
-    names = [n.name for n in inventory.nodes]
 
-    def cluster() -> Any:
-        if state["cluster"] is None:
-            state["cluster"] = load_cluster(plan, inventory, plan_file=plan_file)
-        return state["cluster"].model_copy(update={"nodes": [n for n in state["cluster"].nodes if n.name in names]})
+    def __init__(self, prepared: Prepared, *, connect: Callable[[Any], Any] | None = None,
+                 attempt_fn: AttemptFn = run_attempt) -> None:
+        self.p = prepared
+        self.connect = connect
+        self.attempt_fn = attempt_fn
+        self.tally = Tally.from_dict(prepared.info.tally)
+        info = prepared.info
+        # The totals in run.yaml include earlier controllers' counts; the tally is this budget's.
+        self.restarts_before = max(0, info.restarts - self.tally.restarts)
+        self.changes_before = max(0, info.membership_changes - self.tally.membership_changes)
+        self.plan_file = prepared.plan_file or (Path(info.inputs.plan_dir) / "plan.yaml"
+                                                if info.inputs.plan_dir else None)
+        self.events: EventLog | None = None
+        self.stop: threading.Event = threading.Event()
+        self.on_update: OnUpdate | None = None
+        self.on_progress: OnProgress | None = None
+        self._cluster: Any = None
+        self._first_loss: float | None = None
+        self._final: tuple[int, float] | None = None  # (step, loss) of the newest attempt that trained
+        self._rebalanced_from: AttemptOutcome | None = None
+        self._pending: tuple[Plan, Plan, dict[str, float]] | None = None  # (old, new, factors) from the hook
+        self._attempts_run = 0
 
-    def measured_plan(old: Plan, means: Any, reason: str) -> tuple[Plan, dict]:
-        planned = {(s.replica, s.stage): s.est_ms for s in old.stages}
-        where = {(s.replica, s.stage): s.node for s in old.stages}
-        factors = speed_factors(means, planned, where)
-        return replan(old, cluster(), drop=tally.dropped, factors=factors, reason=reason), factors
+    # -- the run -----------------------------------------------------------------
+    def run(self, stop: threading.Event | None = None, listeners: Iterable[Listener] = (),
+            on_update: OnUpdate | None = None, on_progress: OnProgress | None = None) -> RunResult:
+        """Run attempts until the policy ends the run; returns the summary.
 
-    def attempt_hook(attempt: int, attempt_plan: Plan) -> Callable:
-        watch = StragglerWatch.from_plan(attempt_plan, tolerance=config.straggler_tolerance,
-                                         window=config.straggler_window, patience=config.straggler_patience)
+        Args:
+            stop: set it (SIGINT/SIGTERM) to stop every rank and end ``stopped``.
+            listeners: get every event as written (the live view, fault injectors).
+            on_update: live view refresh with a :class:`~hetctl.launch.monitor.Snapshot`.
+            on_progress: an extra per-stage timing listener, called besides the straggler hook.
 
-        def confirm(found: list, means: Any) -> tuple[bool, str]:
-            """Re-plan now with the window's measured speeds; restart only for a real gain."""
+        Raises:
+            StartFailed: the run's first attempt could not start on some node (nothing ran);
+                the run is closed as failed first.
+        """
+        self.stop = stop or threading.Event()
+        self.on_update, self.on_progress = on_update, on_progress
+        p = self.p
+        with EventLog(p.run.events_path, listeners=list(listeners)) as events:
+            self.events = events
+            for ev in p.opening:
+                events.emit(ev)
             try:
-                new, factors = measured_plan(attempt_plan, means, "rebalancing on measured stage speeds")
-            except HetctlError as e:
-                return False, f"no re-plan possible: {e.message}"
-            gain = predicted_gain(layout_of(attempt_plan), layout_of(new), means)
-            split = " ".join(layer_split(new))
-            if gain < config.rebalance_min_gain:
-                return False, f"not worth a restart: the best plan ({split}) predicts {gain:.2f}x"
-            state["pending"] = (attempt_plan, new, factors)
-            return True, f"re-planned as {split}, slowest stage predicted {gain:.2f}x shorter"
+                result = run_loop(
+                    p.plan, run_attempt=self._attempt, replan=self._replan, latest_step=self._latest_step,
+                    emit=events.emit, config=p.policy, tally=self.tally, first_attempt=p.first_attempt,
+                    resume_step=p.resume_step or None,
+                )
+            except StartFailed as e:
+                self._close(AttemptOutcome(RunState.FAILED, failures=list(e.failures)), attempt=p.first_attempt,
+                            reason=e.message)
+                raise
+            reason = result.reason if result.state != RunState.SUCCEEDED else None
+            first = result.root_cause
+            if result.state == RunState.FAILED and first is not None and first != result.outcome.root_cause:
+                reason = f"{reason}; first failure: {describe(first)}"
+            return self._close(result.outcome, attempt=result.last_attempt, reason=reason,
+                               attempts=result.attempts)
 
-        hook = progress_hook(watch, events.emit, attempt=attempt, rebalance=config.rebalance, confirm=confirm)
-        if on_progress is None:
-            return hook
-
-        def both(stage_ms: Any) -> list:
-            extra = list(on_progress(stage_ms) or [])
-            return list(hook(stage_ms)) + extra
-
-        return both
-
-    def run_attempt(attempt: int, attempt_plan: Plan, step: int | None) -> AttemptOutcome:
-        outcome = run_one(attempt, attempt_plan, step or 0, on_progress=attempt_hook(attempt, attempt_plan))
-        _carry_losses(outcome, state)
-        before = state["rebalanced_from"]
-        if before is not None:
-            state["rebalanced_from"] = None
-            b0, b1 = _bottleneck_ms(before), _bottleneck_ms(outcome)
-            events.emit("rebalanced", attempt=attempt, bottleneck_ms_before=b0, bottleneck_ms_after=b1,
-                        tokens_per_s_before=before.tokens_per_s, tokens_per_s_after=outcome.tokens_per_s,
-                        speedup=(round(b0 / b1, 3) if b0 and b1 else None))
+    # -- what run_loop calls --------------------------------------------------------
+    def _attempt(self, attempt: int, plan: Plan, step: int | None) -> AttemptOutcome:
+        """Record the attempt's plan and counters, run it, and make its outcome speak for the run."""
+        p, info = self.p, self.p.info
+        self._save_counters()
+        p.run.save_plan(attempt, plan)
+        info.attempts = max(info.attempts, attempt + 1)
+        info.state = RunState.RUNNING.value
+        p.run.save_info(info)
+        req = AttemptRequest(plan=plan, attempt=attempt, steps=info.inputs.steps,
+                             checkpoint_every=info.inputs.checkpoint_every, ckpt_dir=info.inputs.checkpoint_dir,
+                             resume_step=step or 0, entry=tuple(info.inputs.entry))
+        hook = self._hook(attempt, plan)
+        kwargs: dict[str, Any] = {"inventory": p.inventory, "run": p.run, "events": self.events,
+                                  "thresholds": p.thresholds, "on_progress": hook, "on_update": self.on_update,
+                                  "stop": self.stop}
+        if self.connect is not None:
+            kwargs["connect"] = self.connect
+        first_of_run = self._attempts_run == 0 and attempt == p.first_attempt
+        self._attempts_run += 1
+        try:
+            outcome = self.attempt_fn(req, **kwargs)
+        except StartFailed as e:
+            if first_of_run:
+                raise  # nothing ran anywhere: a set-up error for the user, not a fault to recover from
+            outcome = AttemptOutcome(RunState.FAILED, failures=list(e.failures))
+        if info.first_loss is None and not step and outcome.first_loss is not None:
+            info.first_loss = outcome.first_loss  # the run's, not a resumed attempt's
+        self._carry_losses(outcome)
+        self._report_rebalance(attempt, outcome)
+        self._save_counters()
         return outcome
 
-    def do_replan(old: Plan, decision: Decision, outcome: AttemptOutcome, _tally: Tally) -> Plan:
-        factors = None
-        pending, state["pending"] = state.get("pending"), None
+    def _latest_step(self) -> int | None:
+        return latest_checkpoint(self.p.info.inputs.checkpoint_dir, self.p.plan.model.model_dump(), self.events.emit)
+
+    def _replan(self, old: Plan, decision: Decision, outcome: AttemptOutcome, _tally: Tally) -> Plan:
+        factors: dict[str, float] | None = None
+        pending, self._pending = self._pending, None
         if decision.measured:
-            state["rebalanced_from"] = outcome
+            self._rebalanced_from = outcome
             if pending is not None and pending[0] is old:  # planned when the straggler was confirmed
                 new, factors = pending[1], pending[2]
             else:
-                new, factors = measured_plan(old, outcome.stage_step_ms, decision.reason)
+                new, factors = self._measured_plan(old, outcome.stage_step_ms, decision.reason)
         else:
-            new = replan(old, cluster(), drop=tally.dropped, reason=decision.reason)
-        events.emit("replan_layout", before=layer_split(old), after=layer_split(new),
-                    dp_before=old.parallel.dp, dp_after=new.parallel.dp,
-                    speed_factors={k: round(v, 3) for k, v in (factors or {}).items()},
-                    est_step_s=new.estimate.step_time_s)
+            new = replan(old, self._survivors(), drop=self.tally.dropped, reason=decision.reason)
+        self.events.emit(ReplanLayout(
+            before=layer_split(old), after=layer_split(new), dp_before=old.parallel.dp, dp_after=new.parallel.dp,
+            speed_factors={k: round(v, 3) for k, v in (factors or {}).items()}, est_step_s=new.estimate.step_time_s,
+        ))
         return new
 
-    def save_tally_then(fn: Callable) -> Callable:
-        def wrapped(*a: Any, **kw: Any) -> Any:
-            info.tally = tally.to_dict()
-            info.restarts = restarts_before + tally.restarts
-            info.membership_changes = membership_changes_before + tally.membership_changes
-            return fn(*a, **kw)
+    # -- stragglers and re-planning -------------------------------------------------
+    def _hook(self, attempt: int, plan: Plan) -> OnProgress:
+        cfg = self.p.policy
+        watch = StragglerWatch.from_plan(plan, tolerance=cfg.straggler_tolerance, window=cfg.straggler_window,
+                                         patience=cfg.straggler_patience)
 
-        return wrapped
+        def confirm(found: list, means: Any) -> tuple[bool, str]:
+            """Re-plan with the window's measured speeds; restart only for a real gain."""
+            try:
+                new, factors = self._measured_plan(plan, means, "rebalancing on measured stage speeds")
+            except HetctlError as e:
+                return False, f"no re-plan possible: {e.message}"
+            gain = predicted_gain(layout_of(plan), layout_of(new), means)
+            split = " ".join(layer_split(new))
+            if gain < cfg.rebalance_min_gain:
+                return False, f"not worth a restart: the best plan ({split}) predicts {gain:.2f}x"
+            self._pending = (plan, new, factors)
+            return True, f"re-planned as {split}, slowest stage predicted {gain:.2f}x shorter"
 
-    result = run_loop(
-        plan,
-        run_attempt=save_tally_then(run_attempt),
-        replan=do_replan,
-        latest_step=lambda: latest_checkpoint(info.inputs.checkpoint_dir, plan.model.model_dump(), events.emit),
-        emit=events.emit,
-        config=config,
-        tally=tally,
-        first_attempt=first_attempt,
-        resume_step=resume_step or None,
-    )
-    info.tally = tally.to_dict()
-    info.membership_changes = membership_changes_before + tally.membership_changes
-    reason = result.reason if result.state != RunState.SUCCEEDED else None
-    if result.state == RunState.FAILED and result.root_cause is not None and result.root_cause != \
-            (result.outcome.root_cause if result.outcome else None):
-        reason = f"{reason}; first failure: {describe(result.root_cause)}"
-    return finish(run, info, events, result.outcome, attempt=result.last_attempt, attempts=result.attempts,
-                  restarts=restarts_before + tally.restarts, reason=reason)
+        hook = StragglerHook(watch, self.events.emit, attempt=attempt, rebalance=cfg.rebalance, confirm=confirm)
+        extra = self.on_progress
+        if extra is None:
+            return hook
+
+        def both(stage_ms: Any) -> list:
+            return list(hook(stage_ms)) + list(extra(stage_ms) or [])
+
+        return both
+
+    def _survivors(self) -> Any:
+        """The cluster facts of the inventory's nodes (loaded once: the plan's cluster file, else a probe)."""
+        if self._cluster is None:
+            self._cluster = load_cluster(self.p.plan, self.p.inventory, plan_file=self.plan_file)
+        names = {n.name for n in self.p.inventory.nodes}
+        return self._cluster.model_copy(update={"nodes": [n for n in self._cluster.nodes if n.name in names]})
+
+    def _measured_plan(self, old: Plan, means: Any, reason: str) -> tuple[Plan, dict[str, float]]:
+        planned = {(s.replica, s.stage): s.est_ms for s in old.stages}
+        where = {(s.replica, s.stage): s.node for s in old.stages}
+        factors = speed_factors(means, planned, where)
+        return replan(old, self._survivors(), drop=self.tally.dropped, factors=factors, reason=reason), factors
+
+    def _report_rebalance(self, attempt: int, outcome: AttemptOutcome) -> None:
+        before, self._rebalanced_from = self._rebalanced_from, None
+        if before is None:
+            return
+        b0, b1 = _bottleneck_ms(before), _bottleneck_ms(outcome)
+        self.events.emit(Rebalanced(
+            attempt=attempt, bottleneck_ms_before=b0, bottleneck_ms_after=b1,
+            tokens_per_s_before=before.tokens_per_s, tokens_per_s_after=outcome.tokens_per_s,
+            speedup=round(b0 / b1, 3) if b0 and b1 else None,
+        ))
+
+    # -- bookkeeping ---------------------------------------------------------------------
+    def _carry_losses(self, outcome: AttemptOutcome) -> None:
+        """Make the outcome speak for the run so far, not only for its own attempt.
+
+        The run's first loss is the first attempt's; an attempt that resumed at the last
+        step trains nothing, and the run's final loss is then the one reported for that
+        step by the attempt that computed it.
+        """
+        if self._first_loss is None:
+            self._first_loss = outcome.first_loss
+        if outcome.final_loss is not None:
+            self._final = (outcome.last_step, outcome.final_loss)
+        elif self._final is not None and outcome.last_step <= self._final[0]:
+            outcome.last_step, outcome.final_loss = self._final
+        if self._first_loss is not None:
+            outcome.first_loss = self._first_loss
+
+    def _save_counters(self) -> None:
+        info = self.p.info
+        info.tally = self.tally.to_dict()
+        info.restarts = self.restarts_before + self.tally.restarts
+        info.membership_changes = self.changes_before + self.tally.membership_changes
+
+    def _close(self, outcome: AttemptOutcome, *, attempt: int, reason: str | None, attempts: int = 1) -> RunResult:
+        """The closing event, ``run.yaml``'s state and the summary."""
+        run, info = self.p.run, self.p.info
+        self._save_counters()
+        root = outcome.root_cause
+        if outcome.state == RunState.SUCCEEDED:
+            self.events.emit(Finished(attempt=attempt, steps=outcome.last_step, final_loss=outcome.final_loss,
+                                      tokens_per_s=outcome.tokens_per_s))
+        elif outcome.state == RunState.STOPPED:
+            reason = reason or "stopped by the user"
+            self.events.emit(Stopped(attempt=attempt, reason=reason))
+        else:
+            reason = reason or (describe(root) if root else "the attempt failed")
+            self.events.emit(Failed(attempt=attempt, reason=reason))
+        prev = info.summary
+        info.state = outcome.state.value
+        info.summary = RunSummary(
+            run_id=run.run_id,
+            run_dir=str(run.path.resolve()),
+            state=outcome.state.value,
+            steps=max(outcome.last_step, prev.steps if prev else 0),
+            first_loss=next((x for x in (info.first_loss, prev.first_loss if prev else None, outcome.first_loss)
+                             if x is not None), None),
+            final_loss=outcome.final_loss if outcome.final_loss is not None else (prev.final_loss if prev else None),
+            restarts=info.restarts,
+            attempts=info.attempts,
+            tokens_per_s=outcome.tokens_per_s,
+            reason=reason,
+        )
+        run.save_info(info)
+        return RunResult(info.summary, outcome, attempts)

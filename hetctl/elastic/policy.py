@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 from hetctl.errors import PlanInfeasible
+from hetctl.files.events import Event, GaveUp, NodeAbnormal, Replan, Restart
 from hetctl.launch.outcome import AttemptOutcome, FailureRecord, FaultKind, RunState
 
 
@@ -258,15 +259,15 @@ class LoopResult:
 
 
 RunAttempt = Callable[[int, object, "int | None"], AttemptOutcome]
-Replan = Callable[[object, Decision, AttemptOutcome, Tally], object]
-Emit = Callable[..., None]
+ReplanFn = Callable[[object, Decision, AttemptOutcome, Tally], object]
+Emit = Callable[[Event], object]
 
 
 def run_loop(
     plan: object,
     *,
     run_attempt: RunAttempt,
-    replan: Replan,
+    replan: ReplanFn,
     latest_step: Callable[[], "int | None"],
     emit: Emit,
     config: PolicyConfig,
@@ -285,7 +286,7 @@ def run_loop(
         replan: ``(plan, decision, outcome, tally) -> new plan``; raises
             :class:`~hetctl.errors.PlanInfeasible` when the survivors cannot hold the model.
         latest_step: the newest valid checkpoint step, or None (train from scratch).
-        emit: ``emit(event_name, **fields)`` for ``events.jsonl``.
+        emit: ``emit(event)`` with a typed event for ``events.jsonl``.
         config: policy knobs.
         tally: counters carried over from an earlier controller (``hetctl resume``).
         first_attempt: number of the first attempt (``hetctl resume`` continues the count).
@@ -315,11 +316,11 @@ def run_loop(
                 Action.GIVE_UP: RunState.FAILED,
             }[decision.action]
             if state == RunState.FAILED:
-                emit("gave_up", attempt=attempt, reason=decision.reason, **tally.to_dict())
+                emit(GaveUp(attempt=attempt, reason=decision.reason, **tally.to_dict()))
             return LoopResult(state, count, attempt, outcome, plan, tally, decision.reason, first_root)
 
         for node in decision.abnormal:
-            emit("node_abnormal", attempt=attempt, node=node, failures=tally.node_failures[node])
+            emit(NodeAbnormal(attempt=attempt, node=node, failures=tally.node_failures[node]))
         step = latest_step()
         if decision.action == Action.REPLAN:
             t0 = clock()
@@ -327,18 +328,18 @@ def run_loop(
                 plan = replan(plan, decision, outcome, tally)
             except PlanInfeasible as e:
                 reason = f"no feasible plan on the survivors: {e.message}"
-                emit("gave_up", attempt=attempt, reason=reason, **tally.to_dict())
+                emit(GaveUp(attempt=attempt, reason=reason, **tally.to_dict()))
                 return LoopResult(RunState.FAILED, count, attempt, outcome, plan, tally, reason, first_root)
-            emit(
-                "replan", attempt=attempt + 1, reason=decision.reason, dropped=list(decision.drop),
+            emit(Replan(
+                attempt=attempt + 1, reason=decision.reason, dropped=list(decision.drop),
                 measured=decision.measured, resume_step=step, replan_s=round(clock() - t0, 4),
                 membership_changes=tally.membership_changes, restarts=tally.restarts,
-            )
+            ))
         else:
-            emit(
-                "restart", attempt=attempt + 1, reason=decision.reason, resume_step=step,
+            emit(Restart(
+                attempt=attempt + 1, reason=decision.reason, resume_step=step,
                 restarts=tally.restarts, max_restarts=config.max_restarts,
-            )
+            ))
         if config.restart_delay_s > 0:
             sleep(config.restart_delay_s)
         attempt += 1

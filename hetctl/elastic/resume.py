@@ -12,9 +12,9 @@ Order of business, each step refusing with one clear line:
    fresh plan is made for the same model and global batch;
 5. the elastic loop continues into the same run folder as attempt ``n + 1``.
 
-:func:`prepare` does steps 1–4 and starts nothing; :func:`resume_run` does step 5
-through ``launch``'s supervision (:func:`hetctl.elastic.supervise.supervise` with the
-elastic policy). The restart budget starts afresh and nodes dropped earlier may
+:func:`prepare` does steps 1–4 and starts nothing; it returns the same
+:class:`~hetctl.elastic.loop.Prepared` value as ``launch``, and step 5 is
+``begin(prepared)`` then ``ElasticRun(prepared).run(…)``. The restart budget starts afresh and nodes dropped earlier may
 take part again if the new probe finds them healthy; the run's restart and
 membership-change totals carry on in ``run.yaml``.
 """
@@ -26,7 +26,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from hetctl.elastic.loop import Prepared
+from hetctl.elastic.policy import PolicyConfig
 from hetctl.errors import HetctlError
+from hetctl.files.events import CheckpointSkipped, Resumed
+from hetctl.launch.controller import Thresholds
 from hetctl.node import manifest as ckpt
 
 
@@ -93,21 +97,26 @@ def check_no_rank_alive(
     Raises:
         ResumeRefused: naming each node and pid still alive.
     """
-    alive: list[AliveProc] = []
-    unchecked: list[str] = []
-    for node in nodes:
+    from hetctl.remote.fanout import fanout
+
+    def look(node: Any) -> list[AliveProc] | None:
         try:
             t = connect(node)
         except HetctlError:
-            unchecked.append(node.name)
-            continue
+            return None
         try:
-            found = find_alive(t, node.python, run_id)
+            return find_alive(t, node.python, run_id)
         except HetctlError:
-            found = None
+            return None
         finally:
             t.close()
-        if found is None:
+
+    group = fanout(list(nodes), look, max_workers=max(1, min(64, len(nodes))))  # every node at once
+    alive: list[AliveProc] = []
+    unchecked: list[str] = []
+    for node in nodes:
+        found = group[node.name]
+        if found is None or isinstance(found, BaseException):
             unchecked.append(node.name)
         else:
             alive.extend(found)
@@ -186,20 +195,6 @@ def wait_no_rank_alive(nodes: Sequence[Any], run_id: str, connect: Callable[[Any
             sleep(0.5)
 
 
-@dataclass
-class Prepared:
-    """Everything ``resume`` decided before starting the next attempt."""
-
-    run: Any
-    info: Any
-    inventory: Any
-    plan: Any
-    attempt: int
-    checkpoint: CheckpointChoice
-    unchecked: list[str]
-    cluster: Any
-
-
 def prepare(
     run_dir: str | Path,
     *,
@@ -208,8 +203,13 @@ def prepare(
     connect: Callable[[Any], Any] | None = None,
     probe: Callable[[Any], Any] | None = None,
     wait_s: float = 15.0,
+    policy: Any = None,
+    thresholds: Any = None,
 ) -> Prepared:
-    """Check the run can continue, re-probe, re-plan; start nothing.
+    """Check the run can continue, re-probe, re-plan; start nothing, change nothing.
+
+    The attempt's re-probed cluster is saved and the restart budget reset only when
+    the returned :class:`~hetctl.elastic.loop.Prepared` is run (see :func:`begin`).
 
     Args:
         run_dir: ``runs/<run-id>``.
@@ -218,6 +218,7 @@ def prepare(
         connect: node → Transport (default :func:`hetctl.remote.connect`).
         probe: inventory → Cluster (default :func:`hetctl.probe.gather.probe`).
         wait_s: how long to wait for ranks of a killed controller to go away.
+        policy, thresholds: the elastic policy and timeouts of the continued run.
 
     Raises:
         ResumeRefused, ConfigError, PlanInfeasible: with what to do next.
@@ -260,32 +261,22 @@ def prepare(
     down = [n.name for n in cluster.nodes if not n.reachable]
     why = "resumed" + (f"; unreachable now: {', '.join(down)}" if down else "")
     plan = replan(last, cluster, reason=why)
-    return Prepared(run, info, inv, plan, done[-1] + 1, choice, unchecked, cluster)
+    attempt = done[-1] + 1
+    opening: list = [CheckpointSkipped(step=s.step, path=str(s.path), problems=list(s.problems))
+                     for s in choice.skipped]
+    opening.append(Resumed(attempt=attempt, resume_step=choice.step, steps=target,
+                           nodes=list(dict.fromkeys(r.node for r in plan.ranks)), unchecked=unchecked))
+    return Prepared(run=run, info=info, inventory=inv, plan=plan, policy=policy or PolicyConfig(),
+                    thresholds=thresholds or Thresholds(), first_attempt=attempt, resume_step=choice.step,
+                    opening=opening, checkpoint=choice, unchecked=unchecked, cluster=cluster)
 
 
-def resume_run(prep: Prepared, *, thresholds: Any, policy: Any, view: Any = None,
-               connect: Callable[[Any], Any] | None = None) -> Any:
-    """Continue a prepared run as attempt ``prep.attempt`` under the elastic policy.
-
-    Returns the supervisor's result (:class:`hetctl.elastic.supervise.Supervised`).
-    """
-    from hetctl.files.events import EventLog
-    from hetctl.elastic.start import stop_on_signals
-    from hetctl.elastic.supervise import supervise
+def begin(prep: Prepared) -> None:
+    """What a resume changes before its first attempt: the re-probed cluster saved, a fresh restart budget."""
     from hetctl.files.yamlio import save_model
 
-    run, info = prep.run, prep.info
-    save_model(run.attempt_dir(prep.attempt) / "cluster.yaml", prep.cluster, header="re-probed by hetctl resume")
-    info.tally = {}  # a fresh restart budget; dropped nodes may have come back
-    info.summary = info.summary.model_copy(update={"reason": None}) if info.summary else None
-    listeners = [view.event] if view is not None else []
-    with EventLog(run.events_path, listeners=listeners) as events, stop_on_signals() as stop:
-        for s in prep.checkpoint.skipped:
-            events.emit("checkpoint_skipped", step=s.step, path=str(s.path), problems=s.problems)
-        events.emit("resumed", attempt=prep.attempt, resume_step=prep.checkpoint.step, steps=info.inputs.steps,
-                    nodes=list(dict.fromkeys(r.node for r in prep.plan.ranks)), unchecked=prep.unchecked)
-        return supervise(
-            run, prep.plan, info=info, inventory=prep.inventory, events=events, thresholds=thresholds,
-            policy=policy, first_attempt=prep.attempt, resume_step=prep.checkpoint.step,
-            on_update=view.update if view is not None else None, stop=stop, connect=connect,
-        )
+    save_model(prep.run.attempt_dir(prep.first_attempt) / "cluster.yaml", prep.cluster,
+               header="re-probed by hetctl resume")
+    prep.info.tally = {}  # a fresh restart budget; dropped nodes may have come back
+    if prep.info.summary:
+        prep.info.summary = prep.info.summary.model_copy(update={"reason": None})

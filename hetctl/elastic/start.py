@@ -1,9 +1,11 @@
 """What ``hetctl launch`` and ``hetctl demo`` do between parsing options and printing.
 
-:func:`load_plan_and_inventory` finds the plan and its inventory; :func:`dry_run`
-materializes the first attempt without touching a node; :func:`launch_run`
-creates the run folder and supervises the run with a stop flag wired to
-SIGINT/SIGTERM. Rendering stays with the caller (``view``).
+Launch and resume have one shape: ``prepare_*()`` returns a
+:class:`~hetctl.elastic.loop.Prepared` value, ``--dry-run`` prints what its first
+attempt would materialize (:func:`dry_run`), and ``ElasticRun(prepared).run(stop,
+listeners)`` executes it, with :func:`stop_on_signals` wiring SIGINT/SIGTERM to a
+clean stop. :func:`load_plan_and_inventory` finds the plan and its inventory.
+Rendering stays with the caller.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from hetctl.launch import materialize as mat
 from hetctl.launch.controller import Thresholds
 from hetctl.files.events import EventLog
 from hetctl.files.run import RunDir, RunInfo, RunInputs
-from hetctl.elastic.supervise import Supervised, supervise
+from hetctl.elastic.loop import Prepared
+from hetctl.elastic.policy import PolicyConfig
 from hetctl.files.yamlio import load_model
 
 
@@ -167,19 +170,11 @@ def new_run(plan: Plan, inventory: Any, *, run_root: str | Path, plan_path: Path
     return run, info
 
 
-def launch_run(plan: Plan, inventory: Any, *, run: RunDir, info: RunInfo, view: Any = None,
-               thresholds: Thresholds = Thresholds(), policy: Any = None, on_progress: Any = None,
-               connect: Any = None) -> Supervised:
-    """Supervise the run to its end with Ctrl-C/SIGTERM wired to a clean stop.
-
-    Args:
-        view: a :class:`hetctl.cli.live.LiveView` (or None); it gets snapshots and events.
-        thresholds, policy, on_progress, connect: passed to :func:`hetctl.elastic.supervise.supervise`.
-    """
-    listeners = [view.event] if view is not None else []
-    with EventLog(run.events_path, listeners=listeners) as events, stop_on_signals() as stop:
-        return supervise(
-            run, plan, info=info, inventory=inventory, events=events, thresholds=thresholds, policy=policy,
-            on_progress=on_progress, on_update=view.update if view is not None else None, stop=stop,
-            connect=connect,
-        )
+def prepare_launch(plan: Plan, inventory: Any, *, run_root: str | Path, plan_path: Path | None, steps: int,
+                   checkpoint_every: int, entry: tuple[str, ...] = mat.REFERENCE_TRAINER,
+                   policy: PolicyConfig | None = None, thresholds: Thresholds | None = None) -> Prepared:
+    """A new run folder and the :class:`Prepared` run of ``hetctl launch`` (nothing started)."""
+    run, info = new_run(plan, inventory, run_root=run_root, plan_path=plan_path, steps=steps,
+                        checkpoint_every=checkpoint_every, entry=entry)
+    return Prepared(run=run, info=info, inventory=inventory, plan=plan, policy=policy or PolicyConfig(),
+                    thresholds=thresholds or Thresholds(), plan_file=plan_path)

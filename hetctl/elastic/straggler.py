@@ -2,7 +2,7 @@
 
 :func:`find_stragglers` judges one set of measurements; :class:`StragglerWatch`
 adds the persistence (a window of steps, a number of consecutive rounds) and
-:func:`progress_hook` plugs it into the controller's ``on_progress`` callback,
+:class:`StragglerHook` plugs it into the controller's ``on_progress`` callback,
 writing ``straggler`` events and, under ``--rebalance``, ending the attempt with a
 STRAGGLER failure so the policy re-plans with :func:`speed_factors`.
 """
@@ -10,11 +10,13 @@ STRAGGLER failure so the policy re-plans with :func:`speed_factors`.
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
+from hetctl.files.events import Event, StragglerFound
 from hetctl.launch.outcome import FailureRecord, FaultKind
 
 
@@ -209,19 +211,18 @@ def layout_of(plan) -> list[tuple[int, int, str, tuple[int, int]]]:  # noqa: ANN
 Confirm = Callable[[list[Straggler], Mapping[tuple[int, int], float]], "tuple[bool, str]"]
 
 
-def progress_hook(
-    watch: StragglerWatch,
-    emit: Callable[..., object],
-    *,
-    attempt: int,
-    rebalance: bool,
-    confirm: Confirm | None = None,
-) -> Callable[[Mapping[tuple[int, int], float]], Iterable[FailureRecord]]:
+class StragglerHook:
     """The controller's ``on_progress``: feed the watch, log stragglers, end the attempt under ``--rebalance``.
+
+    The monitor calls it from its event loop on every counted step, so it must stay
+    quick: the re-plan that decides whether a restart pays (``confirm``) runs in a
+    thread of its own, and the verdict is acted on at the first step after it is
+    ready. A slow planner therefore delays the rebalance, never the heartbeats of
+    healthy nodes.
 
     Args:
         watch: the attempt's :class:`StragglerWatch`.
-        emit: ``emit(kind, **fields)`` (an :class:`~hetctl.files.events.EventLog`).
+        emit: ``emit(event)`` (an :class:`~hetctl.files.events.EventLog`).
         attempt: attempt number, for the event.
         rebalance: when True a straggler may end the attempt with a STRAGGLER failure record
             (the policy then re-plans with measured speeds); otherwise it is only reported.
@@ -230,25 +231,59 @@ def progress_hook(
             (a new plan that would not be faster does not), and one line saying why.
     """
 
-    def on_progress(stage_ms: Mapping[tuple[int, int], float]) -> list[FailureRecord]:
+    def __init__(self, watch: StragglerWatch, emit: Callable[[Event], object], *, attempt: int, rebalance: bool,
+                 confirm: Confirm | None = None) -> None:
+        self.watch, self.emit, self.attempt, self.rebalance, self.confirm = watch, emit, attempt, rebalance, confirm
+        self._pending: list[Straggler] = []
+        self._verdict: tuple[bool, str] | None = None
+        self._thinking: threading.Thread | None = None
+
+    def __call__(self, stage_ms: Mapping[tuple[int, int], float]) -> list[FailureRecord]:
         found: list[Straggler] = []
         for (replica, stage), ms in stage_ms.items():
-            found += watch.observe(replica, stage, ms)
-        if not found:
+            found += self.watch.observe(replica, stage, ms)
+        if not (self.rebalance and self.confirm is not None):
+            if found:
+                self._report(found, self.rebalance, None)
+                return [self._record(found, None)] if self.rebalance else []
             return []
-        act, verdict = rebalance, None
-        if rebalance and confirm is not None:
-            act, verdict = confirm(found, watch.means())
+        if found:
+            self._pending += found
+            if self._thinking is None:
+                self._thinking = threading.Thread(target=self._think, args=(list(found), self.watch.means()),
+                                                  daemon=True, name="straggler-replan")
+                self._thinking.start()
+        return self.settle()
+
+    def settle(self, timeout: float = 0.0) -> list[FailureRecord]:
+        """Act on a verdict that is ready (waiting up to ``timeout``); the failure that ends the attempt, if any."""
+        if self._thinking is None:
+            return []
+        self._thinking.join(timeout)
+        if self._thinking.is_alive() or self._verdict is None:
+            return []
+        (act, verdict), found = self._verdict, self._pending
+        self._thinking, self._verdict, self._pending = None, None, []
+        self._report(found, act, verdict)
+        return [self._record(found, verdict)] if act else []
+
+    def _think(self, found: list[Straggler], means: Mapping[tuple[int, int], float]) -> None:
+        try:
+            self._verdict = self.confirm(found, means)
+        except Exception as e:  # noqa: BLE001 - a planner bug must not kill the attempt; say so in the event
+            self._verdict = (False, f"no re-plan possible: {type(e).__name__}: {e}")
+
+    def _report(self, found: list[Straggler], act: bool, verdict: str | None) -> None:
         for s in found:
-            emit("straggler", attempt=attempt, node=s.node, replica=s.replica, stage=s.stage,
-                 measured_ms=round(s.measured_ms, 3), planned_ms=round(s.planned_ms, 3),
-                 slowdown=round(s.slowdown, 3), tolerance=watch.tolerance, rebalance=act,
-                 **({"verdict": verdict} if verdict else {}))
-        if not act:
-            return []
+            self.emit(StragglerFound(
+                attempt=self.attempt, node=s.node, replica=s.replica, stage=s.stage,
+                measured_ms=round(s.measured_ms, 3), planned_ms=round(s.planned_ms, 3),
+                slowdown=round(s.slowdown, 3), tolerance=self.watch.tolerance, rebalance=act, verdict=verdict,
+            ))
+
+    @staticmethod
+    def _record(found: list[Straggler], verdict: str | None) -> FailureRecord:
         s = max(found, key=lambda x: x.slowdown)
         why = (f"stage {s.stage} of replica {s.replica} is {s.slowdown:.2f}x slower than its peers relative to "
                f"the plan ({s.measured_ms:.1f} ms measured)" + (f"; {verdict}" if verdict else ""))
-        return [FailureRecord(FaultKind.STRAGGLER, s.node, time.time(), reason=why)]
-
-    return on_progress
+        return FailureRecord(FaultKind.STRAGGLER, s.node, time.time(), reason=why)

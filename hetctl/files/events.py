@@ -1,27 +1,21 @@
 """The run's event log, ``runs/<id>/events.jsonl``: append-only, one JSON object a line.
 
-Every line has ``ts`` (unix seconds) and ``kind``; the other fields depend on the
-kind. The kinds the controller and the policy write, with their fields:
+Every line has ``ts`` (unix seconds) and ``kind``; the other fields are those of
+the kind's typed event below, the one definition of each line (:data:`EVENT_TYPES`
+maps kind → class; a test round-trips every one). Readers must ignore kinds and
+fields they do not know. :class:`EventLog` is thread-safe, accepts only typed
+events, and fans them out to listeners (the live view) as the dicts it wrote.
 
-========== ==================================================================
-launched   attempt, nodes, ranks, master_addr, master_port, resume_step
-progress   attempt, step, stages: [{replica, stage, step, loss, step_ms}]
-rank_failed attempt, node, rank, reason (crash: exit code / signal; hang)
-node_lost  attempt, node, reason
-straggler  node, stage, replica, measured_ms, planned_ms
-restart    attempt, reason, resume_step
-replan     attempt, reason, dropped
-finished   attempt, steps, final_loss, tokens_per_s
-stopped    attempt, reason
-failed     attempt, reason
-========== ==================================================================
-
-Readers must ignore kinds and fields they do not know. :class:`EventLog` is
-thread-safe and can fan events out to listeners (the live view).
+Written by one attempt (``hetctl.launch``): ``launched``, ``progress``,
+``rank_failed``, ``node_lost``. By the elastic loop (``hetctl.elastic``):
+``straggler``, ``restart``, ``replan``, ``replan_layout``, ``rebalanced``,
+``node_abnormal``, ``checkpoint_skipped``, ``checkpoint_unseen``, ``resumed``,
+``gave_up``, and the closing ``finished`` / ``stopped`` / ``failed``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -44,6 +38,8 @@ class Event:
 
 @dataclass(frozen=True)
 class Launched(Event):
+    """Every agent of an attempt is up and has its ranks."""
+
     kind: ClassVar[str] = "launched"
     attempt: int
     nodes: list[str]
@@ -64,6 +60,8 @@ class StageProgress:
 
 @dataclass(frozen=True)
 class Progress(Event):
+    """The attempt's step (the slowest last-stage rank's) and each stage's last figures, every few seconds."""
+
     kind: ClassVar[str] = "progress"
     attempt: int
     step: int
@@ -73,6 +71,8 @@ class Progress(Event):
 
 @dataclass(frozen=True)
 class RankFailed(Event):
+    """A rank crashed (exit code / signal) or hung (reason says ``hang: …``)."""
+
     kind: ClassVar[str] = "rank_failed"
     attempt: int
     node: str
@@ -84,6 +84,8 @@ class RankFailed(Event):
 
 @dataclass(frozen=True)
 class NodeLost(Event):
+    """A node's agent stream ended or went silent."""
+
     kind: ClassVar[str] = "node_lost"
     attempt: int
     node: str
@@ -91,7 +93,135 @@ class NodeLost(Event):
 
 
 @dataclass(frozen=True)
+class StragglerFound(Event):
+    """A stage persistently slower than planned relative to its peers; ``rebalance``: the attempt ends for it."""
+
+    kind: ClassVar[str] = "straggler"
+    attempt: int
+    node: str
+    replica: int
+    stage: int
+    measured_ms: float
+    planned_ms: float
+    slowdown: float
+    tolerance: float
+    rebalance: bool
+    verdict: str | None = None
+
+
+@dataclass(frozen=True)
+class Restart(Event):
+    """The next attempt runs the same plan from ``resume_step``."""
+
+    kind: ClassVar[str] = "restart"
+    attempt: int
+    reason: str
+    resume_step: int | None
+    restarts: int
+    max_restarts: int
+
+
+@dataclass(frozen=True)
+class Replan(Event):
+    """The next attempt runs a new plan: nodes dropped and/or measured speeds."""
+
+    kind: ClassVar[str] = "replan"
+    attempt: int
+    reason: str
+    dropped: list[str]
+    measured: bool
+    resume_step: int | None
+    replan_s: float
+    membership_changes: int
+    restarts: int
+
+
+@dataclass(frozen=True)
+class ReplanLayout(Event):
+    """The layer split before and after a re-plan (``start:end`` per stage)."""
+
+    kind: ClassVar[str] = "replan_layout"
+    before: list[str]
+    after: list[str]
+    dp_before: int
+    dp_after: int
+    speed_factors: dict[str, float]
+    est_step_s: float | None
+
+
+@dataclass(frozen=True)
+class Rebalanced(Event):
+    """The first attempt after a rebalance, measured against the one before it."""
+
+    kind: ClassVar[str] = "rebalanced"
+    attempt: int
+    bottleneck_ms_before: float | None
+    bottleneck_ms_after: float | None
+    tokens_per_s_before: float | None
+    tokens_per_s_after: float | None
+    speedup: float | None
+
+
+@dataclass(frozen=True)
+class NodeAbnormal(Event):
+    """A node failed ``failures`` times and is dropped."""
+
+    kind: ClassVar[str] = "node_abnormal"
+    attempt: int
+    node: str
+    failures: int
+
+
+@dataclass(frozen=True)
+class CheckpointSkipped(Event):
+    """A newer checkpoint step is not valid (missing, truncated, checksum mismatch…) and is passed over."""
+
+    kind: ClassVar[str] = "checkpoint_skipped"
+    step: int
+    path: str
+    problems: list[str]
+
+
+@dataclass(frozen=True)
+class CheckpointUnseen(Event):
+    """The controller cannot see the checkpoint folder, so the next attempt starts from step 0."""
+
+    kind: ClassVar[str] = "checkpoint_unseen"
+    path: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Resumed(Event):
+    """``hetctl resume`` continues the run as ``attempt`` from ``resume_step``."""
+
+    kind: ClassVar[str] = "resumed"
+    attempt: int
+    resume_step: int
+    steps: int
+    nodes: list[str]
+    unchecked: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class GaveUp(Event):
+    """The elastic loop stops trying: restarts used up, or no feasible plan; with its counters."""
+
+    kind: ClassVar[str] = "gave_up"
+    attempt: int
+    reason: str
+    restarts: int = 0
+    membership_changes: int = 0
+    rebalances: int = 0
+    node_failures: dict[str, int] = field(default_factory=dict)
+    dropped: list[str] = field(default_factory=list)
+    abnormal: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class Finished(Event):
+    """The run succeeded."""
+
     kind: ClassVar[str] = "finished"
     attempt: int
     steps: int
@@ -101,6 +231,8 @@ class Finished(Event):
 
 @dataclass(frozen=True)
 class Stopped(Event):
+    """The run was stopped by the user (every rank stopped first)."""
+
     kind: ClassVar[str] = "stopped"
     attempt: int
     reason: str
@@ -108,9 +240,33 @@ class Stopped(Event):
 
 @dataclass(frozen=True)
 class Failed(Event):
+    """The run failed; ``reason`` names the root cause first."""
+
     kind: ClassVar[str] = "failed"
     attempt: int
     reason: str
+
+
+EVENT_TYPES: dict[str, type[Event]] = {
+    cls.kind: cls for cls in (Launched, Progress, RankFailed, NodeLost, StragglerFound, Restart, Replan,
+                              ReplanLayout, Rebalanced, NodeAbnormal, CheckpointSkipped, CheckpointUnseen,
+                              Resumed, GaveUp, Finished, Stopped, Failed)
+}
+
+
+def parse_event(record: dict) -> Event | None:
+    """The typed event of one ``events.jsonl`` line; None for a kind this version does not know.
+
+    Unknown fields are ignored (a newer writer); a missing required field raises TypeError.
+    """
+    cls = EVENT_TYPES.get(record.get("kind", ""))
+    if cls is None:
+        return None
+    names = {f.name for f in dataclasses.fields(cls)}
+    values = {k: v for k, v in record.items() if k in names}
+    if cls is Progress:
+        values["stages"] = [StageProgress(**s) for s in values.get("stages") or []]
+    return cls(**values)
 
 
 class EventLog:
@@ -131,15 +287,11 @@ class EventLog:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
 
-    def emit(self, kind: str | Event, **fields: Any) -> dict:
-        """Record one event: ``emit("restart", attempt=1, reason=…)`` or ``emit(RankFailed(…))``.
-
-        Returns the dict written (with ``ts`` and ``kind`` first).
-        """
-        if isinstance(kind, Event):
-            fields = {**kind.fields(), **fields}
-            kind = kind.kind
-        record = {"ts": round(self._clock(), 6), "kind": kind, **{k: v for k, v in fields.items() if k != "ts"}}
+    def emit(self, event: Event) -> dict:
+        """Record one typed event, e.g. ``emit(RankFailed(…))``; returns the dict written (``ts`` and ``kind`` first)."""
+        if not isinstance(event, Event):
+            raise TypeError(f"EventLog.emit takes a typed event (hetctl.files.events), not {event!r}")
+        record = {"ts": round(self._clock(), 6), "kind": event.kind, **event.fields()}
         line = json.dumps(record, default=_jsonable, separators=(",", ":")) + "\n"
         with self._lock:
             if self._file is not None:
@@ -150,8 +302,8 @@ class EventLog:
             fn(record)
         return record
 
-    def __call__(self, kind: str | Event, **fields: Any) -> dict:
-        return self.emit(kind, **fields)
+    def __call__(self, event: Event) -> dict:
+        return self.emit(event)
 
     def close(self) -> None:
         with self._lock:

@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from hetctl.errors import HetctlError
+from hetctl.errors import HetctlError, StartFailed
 from hetctl.files.plan import Plan
 from hetctl.launch import materialize as mat
 from hetctl.files.events import EventLog, Launched
@@ -150,6 +150,19 @@ def _start_failure(node: str, reason: str) -> FailureRecord:
     return FailureRecord(kind=FaultKind.START, node=node, time=time.time(), reason=reason)
 
 
+def start_failed(failures: list[FailureRecord]) -> StartFailed:
+    """The error for an attempt that could not start: every failing node, grouped by reason."""
+    hint = "nothing was started on any node"
+    if len(failures) == 1:
+        f = failures[0]
+        return StartFailed(f"cannot launch on node {f.node}: {f.reason}", hint, failures=failures)
+    by_reason: dict[str, list[str]] = {}
+    for f in failures:
+        by_reason.setdefault(f.reason, []).append(f.node)
+    lines = "; ".join(f"{', '.join(nodes)}: {reason}" for reason, nodes in by_reason.items())
+    return StartFailed(f"cannot launch on {len(failures)} nodes: {lines}", hint, failures=failures)
+
+
 class AttemptController:
     """Runs one attempt; construct, then call :meth:`run` once."""
 
@@ -189,11 +202,16 @@ class AttemptController:
 
     # -- phases --------------------------------------------------------------
     def run(self) -> AttemptOutcome:
-        """Run the attempt to its end; every rank is stopped when this returns."""
+        """Run the attempt to its end; every rank is stopped when this returns.
+
+        Raises:
+            StartFailed: some node could not be prepared or its agent not started;
+                whatever had started is stopped first.
+        """
         try:
             failures = self._prepare()
             if failures:
-                return AttemptOutcome(state=RunState.FAILED, failures=failures)
+                raise start_failed(failures)
             if self.stop_flag.is_set():
                 return AttemptOutcome(state=RunState.STOPPED)
             failures = self._start_agents()
@@ -202,9 +220,8 @@ class AttemptController:
                 clock=self.clock, on_progress=self.on_progress, on_update=self.on_update,
             )
             if failures:
-                outcome = monitor.outcome(RunState.FAILED, failures)
                 self._stop_all(monitor)
-                return outcome
+                raise start_failed(failures)
             self.events.emit(Launched(
                 attempt=self.req.attempt, nodes=[n.node for n in self.spec.nodes],
                 ranks=sum(len(n.ranks) for n in self.spec.nodes), master_addr=self.spec.master_addr,

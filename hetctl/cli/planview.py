@@ -6,6 +6,7 @@ Returns renderables; ``hetctl.cli`` prints them.
 from __future__ import annotations
 
 from rich.table import Table
+from rich.text import Text
 
 from hetctl.plan.planner import WARNING
 from hetctl.files.plan import Estimate, Plan
@@ -29,11 +30,11 @@ def stage_table(plan: Plan) -> Table:
     for s in stages:
         chips = ",".join(map(str, s.chips)) if len(s.chips) <= 4 else f"{s.chips[0]}-{s.chips[-1]}"
         limit = f"{s.memory_limit_gb:g}" if s.memory_limit_gb is not None else "?"
-        table.add_row(
+        table.add_row(*(Text(cell) for cell in (  # node and chip names come from outside: never markup
             str(s.stage), s.node, f"{s.vendor} {s.model} [{chips}]", str(s.tp),
             f"[{s.layers[0]}, {s.layers[1]}) {s.layers[1] - s.layers[0]}", s.precision, f"{s.est_ms:.4g}",
             f"{s.memory_gb:g} / {limit}", s.backend_next or "-",
-        )
+        )))
     if par.dp > 1:
         table.caption = f"replicas 1-{par.dp - 1} repeat this layout on other nodes (see plan.yaml)"
     return table

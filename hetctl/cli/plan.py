@@ -1,0 +1,70 @@
+"""``hetctl plan``: cluster facts and a model in, ``plan/`` out, with the estimate beside the baselines."""
+
+from __future__ import annotations
+
+import typer
+
+from hetctl.cli import app, err, handle_errors, out, print_json, text
+
+
+@app.command("plan")
+@handle_errors
+def plan_cmd(
+    cluster_arg: str | None = typer.Argument(None, metavar="[CLUSTER]", help="Cluster file (same as --cluster)."),
+    cluster: str = typer.Option("cluster.yaml", "-c", "--cluster", help="Cluster file written by `hetctl probe`."),
+    model: str = typer.Option(..., "-m", "--model", help="Preset (tiny, llama2-7b, llama2-13b, llama2-70b, llama3-8b, "
+                              "llama3-70b, qwen2-72b, gpt3-175b) or a YAML file in Megatron's names."),
+    global_batch: int | None = typer.Option(None, "--global-batch", help="Sequences per step (default: the preset's)."),
+    micro_batch: int = typer.Option(1, "--micro-batch", help="Sequences per micro-batch."),
+    seq_len: int | None = typer.Option(None, "--seq-len", help="Sequence length (default: the model's)."),
+    framework: str = typer.Option("hetctl", "--framework", help="Launch scripts for hetctl (reference trainer, no "
+                                  "TP), megatron, flagscale, deepspeed or torchrun."),
+    pp: int | None = typer.Option(None, "--pp", help="Pin the pipeline depth."),
+    dp: int | None = typer.Option(None, "--dp", help="Pin the number of pipeline replicas."),
+    tp: int | None = typer.Option(None, "--tp", help="Pin the tensor-parallel degree of every stage."),
+    output: str = typer.Option("plan", "-o", "--output", help="Folder for plan.yaml and nodes/<node>.sh."),
+    json_out: bool = typer.Option(False, "--json", help="Print the plan as JSON on stdout, no tables."),
+    explain: bool = typer.Option(False, "--explain", help="Say why each choice was made."),
+) -> None:
+    """Split the model across the cluster's chips so that no chip waits.
+
+    Chooses pipeline stages (TP inside a node and vendor), replicas, layers per
+    stage and micro-batches for the highest simulated throughput within every
+    chip's memory; writes plan.yaml and one launch script per node, and shows
+    the estimate beside the uniform and proportional splits. Exit code 4 when
+    no layout fits.
+    """
+    from hetctl.plan.models import load_model as load_spec
+    from hetctl.plan.planner import plan_cluster
+    from hetctl.plan.render import write_plan_dir
+    from hetctl.plan.search import Pins
+    from hetctl.files.cluster import Cluster
+    from hetctl.files.yamlio import load_model, to_json
+
+    if cluster_arg is not None:
+        cluster = cluster_arg
+    facts = load_model(cluster, Cluster, "cluster file")
+    spec = load_spec(model, seq_len=seq_len)
+    plan = plan_cluster(
+        facts, spec, global_batch=global_batch, micro_batch=micro_batch, framework=framework,
+        pins=Pins(pp=pp, dp=dp, tp=tp), cluster_path=cluster,
+    )
+    written = write_plan_dir(plan, output, hosts={n.name: n.host for n in facts.nodes})
+    if json_out:
+        print_json(to_json(plan))
+        return
+    _print_plan(plan, explain=explain)
+    err.print(text(f"wrote {written[0]} and {len(written) - 1} launch script(s) in {written[0].parent / 'nodes'}"),
+              highlight=False)
+
+
+def _print_plan(plan, *, explain: bool) -> None:  # noqa: ANN001 - Plan, imported lazily
+    from hetctl.cli.planview import estimate_table, explanations, stage_table, warnings
+
+    out.print(stage_table(plan))
+    out.print(estimate_table(plan))
+    for line in warnings(plan):
+        err.print(text(("warning:", "yellow"), f" {line}"), highlight=False, soft_wrap=True)
+    if explain:
+        for line in explanations(plan):
+            out.print(text(f"• {line}"), highlight=False, soft_wrap=True)

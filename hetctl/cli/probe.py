@@ -1,0 +1,110 @@
+"""``hetctl probe``: reach every node, collect, parse, show the table."""
+
+from __future__ import annotations
+
+import typer
+
+from hetctl.cli import app, err, handle_errors, out, print_json, text
+
+
+@app.command("probe")
+@handle_errors
+def probe_cmd(
+    inventory: str | None = typer.Option(None, "-i", "--inventory", help="Inventory YAML naming the nodes."),
+    output: str | None = typer.Option(None, "-o", "--output", help="Write the cluster file (YAML) here."),
+    json_out: bool = typer.Option(False, "--json", help="Print the cluster facts as JSON on stdout, no table."),
+    bench: bool = typer.Option(False, "--bench", help="Measure matmul TFLOPS per chip on nodes that have torch."),
+) -> None:
+    """Find out what every node has: chips, memory, NICs, software.
+
+    Sends a stdlib-only collector to each node over its transport (nothing to
+    install there) and parses the answers here. Exit code: 0 when every node
+    answered; 1 when at least one did not (its row says why; the others are
+    still reported and written); 2 for a bad inventory or option.
+    """
+    from hetctl.errors import ConfigError
+
+    if inventory is None:
+        raise ConfigError("no inventory given", "pass -i inventory.yaml (inventories/local.yaml is an example)")
+    from rich.markup import escape
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from hetctl.files.inventory import load_inventory
+    from hetctl.probe.gather import probe
+    from hetctl.files.yamlio import save_model, to_json
+
+    inv = load_inventory(inventory)
+    progress = Progress(
+        TextColumn("probing"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
+        TimeElapsedColumn(), console=err, transient=True,
+    )
+    with progress:
+        task = progress.add_task("", total=len(inv.nodes))
+
+        def done(name: str, facts) -> None:  # noqa: ANN001 - NodeFacts, imported lazily
+            mark = "" if facts.reachable else " (failed)"
+            progress.update(task, advance=1, description=escape(f"{name}{mark}"))
+
+        cluster = probe(inv, bench=bench, on_done=done)
+    if output:
+        save_model(output, cluster, header=f"hetctl probe -i {inventory}\nnodes: {len(cluster.nodes)}")
+    if json_out:
+        print_json(to_json(cluster))
+    else:
+        _print_probe(cluster, bench=bench)
+        if output:
+            err.print(text(f"wrote {output}"), highlight=False)
+    failed = [n.name for n in cluster.nodes if not n.reachable]
+    if failed:
+        err.print(text((f"{len(failed)} of {len(cluster.nodes)} node(s) did not answer:", "yellow"), f" {', '.join(failed)}"),
+                  highlight=False)
+        raise typer.Exit(1)
+
+
+def _fmt_tflops(t) -> str:  # noqa: ANN001 - Tflops
+    """The fastest dtype's figure (bf16 on accelerators; on CPUs often fp32)."""
+    known = [(getattr(t, d), d) for d in ("bf16", "fp16", "fp32") if t is not None and getattr(t, d) is not None]
+    if not known:
+        return "?"
+    value, dtype = max(known, key=lambda vd: vd[0])
+    return f"{value:.4g} {dtype}"
+
+
+def _print_probe(cluster, *, bench: bool) -> None:  # noqa: ANN001 - Cluster
+    """The probe table: one row per node and chip model, with footnotes for bench misses."""
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(title=f"{len(cluster.reachable_nodes())}/{len(cluster.nodes)} nodes answered")
+    for col in ("node", "vendor", "model", "chips", "memory", "TFLOPS (peak)" + (" / measured" if bench else ""), "NIC"):
+        table.add_column(col, justify="right" if col in ("chips", "memory") else "left")
+    notes = []
+    for node in cluster.nodes:
+        if not node.reachable:
+            table.add_row(Text(node.name), Text("unreachable", "red"), Text(str(node.error), "red"), "", "", "", "")
+            continue
+        nics = [n for n in node.nics if n.kind not in ("loopback", "other")]
+        best = max(nics, key=lambda n: n.speed_gbps or 0, default=None)
+        nic = f"{best.kind} {best.speed_gbps:g}G" if best and best.speed_gbps else (best.kind if best else "-")
+        if best and len(nics) > 1:
+            nic += f" (+{len(nics) - 1})"
+        groups: dict[tuple[str, str], list] = {}
+        for chip in node.chips:
+            groups.setdefault((chip.vendor, chip.model), []).append(chip)
+        for i, ((vendor, model), chips) in enumerate(groups.items()):
+            mem = chips[0].memory_gb
+            tf = _fmt_tflops(chips[0].tflops)
+            if node.tflops_override is not None:
+                tf = f"{node.tflops_override:g} (inventory)"
+            if bench:
+                measured = [c.measured_tflops for c in chips if c.measured_tflops is not None]
+                tf += f" / {_fmt_tflops(measured[0])}" if measured else " / -"
+            table.add_row(*(Text(cell) for cell in (  # outside strings: never markup
+                node.name if i == 0 else "", vendor, model, str(len(chips)),
+                f"{mem:g} GB" if mem is not None else "?", tf, nic if i == 0 else "",
+            )))
+        if bench and node.bench_error:
+            notes.append(f"{node.name}: not measured: {node.bench_error}")
+    out.print(table)
+    for note in notes:
+        out.print(text((note, "dim")), highlight=False)

@@ -1,0 +1,213 @@
+"""``hetctl launch``, ``demo`` and ``resume``: prepare a run, execute it under the live view, report."""
+
+from __future__ import annotations
+
+import typer
+
+from hetctl.cli import app, err, handle_errors, out, print_json, text
+
+
+# Fault-policy options shared by `launch` and `resume` (one definition, one help text).
+GRACE_OPT = typer.Option(5.0, "--grace", min=0.0, help="Seconds between SIGTERM and SIGKILL when stopping.")
+HANG_TIMEOUT_OPT = typer.Option(300.0, "--hang-timeout", min=0.5,
+                                help="Seconds without heartbeat progress before a rank counts as hung.")
+NODE_TIMEOUT_OPT = typer.Option(20.0, "--node-timeout", min=1.0,
+                                help="Seconds of silence from a node's agent before the node counts as lost.")
+MAX_NODE_FAILURES_OPT = typer.Option(3, "--max-node-failures", min=1,
+                                     help="Crashes or hangs on one node before it is marked abnormal and dropped.")
+REBALANCE_OPT = typer.Option(False, "--rebalance", help="Re-plan with measured stage speeds when a straggler persists.")
+
+
+@app.command("launch")
+@handle_errors
+def launch_cmd(
+    plan_dir: str = typer.Argument(..., help="Plan folder written by `hetctl plan` (or its plan.yaml)."),
+    inventory: str | None = typer.Option(None, "-i", "--inventory", help="Inventory YAML; default: the plan's."),
+    steps: int = typer.Option(100, "--steps", min=1, help="Optimizer steps to train."),
+    checkpoint_every: int = typer.Option(10, "--checkpoint-every", min=0, help="Checkpoint every K steps (0: none)."),
+    run_dir: str = typer.Option("runs", "--run-dir", help="Folder that receives runs/<run-id>/."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print every node's commands and environment; start nothing."),
+    json_out: bool = typer.Option(False, "--json", help="Print the summary (or the dry run) as JSON on stdout."),
+    master_port: int | None = typer.Option(None, "--master-port", min=1, max=65535,
+                                           help="Rendezvous port; default: a free port on rank 0's node."),
+    grace: float = GRACE_OPT,
+    entry: str | None = typer.Option(None, "--entry", help="What each rank runs after the node's python, e.g. "
+                                     "'train.py --lr 3e-4' or '-m mypkg.train' (a path on the node, relative to "
+                                     "its workdir); default: the reference trainer, -m hetctl.train."),
+    max_restarts: int = typer.Option(3, "--max-restarts", min=0,
+                                     help="Restarts after a crash or hang before giving up (node losses count apart)."),
+    hang_timeout: float = HANG_TIMEOUT_OPT,
+    node_timeout: float = NODE_TIMEOUT_OPT,
+    max_node_failures: int = MAX_NODE_FAILURES_OPT,
+    rebalance: bool = REBALANCE_OPT,
+) -> None:
+    """Start every rank of a plan through a per-node agent, show it live, keep it alive through faults."""
+    from hetctl.elastic import start as launcher
+    from hetctl.launch.controller import Thresholds
+
+    words = launcher.parse_entry(entry)
+    plan, inv, pf = launcher.load_plan_and_inventory(plan_dir, inventory, entry=words)
+    if dry_run:
+        spec = launcher.dry_run(plan, inv, steps=steps, checkpoint_every=checkpoint_every, run_root=run_dir,
+                                master_port=master_port, entry=words)
+        if json_out:
+            import json
+
+            print_json(json.dumps(spec.to_dict(), indent=2))
+        else:
+            _print_dry_run(spec)
+        return
+    warning = launcher.checkpoint_warning(inv, plan)
+    if warning:
+        err.print(text(("warning:", "yellow"), " ", warning), highlight=False, soft_wrap=True)
+    prepared = launcher.prepare_launch(
+        plan, inv, run_root=run_dir, plan_path=pf, steps=steps, checkpoint_every=checkpoint_every, entry=words,
+        policy=_policy(max_restarts, max_node_failures, rebalance),
+        thresholds=Thresholds(grace_s=grace, hang_timeout=hang_timeout, node_timeout=node_timeout),
+    )
+    _finish_launch(_run_live(prepared), json_out)
+
+
+@app.command("demo")
+@handle_errors
+def demo_cmd(
+    directory: str = typer.Option("hetctl-demo", "--dir", help="Folder for the demo's inventory, plan and runs."),
+    steps: int = typer.Option(40, "--steps", min=1, help="Optimizer steps to train."),
+    checkpoint_every: int = typer.Option(10, "--checkpoint-every", min=0, help="Checkpoint every K steps."),
+    json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON on stdout."),
+    inject_failure: bool = typer.Option(True, "--inject-failure/--no-inject-failure",
+                                        help="kill -9 one rank half-way, to show detection and recovery."),
+) -> None:
+    """The whole flow on this machine: three local nodes, probe, plan `tiny`, launch, summary."""
+    from pathlib import Path
+
+    from hetctl.cli import demo
+    from hetctl.elastic import start as launcher
+    from hetctl.launch.controller import Thresholds
+
+    inv_path = demo.write_inventory(directory)
+    err.print(text(("1/3 probe", "bold"), f" {inv_path}"), highlight=False)
+    inv, cluster = demo.probe_nodes(inv_path)
+    for n in cluster.nodes:
+        err.print(text(f"  {n.name}: {len(n.chips)} × {n.chips[0].model if n.chips else '?'}, "
+                       f"{n.tflops_override or '?'} TFLOPS (inventory override)"), highlight=False)
+    err.print(text(("2/3 plan", "bold"), " tiny"), highlight=False)
+    plan, plan_path = demo.plan_tiny(directory, cluster)
+    for s in plan.stages:
+        err.print(text(f"  stage {s.stage} on {s.node}: layers {s.layers[0]}:{s.layers[1]}"), highlight=False)
+    err.print(text(("3/3 launch", "bold"), f" {steps} steps"), highlight=False)
+    prepared = launcher.prepare_launch(
+        plan, inv, run_root=Path(directory) / "runs", plan_path=plan_path, steps=steps,
+        checkpoint_every=checkpoint_every, policy=_policy(max_restarts=3, max_node_failures=3, rebalance=False),
+        thresholds=Thresholds(grace_s=3.0),
+    )
+    listeners = []
+    if inject_failure:
+        from hetctl.launch.inject import KillAtStep
+
+        victim = max(r.rank for r in plan.ranks) if len(plan.ranks) > 1 else 0
+        at = max(1, steps // 2)
+        err.print(f"  a failure will be injected: rank {victim} gets kill -9 once the run passes step {at} "
+                  "(--no-inject-failure for a clean run)", highlight=False, soft_wrap=True)
+        listeners.append(KillAtStep(prepared.run.run_id, victim, at, on_fire=lambda line: err.print(
+            text((line, "bold magenta")), highlight=False)))
+    _finish_launch(_run_live(prepared, listeners=listeners), json_out)
+
+
+def _run_live(prepared, listeners=()):  # noqa: ANN001, ANN202 - Prepared → RunResult
+    """Execute a prepared run under the live view (on stderr, so stdout stays clean for --json).
+
+    SIGINT/SIGTERM stop it cleanly; ``listeners`` also get every event.
+    """
+    from hetctl.cli.live import LiveView
+    from hetctl.elastic.loop import ElasticRun
+    from hetctl.elastic.start import stop_on_signals
+
+    with LiveView(err, title=f"run {prepared.run.run_id}") as view, stop_on_signals() as stop:
+        return ElasticRun(prepared).run(stop, listeners=[view.event, *listeners], on_update=view.update)
+
+
+def _policy(max_restarts: int, max_node_failures: int, rebalance: bool):  # noqa: ANN202
+    from hetctl.elastic.policy import PolicyConfig
+
+    return PolicyConfig(max_restarts=max_restarts, max_node_failures=max_node_failures, rebalance=rebalance)
+
+
+def _finish_launch(result, json_out: bool) -> None:  # noqa: ANN001
+    """Summary on stdout; exit 0 only on success (3: could not start, 5: failed, 130: stopped)."""
+    from hetctl.errors import RunFailed
+
+    s = result.summary
+    if json_out:
+        print_json(s.model_dump_json(indent=2))
+    else:
+        loss = "-" if s.first_loss is None else f"{s.first_loss:.4f} → {s.final_loss:.4f}"
+        tps = "-" if s.tokens_per_s is None else f"{s.tokens_per_s:,.0f}"
+        colour = {"succeeded": "green", "failed": "red", "stopped": "yellow"}.get(s.state, "")
+        out.print(text((s.state, f"bold {colour}"), f"  run {s.run_id}  steps {s.steps}  loss {loss}  tokens/s {tps}  "
+                       f"attempts {s.attempts}  restarts {s.restarts}"), highlight=False, soft_wrap=True)
+        out.print(text(f"run folder: {s.run_dir}"), highlight=False, soft_wrap=True)
+        if s.reason and s.state != "succeeded":
+            out.print(text(f"reason: {s.reason}"), highlight=False, soft_wrap=True)
+    if s.state != "succeeded":
+        err.print(text(("continue with:", "dim"), f" hetctl resume {s.run_dir}"), highlight=False, soft_wrap=True)
+        raise typer.Exit(130 if s.state == "stopped" else RunFailed.exit_code)
+
+
+def _print_dry_run(spec) -> None:  # noqa: ANN001 - LaunchSpec
+    """Per node: the agent command, then each rank's argv and environment (secrets masked)."""
+    import shlex
+
+    from hetctl.launch.materialize import mask_env
+
+    out.print(text(("dry run", "bold"), f": attempt {spec.attempt}, {sum(len(n.ranks) for n in spec.nodes)} ranks on "
+              f"{len(spec.nodes)} nodes; rendezvous {spec.master_addr}:{spec.master_port}; "
+              f"checkpoints {spec.ckpt_dir}; nothing started"), highlight=False, soft_wrap=True)
+    for n in spec.nodes:
+        out.print(text("\n", (n.node, "bold"), f" ({n.transport} {n.host}, workdir {n.workdir})"), highlight=False)
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in mask_env(n.env).items())
+        out.print(text(f"  agent: {env + ' ' if env else ''}{shlex.join(n.agent_argv)}"), highlight=False,
+                  soft_wrap=True)
+        for r in n.ranks:
+            out.print(text(f"  rank {r.rank} (replica {r.replica}, stage {r.stage}, "
+                           f"layers {r.layers[0]}:{r.layers[1]}):"), highlight=False)
+            for k in sorted(r.env):
+                out.print(text(f"    {k}={shlex.quote(r.env[k])}"), highlight=False, soft_wrap=True)
+            out.print(text(f"    {shlex.join(r.argv)}"), highlight=False, soft_wrap=True)
+
+
+@app.command("resume")
+@handle_errors
+def resume_cmd(
+    run_dir: str = typer.Argument(..., help="The run folder, runs/<run-id>."),
+    inventory: str | None = typer.Option(None, "-i", "--inventory", help="Inventory YAML; default: the run's."),
+    steps: int | None = typer.Option(None, "--steps", min=1, help="Total steps to reach; default: the run's."),
+    json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON on stdout."),
+    grace: float = GRACE_OPT,
+    max_restarts: int = typer.Option(3, "--max-restarts", min=0,
+                                     help="Restarts after a crash or hang before giving up (a fresh budget)."),
+    hang_timeout: float = HANG_TIMEOUT_OPT,
+    node_timeout: float = NODE_TIMEOUT_OPT,
+    max_node_failures: int = MAX_NODE_FAILURES_OPT,
+    rebalance: bool = REBALANCE_OPT,
+) -> None:
+    """Continue a stopped, killed or failed run from its newest valid checkpoint, on a fresh plan."""
+    from hetctl.elastic.resume import begin, prepare
+    from hetctl.launch.controller import Thresholds
+
+    err.print(text(("resume", "bold"), f" {run_dir}: checking for live ranks, checkpoints, re-probing"),
+              highlight=False)
+    prep = prepare(run_dir, inventory=inventory, steps=steps, wait_s=grace + 10.0,
+                   policy=_policy(max_restarts, max_node_failures, rebalance),
+                   thresholds=Thresholds(grace_s=grace, hang_timeout=hang_timeout, node_timeout=node_timeout))
+    for s in prep.checkpoint.skipped:
+        err.print(text(("warning:", "yellow"), f" checkpoint step {s.step} skipped: {'; '.join(s.problems)}"),
+                  highlight=False, soft_wrap=True)
+    if prep.unchecked:
+        err.print(text(("warning:", "yellow"), f" could not check for live ranks on {', '.join(prep.unchecked)} "
+                       "(unreachable); they are left out of the new plan"), highlight=False, soft_wrap=True)
+    nodes = ", ".join(dict.fromkeys(r.node for r in prep.plan.ranks))
+    err.print(text(f"  attempt {prep.first_attempt} from step {prep.resume_step} to {prep.info.inputs.steps} "
+                   f"on {nodes}"), highlight=False, soft_wrap=True)
+    begin(prep)
+    _finish_launch(_run_live(prep), json_out)
