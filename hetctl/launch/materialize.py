@@ -94,6 +94,9 @@ class LaunchSpec:
     def rank(self, r: int) -> RankLaunch:
         return next(x for n in self.nodes for x in n.ranks if x.rank == r)
 
+    def node(self, name: str) -> NodeLaunch:
+        return next(n for n in self.nodes if n.node == name)
+
     def to_dict(self, mask_secrets: bool = True) -> dict[str, Any]:
         """Plain data for ``--dry-run`` and ``--json``; inventory env values that look secret are masked."""
         d = asdict(self)

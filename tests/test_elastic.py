@@ -1,0 +1,214 @@
+"""The elastic run (``hetctl.elastic.loop.ElasticRun``) with a scripted attempt function.
+
+Everything above one attempt is real: the policy, the loop, ``run.yaml`` and
+``events.jsonl`` in a real run folder, checkpoint manifests on disk (written by
+the same code the trainer uses), the planner for re-plans, and the CLI's closing
+lines. Only the attempts are scripted, so each test states a whole failure story
+and checks what the user and ``hetctl resume`` would see.
+"""
+
+from __future__ import annotations
+
+import pytest
+import typer
+
+from hetctl.elastic.loop import ElasticRun, Prepared
+from hetctl.elastic.policy import PolicyConfig
+from hetctl.elastic.start import prepare_launch
+from hetctl.errors import StartFailed
+from hetctl.files.cluster import Chip, Cluster, NodeFacts
+from hetctl.files.events import EVENT_TYPES, parse_event, read_events
+from hetctl.files.inventory import Inventory, Node
+from hetctl.files.yamlio import save_model
+from hetctl.launch.outcome import AttemptOutcome, FailureRecord, FaultKind, RunState
+from hetctl.node import manifest
+from hetctl.plan.models import load_model as load_spec
+from hetctl.plan.planner import plan_cluster
+from hetctl.plan.search import Pins
+
+
+def cpu_cluster(*names: str) -> Cluster:
+    return Cluster(nodes=[NodeFacts(name=n, host=n, tflops_override=1.0, memory_gb=16.0,
+                                    chips=[Chip(index=0, vendor="cpu", model="cpu", memory_gb=16.0)])
+                          for n in names])
+
+
+@pytest.fixture
+def site(tmp_path):
+    """A three-node cluster file, its plan (PP=3) and a prepared run whose checkpoints go to tmp_path/ck."""
+    cl = cpu_cluster("a", "b", "c")
+    cluster_file = tmp_path / "cluster.yaml"
+    save_model(cluster_file, cl)
+    plan = plan_cluster(cl, load_spec("tiny"), pins=Pins(pp=3, dp=1), cluster_path=str(cluster_file))
+    inv = Inventory(checkpoint_dir=str(tmp_path / "ck"), nodes=[Node(name=n, host=n) for n in ("a", "b", "c")])
+    return tmp_path, plan, inv
+
+
+def prepared(site, **policy) -> Prepared:
+    tmp_path, plan, inv = site
+    return prepare_launch(plan, inv, run_root=tmp_path / "runs", plan_path=None, steps=20, checkpoint_every=4,
+                          policy=PolicyConfig(**policy))
+
+
+class Script:
+    """The attempts, in order: each a function of the request returning an outcome (or raising)."""
+
+    def __init__(self, *steps):
+        self.steps = list(steps)
+        self.requests = []
+
+    def __call__(self, req, **kwargs):
+        self.requests.append(req)
+        return self.steps.pop(0)(req)
+
+
+def ok(last=20, loss=1.5, first=5.0, stage_ms=None):
+    return lambda req: AttemptOutcome(RunState.SUCCEEDED, last_step=last, final_loss=loss, first_loss=first,
+                                      tokens_per_s=1000.0, stage_step_ms=stage_ms or {})
+
+
+def crash(node="b", rank=1, last=7, first=5.0):
+    return lambda req: AttemptOutcome(RunState.FAILED, last_step=last, first_loss=first, final_loss=3.0,
+                                      failures=[FailureRecord(FaultKind.CRASH, node, 0.0, rank=rank, exit_code=1,
+                                                              reason="exit code 1")])
+
+
+def write_checkpoint(ck_dir, step, plan, corrupt=False):
+    d = manifest.step_dir(ck_dir, step)
+    d.mkdir(parents=True)
+    (d / "layer-0.pt").write_bytes(b"weights %d" % step)
+    manifest.write_manifest(d, step, manifest.model_digest(plan.model.model_dump()))
+    if corrupt:  # same size, other bytes: only the checksum can tell
+        (d / "layer-0.pt").write_bytes(b"weights %d" % (step + 1))
+
+
+def test_restarts_used_up_fail_with_exit_5_and_the_resume_line(site, capsys):
+    prep = prepared(site, max_restarts=1, max_node_failures=9)
+    script = Script(crash(), crash(last=9))
+    result = ElasticRun(prep, attempt_fn=script).run()
+    s = result.summary
+    assert s.state == "failed" and s.attempts == 2 and s.restarts == 1
+    assert "restarts used up (1/1)" in s.reason
+    info = prep.run.load_info()
+    assert info.state == "failed" and info.tally["restarts"] == 1 and info.tally["node_failures"] == {"b": 2}
+    kinds = [e["kind"] for e in read_events(prep.run.events_path)]
+    assert kinds == ["checkpoint_unseen", "restart", "gave_up", "failed"]
+    from hetctl.cli.run import _finish_launch
+
+    with pytest.raises(typer.Exit) as e:
+        _finish_launch(result, json_out=False)
+    assert e.value.exit_code == 5
+    assert f"hetctl resume {s.run_dir}" in capsys.readouterr().err
+
+
+def test_a_corrupt_newest_checkpoint_is_skipped_and_the_restart_uses_the_one_before(site):
+    tmp_path, plan, _ = site
+    prep = prepared(site)
+    ck = prep.info.inputs.checkpoint_dir
+    write_checkpoint(ck, 4, plan)
+    write_checkpoint(ck, 8, plan, corrupt=True)
+    script = Script(crash(last=9), ok())
+    result = ElasticRun(prep, attempt_fn=script).run()
+    assert result.summary.state == "succeeded"
+    assert [r.resume_step for r in script.requests] == [0, 4]
+    events = read_events(prep.run.events_path)
+    skipped = [e for e in events if e["kind"] == "checkpoint_skipped"]
+    assert [e["step"] for e in skipped] == [8] and "layer-0.pt" in " ".join(skipped[0]["problems"])
+    assert [e["resume_step"] for e in events if e["kind"] == "restart"] == [4]
+
+
+def test_losses_carry_across_attempts_and_an_attempt_that_trains_nothing_keeps_the_last_loss(site):
+    prep = prepared(site)
+    write_checkpoint(prep.info.inputs.checkpoint_dir, 20, site[1])
+    # attempt 0 reaches step 20 and reports its loss, then crashes; attempt 1 resumes at 20: nothing to train
+    finished_then_crashed = lambda req: AttemptOutcome(  # noqa: E731
+        RunState.FAILED, last_step=20, first_loss=5.0, final_loss=1.25,
+        failures=[FailureRecord(FaultKind.CRASH, "c", 0.0, rank=2, reason="exit code 1")])
+    nothing_left = lambda req: AttemptOutcome(RunState.SUCCEEDED, last_step=20)  # noqa: E731
+    result = ElasticRun(prep, attempt_fn=Script(finished_then_crashed, nothing_left)).run()
+    s = result.summary
+    assert (s.state, s.first_loss, s.final_loss, s.steps) == ("succeeded", 5.0, 1.25, 20)
+
+
+def test_a_rebalance_replans_with_measured_speeds_and_reports_the_speedup(site):
+    tmp_path, plan, _ = site
+    prep = prepared(site, rebalance=True)
+    slow = plan.stages[1].node
+    straggling = lambda req: AttemptOutcome(  # noqa: E731
+        RunState.FAILED, last_step=6, first_loss=5.0,
+        stage_step_ms={(0, 0): 100.0, (0, 1): 400.0, (0, 2): 100.0},
+        failures=[FailureRecord(FaultKind.STRAGGLER, slow, 0.0, reason="stage 1 is 4.00x slower")])
+    script = Script(straggling, ok(stage_ms={(0, 0): 150.0, (0, 1): 200.0, (0, 2): 160.0}))
+    result = ElasticRun(prep, attempt_fn=script).run()
+    assert result.summary.state == "succeeded"
+    before, after = script.requests[0].plan, script.requests[1].plan
+    layers = lambda p, node: sum(s.layers[1] - s.layers[0] for s in p.stages if s.node == node)  # noqa: E731
+    assert layers(after, slow) < layers(before, slow)
+    events = {e["kind"]: e for e in read_events(prep.run.events_path)}
+    assert events["replan"]["measured"] is True
+    # speed = (best measured/planned ratio) / (this node's ratio): the slow node ran 4x its peers' ms
+    planned = {(s.replica, s.stage): s.est_ms for s in before.stages}
+    ratio = {k: ms / planned[k] for k, ms in {(0, 0): 100.0, (0, 1): 400.0, (0, 2): 100.0}.items()}
+    assert events["replan_layout"]["speed_factors"][slow] == pytest.approx(min(ratio.values()) / ratio[(0, 1)],
+                                                                           abs=1e-3)
+    assert events["rebalanced"]["speedup"] == pytest.approx(400.0 / 200.0)
+    assert prep.run.attempts() == [0, 1] and prep.run.load_plan(1).stages == after.stages
+
+
+def test_a_node_that_cannot_start_later_is_dropped_but_on_the_first_attempt_it_is_the_users_error(site):
+    prep = prepared(site, max_node_failures=9)
+    lost_c = lambda req: AttemptOutcome(  # noqa: E731
+        RunState.FAILED, last_step=3, failures=[FailureRecord(FaultKind.NODE_LOST, "c", 0.0, reason="gone")])
+
+    def cannot_start_b(req):
+        raise StartFailed("cannot launch on node b: python missing",
+                          failures=[FailureRecord(FaultKind.START, "b", 0.0, reason="python missing")])
+
+    script = Script(lost_c, cannot_start_b, ok())
+    result = ElasticRun(prep, attempt_fn=script).run()
+    assert result.summary.state == "succeeded"
+    assert [sorted({r.node for r in q.plan.ranks}) for q in script.requests] == [["a", "b", "c"], ["a", "b"], ["a"]]
+
+    first = prepared(site)
+    with pytest.raises(StartFailed, match="python missing"):
+        ElasticRun(first, attempt_fn=Script(cannot_start_b)).run()
+    info = first.run.load_info()
+    assert info.state == "failed" and info.summary.reason == "cannot launch on node b: python missing"
+
+
+def test_a_user_stop_ends_stopped_without_a_restart(site):
+    prep = prepared(site)
+    result = ElasticRun(prep, attempt_fn=Script(lambda req: AttemptOutcome(RunState.STOPPED, last_step=2))).run()
+    assert result.summary.state == "stopped"
+    assert [e["kind"] for e in read_events(prep.run.events_path)] == ["stopped"]
+
+
+def test_every_event_kind_round_trips_through_its_model(site):
+    """What the loop and the controller write is what the typed models read back, for every kind."""
+    import dataclasses
+    import typing
+
+    samples = {int: 3, float: 1.5, str: "x", bool: True}
+    for kind, cls in EVENT_TYPES.items():
+        values = {}
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            hint = hints[f.name]
+            origin = typing.get_origin(hint)
+            if hint in samples:
+                values[f.name] = samples[hint]
+            elif origin is list:
+                values[f.name] = []
+            elif origin is dict:
+                values[f.name] = {"n": 1.0}
+            else:  # X | None
+                inner = [a for a in typing.get_args(hint) if a is not type(None)][0]
+                values[f.name] = samples.get(inner)
+        ev = cls(**values)
+        from hetctl.files.events import EventLog
+
+        path = site[0] / f"{kind}.jsonl"
+        with EventLog(path) as log:
+            log.emit(ev)
+        (line,) = read_events(path)
+        assert line["kind"] == kind and parse_event(line) == ev
