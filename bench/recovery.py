@@ -93,7 +93,7 @@ def setup(tmp: Path) -> tuple[Path, Plan]:
     return inv_path, plan
 
 
-def poll(fn, what: str, proc: subprocess.Popen, timeout: float = 300.0, every: float = 0.002):  # noqa: ANN001, ANN201
+def poll(fn, what: str, proc: subprocess.Popen, timeout: float = 300.0, every: float = 0.002):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         v = fn()

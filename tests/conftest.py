@@ -56,7 +56,7 @@ def _isolated_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest
 
 
 @pytest.fixture(scope="session")
-def sshd_cluster(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+def sshd_cluster(tmp_path_factory: pytest.TempPathFactory):
     cluster = SshdCluster(tmp_path_factory.mktemp("sshd-shared"), 3).start()
     try:
         yield cluster

@@ -45,7 +45,7 @@ class AgentProc:
         self.p.stdin.write((json.dumps(obj) + "\n").encode())
         self.p.stdin.flush()
 
-    def wait_for(self, pred, timeout: float = 20.0) -> dict:  # noqa: ANN001
+    def wait_for(self, pred, timeout: float = 20.0) -> dict:
         deadline = time.monotonic() + timeout
         with self.cond:
             while True:

@@ -148,7 +148,7 @@ class Launch:
         self.run_id = self.run.name
         self.ckpt = self.d / "shared-ckpt" / self.run_id
 
-    def _wait(self, fn, what: str, timeout: float = 120):  # noqa: ANN001, ANN202
+    def _wait(self, fn, what: str, timeout: float = 120):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             v = fn()

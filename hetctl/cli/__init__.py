@@ -51,7 +51,7 @@ def handle_errors(fn: F) -> F:
     """Render HetctlError as one red line plus a hint, and exit with its code."""
 
     @functools.wraps(fn)
-    def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
         except HetctlError as e:

@@ -58,7 +58,7 @@ def plan_cmd(
               highlight=False)
 
 
-def _print_plan(plan, *, explain: bool) -> None:  # noqa: ANN001 - Plan, imported lazily
+def _print_plan(plan, *, explain: bool) -> None:
     from hetctl.cli.planview import estimate_table, explanations, stage_table, warnings
 
     out.print(stage_table(plan))

@@ -41,7 +41,7 @@ def probe_cmd(
     with progress:
         task = progress.add_task("", total=len(inv.nodes))
 
-        def done(name: str, facts) -> None:  # noqa: ANN001 - NodeFacts, imported lazily
+        def done(name: str, facts) -> None:
             mark = "" if facts.reachable else " (failed)"
             progress.update(task, advance=1, description=escape(f"{name}{mark}"))
 
@@ -61,7 +61,7 @@ def probe_cmd(
         raise typer.Exit(1)
 
 
-def _fmt_tflops(t) -> str:  # noqa: ANN001 - Tflops
+def _fmt_tflops(t) -> str:
     """The fastest dtype's figure (bf16 on accelerators; on CPUs often fp32)."""
     known = [(getattr(t, d), d) for d in ("bf16", "fp16", "fp32") if t is not None and getattr(t, d) is not None]
     if not known:
@@ -70,7 +70,7 @@ def _fmt_tflops(t) -> str:  # noqa: ANN001 - Tflops
     return f"{value:.4g} {dtype}"
 
 
-def _print_probe(cluster, *, bench: bool) -> None:  # noqa: ANN001 - Cluster
+def _print_probe(cluster, *, bench: bool) -> None:
     """The probe table: one row per node and chip model, with footnotes for bench misses."""
     from rich.table import Table
     from rich.text import Text

@@ -114,7 +114,7 @@ def demo_cmd(
     _finish_launch(_run_live(prepared, listeners=listeners), json_out)
 
 
-def _run_live(prepared, listeners=()):  # noqa: ANN001, ANN202 - Prepared → RunResult
+def _run_live(prepared, listeners=()):
     """Execute a prepared run under the live view (on stderr, so stdout stays clean for --json).
 
     SIGINT/SIGTERM stop it cleanly; ``listeners`` also get every event.
@@ -127,13 +127,13 @@ def _run_live(prepared, listeners=()):  # noqa: ANN001, ANN202 - Prepared → Ru
         return ElasticRun(prepared).run(stop, listeners=[view.event, *listeners], on_update=view.update)
 
 
-def _policy(max_restarts: int, max_node_failures: int, rebalance: bool):  # noqa: ANN202
+def _policy(max_restarts: int, max_node_failures: int, rebalance: bool):
     from hetctl.elastic.policy import PolicyConfig
 
     return PolicyConfig(max_restarts=max_restarts, max_node_failures=max_node_failures, rebalance=rebalance)
 
 
-def _finish_launch(result, json_out: bool) -> None:  # noqa: ANN001
+def _finish_launch(result, json_out: bool) -> None:
     """Summary on stdout; exit 0 only on success (3: could not start, 5: failed, 130: stopped)."""
     from hetctl.errors import RunFailed
 
@@ -154,7 +154,7 @@ def _finish_launch(result, json_out: bool) -> None:  # noqa: ANN001
         raise typer.Exit(130 if s.state == "stopped" else RunFailed.exit_code)
 
 
-def _print_dry_run(spec) -> None:  # noqa: ANN001 - LaunchSpec
+def _print_dry_run(spec) -> None:
     """Per node: the agent command, then each rank's argv and environment (secrets masked)."""
     import shlex
 

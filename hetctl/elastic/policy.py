@@ -222,7 +222,7 @@ def decide(outcome: AttemptOutcome, tally: Tally, config: PolicyConfig, *, attem
     return Decision(Action.RESTART, describe(root))
 
 
-def _unique(items) -> list[str]:  # noqa: ANN001
+def _unique(items) -> list[str]:
     seen: list[str] = []
     for x in items:
         if x not in seen:

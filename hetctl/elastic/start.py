@@ -21,7 +21,6 @@ from hetctl.errors import ConfigError
 from hetctl.files.plan import Plan
 from hetctl.launch import materialize as mat
 from hetctl.launch.controller import Thresholds
-from hetctl.files.events import EventLog
 from hetctl.files.run import RunDir, RunInfo, RunInputs
 from hetctl.elastic.loop import Prepared
 from hetctl.elastic.policy import PolicyConfig
@@ -135,7 +134,7 @@ def stop_on_signals() -> Iterator[threading.Event]:
         yield stop
         return
 
-    def handler(signum: int, frame: Any) -> None:  # noqa: ARG001
+    def handler(signum: int, frame: Any) -> None:
         if stop.is_set():
             raise KeyboardInterrupt
         stop.set()

@@ -114,7 +114,7 @@ class StragglerWatch:
         self._fresh: set[tuple[int, int]] = set()
 
     @classmethod
-    def from_plan(cls, plan, **kwargs) -> "StragglerWatch":  # noqa: ANN001 - Plan, kept import-free
+    def from_plan(cls, plan, **kwargs) -> "StragglerWatch":
         """Build from a :class:`hetctl.files.plan.Plan`'s stages."""
         planned = {(s.replica, s.stage): s.est_ms for s in plan.stages}
         nodes = {(s.replica, s.stage): s.node for s in plan.stages}
@@ -203,7 +203,7 @@ def predicted_gain(old: StageLayout, new: StageLayout, measured_ms: Mapping[tupl
     return current / predicted if predicted > 0 else 1.0
 
 
-def layout_of(plan) -> list[tuple[int, int, str, tuple[int, int]]]:  # noqa: ANN001 - Plan
+def layout_of(plan) -> list[tuple[int, int, str, tuple[int, int]]]:
     """A plan's stages as ``(replica, stage, node, layers)`` for :func:`predicted_gain`."""
     return [(s.replica, s.stage, s.node, tuple(s.layers)) for s in plan.stages]
 

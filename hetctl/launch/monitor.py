@@ -308,7 +308,7 @@ class Monitor:
         text = self._lost_tail(node) if self._lost_tail else ""
         return f": {text.splitlines()[-1]}" if text else ""
 
-    def _log_file(self, rank: int):  # noqa: ANN202 - a text file
+    def _log_file(self, rank: int):
         """The rank's log in the run folder, opened (and headed) on first use; all attempts append."""
         f = self._logs.get(rank)
         if f is None:

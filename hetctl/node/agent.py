@@ -99,12 +99,12 @@ def proc_state(pid: int) -> str:
 class Emitter:
     """Writes events to stdout, one JSON line each; remembers when the reader is gone."""
 
-    def __init__(self, stream) -> None:  # noqa: ANN001 - a binary file
+    def __init__(self, stream) -> None:
         self._stream = stream
         self._lock = threading.Lock()
         self.broken = False
 
-    def __call__(self, ev: str, **fields) -> bool:  # noqa: ANN003
+    def __call__(self, ev: str, **fields) -> bool:
         if self.broken:
             return False
         line = json.dumps({"ev": ev, "t": time.time(), **fields}, separators=(",", ":")) + "\n"
@@ -120,7 +120,7 @@ class Emitter:
 class RankProc:
     """One spawned rank: its process, its log pump and its pending forwarded lines."""
 
-    def __init__(self, spec: dict, proc: subprocess.Popen, log) -> None:  # noqa: ANN001
+    def __init__(self, spec: dict, proc: subprocess.Popen, log) -> None:
         self.rank = int(spec["rank"])
         self.heartbeat = spec.get("heartbeat")
         self.proc = proc
@@ -188,7 +188,7 @@ class RankProc:
 class Agent:
     """The agent's state and its single-threaded control loop (threads only feed the queue)."""
 
-    def __init__(self, stdin, stdout) -> None:  # noqa: ANN001
+    def __init__(self, stdin, stdout) -> None:
         self.events: queue.SimpleQueue = queue.SimpleQueue()  # reentrant: safe from signal handlers
         self.emit = Emitter(stdout)
         self.stdin = stdin
@@ -215,7 +215,7 @@ class Agent:
     def _wait_rank(self, rp: RankProc) -> None:
         self.events.put(("exit", (rp.rank, rp.proc.wait())))
 
-    def _on_signal(self, signum: int, frame) -> None:  # noqa: ANN001, ARG002
+    def _on_signal(self, signum: int, frame) -> None:
         self.events.put(("signal", signum))
 
     # -- actions -------------------------------------------------------------
@@ -240,7 +240,7 @@ class Agent:
                     pass
             log = open(spec["log"], "ab") if spec.get("log") else open(os.devnull, "wb")  # noqa: SIM115
             try:
-                proc = subprocess.Popen(  # noqa: S603 - argv list from the controller, no shell
+                proc = subprocess.Popen(
                     argv,
                     env=env,
                     cwd=spec.get("cwd") or None,
@@ -248,7 +248,7 @@ class Agent:
                     stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
-                    preexec_fn=self.hook,  # noqa: PLW1509 - one pre-resolved foreign call, see _death_signal_hook
+                    preexec_fn=self.hook,
                 )
             except OSError as e:
                 log.write(f"hetctl agent: cannot start {argv[0]}: {e.strerror}\n".encode())

@@ -70,7 +70,7 @@ class _Pipe(io.RawIOBase):
     def feed(self, line: bytes | None) -> None:
         self._q.put(line)
 
-    def readline(self, size: int = -1) -> bytes:  # noqa: ARG002 - one whole line, as the controller reads
+    def readline(self, size: int = -1) -> bytes:
         if self._closed:
             return b""
         line = self._q.get()

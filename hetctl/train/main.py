@@ -51,7 +51,7 @@ def parse_args(argv: list[str] | None, env: os._Environ | dict) -> argparse.Name
     return args
 
 
-def _device(topo, torch):  # noqa: ANN001, ANN202 - torch passed in so the module imports without it
+def _device(topo, torch):
     if topo.device_type == "cpu":
         return torch.device("cpu")
     plugin = DEVICE_PLUGINS.get(topo.device_type)
@@ -73,7 +73,7 @@ def _device(topo, torch):  # noqa: ANN001, ANN202 - torch passed in so the modul
     return torch.device(topo.device_type, index)
 
 
-def _default_backend(topo) -> str:  # noqa: ANN001
+def _default_backend(topo) -> str:
     """gloo for CPU tensors plus the vendor library for device tensors, when any link or group uses one."""
     vendor = {b for b in (topo.backend, topo.backend_prev, topo.backend_next) if b and b != "gloo"}
     if topo.device_type == "cpu" or not vendor:
