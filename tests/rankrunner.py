@@ -79,19 +79,20 @@ class Ranks:
         self.procs: dict[int, subprocess.Popen] = {}
 
     def env(self, r: dict[str, Any], port: int) -> dict[str, str]:
-        stage = next(s for s in self.plan["stages"] if s["replica"] == r["replica"] and s["stage"] == r["stage"])
-        base = {k: v for k, v in os.environ.items() if not k.startswith("HETCTL_")
-                and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-        base.update({
-            "RANK": str(r["rank"]), "WORLD_SIZE": str(len(self.plan["ranks"])),
-            "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-            "HETCTL_RUN_ID": self.run_id, "HETCTL_ATTEMPT": str(self.attempt), "HETCTL_PLAN": str(self.plan_path),
-            "HETCTL_STAGE": str(r["stage"]), "HETCTL_REPLICA": str(r["replica"]),
-            "HETCTL_LAYERS": f"{stage['layers'][0]}:{stage['layers'][1]}",
-            "HETCTL_DEVICE_TYPE": stage["device_type"], "HETCTL_BACKEND": stage["backend"],
-            "HETCTL_HEARTBEAT_FILE": str(self.heartbeat_path(r["rank"])), "HETCTL_CKPT_DIR": str(self.ckpt_dir),
-            "HETCTL_RESUME_STEP": str(self.resume_step or 0), "OMP_NUM_THREADS": "1",
-        })
+        """The rank contract exactly as ``hetctl launch`` builds it (:func:`hetctl.plan.rankenv.rank_env`)."""
+        from hetctl.files.plan import Plan
+        from hetctl.node.runtime import TRAIN_ENV
+        from hetctl.plan.rankenv import rank_env
+
+        contract = {k for k in TRAIN_ENV if not k.startswith("<")}
+        base = {k: v for k, v in os.environ.items() if k not in contract and not k.endswith("_VISIBLE_DEVICES")}
+        base.update(rank_env(
+            Plan.model_validate(self.plan), int(r["rank"]), master_addr="127.0.0.1", master_port=port,
+            run_id=self.run_id, attempt=self.attempt, plan_path=str(self.plan_path),
+            heartbeat_file=str(self.heartbeat_path(r["rank"])), ckpt_dir=str(self.ckpt_dir),
+            resume_step=self.resume_step or 0,
+        ))
+        base["OMP_NUM_THREADS"] = "1"
         return base
 
     def heartbeat_path(self, rank: int) -> Path:

@@ -130,7 +130,7 @@ def make_site(cluster: SshdCluster, d: Path) -> Path:
 
     facts = load_model(d / "cluster.yaml", Cluster)
     plan = plan_cluster(facts, load_spec("tiny"), pins=Pins(pp=2, dp=1), cluster_path=d / "cluster.yaml")
-    assert [s.node for s in plan.stages] == ["node-1", "node-2"] or len(plan.stages) == 2
+    assert sorted(s.node for s in plan.stages) == ["node-1", "node-2"]  # equal nodes: the first two, one stage each
     save_model(d / "plan" / "plan.yaml", plan)
     return d
 

@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hetctl.node import manifest as manifest
+from hetctl.errors import HetctlError
+from hetctl.node import manifest
 from hetctl.train.units import STATE, expected_files
 
 
@@ -85,7 +86,8 @@ def save(
         files.update(part or {})
     missing = expected_files(num_layers) - set(files)
     if missing:
-        raise RuntimeError(f"checkpoint step {step} lacks {sorted(missing)}: the plan's stages do not cover the model")
+        raise HetctlError(f"checkpoint step {step} lacks {', '.join(sorted(missing))}: the plan's stages do not "
+                          "cover the model's layers", "re-plan (`hetctl plan`) so that every layer has a stage")
     return manifest.write_manifest(d, step, digest, files=files, meta=meta)
 
 
