@@ -253,3 +253,14 @@ def test_bad_command_is_an_error_event_not_a_crash(agent):
     a.wait_for(lambda e: e["ev"] == "error" and "dance" in e["message"])
     a.send({"cmd": "stop"})
     a.wait_for(lambda e: e["ev"] == "stopped")
+
+
+def test_a_bad_rank_spec_is_named_without_its_environment(agent):
+    """The error event names the rank and its keys; the inventory's env values (secrets) never reach it."""
+    a = agent()
+    a.send({"cmd": "start", "ranks": [{"rank": 4, "env": {"HF_TOKEN": "hf_s3cr3t_value"}}]})  # no argv
+    ev = a.wait_for(lambda e: e["ev"] == "error")
+    assert "rank 4" in ev["message"] and "'argv'" in ev["message"]
+    assert "hf_s3cr3t_value" not in json.dumps(a.events)
+    a.send({"cmd": "stop"})
+    a.wait_for(lambda e: e["ev"] == "stopped")

@@ -212,3 +212,40 @@ def test_every_event_kind_round_trips_through_its_model(site):
             log.emit(ev)
         (line,) = read_events(path)
         assert line["kind"] == kind and parse_event(line) == ev
+
+
+def test_resume_keeps_measured_tflops_of_unchanged_chips(tmp_path):
+    """Re-probing (without --bench) must not make a node whose speed was only measured unplannable."""
+    from hetctl.elastic.replan import keep_measured
+    from hetctl.elastic.resume import prepare
+    from hetctl.files.cluster import Tflops
+    from hetctl.remote.testing import FakeFleet
+
+    def facts(measured: bool) -> Cluster:
+        return Cluster(nodes=[NodeFacts(name=n, host=n, memory_gb=16.0, chips=[Chip(
+            index=0, vendor="cpu", model="Xeon", memory_gb=16.0,
+            measured_tflops=Tflops(fp32=0.5) if measured else None)]) for n in ("a", "b")])
+
+    benched = facts(True)
+    fresh, carried = keep_measured(facts(False), benched)
+    assert carried == ["a", "b"] and all(n.chips[0].measured_tflops.fp32 == 0.5 for n in fresh.nodes)
+    changed = facts(False).model_copy(update={"nodes": [
+        n.model_copy(update={"chips": [n.chips[0].model_copy(update={"model": "EPYC"})]}) for n in facts(False).nodes]})
+    assert keep_measured(changed, benched)[1] == []  # another chip: measure again
+
+    cluster_file = tmp_path / "cluster.yaml"
+    save_model(cluster_file, benched)
+    plan = plan_cluster(benched, load_spec("tiny"), pins=Pins(pp=2, dp=1), cluster_path=str(cluster_file))
+    inv_file = tmp_path / "inventory.yaml"
+    inv_file.write_text(f"checkpoint_dir: {tmp_path / 'ck'}\nnodes:\n  - host: a\n  - host: b\n")
+    from hetctl.files.inventory import load_inventory
+
+    prep0 = prepare_launch(plan, load_inventory(inv_file), run_root=tmp_path / "runs", plan_path=None, steps=20,
+                           checkpoint_every=4)
+    crash_then_stop = Script(crash(node="a", rank=0), lambda req: AttemptOutcome(RunState.STOPPED, last_step=8))
+    write_checkpoint(prep0.info.inputs.checkpoint_dir, 8, plan)
+    ElasticRun(prep0, attempt_fn=crash_then_stop).run()
+
+    prep = prepare(prep0.run.path, connect=FakeFleet({}).connect, probe=lambda inv: facts(False), wait_s=0)
+    assert prep.resume_step == 8 and prep.first_attempt == 2
+    assert "measured TFLOPS kept from the run's cluster facts for a, b" in prep.plan.notes[0]

@@ -68,6 +68,34 @@ def survivors(cluster: Cluster, drop: Sequence[str], keep_only: Sequence[str] | 
     return cluster.model_copy(update={"nodes": nodes})
 
 
+def keep_measured(fresh: Cluster, before: Cluster | None) -> tuple[Cluster, list[str]]:
+    """Carry ``--bench`` figures from ``before`` into a fresh probe for chips that did not change.
+
+    A re-probe (``hetctl resume``) does not benchmark, so without this a node whose
+    TFLOPS were only ever measured (a CPU node, a chip missing from the spec table)
+    would become unplannable. A chip counts as unchanged when its node, index, vendor
+    and model are the same; anything else is measured again by ``probe --bench``.
+
+    Returns:
+        The cluster with the carried figures, and the names of the nodes that got them.
+    """
+    if before is None:
+        return fresh, []
+    old = {(n.name, c.index, c.vendor, c.model): c.measured_tflops
+           for n in before.nodes for c in n.chips if c.measured_tflops is not None}
+    nodes, carried = [], []
+    for n in fresh.nodes:
+        chips = []
+        for c in n.chips:
+            m = old.get((n.name, c.index, c.vendor, c.model))
+            chips.append(c.model_copy(update={"measured_tflops": m}) if m is not None and c.measured_tflops is None
+                         else c)
+        if chips != list(n.chips):
+            carried.append(n.name)
+        nodes.append(n.model_copy(update={"chips": chips}))
+    return fresh.model_copy(update={"nodes": nodes}), carried
+
+
 def with_speeds(cluster: Cluster, factors: Mapping[str, float]) -> Cluster:
     """Scale each node's chips to their measured relative speed (``measured_tflops``, and the
     inventory's ``tflops`` override when the node has one, since that figure wins in the planner).

@@ -224,7 +224,7 @@ def prepare(
         ResumeRefused, ConfigError, PlanInfeasible: with what to do next.
     """
     from hetctl.files.inventory import load_inventory
-    from hetctl.elastic.replan import replan
+    from hetctl.elastic.replan import keep_measured, replan
     from hetctl.files.run import RunDir
 
     run = RunDir.open(run_dir)
@@ -257,9 +257,11 @@ def prepare(
         from hetctl.probe.gather import probe as probe_inventory
 
         probe = probe_inventory
-    cluster = probe(inv)
+    cluster, carried = keep_measured(probe(inv), _cluster_before(run, done[-1], last, inv))
     down = [n.name for n in cluster.nodes if not n.reachable]
     why = "resumed" + (f"; unreachable now: {', '.join(down)}" if down else "")
+    if carried:
+        why += f"; measured TFLOPS kept from the run's cluster facts for {', '.join(carried)}"
     plan = replan(last, cluster, reason=why)
     attempt = done[-1] + 1
     opening: list = [CheckpointSkipped(step=s.step, path=str(s.path), problems=list(s.problems))
@@ -269,6 +271,25 @@ def prepare(
     return Prepared(run=run, info=info, inventory=inv, plan=plan, policy=policy or PolicyConfig(),
                     thresholds=thresholds or Thresholds(), first_attempt=attempt, resume_step=choice.step,
                     opening=opening, checkpoint=choice, unchecked=unchecked, cluster=cluster)
+
+
+def _cluster_before(run: Any, attempt: int, plan: Any, inventory: Any) -> Any:
+    """The cluster facts the run last planned from: the newest re-probe saved in the run, else the plan's file."""
+    from hetctl.elastic.replan import load_cluster
+    from hetctl.files.cluster import Cluster
+    from hetctl.files.yamlio import load_model
+
+    for n in range(attempt, -1, -1):
+        saved = run.attempt_dir(n) / "cluster.yaml"
+        if saved.is_file():
+            try:
+                return load_model(saved, Cluster, "cluster file")
+            except HetctlError:
+                break
+    try:
+        return load_cluster(plan, None, plan_file=Path(run.load_info().inputs.plan_dir or ".") / "plan.yaml")
+    except HetctlError:
+        return None
 
 
 def begin(prep: Prepared) -> None:

@@ -228,7 +228,10 @@ class Agent:
                 argv = [str(a) for a in spec["argv"]]
                 env = {**os.environ, **{str(k): str(v) for k, v in (spec.get("env") or {}).items()}}
             except (KeyError, TypeError, ValueError) as e:
-                self.emit("error", message=f"bad rank spec {spec!r}: {e}")
+                # Name the spec by its rank and keys only: its env holds the inventory's values (secrets).
+                keys = sorted(spec) if isinstance(spec, dict) else type(spec).__name__
+                who = spec.get("rank", "?") if isinstance(spec, dict) else "?"
+                self.emit("error", message=f"bad rank spec (rank {who}, keys {keys}): {type(e).__name__}: {e}")
                 continue
             for path in (spec.get("log"), spec.get("heartbeat")):
                 if path:
