@@ -31,7 +31,10 @@ from hetctl.files.plan import Plan
 
 REFERENCE_TRAINER = ("-m", "hetctl.train")
 PORT_AT_LAUNCH = "<free port on {node}, chosen at launch>"
-_SECRET = re.compile(r"(KEY|TOKEN|SECRET|PASSW|CREDENTIAL|AUTH)", re.IGNORECASE)
+# Names whose values are masked wherever hetctl shows an environment (--dry-run, --json): keys, tokens,
+# secrets, passwords, credentials, and URLs/DSNs (DATABASE_URL carries its password).
+_SECRET = re.compile(r"(KEY|TOKEN|SECRET|PASSW|PWD|CREDENTIAL|AUTH|COOKIE|SESSION|_URL$|_URI$|DSN|PRIVATE|CERT)",
+                     re.IGNORECASE)
 # Besides hetctl/node/ (all of it), what the zipapp carries: the package root, the
 # error tree and the vendor table that node code imports, and the public
 # ``hetctl.runtime`` a user's script imports on a node without hetctl installed.

@@ -9,6 +9,7 @@ and the local tests exercise the same quoting the remote path relies on.
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import signal
@@ -55,6 +56,24 @@ def shell_command(argv: Sequence[str], env: Mapping[str, str] | None = None, cwd
     parts.append(quote_path(argv[0]) if argv[0].startswith("~/") else shlex.quote(argv[0]))
     parts += [shlex.quote(a) for a in argv[1:]]
     return " ".join(parts)
+
+
+def env_on_stdin(python: str, argv: Sequence[str], env: Mapping[str, str] | None) -> tuple[list[str], bytes]:
+    """``argv`` wrapped so that ``env`` travels on stdin, never on a command line.
+
+    Returns the command to run (``python -c <hetctl/node/envexec.py> argv…`` when
+    there is an environment to pass, ``argv`` itself otherwise) and the bytes to
+    write first on its stdin. Every transport starts commands this way, so an
+    inventory's ``env:`` values (tokens, keys) cannot be read from ``ps`` on a node
+    or on the controller.
+    """
+    if not env:
+        return list(argv), b""
+    from importlib import resources
+
+    loader = resources.files("hetctl.node").joinpath("envexec.py").read_text()
+    line = json.dumps({str(k): str(v) for k, v in env.items()}, separators=(",", ":")) + "\n"
+    return [python, "-c", loader, *argv], line.encode()
 
 
 def _text(data: bytes | None) -> str:
@@ -114,9 +133,10 @@ class LocalTransport:
         self.spec = node
         self.node: str = node.name
 
-    def _argv(self, argv: Sequence[str], env: Mapping[str, str] | None, cwd: str | None) -> list[str]:
-        merged = {**self.spec.env, **(env or {})}
-        return ["/bin/sh", "-c", shell_command(argv, merged, cwd)]
+    def _argv(self, argv: Sequence[str], env: Mapping[str, str] | None, cwd: str | None) -> tuple[list[str], bytes]:
+        """The command line (no environment values in it) and the stdin prefix that carries them."""
+        wrapped, prefix = env_on_stdin(self.spec.python, argv, {**self.spec.env, **(env or {})})
+        return ["/bin/sh", "-c", shell_command(wrapped, None, cwd)], prefix
 
     def run(
         self,
@@ -130,15 +150,16 @@ class LocalTransport:
     ) -> Result:
         """Run ``argv`` to completion; exit 124 (and the group killed) after ``timeout`` s."""
         t0 = time.monotonic()
+        line, prefix = self._argv(argv, env, cwd)
         popen = subprocess.Popen(
-            self._argv(argv, env, cwd),
+            line,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             start_new_session=True,
         )
         try:
-            out, err = popen.communicate(input or b"", timeout=timeout)
+            out, err = popen.communicate(prefix + (input or b""), timeout=timeout)
             code = popen.returncode
         except subprocess.TimeoutExpired:
             try:
@@ -159,13 +180,17 @@ class LocalTransport:
         cwd: str | None = None,
     ) -> LocalProcess:
         """Start ``argv`` with piped stdin/stdout/stderr; read both outputs or it may block."""
+        line, prefix = self._argv(argv, env, cwd)
         popen = subprocess.Popen(
-            self._argv(argv, env, cwd),
+            line,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             start_new_session=True,
         )
+        if prefix:
+            popen.stdin.write(prefix)
+            popen.stdin.flush()
         return LocalProcess(popen)
 
     def put(self, data: bytes | Path, remote_path: str, mode: int = 0o644) -> None:
