@@ -249,3 +249,43 @@ def test_resume_keeps_measured_tflops_of_unchanged_chips(tmp_path):
     prep = prepare(prep0.run.path, connect=FakeFleet({}).connect, probe=lambda inv: facts(False), wait_s=0)
     assert prep.resume_step == 8 and prep.first_attempt == 2
     assert "measured TFLOPS kept from the run's cluster facts for a, b" in prep.plan.notes[0]
+
+
+def test_one_controller_per_run_and_a_killed_one_leaves_no_stale_lock(site):
+    import signal
+    import subprocess
+    import sys
+
+    from hetctl.elastic.resume import prepare
+    from hetctl.errors import ConfigError
+
+    prep = prepared(site)  # holds the lock, as a live `hetctl launch` does
+    with pytest.raises(ConfigError, match=r"already being run by a live controller \(pid \d+ on "):
+        prepare(prep.run.path, wait_s=0)
+    prep.lock.release()
+
+    # A controller that dies by SIGKILL: the kernel drops its flock, so nothing stale remains.
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from hetctl.files.run import RunDir; "
+                               "RunDir(sys.argv[1]).lock(); print('locked', flush=True); time.sleep(600)",
+                               str(prep.run.path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(ConfigError, match=f"pid {holder.pid} on "):
+            prep.run.lock()
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    prep.run.lock().release()  # free again
+
+
+def test_run_folder_paths_and_planted_links(site, tmp_path, monkeypatch):
+    from hetctl.errors import ConfigError
+    from hetctl.files.run import RunDir
+
+    prep = prepared(site)
+    prep.lock.release()
+    monkeypatch.chdir(prep.run.path)
+    assert RunDir.open(".").run_id == prep.run.run_id  # `hetctl resume .` names the run, not ""
+    (prep.run.path / "logs" / "n9").symlink_to(tmp_path)
+    with pytest.raises(ConfigError, match="a symbolic link inside the run folder"):
+        RunDir.open(prep.run.path)

@@ -72,6 +72,8 @@ class Prepared:
         plan_file: where the first plan came from (to find a relative cluster file).
         checkpoint, unchecked, cluster: what ``resume`` found (the checkpoint it starts
             from, nodes it could not check for live ranks, the re-probed cluster).
+        lock: the run's controller lock (:class:`~hetctl.files.run.RunLock`): one
+            controller per run; ``ElasticRun.run`` releases it when the run ends.
     """
 
     run: RunDir
@@ -87,6 +89,7 @@ class Prepared:
     checkpoint: Any = None
     unchecked: list[str] = field(default_factory=list)
     cluster: Any = None
+    lock: Any = None  # the run's RunLock, held from preparation to the end of ElasticRun.run
 
 
 @dataclass
@@ -174,6 +177,15 @@ class ElasticRun:
         """
         self.stop = stop or threading.Event()
         self.on_update, self.on_progress = on_update, on_progress
+        p = self.p
+        if p.lock is None:
+            p.lock = p.run.lock()
+        try:
+            return self._run(listeners)
+        finally:
+            p.lock.release()
+
+    def _run(self, listeners: Iterable[Listener]) -> RunResult:
         p = self.p
         with EventLog(p.run.events_path, listeners=list(listeners)) as events:
             self.events = events

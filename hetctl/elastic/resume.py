@@ -223,11 +223,23 @@ def prepare(
     Raises:
         ResumeRefused, ConfigError, PlanInfeasible: with what to do next.
     """
-    from hetctl.files.inventory import load_inventory
-    from hetctl.elastic.replan import keep_measured, replan
     from hetctl.files.run import RunDir
 
     run = RunDir.open(run_dir)
+    lock = run.lock()  # one controller per run: a live launch or resume of it refuses this one
+    try:
+        return _prepare(run, lock, inventory=inventory, steps=steps, connect=connect, probe=probe, wait_s=wait_s,
+                        policy=policy, thresholds=thresholds)
+    except BaseException:
+        lock.release()
+        raise
+
+
+def _prepare(run: Any, lock: Any, *, inventory: Any, steps: int | None, connect: Callable[[Any], Any] | None,
+             probe: Callable[[Any], Any] | None, wait_s: float, policy: Any, thresholds: Any) -> Prepared:
+    from hetctl.elastic.replan import keep_measured, replan
+    from hetctl.files.inventory import load_inventory
+
     info = run.load_info()
     done = run.attempts()
     if not done:
@@ -241,8 +253,10 @@ def prepare(
         from hetctl.remote import connect as remote_connect
 
         connect = lambda node: remote_connect(node, inv.ssh)  # noqa: E731
-    used = [n for n in inv.nodes if n.name in {r.node for r in last.ranks}]
+    ever = {r.node for n in done for r in run.load_plan(n).ranks}  # every node any attempt used
+    used = [n for n in inv.nodes if n.name in ever]
     unchecked = wait_no_rank_alive(used, run.run_id, connect, wait_s)
+    unchecked += sorted(ever - {n.name for n in inv.nodes})  # not in this inventory: cannot be checked
 
     choice = check_checkpoint(info.inputs.checkpoint_dir, last.model.model_dump())
     target = steps if steps is not None else info.inputs.steps
@@ -270,7 +284,8 @@ def prepare(
                            nodes=list(dict.fromkeys(r.node for r in plan.ranks)), unchecked=unchecked))
     return Prepared(run=run, info=info, inventory=inv, plan=plan, policy=policy or PolicyConfig(),
                     thresholds=thresholds or Thresholds(), first_attempt=attempt, resume_step=choice.step,
-                    opening=opening, checkpoint=choice, unchecked=unchecked, cluster=cluster)
+                    opening=opening, checkpoint=choice, unchecked=unchecked, cluster=cluster, lock=lock)
+
 
 
 def _cluster_before(run: Any, attempt: int, plan: Any, inventory: Any) -> Any:

@@ -176,4 +176,4 @@ def prepare_launch(plan: Plan, inventory: Any, *, run_root: str | Path, plan_pat
     run, info = new_run(plan, inventory, run_root=run_root, plan_path=plan_path, steps=steps,
                         checkpoint_every=checkpoint_every, entry=entry)
     return Prepared(run=run, info=info, inventory=inventory, plan=plan, policy=policy or PolicyConfig(),
-                    thresholds=thresholds or Thresholds(), plan_file=plan_path)
+                    thresholds=thresholds or Thresholds(), plan_file=plan_path, lock=run.lock())

@@ -16,7 +16,9 @@ Written by one attempt (``hetctl.launch``): ``launched``, ``progress``,
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
+import os
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -269,6 +271,12 @@ def parse_event(record: dict) -> Event | None:
     return cls(**values)
 
 
+def open_append(path: Path) -> "io.TextIOWrapper":
+    """``path`` opened for appending as text, refusing a symbolic link planted in its place."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    return os.fdopen(fd, "a", encoding="utf-8")
+
+
 class EventLog:
     """Appends events to a JSONL file (or only to listeners when ``path`` is None).
 
@@ -285,7 +293,7 @@ class EventLog:
         self._file = None
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+            self._file = open_append(self.path)
 
     def emit(self, event: Event) -> dict:
         """Record one typed event, e.g. ``emit(RankFailed(…))``; returns the dict written (``ts`` and ``kind`` first)."""

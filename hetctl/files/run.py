@@ -90,11 +90,47 @@ def safe_name(name: str) -> str:
     return cleaned or "_"
 
 
+class RunLock:
+    """The live controller's exclusive hold on a run folder (``runs/<id>/controller.lock``).
+
+    An ``flock`` on the file: held while the controller lives, released by the kernel
+    when it exits or is killed, so a stale lock never blocks a resume. The holder
+    writes its pid and host into the file for the message another controller shows.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd: int | None = None
+
+    def acquire(self, run_id: str) -> "RunLock":
+        """Take the lock, or raise ConfigError naming the controller that holds it."""
+        import fcntl
+        import socket
+
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 200).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise ConfigError(f"run {run_id} is already being run by a live controller ({holder})",
+                              "wait for it, or stop it (Ctrl-C in its terminal, or kill that pid), then resume") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing drops the flock
+            self._fd = None
+
+
 class RunDir:
     """Paths and atomic reads/writes of one run folder."""
 
     def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
+        self.path = Path(path).resolve()  # `.`, `..` and a `runs/latest` link name the real folder
         self.run_id = self.path.name
 
     @classmethod
@@ -118,7 +154,16 @@ class RunDir:
         rd = cls(path)
         if not rd.run_yaml.is_file():
             raise ConfigError(f"{rd.path}: not a run folder (no run.yaml)", "pass runs/<run-id>")
+        planted = [p for p in (rd.run_yaml, rd.events_path, rd.path / "attempts", rd.path / "logs",
+                               *(rd.path / "logs").glob("*"), *(rd.path / "attempts").glob("*")) if p.is_symlink()]
+        if planted:
+            raise ConfigError(f"{planted[0]}: a symbolic link inside the run folder",
+                              "hetctl writes only real files and folders there; remove the link (someone planted it)")
         return rd
+
+    def lock(self) -> RunLock:
+        """Take this run's controller lock (see :class:`RunLock`); held until released or the process ends."""
+        return RunLock(self.path / "controller.lock").acquire(self.run_id)
 
     @property
     def run_yaml(self) -> Path:

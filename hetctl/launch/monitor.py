@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
-from hetctl.files.events import EventLog, NodeLost, Progress, RankFailed, StageProgress
+from hetctl.files.events import EventLog, open_append, NodeLost, Progress, RankFailed, StageProgress
 from hetctl.launch.outcome import AttemptOutcome, FailureRecord, FaultKind, RunState
 from hetctl.files.run import RunDir
 
@@ -315,7 +315,9 @@ class Monitor:
             st = self.ranks[rank]
             path = self.run_dir.log_path(st.node, rank)
             path.parent.mkdir(parents=True, exist_ok=True)
-            f = self._logs[rank] = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in drain()
+            if path.parent.is_symlink():
+                raise OSError(f"{path.parent}: a symbolic link in the run folder")
+            f = self._logs[rank] = open_append(path)  # closed in drain()
             f.write(f"==> hetctl attempt {self.attempt}, rank {rank} on {st.node} <==\n")
             f.flush()
         return f
