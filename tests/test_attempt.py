@@ -106,3 +106,26 @@ def test_preflight_problems_name_each_node_and_what_to_do(plan, inventory, tmp_p
     assert "n0: workdir /w/n0 is not writable (/w/n0: Permission denied)" in msg
     assert "n2: torch not importable by `/py/bin/python3`" in msg
     assert fleet.agents == {}
+
+
+def test_a_workdir_others_can_write_is_refused_before_anything_starts(plan, tmp_path):
+    """Real pre-flight over the real local transport: ranks start in the workdir, so a planted torch.py would run."""
+    import os
+    import sys
+
+    from hetctl.remote import connect
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)  # world-writable, no sticky bit: anyone could plant modules there
+    (shared / "torch.py").write_text("open('/tmp/hetctl-planted-ran', 'w').write('x')\n")
+    mine = tmp_path / "mine"
+    inv = Inventory(nodes=[Node(name=n, host="localhost", transport="local", python=sys.executable,
+                                workdir=str(shared if n == "n1" else mine)) for n in plan.nodes])
+    run = RunDir.create(tmp_path, "r2")
+    with EventLog(run.events_path) as events, pytest.raises(StartFailed) as e:
+        AttemptController(AttemptRequest(plan=plan, attempt=0, steps=2, checkpoint_every=0, ckpt_dir="/x"),
+                          inventory=inv, run=run, events=events, thresholds=TH, connect=connect).run()
+    assert [f.node for f in e.value.failures] == ["n1"]
+    assert f"workdir {shared} is writable by others (mode 777)" in e.value.message
+    assert "only you can write" in e.value.message

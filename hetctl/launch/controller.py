@@ -255,6 +255,10 @@ class AttemptController:
                     raise HetctlError(f"python `{node.python}` not found",
                                       "install Python 3 there or set `python:` for the node in the inventory")
                 raise HetctlError(f"pre-flight failed: {tail[0]}")
+            if info.get("unsafe"):
+                raise HetctlError(f"workdir {info.get('workdir')} is {info['unsafe']}: another user could plant "
+                                  "modules that the ranks import",
+                                  "use a folder only you can write (e.g. ~/.hetctl), or `chmod go-w` it")
             if not info.get("writable"):
                 raise HetctlError(f"workdir {info.get('workdir')} is not writable ({info.get('error', '')})",
                                   "fix its permissions or set `workdir:` for the node in the inventory")

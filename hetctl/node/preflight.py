@@ -15,6 +15,22 @@ import sys
 import tempfile
 
 
+def unsafe(wd: str):
+    """Why another user could plant code in ``wd`` (ranks run there), or None when only we can write it.
+
+    Ranks start in the workdir, so a ``torch.py`` planted there would be imported.
+    """
+    try:
+        st = os.stat(wd)
+    except OSError:
+        return None
+    if st.st_uid != os.getuid():
+        return "owned by uid %d, not by this user (uid %d)" % (st.st_uid, os.getuid())
+    if st.st_mode & 0o022 and not st.st_mode & 0o1000:
+        return "writable by %s (mode %o)" % ("others" if st.st_mode & 0o002 else "its group", st.st_mode & 0o7777)
+    return None
+
+
 def main(argv: list) -> dict:
     wd = os.path.abspath(os.path.expanduser(argv[0]))
     r = {"python": sys.version.split()[0], "executable": sys.executable, "workdir": wd, "writable": False}
@@ -26,6 +42,7 @@ def main(argv: list) -> dict:
         r["writable"] = True
     except OSError as e:
         r["error"] = "%s: %s" % (e.filename or wd, e.strerror)
+    r["unsafe"] = unsafe(wd)
     mods = {}
     for m in filter(None, argv[2].split(",")):
         try:
