@@ -264,3 +264,40 @@ def test_a_bad_rank_spec_is_named_without_its_environment(agent):
     assert "hf_s3cr3t_value" not in json.dumps(a.events)
     a.send({"cmd": "stop"})
     a.wait_for(lambda e: e["ev"] == "stopped")
+
+
+DAEMON = """
+import os, sys, time
+if os.fork() == 0:            # a daemon, the classic way: fork, setsid, fork again; init adopts it
+    os.setsid()
+    if os.fork() == 0:
+        time.sleep(600)
+        os._exit(0)
+    os._exit(0)
+time.sleep(0.5)
+print("daemon started", flush=True)
+time.sleep(600)
+"""
+
+
+def test_stop_also_ends_a_daemon_that_left_the_rank_s_session(agent, tmp_path):
+    a = agent()
+    a.send({"cmd": "start", "grace_s": 1, "ranks": [rank_spec(tmp_path, 0, DAEMON, env={"HETCTL_RUN_ID": "run-dmn"})]})
+    a.wait_for(lambda e: e["ev"] == "log" and any("daemon started" in x for x in e["lines"]))
+
+    def of_run():
+        found = []
+        for p in psutil.process_iter():
+            try:
+                if p.environ().get("HETCTL_RUN_ID") == "run-dmn" and p.status() != psutil.STATUS_ZOMBIE:
+                    found.append(p)
+            except psutil.Error:
+                continue
+        return found
+
+    daemons = [p for p in of_run() if p.ppid() == 1 or p.pid != a.of("started")[0]["pid"]]
+    assert any(p.ppid() != a.p.pid for p in daemons)  # really escaped: not the agent's child
+    a.send({"cmd": "stop"})
+    stopped = a.wait_for(lambda e: e["ev"] == "stopped")
+    assert "left" not in stopped
+    assert gone([p.pid for p in daemons])

@@ -149,6 +149,8 @@ _LINES = {
     "progress": _progress,
     "rank_failed": lambda ev: f"attempt {ev['attempt']}: rank {ev['rank']} on {ev['node']} failed: {ev['reason']}",
     "node_lost": lambda ev: f"attempt {ev['attempt']}: node {ev['node']} lost: {ev['reason']}",
+    "processes_left": lambda ev: (f"attempt {ev['attempt']}: on {ev['node']}, processes of the run survived the "
+                                  f"stop: pids {', '.join(map(str, ev['pids']))}; kill them before `hetctl resume`"),
     "node_abnormal": lambda ev: (f"{ev['node']} marked abnormal after {ev.get('failures', '?')} failures; "
                                  "dropped from the run"),
     "restart": _restart,
@@ -165,7 +167,7 @@ _LINES = {
     # "failed" and "stopped" close the run: the summary that follows says it.
 }
 
-_STYLE = {"rank_failed": "red", "node_lost": "red", "node_abnormal": "red", "failed": "red", "gave_up": "red",
+_STYLE = {"rank_failed": "red", "node_lost": "red", "processes_left": "red", "node_abnormal": "red", "failed": "red", "gave_up": "red",
           "straggler": "yellow", "checkpoint_skipped": "yellow", "checkpoint_unseen": "yellow"}
 
 

@@ -7,7 +7,7 @@ fields they do not know. :class:`EventLog` is thread-safe, accepts only typed
 events, and fans them out to listeners (the live view) as the dicts it wrote.
 
 Written by one attempt (``hetctl.launch``): ``launched``, ``progress``,
-``rank_failed``, ``node_lost``. By the elastic loop (``hetctl.elastic``):
+``rank_failed``, ``node_lost``, ``processes_left``. By the elastic loop (``hetctl.elastic``):
 ``straggler``, ``restart``, ``replan``, ``replan_layout``, ``rebalanced``,
 ``node_abnormal``, ``checkpoint_skipped``, ``checkpoint_unseen``, ``resumed``,
 ``gave_up``, and the closing ``finished`` / ``stopped`` / ``failed``.
@@ -92,6 +92,16 @@ class NodeLost(Event):
     attempt: int
     node: str
     reason: str
+
+
+@dataclass(frozen=True)
+class ProcessesLeft(Event):
+    """A node's agent stopped its ranks but these processes of the run would not die (D state, another user)."""
+
+    kind: ClassVar[str] = "processes_left"
+    attempt: int
+    node: str
+    pids: list[int]
 
 
 @dataclass(frozen=True)
@@ -250,7 +260,7 @@ class Failed(Event):
 
 
 EVENT_TYPES: dict[str, type[Event]] = {
-    cls.kind: cls for cls in (Launched, Progress, RankFailed, NodeLost, StragglerFound, Restart, Replan,
+    cls.kind: cls for cls in (Launched, Progress, RankFailed, NodeLost, ProcessesLeft, StragglerFound, Restart, Replan,
                               ReplanLayout, Rebalanced, NodeAbnormal, CheckpointSkipped, CheckpointUnseen,
                               Resumed, GaveUp, Finished, Stopped, Failed)
 }

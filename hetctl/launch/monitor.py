@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
-from hetctl.files.events import EventLog, open_append, NodeLost, Progress, RankFailed, StageProgress
+from hetctl.files.events import EventLog, NodeLost, ProcessesLeft, open_append, Progress, RankFailed, StageProgress
 from hetctl.launch.outcome import AttemptOutcome, FailureRecord, FaultKind, RunState
 from hetctl.files.run import RunDir
 
@@ -200,6 +200,8 @@ class Monitor:
         elif ev == "stopped":
             self.stopped_nodes.add(node)
             self.node_state[node] = "stopped"
+            if msg.get("left"):
+                self.events.emit(ProcessesLeft(attempt=self.attempt, node=node, pids=[int(p) for p in msg["left"]]))
         elif ev == "error":
             self._fail(FailureRecord(FaultKind.START, node, time.time(), reason=f"agent: {msg.get('message')}"))
 

@@ -195,6 +195,7 @@ class Agent:
         self.ranks: dict[int, RankProc] = {}
         self.grace_s = DEFAULT_GRACE_S
         self.hook = _death_signal_hook()
+        self.run_id: str | None = None  # from the ranks' HETCTL_RUN_ID: what a stop sweeps for
 
     # -- feeders -------------------------------------------------------------
     def _read_commands(self) -> None:
@@ -227,6 +228,7 @@ class Agent:
                 rank = int(spec["rank"])
                 argv = [str(a) for a in spec["argv"]]
                 env = {**os.environ, **{str(k): str(v) for k, v in (spec.get("env") or {}).items()}}
+                self.run_id = self.run_id or env.get("HETCTL_RUN_ID")
             except (KeyError, TypeError, ValueError) as e:
                 # Name the spec by its rank and keys only: its env holds the inventory's values (secrets).
                 keys = sorted(spec) if isinstance(spec, dict) else type(spec).__name__
@@ -305,11 +307,35 @@ class Agent:
         states = {str(r): ("X" if rp.exited else proc_state(rp.proc.pid)) for r, rp in self.ranks.items()}
         self.emit("alive", ranks=states)
 
+    def _sweep(self, sig: int) -> list[int]:
+        """Signal every process that carries this run's id but left its rank's group (a ``setsid`` daemon).
+
+        Process groups and the death signal catch a rank and its children; a child that
+        called ``setsid`` and was re-parented to init escapes both, but it still carries
+        ``HETCTL_RUN_ID`` in its environment, which is how it is found. Returns the pids.
+        """
+        if not self.run_id:
+            return []
+        from hetctl.node.alive import alive
+
+        pids = [pid for pid, _state, _cmd in alive(self.run_id)["pids"]]
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        return pids
+
     def stop(self, reason: str) -> None:
-        """SIGTERM every live rank group, wait ``grace_s``, SIGKILL the rest, report, return."""
+        """SIGTERM every live rank group and stray of the run, wait ``grace_s``, SIGKILL the rest, report, return.
+
+        The ``stopped`` event lists under ``left`` any process of the run still alive at
+        the end (an unkillable one in D state), so the controller can say so.
+        """
         live = [rp for rp in self.ranks.values() if not rp.exited]
         for rp in live:
             rp.signal_group(signal.SIGTERM)
+        self._sweep(signal.SIGTERM)
         deadline = time.monotonic() + self.grace_s
         killed = False
         while any(not rp.exited for rp in self.ranks.values()):
@@ -328,8 +354,20 @@ class Agent:
                 continue
             if kind == "exit":
                 self.on_exit(*payload)
+        left = self._reap_strays()
         self.flush_logs(wait=True)
-        self.emit("stopped", reason=reason)
+        self.emit("stopped", reason=reason, **({"left": left} if left else {}))
+
+    def _reap_strays(self) -> list[int]:
+        """After the ranks: SIGTERM, a short grace, then SIGKILL for what is left of the run; the survivors."""
+        if not self._sweep(signal.SIGTERM):
+            return []
+        deadline = time.monotonic() + min(self.grace_s, 2.0)
+        while time.monotonic() < deadline and self._sweep(0):
+            time.sleep(0.05)
+        if self._sweep(signal.SIGKILL):
+            time.sleep(0.2)
+        return self._sweep(0)
 
     # -- loop ----------------------------------------------------------------
     def run(self) -> int:
