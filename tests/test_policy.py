@@ -420,3 +420,40 @@ def test_straggler_hook_restarts_only_when_confirm_sees_a_gain():
         assert events[0]["rebalance"] is worth and events[0]["verdict"].startswith("predicted" if worth else "not")
         if worth:
             assert "predicted 2.00x" in records[0].reason
+
+
+# --- deterministic faults: classified from the rank's log, never retried ----------------------------
+
+from hetctl.launch.outcome import classify  # noqa: E402
+
+
+@pytest.mark.parametrize("tail, kind, says", [
+    ("/usr/bin/python3: can't open file '/w/train.py': [Errno 2] No such file or directory", FaultKind.SETUP,
+     "the script /w/train.py does not exist on the node"),
+    ("/opt/py/bin/python3: No module named mypkg", FaultKind.SETUP, "python found no module mypkg to run"),
+    ("Traceback (most recent call last):\n  File \"t.py\", line 1\nModuleNotFoundError: No module named 'megatron'",
+     FaultKind.SETUP, "ModuleNotFoundError: No module named 'megatron'"),
+    ("[rank2]: Traceback (most recent call last):\n[rank2]:     f.write(data)\n"
+     "[rank2]: OSError: [Errno 28] No space left on device", FaultKind.STORAGE, "the disk is full"),
+    ("PermissionError: [Errno 13] Permission denied: '/ck/r1/step-4/layer-0.pt'", FaultKind.STORAGE,
+     "permission denied (/ck/r1/step-4/layer-0.pt)"),
+    ("RuntimeError: CUDA error: an illegal memory access was encountered", FaultKind.CRASH, ""),
+    ("PermissionError: [Errno 13] Permission denied: '/data/shard-3.bin'", FaultKind.CRASH, ""),
+])
+def test_a_crash_is_reread_with_its_log(tail, kind, says):
+    f = classify(FailureRecord(FaultKind.CRASH, "n1", 0.0, rank=2, exit_code=1, reason="exit code 1", log_tail=tail))
+    assert f.kind == kind and says in f.reason and f.reason.startswith("exit code 1")
+
+
+@pytest.mark.parametrize("kind", [FaultKind.SETUP, FaultKind.STORAGE])
+def test_deterministic_faults_stop_the_run_without_blaming_the_node(kind):
+    tally = Tally()
+    d = decide(failed(FailureRecord(kind, "n1", 0.0, rank=0, reason="r")), tally, PolicyConfig(), attempt=2)
+    assert d.action == Action.GIVE_UP and tally.node_failures == {} and tally.restarts == 0 and not d.drop
+
+
+def test_an_oom_kill_counts_against_its_node_like_a_crash():
+    tally = Tally()
+    d = decide(failed(FailureRecord(FaultKind.OOM, "n1", 0.0, rank=0, reason="killed by SIGKILL: out of memory")),
+               tally, PolicyConfig(), attempt=0)
+    assert d.action == Action.RESTART and tally.node_failures == {"n1": 1} and "out of memory" in d.reason

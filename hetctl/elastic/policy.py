@@ -136,7 +136,7 @@ def describe(f: FailureRecord) -> str:
     for 3.0s after step 12``) is used as it stands when there is one.
     """
     who = f"rank {f.rank} on {f.node}" if f.rank is not None else f"node {f.node}"
-    if f.kind in (FaultKind.CRASH, FaultKind.HANG) and f.reason:
+    if f.kind in (FaultKind.CRASH, FaultKind.HANG, FaultKind.OOM, FaultKind.SETUP, FaultKind.STORAGE) and f.reason:
         return f"{who}: {f.reason}"
     if f.kind == FaultKind.CRASH:
         if f.signal:
@@ -192,6 +192,13 @@ def decide(outcome: AttemptOutcome, tally: Tally, config: PolicyConfig, *, attem
             tally.dropped.append(root.node)
         return Decision(Action.REPLAN, f"dropping {root.node}: {describe(root)}", drop=(root.node,))
 
+    if root.kind == FaultKind.SETUP:
+        return Decision(Action.GIVE_UP, f"{describe(root)} (a set-up error: every restart would fail the same way; "
+                                        "fix the entry or the node's environment, then resume)")
+    if root.kind == FaultKind.STORAGE:
+        return Decision(Action.GIVE_UP, f"{describe(root)} (the last complete checkpoint is kept; free space or fix "
+                                        "checkpoint_dir, then resume)")
+
     if root.kind == FaultKind.STRAGGLER:
         if not config.rebalance:
             return Decision(Action.GIVE_UP, f"attempt ended on a straggler without --rebalance: {describe(root)}")
@@ -201,7 +208,7 @@ def decide(outcome: AttemptOutcome, tally: Tally, config: PolicyConfig, *, attem
         tally.rebalances += 1
         return Decision(Action.REPLAN, f"rebalancing: {describe(root)}", measured=True)
 
-    # CRASH or HANG: the root cause's node takes the blame.
+    # CRASH, HANG or OOM: the root cause's node takes the blame.
     tally.node_failures[root.node] += 1
     if tally.node_failures[root.node] >= config.max_node_failures:
         tally.membership_changes += 1

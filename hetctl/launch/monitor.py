@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 from hetctl.files.events import EventLog, NodeLost, ProcessesLeft, open_append, Progress, RankFailed, StageProgress
-from hetctl.launch.outcome import AttemptOutcome, FailureRecord, FaultKind, RunState
+from hetctl.launch.outcome import CAUSE_ORDER, AttemptOutcome, FailureRecord, FaultKind, RunState, classify
 from hetctl.files.run import RunDir
 
 OnProgress = Callable[[Mapping[tuple[int, int], float]], "Iterable[FailureRecord] | None"]
@@ -196,7 +196,7 @@ class Monitor:
                 if int(r) in self.ranks:
                     self.ranks[int(r)].proc_state = letter
         elif ev == "exited":
-            self._exited(int(msg["rank"]), msg.get("code"), msg.get("signal"), msg.get("error"))
+            self._exited(int(msg["rank"]), msg.get("code"), msg.get("signal"), msg.get("error"), bool(msg.get("oom")))
         elif ev == "stopped":
             self.stopped_nodes.add(node)
             self.node_state[node] = "stopped"
@@ -243,7 +243,7 @@ class Monitor:
                 for f in self.on_progress({key: float(ms)}) or []:
                     self._fail(f)
 
-    def _exited(self, rank: int, code: int | None, sig: int | None, error: str | None) -> None:
+    def _exited(self, rank: int, code: int | None, sig: int | None, error: str | None, oom: bool = False) -> None:
         st = self.ranks.get(rank)
         if st is None:
             return
@@ -256,7 +256,9 @@ class Monitor:
             return
         st.state = "failed"
         why = error or (f"killed by {_signal_name(sig)}" if sig else f"exit code {code}")
-        self._rank_failed(st, FaultKind.CRASH, why, exit_code=code, sig=sig)
+        if oom:
+            why += ": out of memory (the node's kernel OOM killer ran)"
+        self._rank_failed(st, FaultKind.OOM if oom else FaultKind.CRASH, why, exit_code=code, sig=sig)
 
     def check(self, now: float) -> None:
         """Time-based faults: silent agents, ranks without progress."""
@@ -376,9 +378,10 @@ class Monitor:
     def outcome(self, state: RunState, failures: list[FailureRecord] | None = None) -> AttemptOutcome:
         """The attempt's :class:`AttemptOutcome`; lost nodes first (they explain peers' crashes)."""
         fails = list(failures if failures is not None else self.failures)
-        fails.sort(key=lambda f: f.kind != FaultKind.NODE_LOST)  # stable: time order otherwise
         fails = [replace(f, log_tail=self.log_tail(f.rank)) if f.rank is not None and not f.log_tail else f
                  for f in fails]
+        fails = [classify(f) for f in fails]  # now that the logs are complete: set-up and storage errors
+        fails.sort(key=lambda f: CAUSE_ORDER.get(f.kind, 2))  # the cause first; stable: time order otherwise
         span = self.loss_span.get(0) or next(iter(self.loss_span.values()), None)
         last = [st.step for st in self.ranks.values() if st.stage == self.last_stage and st.step is not None]
         return AttemptOutcome(

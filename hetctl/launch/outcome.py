@@ -16,7 +16,8 @@ State of a run::
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass, field, replace
 
 
 class RunState(str, enum.Enum):
@@ -35,6 +36,9 @@ class FaultKind(str, enum.Enum):
     NODE_LOST = "node_lost"  # an agent's stream ended or fell silent past --node-timeout
     STRAGGLER = "straggler"  # a stage persistently slower than planned (ends the attempt only with --rebalance)
     START = "start"          # the attempt could not start on a node (python missing, workdir not writable…)
+    SETUP = "setup"          # a rank failed on something no restart fixes: its script or a module is missing
+    STORAGE = "storage"      # a rank could not write its checkpoint: disk full, read-only, no permission
+    OOM = "oom"              # a rank was killed by the node's out-of-memory killer
 
 
 @dataclass(frozen=True)
@@ -71,3 +75,44 @@ class AttemptOutcome:
     @property
     def root_cause(self) -> FailureRecord | None:
         return self.failures[0] if self.failures else None
+
+
+# What a rank's log says when restarting cannot help. Python's own messages, as the interpreter
+# and the os module print them.
+_SETUP = (
+    (re.compile(r"can't open file '([^']*)': \[Errno 2\]"), "the script {0} does not exist on the node"),
+    (re.compile(r"^\S*python\S*: No module named (\S+)", re.M), "python found no module {0} to run"),
+    (re.compile(r"^(ModuleNotFoundError|ImportError): (.+)$", re.M), "{0}: {1}"),
+)
+_STORAGE = re.compile(r"^\w*(?:OSError|PermissionError|IOError)?:? ?\[Errno (28|30|13|122)\] ([^:\n]+)(?:: '([^']*)')?",
+                      re.M)
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]: ", re.M)
+_STORAGE_WHY = {"28": "the disk is full", "30": "the file system is read-only", "13": "permission denied",
+                "122": "the disk quota is exceeded"}
+
+
+# Which failure of an attempt explains the others: a lost node takes its peers' ranks down, and a
+# deterministic error (a missing module, a full disk, the OOM killer) makes the peers crash on broken pipes.
+CAUSE_ORDER = {FaultKind.NODE_LOST: 0, FaultKind.SETUP: 1, FaultKind.STORAGE: 1, FaultKind.OOM: 1}
+
+
+def classify(f: FailureRecord) -> FailureRecord:
+    """Re-read a crash with its log tail: a missing script or module, or a checkpoint write that failed.
+
+    Both are deterministic: a restart would fail the same way on any node, so the
+    policy stops the run with the reason (and the last good checkpoint) instead of
+    burning restarts and blaming a healthy node. Anything else stays a crash.
+    """
+    if f.kind != FaultKind.CRASH or not f.log_tail:
+        return f
+    tail = _RANK_PREFIX.sub("", f.log_tail)  # torch.distributed prefixes a rank's stderr lines with [rankN]:
+    for pattern, what in _SETUP:
+        m = pattern.search(tail)
+        if m:
+            return replace(f, kind=FaultKind.SETUP, reason=f"{f.reason}: {what.format(*m.groups())}")
+    m = _STORAGE.search(tail)
+    if m and (m.group(1) in ("28", "30", "122") or "checkpoint" in tail.lower() or "step-" in (m.group(3) or "")):
+        where = f" ({m.group(3)})" if m.group(3) else ""
+        return replace(f, kind=FaultKind.STORAGE,
+                       reason=f"{f.reason}: cannot write the checkpoint: {_STORAGE_WHY[m.group(1)]}{where}")
+    return f

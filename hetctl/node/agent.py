@@ -185,6 +185,22 @@ class RankProc:
                 pass
 
 
+def oom_kills() -> int:
+    """The kernel's count of OOM kills on this node (``oom_kill`` in /proc/vmstat; 0 where unknown).
+
+    A rank killed by SIGKILL while this count grew was, in all likelihood, the OOM
+    killer's victim: the exit is then reported as out of memory, not as a crash.
+    """
+    try:
+        with open("/proc/vmstat") as f:
+            for line in f:
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
 class Agent:
     """The agent's state and its single-threaded control loop (threads only feed the queue)."""
 
@@ -196,6 +212,7 @@ class Agent:
         self.grace_s = DEFAULT_GRACE_S
         self.hook = _death_signal_hook()
         self.run_id: str | None = None  # from the ranks' HETCTL_RUN_ID: what a stop sweeps for
+        self.oom_kills_at_start = oom_kills()
 
     # -- feeders -------------------------------------------------------------
     def _read_commands(self) -> None:
@@ -270,7 +287,9 @@ class Agent:
         rp.exited = True
         rp.signal_group(signal.SIGKILL)  # leave no member of its group behind
         self.poll_heartbeats(only=rp)  # its final heartbeat (done, final loss) precedes the exit
-        if code < 0:
+        if code == -signal.SIGKILL and oom_kills() > self.oom_kills_at_start:
+            self.emit("exited", rank=rank, code=None, signal=-code, oom=True)  # the kernel's OOM killer ran
+        elif code < 0:
             self.emit("exited", rank=rank, code=None, signal=-code)
         else:
             self.emit("exited", rank=rank, code=code, signal=None)
