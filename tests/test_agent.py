@@ -301,3 +301,21 @@ def test_stop_also_ends_a_daemon_that_left_the_rank_s_session(agent, tmp_path):
     stopped = a.wait_for(lambda e: e["ev"] == "stopped")
     assert "left" not in stopped
     assert gone([p.pid for p in daemons])
+
+
+def test_output_without_newlines_keeps_the_agent_small(agent, tmp_path):
+    """100 MB on one line: read in bounded pieces, the agent's memory does not grow with it."""
+    a = agent()
+    flood = "import sys\nchunk = 'x' * (1 << 20)\nfor _ in range(100):\n    sys.stdout.write(chunk)\nsys.stdout.flush()\n"
+    a.send({"cmd": "start", "grace_s": 1, "ranks": [rank_spec(tmp_path, 0, flood)]})
+    proc = psutil.Process(a.p.pid)
+    peak = 0
+    deadline = time.monotonic() + 120
+    while not a.of("exited") and time.monotonic() < deadline:
+        peak = max(peak, proc.memory_info().rss)
+        time.sleep(0.02)
+    assert a.wait_for(lambda e: e["ev"] == "exited")["code"] == 0
+    assert peak < 80 * (1 << 20), f"agent grew to {peak / (1 << 20):.0f} MiB"
+    assert (tmp_path / "logs" / "rank-0.log").stat().st_size == 100 * (1 << 20)  # the node's log keeps it all
+    a.send({"cmd": "stop"})
+    a.wait_for(lambda e: e["ev"] == "stopped")

@@ -8,10 +8,11 @@ from hetctl.cli import app, err, handle_errors, out, print_json, text
 
 
 # Fault-policy options shared by `launch` and `resume` (one definition, one help text).
-GRACE_OPT = typer.Option(5.0, "--grace", min=0.0, help="Seconds between SIGTERM and SIGKILL when stopping.")
-HANG_TIMEOUT_OPT = typer.Option(300.0, "--hang-timeout", min=0.5,
+GRACE_OPT = typer.Option(5.0, "--grace", min=0.0, max=600.0,
+                         help="Seconds between SIGTERM and SIGKILL when stopping (at most 600).")
+HANG_TIMEOUT_OPT = typer.Option(300.0, "--hang-timeout", min=0.5, max=7 * 86400.0,
                                 help="Seconds without heartbeat progress before a rank counts as hung.")
-NODE_TIMEOUT_OPT = typer.Option(20.0, "--node-timeout", min=1.0,
+NODE_TIMEOUT_OPT = typer.Option(20.0, "--node-timeout", min=1.0, max=86400.0,
                                 help="Seconds of silence from a node's agent before the node counts as lost.")
 MAX_NODE_FAILURES_OPT = typer.Option(3, "--max-node-failures", min=1,
                                      help="Crashes or hangs on one node before it is marked abnormal and dropped.")

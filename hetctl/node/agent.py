@@ -51,6 +51,7 @@ HEARTBEAT_POLL_S = 0.2
 LOG_FLUSH_S = 0.2
 LOG_BUDGET_BYTES_PER_S = 256 * 1024  # per rank; beyond it lines are counted, not forwarded
 LOG_LINE_MAX = 4096
+LOG_READ_MAX = 1 << 16  # bytes read at most per line from a rank's output (longer lines are split)
 DEFAULT_GRACE_S = 5.0
 PR_SET_PDEATHSIG = 1
 
@@ -138,7 +139,9 @@ class RankProc:
 
     def _pump(self) -> None:
         """Copy the rank's output to its node-side log and queue it for forwarding."""
-        for raw in iter(self.proc.stdout.readline, b""):
+        # readline(limit): a rank that prints megabytes without a newline is read in bounded pieces,
+        # so the agent's memory stays bounded whatever the rank writes.
+        for raw in iter(lambda: self.proc.stdout.readline(LOG_READ_MAX), b""):
             try:
                 self.log.write(raw)
                 self.log.flush()
