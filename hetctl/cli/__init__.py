@@ -8,9 +8,11 @@ command failed before anything started; 4 no feasible plan; 5 the run failed;
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import signal
 import sys
-from typing import Callable, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 import typer
 from rich.console import Console
@@ -45,6 +47,27 @@ def text(*parts: str | tuple[str, str]) -> Text:
         else:
             line.append(part)
     return line
+
+
+@contextlib.contextmanager
+def interrupts_end_commands() -> Iterator[None]:
+    """Ctrl-C or SIGTERM while commands run on nodes (a probe): end them, then exit 130.
+
+    The transports' running commands are killed first (``remote.base.kill_running``),
+    so no collector or benchmark outlives hetctl on a node.
+    """
+    from hetctl.remote.base import kill_running
+
+    def handler(signum: int, frame: Any) -> None:
+        kill_running()
+        raise KeyboardInterrupt
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
 def handle_errors(fn: F) -> F:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from hetctl.cli import app, err, handle_errors, out, print_json, text
+from hetctl.cli import app, err, handle_errors, interrupts_end_commands, out, print_json, text
 
 
 @app.command("probe")
@@ -45,7 +45,8 @@ def probe_cmd(
             mark = "" if facts.reachable else " (failed)"
             progress.update(task, advance=1, description=escape(f"{name}{mark}"))
 
-        cluster = probe(inv, bench=bench, on_done=done)
+        with interrupts_end_commands():
+            cluster = probe(inv, bench=bench, on_done=done)
     if output:
         save_model(output, cluster, header=f"hetctl probe -i {inventory}\nnodes: {len(cluster.nodes)}")
     if json_out:

@@ -38,6 +38,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -102,6 +103,46 @@ def _which(name):
     return None
 
 
+def _die_with_collector():
+    """A preexec_fn: the tool gets SIGKILL when the collector dies (Linux ``PR_SET_PDEATHSIG``), else None.
+
+    Tools run in their own session so that a timeout can kill a tool and its
+    children; without this a collector killed by an interrupted probe would leave
+    a hung tool (a stuck driver's nvidia-smi) running on the node for good.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def hook():
+        prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL
+        if os.getppid() != parent:
+            os._exit(137)
+
+    return hook
+
+
+_TOOLS = set()  # tool processes running now (each the leader of its own session)
+_TOOLS_LOCK = threading.Lock()
+
+
+def _on_term(signum, frame):
+    """SIGTERM (an interrupted probe): end every running tool's whole session, then exit."""
+    with _TOOLS_LOCK:
+        for proc in list(_TOOLS):
+            try:
+                os.killpg(proc.pid, 9)
+            except OSError:
+                pass
+    os._exit(128 + signum)
+
+
 def run_tool(argv, timeout):
     """Run one vendor tool; never raises. Returns the record for ``raw["tools"]``."""
     rec = {"argv": list(argv), "rc": None, "stdout": "", "stderr": "", "timeout": False}
@@ -111,11 +152,13 @@ def run_tool(argv, timeout):
     try:
         proc = subprocess.Popen(
             [exe] + list(argv[1:]), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, start_new_session=True,
+            stderr=subprocess.PIPE, start_new_session=True, preexec_fn=_die_with_collector(),
         )
     except OSError as e:
         rec["stderr"] = "cannot start %s: %s" % (exe, e)
         return rec
+    with _TOOLS_LOCK:
+        _TOOLS.add(proc)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -125,6 +168,8 @@ def run_tool(argv, timeout):
         except OSError:
             proc.kill()
         out, err = proc.communicate()
+    with _TOOLS_LOCK:
+        _TOOLS.discard(proc)
     rec["rc"] = proc.returncode
     rec["stdout"] = out[:MAX_OUTPUT].decode("utf-8", "replace")
     rec["stderr"] = err[-MAX_OUTPUT:].decode("utf-8", "replace")
@@ -370,6 +415,7 @@ def collect(args):
 
 
 def main(argv):
+    signal.signal(signal.SIGTERM, _on_term)
     try:
         args = json.loads(argv[1]) if len(argv) > 1 else {}
     except ValueError as e:

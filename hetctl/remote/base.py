@@ -11,6 +11,9 @@ with :func:`shlex.quote` before it reaches the remote shell.
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Mapping, Protocol, Sequence, runtime_checkable
@@ -80,3 +83,43 @@ class Transport(Protocol):
     def put(self, data: bytes | Path, remote_path: str, mode: int = 0o644) -> None: ...
 
     def close(self) -> None: ...
+
+
+# Every command a transport is running right now (subprocess.Popen of the local shell or the ssh client),
+# so that an interrupted hetctl can end them before it exits instead of leaving them running.
+_RUNNING: set = set()
+_RUNNING_LOCK = threading.Lock()
+
+
+def track(popen) -> None:
+    """Register a command a transport started in its own session (its pid is its process group)."""
+    with _RUNNING_LOCK:
+        _RUNNING.add(popen)
+
+
+def untrack(popen) -> None:
+    with _RUNNING_LOCK:
+        _RUNNING.discard(popen)
+
+
+def kill_running(grace_s: float = 1.0) -> int:
+    """End every tracked command still running: SIGTERM to its group, ``grace_s``, then SIGKILL.
+
+    The SIGTERM lets a node program clean up what it started in sessions of its own
+    (the collector ends its vendor tools); for an ssh client it closes the channel.
+    Returns how many commands were running.
+    """
+    import time
+
+    with _RUNNING_LOCK:
+        live = [p for p in _RUNNING if p.poll() is None]
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for p in live:
+            try:
+                os.killpg(p.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        deadline = time.monotonic() + grace_s
+        while sig == signal.SIGTERM and time.monotonic() < deadline and any(p.poll() is None for p in live):
+            time.sleep(0.02)
+    return len(live)

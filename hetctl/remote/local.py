@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import IO, Mapping, Sequence
 
 from hetctl.errors import CommandFailed, RemoteError
-from hetctl.remote.base import Result
+from hetctl.remote.base import Result, track, untrack
 
 TIMEOUT_EXIT = 124  # like coreutils timeout(1): the command was stopped by hetctl
 
@@ -129,7 +129,7 @@ class LocalTransport:
     timeout or :meth:`LocalProcess.kill` reaches everything it spawned in its group.
     """
 
-    def __init__(self, node) -> None:  # noqa: ANN001 - hetctl.files.inventory.Node
+    def __init__(self, node) -> None:
         self.spec = node
         self.node: str = node.name
 
@@ -158,6 +158,7 @@ class LocalTransport:
             stderr=subprocess.PIPE,
             start_new_session=True,
         )
+        track(popen)
         try:
             out, err = popen.communicate(prefix + (input or b""), timeout=timeout)
             code = popen.returncode
@@ -169,6 +170,8 @@ class LocalTransport:
             out, err = popen.communicate()
             err += f"\nhetctl: timed out after {timeout:g} s".encode()
             code = TIMEOUT_EXIT
+        finally:
+            untrack(popen)
         res = Result(self.node, shlex.join(argv), code, _text(out), _text(err), time.monotonic() - t0)
         return finish(res, check, timeout)
 
