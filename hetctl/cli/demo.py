@@ -14,11 +14,21 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hetctl.errors import RemoteError
+from hetctl.errors import ConfigError, RemoteError
 from hetctl.files.plan import Plan
 from hetctl.files.yamlio import dump_yaml, save_model
 
 DEMO_NODES = (("node-a", 2.0), ("node-b", 1.0), ("node-c", 1.0))
+
+
+def _written_by_demo(path: Path) -> bool:
+    """Whether ``path`` is one of the demo's own files (it heads each with a ``hetctl demo`` line)."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            head = f.read(300)
+    except OSError:
+        return False
+    return "hetctl demo" in head
 
 
 def write_inventory(directory: str | Path) -> Path:
@@ -37,6 +47,12 @@ def write_inventory(directory: str | Path) -> Path:
     }
     path = d / "inventory.yaml"
     header = "# written by `hetctl demo`: three nodes on this machine; node-a claims twice the speed\n"
+    # A demo folder is one whose inventory the demo wrote; anywhere else, never overwrite a user's files.
+    theirs = [path] if path.exists() and not _written_by_demo(path) else \
+        [p for p in (d / "cluster.yaml", d / "plan" / "plan.yaml") if p.exists() and not path.exists()]
+    if theirs:
+        raise ConfigError(f"{theirs[0]}: exists and was not written by `hetctl demo`",
+                          "pass --dir with a new folder (or an earlier demo's); nothing was changed")
     path.write_text(header + dump_yaml(inv))
     return path
 

@@ -1,0 +1,54 @@
+"""The CLI with hostile strings from outside: printed as text, never as markup; user files never overwritten."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from hetctl.errors import ConfigError
+
+
+def cli(cwd, *args):
+    return subprocess.run([sys.executable, "-m", "hetctl", *args], cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("name", ["[/]", "[bold]x[/bold]", "[red", "a[/]b[link=file:/etc/passwd]c"])
+def test_markup_in_a_path_is_printed_as_it_is(tmp_path, name):
+    r = cli(tmp_path, "plan", "-c", f"{name}.yaml", "-m", "tiny")
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "MarkupError" not in r.stderr
+    assert f"{name}.yaml" in r.stderr
+
+
+def test_markup_in_what_a_node_reports_is_printed_as_it_is(tmp_path):
+    """A node whose tool output (the chip model) and error carry markup: the probe table shows them verbatim."""
+    from rich.console import Console
+
+    from hetctl.cli import probe as probe_cli
+    from hetctl.files.cluster import Chip, Cluster, NodeFacts
+
+    cluster = Cluster(nodes=[
+        NodeFacts(name="n[/]1", host="h", chips=[Chip(index=0, vendor="nvidia", model="H100 [/]")]),
+        NodeFacts(name="n2", host="h", reachable=False, error="ssh: [/bold] refused"),
+    ])
+    console = Console(record=True, width=200)
+    old, probe_cli.out = probe_cli.out, console
+    try:
+        probe_cli._print_probe(cluster, bench=False)
+    finally:
+        probe_cli.out = old
+    text = console.export_text()
+    assert "n[/]1" in text and "H100 [/]" in text and "ssh: [/bold] refused" in text
+
+
+def test_demo_never_overwrites_a_users_inventory(tmp_path):
+    from hetctl.cli.demo import write_inventory
+
+    mine = tmp_path / "inventory.yaml"
+    mine.write_text("nodes: [{host: gpu-01}]\n")
+    with pytest.raises(ConfigError, match="was not written by `hetctl demo`"):
+        write_inventory(tmp_path)
+    assert mine.read_text() == "nodes: [{host: gpu-01}]\n"
+    fresh = tmp_path / "demo"
+    assert write_inventory(fresh) == write_inventory(fresh)  # an earlier demo's folder is fine
