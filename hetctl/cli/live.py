@@ -39,11 +39,11 @@ def render_table(snap: Snapshot, title: str = "") -> Table:
     for st in sorted(snap.ranks, key=lambda s: s.rank):
         age = snap.ages.get(st.rank)
         stage = f"{st.replica}.{st.stage}" if any(s.replica for s in snap.ranks) else str(st.stage)
-        state = Text(st.state + (" (T)" if st.proc_state == "T" else ""), style=_STATE_STYLE.get(st.state, ""))
+        state = Text(str(st.state) + (" (T)" if st.proc_state == "T" else ""), style=_STATE_STYLE.get(str(st.state), ""))
         t.add_row(
             Text(st.node), st.vendor, str(st.rank), stage, f"{st.layers[0]}:{st.layers[1]}", state,
             _fmt(st.step, "d"), _fmt(st.loss, ".4f"), _fmt(st.step_ms, ".0f"),
-            "-" if age is None or st.state not in ("running", "starting", "hung") else f"{age:.1f}s",
+            "-" if age is None or str(st.state) not in ("running", "starting", "hung") else f"{age:.1f}s",
         )
     return t
 

@@ -6,7 +6,7 @@ queue, keeps one :class:`RankStatus` per rank (the observed twin of
 ``runs/<id>/logs/<node>/rank-<r>.log``, writes ``progress``/``rank_failed``/
 ``node_lost`` events and decides when the attempt is over.
 
-Rank state transitions::
+Rank state transitions (:class:`RankState`)::
 
     starting ──started──▶ running ──exited 0──▶ done
         │                    ├──exited ≠0 / signal──▶ failed
@@ -17,6 +17,7 @@ Rank state transitions::
 
 from __future__ import annotations
 
+import enum
 import queue
 import signal as _signal
 import threading
@@ -29,6 +30,22 @@ from typing import Any, Callable, Iterable, Mapping
 from hetctl.files.events import EventLog, NodeLost, ProcessesLeft, open_append, Progress, RankFailed, StageProgress
 from hetctl.launch.outcome import CAUSE_ORDER, AttemptOutcome, FailureRecord, FaultKind, RunState, classify
 from hetctl.files.run import RunDir
+
+class RankState(str, enum.Enum):
+    """What the controller believes of one rank (transitions in the module docstring)."""
+
+    STARTING = "starting"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+    HUNG = "hung"
+    STOPPED = "stopped"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+LIVE = (RankState.STARTING, RankState.RUNNING)
 
 OnProgress = Callable[[Mapping[tuple[int, int], float]], "Iterable[FailureRecord] | None"]
 OnUpdate = Callable[["Snapshot"], None]
@@ -47,7 +64,7 @@ class RankStatus:
     replica: int
     stage: int
     layers: tuple[int, int]
-    state: str = "starting"
+    state: RankState = RankState.STARTING
     pid: int | None = None
     step: int | None = None
     loss: float | None = None
@@ -142,7 +159,7 @@ class Monitor:
             if self.failures:
                 self.progress(now, force=True)
                 return RunState.FAILED
-            if all(st.state == "done" for st in self.ranks.values()):
+            if all(st.state == RankState.DONE for st in self.ranks.values()):
                 self.progress(now, force=True)
                 return RunState.SUCCEEDED
 
@@ -165,8 +182,8 @@ class Monitor:
             if msg is None or msg.get("ev") == "stopped":
                 pending.discard(node)
         for st in self.ranks.values():
-            if st.state in ("starting", "running"):
-                st.state = "stopped"
+            if st.state in LIVE:
+                st.state = RankState.STOPPED
         self._close_logs()
         if self.on_update:
             self.on_update(self.snapshot())
@@ -185,7 +202,7 @@ class Monitor:
         elif ev == "started":
             st = self.ranks.get(int(msg["rank"]))
             if st:
-                st.state, st.pid, st.progress_at = "running", msg.get("pid"), now
+                st.state, st.pid, st.progress_at = RankState.RUNNING, msg.get("pid"), now
                 self._log_file(st.rank)  # every rank has its log, even one that prints nothing
         elif ev == "heartbeat":
             self._heartbeat(int(msg["rank"]), msg.get("hb") or {}, now)
@@ -249,12 +266,12 @@ class Monitor:
             return
         st.exit_code, st.signal = code, sig
         if code == 0 and not sig:
-            st.state = "done"
+            st.state = RankState.DONE
             return
         if self._stopping:
-            st.state = "stopped"  # exits while we stop the attempt are ours
+            st.state = RankState.STOPPED  # exits while we stop the attempt are ours
             return
-        st.state = "failed"
+        st.state = RankState.FAILED
         why = error or (f"killed by {_signal_name(sig)}" if sig else f"exit code {code}")
         if oom:
             why += ": out of memory (the node's kernel OOM killer ran)"
@@ -270,7 +287,7 @@ class Monitor:
             return  # one hang explains the others: peers of a stuck rank wait on it
         stale = []
         for st in self.ranks.values():
-            if st.state not in ("running", "starting") or st.progress_at is None:
+            if st.state not in LIVE or st.progress_at is None:
                 continue
             limit = self.th.hang_timeout if st.step is not None else max(self.th.hang_timeout, self.th.start_timeout)
             if now - st.progress_at > limit:
@@ -280,14 +297,14 @@ class Monitor:
             # not be the stalest one itself: in 1F1B the first stage finishes a step last, so its
             # waiting peers can pass the timeout before it does.
             frozen = [s for s in self.ranks.values()
-                      if s.proc_state == "T" and s.state in ("running", "starting") and s.progress_at is not None]
+                      if s.proc_state == "T" and s.state in LIVE and s.progress_at is not None]
             st = min(frozen or stale, key=lambda s: s.progress_at)
             age = now - st.progress_at
             what = f"hang: no heartbeat progress for {age:.1f}s"
             what += f" after step {st.step}" if st.step is not None else " (never reached step 1)"
             if st.proc_state == "T":
                 what += "; the process is stopped (SIGSTOP)"
-            st.state = "hung"
+            st.state = RankState.HUNG
             self._rank_failed(st, FaultKind.HANG, what)
 
     # -- recording -------------------------------------------------------------
