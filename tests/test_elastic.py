@@ -217,3 +217,23 @@ def test_every_event_kind_round_trips_through_its_model(site):
             log.emit(ev)
         (line,) = read_events(path)
         assert line["kind"] == kind and parse_event(line) == ev
+
+
+def test_every_attempt_that_trained_is_compared_with_its_plan(site):
+    tmp_path, plan, _ = site
+    prep = prepared(site)
+    m = plan.parallel.micro_batches
+    measured_ms = {(s.replica, s.stage): s.est_ms * m * (2.0 + s.stage) for s in plan.stages}  # 2x, 3x, 4x the plan
+    tokens = plan.parallel.global_batch * plan.model.seq_len
+    step_s = plan.estimate.step_time_s * 5.0
+
+    def trained(req):
+        return AttemptOutcome(RunState.SUCCEEDED, last_step=20, final_loss=1.0, first_loss=5.0,
+                              tokens_per_s=tokens / step_s, stage_step_ms=measured_ms)
+
+    result = ElasticRun(prep, attempt_fn=Script(trained)).run()
+    (ev,) = [e for e in read_events(prep.run.events_path) if e["kind"] == "measured"]
+    assert [round(s["ratio"], 3) for s in ev["stages"]] == [2.0, 3.0, 4.0]
+    assert ev["step_ratio"] == pytest.approx(5.0, rel=1e-3)
+    assert result.summary.step_ratio == pytest.approx(5.0, rel=1e-3)
+    assert result.summary.predicted_step_s == plan.estimate.step_time_s

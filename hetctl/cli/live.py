@@ -141,6 +141,19 @@ def _gave_up(ev: dict) -> str:
     return line
 
 
+def _measured(ev: dict) -> str:
+    """``attempt 0 measured: step 0.41 s against 0.126 s planned (3.25×); stages 2.1× (node-a) … 3.9× (node-c)``."""
+    parts = [f"attempt {ev['attempt']} measured:"]
+    if ev.get("step_s_measured") is not None:
+        parts.append(f"step {ev['step_s_measured']:.4g} s against {ev['step_s_predicted']:.4g} s planned "
+                     f"({ev['step_ratio']:.3g}×)")
+    stages = sorted(ev.get("stages") or [], key=lambda s: s["ratio"])
+    if stages:
+        lo, hi = stages[0], stages[-1]
+        parts.append(f"stage compute {lo['ratio']:.3g}× ({lo['node']}) … {hi['ratio']:.3g}× ({hi['node']}) of plan")
+    return " ".join(parts[:1]) + " " + "; ".join(parts[1:])
+
+
 _LINES = {
     "launched": lambda ev: (
         f"attempt {ev['attempt']}: launched {ev['ranks']} ranks on {len(ev['nodes'])} nodes "
@@ -164,6 +177,7 @@ _LINES = {
     "resumed": _resumed,
     "finished": lambda ev: f"finished at step {ev['steps']}",
     "gave_up": _gave_up,
+    "measured": _measured,
     # "failed" and "stopped" close the run: the summary that follows says it.
 }
 

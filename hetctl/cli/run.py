@@ -148,6 +148,10 @@ def _finish_launch(result, json_out: bool) -> None:
         out.print(text((s.state, f"bold {colour}"), f"  run {s.run_id}  steps {s.steps}  loss {loss}  tokens/s {tps}  "
                        f"attempts {s.attempts}  restarts {s.restarts}"), highlight=False, soft_wrap=True)
         out.print(text(f"run folder: {s.run_dir}"), highlight=False, soft_wrap=True)
+        if s.step_ratio is not None:
+            out.print(text(f"step time: measured {s.measured_step_s:.4g} s, planned {s.predicted_step_s:.4g} s "
+                           f"(measured ÷ planned {s.step_ratio:.3g}); `hetctl plan --calibrate {s.run_dir}` "
+                           "re-plans with the measured speeds"), highlight=False, soft_wrap=True)
         if s.reason and s.state != "succeeded":
             out.print(text(f"reason: {s.reason}"), highlight=False, soft_wrap=True)
     if s.state != "succeeded":

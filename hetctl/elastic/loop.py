@@ -34,7 +34,9 @@ from hetctl.files.events import (
     Failed,
     Finished,
     Listener,
+    Measured,
     Rebalanced,
+    StageMeasured,
     ReplanLayout,
     Stopped,
 )
@@ -123,6 +125,34 @@ def latest_checkpoint(ckpt_dir: str | Path, model: dict, emit: Callable[[Event],
     return found[0] if found else None
 
 
+def compare(plan: Plan, outcome: AttemptOutcome, attempt: int) -> Measured | None:
+    """The attempt's measured stage compute and step times against the plan's; None when it trained no step.
+
+    Predicted per stage: ``est_ms`` (one micro-batch, forward + backward) × the plan's
+    micro-batches. Measured: the mean ``compute_ms`` the stage's heartbeats reported
+    (warm-up step left out). The step: the plan's simulated step time against
+    tokens/s measured over the attempt.
+    """
+    if not outcome.stage_step_ms:
+        return None
+    m = plan.parallel.micro_batches
+    stages = []
+    for s in plan.stages:
+        got = outcome.stage_step_ms.get((s.replica, s.stage))
+        want = s.est_ms * m
+        if got is None or want <= 0:
+            continue
+        stages.append(StageMeasured(replica=s.replica, stage=s.stage, node=s.node, predicted_ms=round(want, 4),
+                                    measured_ms=round(got, 4), ratio=round(got / want, 4)))
+    step_pred = plan.estimate.step_time_s
+    step_meas = None
+    if outcome.tokens_per_s:
+        step_meas = plan.parallel.global_batch * plan.model.seq_len / outcome.tokens_per_s
+    ratio = round(step_meas / step_pred, 4) if step_meas and step_pred else None
+    return Measured(attempt=attempt, step_s_predicted=step_pred,
+                    step_s_measured=round(step_meas, 6) if step_meas else None, step_ratio=ratio, stages=stages)
+
+
 def _bottleneck_ms(outcome: AttemptOutcome) -> float | None:
     return max(outcome.stage_step_ms.values()) if outcome.stage_step_ms else None
 
@@ -159,6 +189,7 @@ class ElasticRun:
         self._rebalanced_from: AttemptOutcome | None = None
         self._pending: tuple[Plan, Plan, dict[str, float]] | None = None  # (old, new, factors) from the hook
         self._attempts_run = 0
+        self._measured: Measured | None = None  # the newest attempt's comparison with its plan
 
     # -- the run -----------------------------------------------------------------
     def run(self, stop: threading.Event | None = None, listeners: Iterable[Listener] = (),
@@ -238,6 +269,10 @@ class ElasticRun:
             info.first_loss = outcome.first_loss  # the run's, not a resumed attempt's
         self._carry_losses(outcome)
         self._report_rebalance(attempt, outcome)
+        measured = compare(plan, outcome, attempt)
+        if measured is not None:
+            self.events.emit(measured)
+            self._measured = measured
         self._save_counters()
         return outcome
 
@@ -364,6 +399,9 @@ class ElasticRun:
             restarts=info.restarts,
             attempts=info.attempts,
             tokens_per_s=outcome.tokens_per_s,
+            predicted_step_s=self._measured.step_s_predicted if self._measured else None,
+            measured_step_s=self._measured.step_s_measured if self._measured else None,
+            step_ratio=self._measured.step_ratio if self._measured else None,
             reason=reason,
         )
         run.save_info(info)

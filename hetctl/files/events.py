@@ -10,7 +10,7 @@ Written by one attempt (``hetctl.launch``): ``launched``, ``progress``,
 ``rank_failed``, ``node_lost``, ``processes_left``. By the elastic loop (``hetctl.elastic``):
 ``straggler``, ``restart``, ``replan``, ``replan_layout``, ``rebalanced``,
 ``node_abnormal``, ``checkpoint_skipped``, ``checkpoint_unseen``, ``resumed``,
-``gave_up``, and the closing ``finished`` / ``stopped`` / ``failed``.
+``gave_up``, ``measured`` (predicted against measured), and the closing ``finished`` / ``stopped`` / ``failed``.
 """
 
 from __future__ import annotations
@@ -231,6 +231,36 @@ class GaveUp(Event):
 
 
 @dataclass(frozen=True)
+class StageMeasured:
+    """One stage's compute time per optimizer step: the plan's prediction and what the run measured."""
+
+    replica: int
+    stage: int
+    node: str
+    predicted_ms: float
+    measured_ms: float
+    ratio: float  # measured ÷ predicted
+
+
+@dataclass(frozen=True)
+class Measured(Event):
+    """An attempt that trained, compared with its plan: per stage and the whole step (ratio = measured ÷ predicted).
+
+    Stage times are compute only (heartbeat ``compute_ms``: the step minus the waits
+    on pipeline peers) against the plan's ``est_ms`` × micro-batches; the step time
+    is the run's tokens/s against the plan's simulated step. ``hetctl plan --calibrate``
+    fits per-node speeds from the stages.
+    """
+
+    kind: ClassVar[str] = "measured"
+    attempt: int
+    step_s_predicted: float
+    step_s_measured: float | None
+    step_ratio: float | None
+    stages: list[StageMeasured] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class Finished(Event):
     """The run succeeded."""
 
@@ -262,7 +292,7 @@ class Failed(Event):
 EVENT_TYPES: dict[str, type[Event]] = {
     cls.kind: cls for cls in (Launched, Progress, RankFailed, NodeLost, ProcessesLeft, StragglerFound, Restart, Replan,
                               ReplanLayout, Rebalanced, NodeAbnormal, CheckpointSkipped, CheckpointUnseen,
-                              Resumed, GaveUp, Finished, Stopped, Failed)
+                              Resumed, GaveUp, Measured, Finished, Stopped, Failed)
 }
 
 
@@ -278,6 +308,8 @@ def parse_event(record: dict) -> Event | None:
     values = {k: v for k, v in record.items() if k in names}
     if cls is Progress:
         values["stages"] = [StageProgress(**s) for s in values.get("stages") or []]
+    if cls is Measured:
+        values["stages"] = [StageMeasured(**s) for s in values.get("stages") or []]
     return cls(**values)
 
 

@@ -58,6 +58,9 @@ class RunSummary(_Strict):
     restarts: int = 0
     attempts: int = 0
     tokens_per_s: float | None = None
+    predicted_step_s: float | None = Field(None, description="the last plan's simulated step time")
+    measured_step_s: float | None = Field(None, description="the last attempt's measured step time")
+    step_ratio: float | None = Field(None, description="measured ÷ predicted step time")
     reason: str | None = Field(None, description="why it failed or stopped; the root cause first")
 
 
