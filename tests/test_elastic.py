@@ -237,3 +237,28 @@ def test_every_attempt_that_trained_is_compared_with_its_plan(site):
     assert ev["step_ratio"] == pytest.approx(5.0, rel=1e-3)
     assert result.summary.step_ratio == pytest.approx(5.0, rel=1e-3)
     assert result.summary.predicted_step_s == plan.estimate.step_time_s
+
+
+def test_calibrate_plans_on_the_measured_speeds(site):
+    """A run whose middle stage computed 4x slower than planned → --calibrate moves layers off that node."""
+    import subprocess
+    import sys
+
+    tmp_path, plan, _ = site
+    prep = prepared(site)
+    m = plan.parallel.micro_batches
+    slow = plan.stages[1].node
+    measured_ms = {(s.replica, s.stage): s.est_ms * m * (4.0 if s.node == slow else 1.0) for s in plan.stages}
+    ElasticRun(prep, attempt_fn=Script(ok(stage_ms=measured_ms))).run()
+    # the run's plan points at the site's cluster file, as `hetctl plan` writes it
+    r = subprocess.run([sys.executable, "-m", "hetctl", "plan", "--calibrate", str(prep.run.path), "-o", "plan2",
+                        "--json"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    from hetctl.files.plan import Plan as PlanModel
+
+    new = PlanModel.model_validate_json(r.stdout)
+    layers = lambda p, node: sum(s.layers[1] - s.layers[0] for s in p.stages if s.node == node)  # noqa: E731
+    assert layers(new, slow) < layers(plan, slow)
+    assert new.notes[0].startswith(f"calibrated on run {prep.run.run_id} attempt 0") and f"{slow} ×0.25" in new.notes[0]
+    assert new.model == plan.model and new.parallel.global_batch == plan.parallel.global_batch
+    assert (tmp_path / "plan2" / "cluster.calibrated.yaml").is_file() and new.cluster.endswith("cluster.calibrated.yaml")

@@ -12,13 +12,18 @@ from hetctl.cli import app, err, handle_errors, out, print_json, text
 def plan_cmd(
     cluster_arg: str | None = typer.Argument(None, metavar="[CLUSTER]", help="Cluster file (same as --cluster)."),
     cluster: str = typer.Option("cluster.yaml", "-c", "--cluster", help="Cluster file written by `hetctl probe`."),
-    model: str = typer.Option(..., "-m", "--model", help="Preset (tiny, llama2-7b, llama2-13b, llama2-70b, llama3-8b, "
-                              "llama3-70b, qwen2-72b, gpt3-175b) or a YAML file in Megatron's names."),
+    model: str | None = typer.Option(None, "-m", "--model", help="Preset (tiny, llama2-7b, llama2-13b, llama2-70b, "
+                                     "llama3-8b, llama3-70b, qwen2-72b, gpt3-175b) or a YAML file in Megatron's names "
+                                     "(with --calibrate: default the run's)."),
     global_batch: int | None = typer.Option(None, "--global-batch", help="Sequences per step (default: the preset's)."),
-    micro_batch: int = typer.Option(1, "--micro-batch", help="Sequences per micro-batch."),
+    micro_batch: int | None = typer.Option(None, "--micro-batch", help="Sequences per micro-batch (default 1).",
+                                           min=1),
     seq_len: int | None = typer.Option(None, "--seq-len", help="Sequence length (default: the model's)."),
-    framework: str = typer.Option("hetctl", "--framework", help="Launch scripts for hetctl (reference trainer, no "
-                                  "TP), megatron, flagscale, deepspeed or torchrun."),
+    framework: str | None = typer.Option(None, "--framework", help="Launch scripts for hetctl (reference trainer, "
+                                         "no TP; the default), megatron, flagscale, deepspeed or torchrun."),
+    calibrate: str | None = typer.Option(None, "--calibrate", metavar="RUN_DIR",
+                                         help="Plan on the speeds a run measured (its `measured` events) instead of "
+                                              "the cluster file's; model, batch and framework default to the run's."),
     pp: int | None = typer.Option(None, "--pp", help="Pin the pipeline depth."),
     dp: int | None = typer.Option(None, "--dp", help="Pin the number of pipeline replicas."),
     tp: int | None = typer.Option(None, "--tp", help="Pin the tensor-parallel degree of every stage."),
@@ -41,14 +46,35 @@ def plan_cmd(
     from hetctl.files.cluster import Cluster
     from hetctl.files.yamlio import load_model, to_json
 
+    from hetctl.errors import ConfigError
+
     if cluster_arg is not None:
         cluster = cluster_arg
-    facts = load_model(cluster, Cluster, "cluster file")
-    spec = load_spec(model, seq_len=seq_len)
+    note = None
+    if calibrate:
+        from pathlib import Path
+
+        from hetctl.elastic.calibrate import calibrate as calibrated
+        from hetctl.files.yamlio import save_model
+
+        cal = calibrated(calibrate)
+        facts, note = cal.cluster, cal.note()
+        cluster = str(save_model(Path(output) / "cluster.calibrated.yaml", facts, header=note))
+        spec = load_spec(model, seq_len=seq_len) if model else cal.plan.model
+        global_batch = global_batch or cal.plan.parallel.global_batch
+        micro_batch = micro_batch or cal.plan.parallel.micro_batch
+        framework = framework or cal.plan.framework
+    else:
+        if model is None:
+            raise ConfigError("no model given", "pass -m/--model (a preset such as tiny or llama2-7b, or a YAML file)")
+        facts = load_model(cluster, Cluster, "cluster file")
+        spec = load_spec(model, seq_len=seq_len)
     plan = plan_cluster(
-        facts, spec, global_batch=global_batch, micro_batch=micro_batch, framework=framework,
+        facts, spec, global_batch=global_batch, micro_batch=micro_batch or 1, framework=framework or "hetctl",
         pins=Pins(pp=pp, dp=dp, tp=tp), cluster_path=cluster,
     )
+    if note:
+        plan = plan.model_copy(update={"notes": [note, *plan.notes]})
     written = write_plan_dir(plan, output, hosts={n.name: n.host for n in facts.nodes})
     if json_out:
         print_json(to_json(plan))

@@ -1,0 +1,81 @@
+"""``hetctl plan --calibrate RUN_DIR``: the cluster facts a finished run measured, to plan from.
+
+Each attempt that trained wrote a ``measured`` event: per stage, the compute time
+per step the plan predicted and the one the heartbeats reported. A node whose
+stages took twice their prediction really runs at half the TFLOPS the planner
+used, so its chips get ``measured_tflops`` at that figure (and the inventory's
+``tflops`` override, which wins in the planner, is scaled alike). Planning on
+those facts makes the planner's compute times the measured ones; what it cannot
+fit from one run (communication, the bubble) stays the model's, and ``--explain``
+says which nodes were calibrated.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from hetctl.errors import ConfigError, HetctlError
+from hetctl.files.cluster import Cluster
+from hetctl.files.events import Measured, parse_event, read_events
+from hetctl.files.plan import Plan
+from hetctl.files.run import RunDir
+from hetctl.files.yamlio import load_model
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What a run measured: the plan it ran, the calibrated facts, and each node's speed against the plan."""
+
+    run_id: str
+    attempt: int
+    plan: Plan
+    cluster: Cluster
+    factors: dict[str, float]  # node → measured speed ÷ the speed the plan assumed
+
+    def note(self) -> str:
+        nodes = ", ".join(f"{n} ×{f:.3g}" for n, f in sorted(self.factors.items()))
+        return f"calibrated on run {self.run_id} attempt {self.attempt}: speeds measured against the plan: {nodes}"
+
+
+def node_factors(measured: Measured) -> dict[str, float]:
+    """Per node, predicted ÷ measured compute (1/ratio), averaged over the node's stages."""
+    per: dict[str, list[float]] = {}
+    for s in measured.stages:
+        if s.ratio > 0:
+            per.setdefault(s.node, []).append(1.0 / s.ratio)
+    return {n: statistics.fmean(v) for n, v in per.items()}
+
+
+def calibrate(run_dir: str | Path) -> Calibration:
+    """The run's newest measured attempt turned into calibrated cluster facts.
+
+    Raises:
+        ConfigError: not a run folder, no attempt measured, or the cluster facts it was
+            planned from are gone.
+    """
+    from hetctl.elastic.replan import load_cluster, with_speeds
+
+    run = RunDir.open(run_dir)
+    found = [e for e in read_events(run.events_path) if e.get("kind") == "measured" and e.get("stages")]
+    if not found:
+        raise ConfigError(f"{run.events_path}: no attempt of run {run.run_id} trained long enough to be measured",
+                          "launch it for a few steps (two or more) first, then calibrate")
+    measured = parse_event(found[-1])
+    plan = run.load_plan(measured.attempt)
+    cluster = None
+    for n in range(measured.attempt, -1, -1):  # resume saves the facts it re-probed with the attempt
+        saved = run.attempt_dir(n) / "cluster.yaml"
+        if saved.is_file():
+            cluster = load_model(saved, Cluster, "cluster file")
+            break
+    if cluster is None:
+        info = run.load_info()
+        try:
+            cluster = load_cluster(plan, None, plan_file=Path(info.inputs.plan_dir or ".") / "plan.yaml")
+        except HetctlError as e:
+            raise ConfigError(f"cannot calibrate run {run.run_id}: {e.message}",
+                              "keep the cluster file the run was planned from, or pass it with --cluster") from None
+    factors = node_factors(measured)
+    return Calibration(run.run_id, measured.attempt, plan, with_speeds(cluster, factors), factors)
