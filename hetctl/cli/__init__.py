@@ -107,7 +107,7 @@ def _main(
 
 
 # The commands register themselves on ``app`` (one module per step of the flow).
-from hetctl.cli import plan, probe, run  # noqa: E402,F401
+from hetctl.cli import plan, probe, run, runs  # noqa: E402,F401
 
 
 def main() -> None:  # pragma: no cover - entry point

@@ -211,10 +211,23 @@ class ElasticRun:
         p = self.p
         if p.lock is None:
             p.lock = p.run.lock()
+        p.run.stop_path.unlink(missing_ok=True)  # a request for an earlier controller is not for this one
+        done = threading.Event()
+        watcher = threading.Thread(target=self._watch_stop_file, args=(done,), daemon=True, name="stop-file")
+        watcher.start()
         try:
             return self._run(listeners)
         finally:
+            done.set()
+            p.run.stop_path.unlink(missing_ok=True)
             p.lock.release()
+
+    def _watch_stop_file(self, done: threading.Event) -> None:
+        """``hetctl stop`` from another terminal or machine: the same clean stop as SIGTERM."""
+        while not done.wait(0.25):
+            if self.p.run.stop_path.exists():
+                self.stop.set()
+                return
 
     def _run(self, listeners: Iterable[Listener]) -> RunResult:
         p = self.p

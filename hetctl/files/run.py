@@ -128,6 +128,28 @@ class RunLock:
             os.close(self._fd)  # closing drops the flock
             self._fd = None
 
+    @staticmethod
+    def holder(path: Path) -> tuple[int, str] | None:
+        """``(pid, host)`` of the live controller holding the lock at ``path``; None when nobody holds it."""
+        import fcntl
+
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            return None
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                words = os.read(fd, 200).decode(errors="replace").split()
+                # "pid <n> on <host>"
+                if len(words) >= 4 and words[0] == "pid" and words[1].isdigit():
+                    return int(words[1]), words[3]
+                return 0, "?"
+            return None
+        finally:
+            os.close(fd)  # also drops the shared lock taken to look
+
 
 class RunDir:
     """Paths and atomic reads/writes of one run folder."""
@@ -166,7 +188,20 @@ class RunDir:
 
     def lock(self) -> RunLock:
         """Take this run's controller lock (see :class:`RunLock`); held until released or the process ends."""
-        return RunLock(self.path / "controller.lock").acquire(self.run_id)
+        return RunLock(self.lock_path).acquire(self.run_id)
+
+    @property
+    def lock_path(self) -> Path:
+        return self.path / "controller.lock"
+
+    @property
+    def stop_path(self) -> Path:
+        """``hetctl stop`` writes this file; the live controller sees it within a second and stops the run."""
+        return self.path / "stop-requested"
+
+    def controller(self) -> tuple[int, str] | None:
+        """``(pid, host)`` of the live controller of this run, or None."""
+        return RunLock.holder(self.lock_path)
 
     @property
     def run_yaml(self) -> Path:

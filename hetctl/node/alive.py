@@ -1,6 +1,7 @@
 """Which processes of a run are alive on this node: runs there as ``python -c`` (stdlib only).
 
-Argument: the run id. Lists every process whose initial environment carries
+Arguments: the run id, and optionally a signal number to send them (``hetctl
+stop`` when the run's controller is gone). Lists every process whose initial environment carries
 ``HETCTL_RUN_ID=<id>`` (every rank and anything a rank started, daemons included)
 and prints one JSON line: ``{"proc": true, "pids": [[pid, state, command], …]}``
 (``proc`` false where there is no ``/proc`` to read, so the caller cannot tell).
@@ -43,5 +44,20 @@ def alive(run_id: str) -> dict:
     return {"proc": True, "pids": found}
 
 
+def signal_all(found: dict, sig: int) -> dict:
+    """Send ``sig`` to every process found; ``killed`` lists those it reached."""
+    killed = []
+    for pid, _state, _cmd in found["pids"]:
+        try:
+            os.kill(pid, sig)
+            killed.append(pid)
+        except OSError:
+            pass
+    return {**found, "signalled": killed}
+
+
 if __name__ == "__main__":
-    print(json.dumps(alive(sys.argv[1])))
+    found = alive(sys.argv[1])
+    if len(sys.argv) > 2 and found["proc"]:
+        found = signal_all(found, int(sys.argv[2]))
+    print(json.dumps(found))

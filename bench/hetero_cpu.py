@@ -1,0 +1,191 @@
+"""Benchmark: a real mixed-speed cluster on this machine, the plan's split against uniform and proportional, measured.
+
+Three local nodes, each in a cgroup v1 ``cpu`` group of its own with a CFS quota
+in the ratio ``--quotas`` (default 4:2:1, the largest a full CPU), one torch
+thread per rank: really different speeds, not declared ones. The model is
+``--layers`` transformer layers of the reference trainer's blocks. In one run:
+
+1. probe the nodes with equal declared speeds and launch the **uniform** split
+   (equal layers per stage, Megatron's default) — the run a user starts with;
+2. ``hetctl plan --calibrate`` on that run: per-node speeds from its measured
+   stage compute times; the **hetctl** plan made on them, and its predicted
+   tokens/s;
+3. launch the hetctl plan, and the **proportional** split (layers rounded in
+   proportion to the calibrated speeds, on the same stage order);
+4. launch the model on **each node alone** (the homogeneous references).
+
+Printed: measured tokens/s of each, hetctl's prediction error against its own
+measured run, the speed-up over uniform and proportional, and measured
+utilization against the homogeneous sum (the published metric for mixed-chip
+training, here measured). Needs root and ``/sys/fs/cgroup/cpu``.
+
+From the repo root::
+
+    python bench/hetero_cpu.py --steps 12 --global-batch 64
+
+Last line, for scripts::
+
+    hetero_cpu: prediction_error=<percent> vs_uniform=<ratio> vs_proportional=<ratio> vs_homogeneous=<percent>
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from hetctl.elastic.calibrate import calibrate  # noqa: E402
+from hetctl.files.cluster import Cluster  # noqa: E402
+from hetctl.files.yamlio import dump_yaml, load_model, save_model  # noqa: E402
+from hetctl.plan.models import load_model as load_spec  # noqa: E402
+from hetctl.plan.partition import proportional_split  # noqa: E402
+from hetctl.plan.planner import plan_cluster  # noqa: E402
+from hetctl.plan.render import write_plan_dir  # noqa: E402
+from hetctl.plan.search import Pins  # noqa: E402
+
+CPU = Path("/sys/fs/cgroup/cpu")
+NODES = ("node-a", "node-b", "node-c")
+PERIOD_US = 100_000
+
+
+def cli(d: Path, *args: str, timeout: float = 1800) -> subprocess.CompletedProcess:
+    r = subprocess.run([sys.executable, "-m", "hetctl", *args], cwd=d, capture_output=True, text=True, timeout=timeout,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if r.returncode != 0:
+        raise SystemExit(f"hetctl {' '.join(args)} failed ({r.returncode}):\n{r.stderr[-3000:]}")
+    return r
+
+
+def make_groups(tag: str, quotas: list[int]) -> dict[str, Path]:
+    """One cgroup per node; the largest quota is one full CPU."""
+    top = max(quotas)
+    groups = {}
+    for node, q in zip(NODES, quotas):
+        g = CPU / f"hetctl-bench-{tag}-{node}"
+        g.mkdir()
+        (g / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+        (g / "cpu.cfs_quota_us").write_text(str(int(PERIOD_US * q / top)))
+        groups[node] = g
+    return groups
+
+
+def remove_groups(groups: dict[str, Path]) -> None:
+    for g in groups.values():
+        for pid in (g / "cgroup.procs").read_text().split():
+            try:
+                (CPU / "cgroup.procs").write_text(pid)
+            except OSError:
+                pass
+        try:
+            g.rmdir()
+        except OSError as e:
+            print(f"note: could not remove {g}: {e.strerror}", file=sys.stderr)
+
+
+def write_site(d: Path, groups: dict[str, Path], layers: int) -> None:
+    """Inventory (each node's python enters its cgroup first), the model file, and the probe."""
+    nodes = []
+    for node in NODES:
+        wrap = d / f"python-{node}"
+        wrap.write_text(f"#!/bin/sh\necho $$ > {groups[node] / 'cgroup.procs'}\nexec {sys.executable} \"$@\"\n")
+        wrap.chmod(0o755)
+        nodes.append({"name": node, "host": "localhost", "python": str(wrap), "workdir": f"nodes/{node}", "tflops": 1.0})
+    inv = {"defaults": {"transport": "local", "env": {"OMP_NUM_THREADS": "1"}}, "checkpoint_dir": "checkpoints",
+           "nodes": nodes}
+    (d / "inventory.yaml").write_text(dump_yaml(inv))
+    spec = {"name": f"bench-{layers}l", "num_layers": layers, "hidden_size": 128, "ffn_hidden_size": 352,
+            "num_attention_heads": 4, "num_query_groups": 2, "vocab_size": 512, "seq_len": 64, "swiglu": True}
+    (d / "model.yaml").write_text(dump_yaml(spec))
+    cli(d, "probe", "-i", "inventory.yaml", "-o", "cluster.yaml")
+
+
+def with_split(plan, counts: list[int]):
+    """The same plan (stages, ranks, order) with another layer split."""
+    stages, start = [], 0
+    for s, n in zip(plan.stages, counts):
+        stages.append(s.model_copy(update={"layers": (start, start + n)}))
+        start += n
+    return plan.model_copy(update={"stages": stages})
+
+
+def launch(d: Path, name: str, plan, steps: int) -> dict:
+    folder = d / name
+    write_plan_dir(plan, folder)
+    r = cli(d, "launch", str(folder), "-i", "inventory.yaml", "--steps", str(steps), "--checkpoint-every", "0",
+            "--run-dir", "runs", "--json", "--hang-timeout", "600")
+    summary = json.loads(r.stdout)
+    split = " ".join(f"{s.node}:{s.layers[1] - s.layers[0]}" for s in plan.stages)
+    print(f"  {name:<14} {split:<34} {summary['tokens_per_s']:>10,.1f} tokens/s", flush=True)
+    return summary
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quotas", default="4:2:1", help="CPU quotas of node-a:node-b:node-c (the largest = one CPU)")
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--global-batch", type=int, default=64)
+    ap.add_argument("--micro-batch", type=int, default=2)
+    args = ap.parse_args()
+    if os.geteuid() != 0 or not (CPU / "cgroup.procs").exists():
+        print("needs root and the cgroup v1 cpu controller at /sys/fs/cgroup/cpu", file=sys.stderr)
+        return 2
+    quotas = [int(q) for q in args.quotas.split(":")]
+    groups = make_groups(uuid.uuid4().hex[:6], quotas)
+    try:
+        with tempfile.TemporaryDirectory(prefix="hetctl-hetero-") as tmp:
+            d = Path(tmp)
+            write_site(d, groups, args.layers)
+            facts = load_model(d / "cluster.yaml", Cluster)
+            spec = load_spec(str(d / "model.yaml"))
+            shape = {"global_batch": args.global_batch, "micro_batch": args.micro_batch}
+            print(f"cluster: {len(NODES)} CPU nodes, quotas {args.quotas}, one thread per rank; model {args.layers} "
+                  f"layers; global batch {args.global_batch}, micro-batch {args.micro_batch}; {args.steps} steps")
+            base = plan_cluster(facts, spec, pins=Pins(pp=len(NODES), dp=1), cluster_path=d / "cluster.yaml", **shape)
+            per = args.layers // len(NODES)
+            uniform = with_split(base, [per + (1 if i < args.layers % len(NODES) else 0) for i in range(len(NODES))])
+            print("measured:")
+            u = launch(d, "uniform", uniform, args.steps)
+            cal = calibrate(Path(u["run_dir"]))
+            save_model(d / "cluster.calibrated.yaml", cal.cluster)
+            het = plan_cluster(cal.cluster, spec, cluster_path=d / "cluster.calibrated.yaml", **shape)
+            predicted = het.estimate.tokens_per_s
+            h = launch(d, "hetctl", het, args.steps)
+            speeds = [cal.factors.get(s.node, 1.0) for s in het.stages_of(0)]
+            counts = proportional_split(args.layers, speeds) if len(het.stages_of(0)) > 1 else None
+            p = launch(d, "proportional", with_split(het, counts), args.steps) if counts and het.parallel.dp == 1 \
+                else None
+            alone = {}
+            for node in NODES:
+                one = cal.cluster.model_copy(update={"nodes": [n for n in cal.cluster.nodes if n.name == node]})
+                alone[node] = launch(d, f"alone-{node}", plan_cluster(one, spec, cluster_path=d / "cluster.yaml",
+                                                                      **shape), args.steps)
+    finally:
+        remove_groups(groups)
+
+    hom = sum(a["tokens_per_s"] for a in alone.values())
+    err = (predicted - h["tokens_per_s"]) / h["tokens_per_s"]
+    vs_u = h["tokens_per_s"] / u["tokens_per_s"]
+    vs_p = h["tokens_per_s"] / p["tokens_per_s"] if p else float("nan")
+    vs_h = h["tokens_per_s"] / hom
+    print(f"hetctl plan: {' '.join(f'{s.node}:{s.layers[1] - s.layers[0]}' for s in het.stages)} "
+          f"(pp {het.parallel.pp} × dp {het.parallel.dp}, {het.parallel.micro_batches} micro-batches); "
+          f"{cal.note()}")
+    print(f"predicted {predicted:,.1f} tokens/s, measured {h['tokens_per_s']:,.1f}: error {100 * err:+.1f}%")
+    print(f"hetctl / uniform {vs_u:.3f}; hetctl / proportional {vs_p:.3f}; "
+          f"measured utilization vs the homogeneous sum ({hom:,.1f} tokens/s) {100 * vs_h:.1f}%")
+    print(f"hetero_cpu: prediction_error={100 * abs(err):.1f} vs_uniform={vs_u:.3f} vs_proportional={vs_p:.3f} "
+          f"vs_homogeneous={100 * vs_h:.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

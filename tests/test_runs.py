@@ -1,0 +1,86 @@
+"""``hetctl status``, ``logs`` and ``stop`` on real runs (three local nodes, the reference trainer)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hetctl.files.events import read_events
+
+pytestmark = pytest.mark.e2e
+
+
+def cli(d: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hetctl", *args], cwd=d, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "COLUMNS": "200"})
+
+
+@pytest.fixture
+def site(tmp_path):
+    from hetctl.cli import demo
+
+    inv = demo.write_inventory(tmp_path)
+    _, cluster = demo.probe_nodes(inv)
+    demo.plan_tiny(tmp_path, cluster)
+    return tmp_path
+
+
+def start_long_run(d: Path) -> tuple[subprocess.Popen, Path]:
+    proc = subprocess.Popen([sys.executable, "-m", "hetctl", "launch", "plan", "--run-dir", "runs", "--steps", "2000",
+                             "--checkpoint-every", "2", "--json"], cwd=d, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        runs = list((d / "runs").glob("*/events.jsonl"))
+        if runs and any(e["kind"] == "progress" and e.get("step", 0) >= 3 for e in read_events(runs[0])):
+            return proc, runs[0].parent
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError(f"the run never reached step 3: {proc.communicate()}")
+
+
+def test_status_logs_and_a_clean_stop_from_another_terminal(site):
+    proc, run = start_long_run(site)
+    try:
+        st = json.loads(cli(site, "status", str(run), "--json").stdout)
+        assert st["state"] == "running" and st["controller"].startswith(f"pid {proc.pid} on ")
+        assert st["steps_done"] >= 3 and st["nodes"] == ["node-a", "node-b", "node-c"] and st["stages"]
+        listing = json.loads(cli(site, "status", "--run-dir", "runs", "--json").stdout)
+        assert [r["run_id"] for r in listing] == [run.name]
+        logs = cli(site, "logs", str(run), "--rank", "2", "--tail", "3").stdout.splitlines()
+        assert len(logs) == 3 and all(line.startswith("step=") for line in logs)
+        both = cli(site, "logs", str(run), "--node", "node-a").stdout
+        assert both.startswith("==> hetctl attempt 0, rank 0 on node-a <==")
+
+        r = cli(site, "stop", str(run), "--json")
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["state"] == "stopped"
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 130 and json.loads(out)["state"] == "stopped"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    kinds = [e["kind"] for e in read_events(run / "events.jsonl")]
+    assert kinds[-1] == "stopped" and "rank_failed" not in kinds
+    assert json.loads(cli(site, "status", str(run), "--json").stdout)["controller"] is None
+
+
+def test_a_killed_controller_shows_as_orphaned_and_stop_sweeps_its_nodes(site):
+    proc, run = start_long_run(site)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    st = json.loads(cli(site, "status", str(run), "--json").stdout)
+    assert st["state"] == "orphaned" and st["controller"] is None
+    r = cli(site, "stop", str(run), "--json")
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert res["state"] == "stopped" and set(res["nodes"]) == {"node-a", "node-b", "node-c"}
+    alive = cli(site, "status", str(run), "--json")
+    assert json.loads(alive.stdout)["state"] == "stopped"
