@@ -10,6 +10,7 @@ from hetctl.remote.base import Process, Result, Transport
 from hetctl.remote.fanout import GroupFailed, GroupResult, fanout
 from hetctl.remote.local import LocalTransport
 from hetctl.remote.ssh import SshTransport
+from hetctl.remote.sshconfig import EffectiveSsh, effective_settings
 
 TRANSPORTS: dict[str, type] = {"ssh": SshTransport, "local": LocalTransport}
 
@@ -35,5 +36,5 @@ def connect(node, ssh=None) -> Transport:  # noqa: ANN001 - hetctl.inventory.Nod
 
 __all__ = [
     "TRANSPORTS", "connect", "fanout", "GroupResult", "GroupFailed",
-    "LocalTransport", "SshTransport", "Transport", "Process", "Result",
+    "LocalTransport", "SshTransport", "Transport", "Process", "Result", "EffectiveSsh", "effective_settings",
 ]

@@ -157,8 +157,12 @@ class LocalTransport:
         *,
         env: Mapping[str, str] | None = None,
         cwd: str | None = None,
+        input: bytes | None = None,
     ) -> LocalProcess:
-        """Start ``argv`` with piped stdin/stdout/stderr; read both outputs or it may block."""
+        """Start ``argv`` with piped stdin/stdout/stderr; read both outputs or it may block.
+
+        ``input`` is written to its stdin first; the pipe stays open for the caller.
+        """
         popen = subprocess.Popen(
             self._argv(argv, env, cwd),
             stdin=subprocess.PIPE,
@@ -166,6 +170,12 @@ class LocalTransport:
             stderr=subprocess.PIPE,
             start_new_session=True,
         )
+        if input:
+            try:
+                popen.stdin.write(input)
+                popen.stdin.flush()
+            except OSError:
+                pass  # it exited at once; its status tells the rest
         return LocalProcess(popen)
 
     def put(self, data: bytes | Path, remote_path: str, mode: int = 0o644) -> None:
