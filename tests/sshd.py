@@ -18,6 +18,12 @@ every host. Sessions on a host get, through ``SetEnv``:
 A node loss is :meth:`SshdHost.kill`: SIGKILL to the host's sshd and to every
 process started under it. Stopping the cluster does that for every host.
 
+Site variants (keyword arguments of :class:`SshdCluster`): ``sftp=False`` (no sftp
+subsystem, as on hardened sites), ``shared_home=True`` (every host's ``HOME`` is the
+same folder, like an NFS home), ``host_ca=True`` (host certificates signed by a CA made
+with ``ssh-keygen -s``; :attr:`SshdCluster.host_ca`), ``user_ca=True`` (the servers
+trust user certificates signed by :attr:`SshdCluster.user_ca`).
+
 Needs root (sshd's privilege separation) and ``ssh-keygen``.
 """
 
@@ -71,6 +77,26 @@ def _case_pattern(glob: str) -> str:
     return "".join(p if p in ("*", "?") else (shlex.quote(p) if p else "") for p in parts) or "''"
 
 
+def _wait_all(jobs: list[subprocess.Popen]) -> None:
+    for j in jobs:
+        if j.wait() != 0:
+            raise RuntimeError(f"ssh-keygen failed: {j.stderr.read().decode()}")
+        j.stderr.close()
+
+
+def _sign(ca: Path, key: Path, identity: str, principals: str, *, host: bool) -> subprocess.Popen:
+    """``ssh-keygen -s``: write ``<key>-cert.pub`` signed by ``ca`` for ``principals``."""
+    argv = ["ssh-keygen", "-q", "-s", str(ca), "-I", identity, "-n", principals, "-V", "-5m:+1d"]
+    return subprocess.Popen(argv + (["-h"] if host else []) + [str(key.with_suffix(".pub"))],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def sign_user_key(ca: Path, key: Path, user: str) -> Path:
+    """Sign ``key`` as a user certificate for ``user``; returns ``<key>-cert.pub``."""
+    _wait_all([_sign(ca, key, f"hetctl-test-user-{user}", user, host=False)])
+    return key.parent / f"{key.name}-cert.pub"
+
+
 def _free_port(addr: str) -> int:
     with socket.socket() as s:
         s.bind((addr, 0))
@@ -93,7 +119,7 @@ class SshdHost:
         self.cluster, self.index, self.name, self.addr = cluster, index, name, addr
         self.dir = cluster.root / name
         self.bin = self.dir / "bin"
-        self.home = self.dir / "home"
+        self.home = cluster.root / "shared-home" if cluster.shared_home else self.dir / "home"
         self.workdir = self.home / "work"
         self.sysfs_root = self.dir / "fakeroot"
         self.host_key = self.dir / "ssh_host_ed25519_key"
@@ -127,6 +153,11 @@ class SshdHost:
         path = os.pathsep.join([str(self.bin), os.path.dirname(sys.executable), os.environ.get("PATH", "/usr/bin:/bin")])
         self.env = {"PATH": path, "HOME": str(self.home), SYSFS_ENV: str(self.sysfs_root), MARKER_ENV: self.marker, **extra_env}
         setenv = " ".join(f'"{k}={v}"' for k, v in self.env.items())
+        extra = "Subsystem sftp internal-sftp\n" if self.cluster.sftp else "# no sftp subsystem\n"
+        if self.cluster.host_ca:
+            extra += f"HostCertificate {self.host_key}-cert.pub\n"
+        if self.cluster.user_ca:
+            extra += f"TrustedUserCAKeys {self.cluster.user_ca}.pub\n"
         self.config.write_text(
             f"""# sshd for hetctl tests: host {self.name}
 ListenAddress {self.addr}
@@ -146,8 +177,7 @@ PrintMotd no
 MaxStartups 200
 MaxSessions 100
 LogLevel INFO
-Subsystem sftp internal-sftp
-SetEnv {setenv}
+{extra}SetEnv {setenv}
 """
         )
 
@@ -295,6 +325,10 @@ class SshdCluster:
         names: node names (default ``node-1`` … ``node-n``).
         extra_env: per host name, more variables for its sessions (``SetEnv``).
         first_octet: hosts listen on ``127.0.0.<first_octet + i>``.
+        sftp: run the sftp subsystem (False: like a hardened site without it).
+        shared_home: every host's ``HOME`` is one folder (an NFS home).
+        host_ca: sign every host key with :attr:`host_ca` (``HostCertificate``).
+        user_ca: trust user certificates signed by :attr:`user_ca` (``TrustedUserCAKeys``).
     """
 
     def __init__(
@@ -305,9 +339,16 @@ class SshdCluster:
         names: list[str] | None = None,
         extra_env: Mapping[str, Mapping[str, str]] | None = None,
         first_octet: int = 2,
+        sftp: bool = True,
+        shared_home: bool = False,
+        host_ca: bool = False,
+        user_ca: bool = False,
     ) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
+        self.sftp, self.shared_home = sftp, shared_home
+        self.host_ca = self.root / "host_ca" if host_ca else None
+        self.user_ca = self.root / "user_ca" if user_ca else None
         self.id = uuid.uuid4().hex[:12]
         self.extra_env = {k: dict(v) for k, v in (extra_env or {}).items()}
         names = names or [f"node-{i + 1}" for i in range(n)]
@@ -336,10 +377,10 @@ class SshdCluster:
         Path("/run/sshd").mkdir(mode=0o755, parents=True, exist_ok=True)  # privilege-separation dir
         jobs = [_keygen(self.client_key, "hetctl-test-client")]
         jobs += [_keygen(h.host_key, f"hetctl-test-{h.name}") for h in self.hosts]
-        for j in jobs:
-            if j.wait() != 0:
-                raise RuntimeError(f"ssh-keygen failed: {j.stderr.read().decode()}")
-            j.stderr.close()
+        jobs += [_keygen(ca, f"hetctl-test-{ca.name}") for ca in (self.host_ca, self.user_ca) if ca]
+        _wait_all(jobs)
+        if self.host_ca:  # principal: the address clients dial (known_hosts names it [addr]:port)
+            _wait_all([_sign(self.host_ca, h.host_key, h.name, h.addr, host=True) for h in self.hosts])
         self.authorized_keys.write_text(self.client_key.with_suffix(".pub").read_text())
         pending = list(self.hosts)
         for _attempt in range(3):  # a port taken between probing and binding: retry on a new one

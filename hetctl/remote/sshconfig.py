@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import pwd
 import re
 import shutil
 import stat
@@ -93,8 +94,8 @@ def _includes(config: str | None) -> list[str]:
     """The user's config files to Include (see the module docstring)."""
     if config is None:
         return []
-    if config == SSH_CONFIG_DEFAULT:
-        return ["~/.ssh/config", system_config()]
+    if config == SSH_CONFIG_DEFAULT:  # where ssh itself looks: the password database's home, not $HOME
+        return [os.path.join(pwd.getpwuid(os.getuid()).pw_dir, ".ssh", "config"), system_config()]
     return [config]
 
 
@@ -106,7 +107,7 @@ def system_config() -> str:
                              timeout=_G_TIMEOUT_S, stdin=subprocess.DEVNULL).stderr
     except (OSError, subprocess.TimeoutExpired):
         out = ""
-    home_config = os.path.join(os.path.expanduser("~"), ".ssh", "config")
+    home_config = os.path.join(pwd.getpwuid(os.getuid()).pw_dir, ".ssh", "config")
     for path in re.findall(r"Reading configuration data (\S+)", out):
         if not path.endswith("/.ssh/config") and path != home_config:
             return path
