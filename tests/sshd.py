@@ -77,6 +77,49 @@ def _case_pattern(glob: str) -> str:
     return "".join(p if p in ("*", "?") else (shlex.quote(p) if p else "") for p in parts) or "''"
 
 
+_ACCEPTOR_READY = "hetctl-test-acceptor listening"
+# inetd for one host: accept TCP here and run the command (sshd -i, in another network
+# namespace) on each connection; that sshd's forwarding then starts from inside that namespace.
+_ACCEPTOR = f"""
+import signal, socket, subprocess, sys
+signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[1], int(sys.argv[2])))
+s.listen(64)
+print({_ACCEPTOR_READY!r}, flush=True)
+while True:
+    c, _ = s.accept()
+    subprocess.Popen(sys.argv[3:], stdin=c, stdout=c)
+    c.close()
+"""
+
+
+class NetNs:
+    """A network namespace with only its own loopback (``unshare --net``), held by one sleeping process.
+
+    Hosts placed in it (``SshdCluster(netns=…)``) cannot be reached from the test
+    process: only through a gateway host whose sessions run inside it.
+    """
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(["unshare", "--net", "sh", "-c", "ip link set lo up && echo ready && exec sleep 86400"],
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
+        if self.proc.stdout.readline() != b"ready\n":
+            self.proc.kill()
+            raise RuntimeError("cannot make a network namespace (unshare --net)")
+
+    @property
+    def enter(self) -> list[str]:
+        """The argv prefix that runs a command inside this namespace."""
+        return ["nsenter", f"--net=/proc/{self.proc.pid}/ns/net"]
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        self.proc.stdout.close()
+
+
 def _wait_all(jobs: list[subprocess.Popen]) -> None:
     for j in jobs:
         if j.wait() != 0:
@@ -127,6 +170,7 @@ class SshdHost:
         self.log = self.dir / "sshd.log"
         self.port = 0
         self.env: dict[str, str] = {}
+        self._ready_line: str | None = None
         self.proc: subprocess.Popen | None = None
         for d in (self.bin, self.workdir, self.sysfs_root / "sys/bus/pci/devices", self.sysfs_root / "dev", self.dir / "replay"):
             d.mkdir(parents=True, exist_ok=True)
@@ -184,14 +228,30 @@ LogLevel INFO
     def _spawn(self) -> None:
         self.port = _free_port(self.addr)
         self._write_config(self.cluster.extra_env.get(self.name, {}))
+        listen_ns, session_ns = self.cluster.netns.get(self.name, (None, None))
+        sshd = [SSHD, "-D", "-e", "-f", str(self.config)]
+        if session_ns is not listen_ns:  # a gateway: accept here, run each connection's sshd -i there
+            sshd = [sys.executable, "-c", _ACCEPTOR, self.addr, str(self.port), *session_ns.enter,
+                    SSHD, "-i", "-e", "-f", str(self.config)]
+        argv = (listen_ns.enter if listen_ns else []) + sshd
+        self._ready_line = None if not (listen_ns or session_ns) else (
+            f"Server listening on {self.addr} port {self.port}" if session_ns is listen_ns else _ACCEPTOR_READY)
         with self.log.open("ab") as log:
-            self.proc = subprocess.Popen([SSHD, "-D", "-e", "-f", str(self.config)], stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
 
     def _wait_ready(self, deadline: float) -> bool:
-        """Poll the port until sshd accepts; False when sshd exited (e.g. the port was taken)."""
+        """Poll the port until sshd accepts; False when sshd exited (e.g. the port was taken).
+
+        A host in another network namespace cannot be dialled from here: its log says when it listens.
+        """
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 return False
+            if self._ready_line is not None:
+                if self._ready_line in self.log.read_text(errors="replace"):
+                    return True
+                time.sleep(0.02)
+                continue
             try:
                 with socket.create_connection((self.addr, self.port), timeout=0.5):
                     return True
@@ -329,6 +389,9 @@ class SshdCluster:
         shared_home: every host's ``HOME`` is one folder (an NFS home).
         host_ca: sign every host key with :attr:`host_ca` (``HostCertificate``).
         user_ca: trust user certificates signed by :attr:`user_ca` (``TrustedUserCAKeys``).
+        netns: per host name, ``(listen_in, sessions_in)`` :class:`NetNs` (None: this
+            namespace). Different values make a gateway: it listens in the first, and
+            each connection's sshd (and so its TCP forwarding) runs in the second.
     """
 
     def __init__(
@@ -343,10 +406,12 @@ class SshdCluster:
         shared_home: bool = False,
         host_ca: bool = False,
         user_ca: bool = False,
+        netns: Mapping[str, tuple[NetNs | None, NetNs | None]] | None = None,
     ) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.sftp, self.shared_home = sftp, shared_home
+        self.netns = dict(netns or {})
         self.host_ca = self.root / "host_ca" if host_ca else None
         self.user_ca = self.root / "user_ca" if user_ca else None
         self.id = uuid.uuid4().hex[:12]

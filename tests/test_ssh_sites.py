@@ -23,11 +23,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from hetctl.errors import AuthFailed, HostKeyMismatch
+from hetctl.errors import AuthFailed, HostKeyMismatch, Unreachable
 from hetctl.inventory import load_inventory
 from hetctl.remote import connect, effective_settings
 from hetctl.remote.sshconfig import parse_dump
-from tests.sshd import SshdCluster, sign_user_key
+from tests.sshd import NetNs, SshdCluster, sign_user_key
 
 pytestmark = [
     pytest.mark.e2e,
@@ -152,6 +152,47 @@ def test_values_the_inventory_leaves_unset_stay_with_ssh_config(make_sshd_cluste
 
 
 # --- jump hosts -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def two_netns():
+    """Two network namespaces: the second bastion lives in the first, the node in the second."""
+    try:
+        spaces = (NetNs(), NetNs())
+    except (RuntimeError, OSError) as e:
+        pytest.skip(f"no network namespaces here: {e}")
+    yield spaces
+    for ns in spaces:
+        ns.stop()
+
+
+def test_two_chained_bastions_each_reachable_only_through_the_previous(two_netns, make_sshd_cluster, tmp_path):
+    inner, deepest = two_netns
+    # bastion-1 listens here, its sessions (and their forwarding) run in `inner`; bastion-2 listens
+    # in `inner` with sessions in `deepest`, where the node itself listens.
+    cluster = make_sshd_cluster(3, names=["bastion-1", "bastion-2", "node"],
+                                netns={"bastion-1": (None, inner), "bastion-2": (inner, deepest), "node": (deepest, deepest)})
+    b1, b2, node = cluster
+    cfg = tmp_path / "config"
+    cfg.write_text(host_block("bastion-1", b1) + host_block("bastion-2", b2, ProxyJump="bastion-1")
+                   + host_block("node", node, ProxyJump="bastion-2") + common(cluster))
+    inv = inventory_for(tmp_path, cfg, {"node": node.workdir})
+    assert_same_as_ssh(inv, cfg)
+    eff = effective_settings(inv.nodes[0], inv.ssh)
+    # The jump host's own ProxyJump is followed: two hops, outermost first.
+    assert eff.jump_path == (f"root@{b1.addr}:{b1.port}", f"root@{b2.addr}:{b2.port}")
+    # Neither bastion-2 nor the node can be reached except through the chain.
+    for alias in ("bastion-2", "node"):
+        direct = subprocess.run(["ssh", "-F", str(cfg), "-o", "BatchMode=yes", "-o", "ProxyJump=none", alias, "true"],
+                                capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+        assert direct.returncode == 255 and "Connection refused" in direct.stderr
+    run_both(inv, cfg, node.home)
+    # bastion-2 down: the chain breaks at the second hop, plain ssh and hetctl alike.
+    b2.kill()
+    assert plain_ssh(cfg, "node").returncode == 255
+    with pytest.raises(Unreachable) as info:
+        connect(inv.nodes[0], inv.ssh)
+    assert info.value.message.startswith("node: jump host bastion-2 cannot reach")
 
 
 def test_proxy_command_with_ssh_w(make_sshd_cluster, tmp_path):

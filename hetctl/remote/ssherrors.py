@@ -105,7 +105,8 @@ def classify(stderr: str, node: str, eff: Any) -> RemoteError | None:
     if ln := (_line(stderr, r"channel \d+: open failed|stdio forwarding failed") or jump_closed):
         via = eff.proxy_jump or "the jump host"
         return Unreachable(f"{node}: jump host {via} cannot reach {eff.hostname}:{eff.port} ({ln})",
-                           "check the address, and that the jump host allows TCP forwarding", node=node)
+                           f"the node, or a hop on the way, is down or does not forward TCP; "
+                           f"`ssh -v {shlex.quote(eff.host)}` shows where it stops", node=node)
     if _line(stderr, r"connect to host .* Connection refused"):
         return Unreachable(f"{node}: {where}: connection refused",
                            "check that sshd runs on the node and listens on that port", node=node)
