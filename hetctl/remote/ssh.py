@@ -35,7 +35,7 @@ import time
 from pathlib import Path, PurePosixPath
 from typing import IO, Mapping, Sequence
 
-from hetctl.errors import AuthFailed, RemoteError, Unreachable
+from hetctl.errors import AuthFailed, HetctlError, RemoteError, Unreachable
 from hetctl.remote import sshconfig
 from hetctl.remote.base import Result
 from hetctl.remote.local import TIMEOUT_EXIT, finish, shell_command
@@ -163,7 +163,7 @@ class SshTransport:
         if proc.returncode != 0:
             raise self._error(proc.stderr.decode(errors="replace"), proc.returncode)
 
-    def _error(self, stderr: str, code: int) -> RemoteError:
+    def _error(self, stderr: str, code: int) -> HetctlError:
         err = classify(stderr, self.node, self.effective)
         if err is not None:
             return err

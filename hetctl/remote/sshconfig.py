@@ -82,11 +82,12 @@ def control_dir() -> str:
     return path
 
 
-def _file_value(value: str, what: str) -> str:
-    """``value`` as one ssh_config argument: ``%`` escaped, quoted when it has spaces."""
+def _file_value(value: str, what: str, *, tokens: bool = True) -> str:
+    """``value`` as one ssh_config argument: quoted when it has spaces, ``%`` escaped where ssh expands tokens."""
     if any(c in value for c in '"\n\r\0'):
         raise ConfigError(f"{what} {value!r}: quotes and line breaks cannot be passed to ssh", "rename the file")
-    value = value.replace("%", "%%")
+    if tokens:
+        value = value.replace("%", "%%")
     return f'"{value}"' if any(c.isspace() for c in value) else value
 
 
@@ -123,7 +124,7 @@ def config_text(settings: Any) -> str:
         lines.append(f"ConnectTimeout {_seconds(settings.connect_timeout)}")
     if settings.keepalive is not None:
         lines.append(f"ServerAliveInterval {_seconds(settings.keepalive) if settings.keepalive else 0}")
-    lines += [f"Include {_file_value(p, 'ssh.config')}" for p in _includes(settings.config)]
+    lines += [f"Include {_file_value(p, 'ssh.config', tokens=False)}" for p in _includes(settings.config)]
     lines += [
         "Host *",
         f"  ConnectTimeout {_seconds(DEFAULT_CONNECT_TIMEOUT)}",

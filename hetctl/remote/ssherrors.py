@@ -11,7 +11,7 @@ import re
 import shlex
 from typing import Any
 
-from hetctl.errors import AuthFailed, ConfigError, HostKeyMismatch, RemoteError, Unreachable
+from hetctl.errors import AuthFailed, ConfigError, HetctlError, HostKeyMismatch, Unreachable
 
 _AUTH_HINT = "check user and identity_file in the inventory (or ~/.ssh/config), the agent, and authorized_keys on the node"
 
@@ -74,7 +74,7 @@ def host_key_error(stderr: str, node: str, eff: Any) -> HostKeyMismatch | None:
     return None
 
 
-def classify(stderr: str, node: str, eff: Any) -> RemoteError | None:
+def classify(stderr: str, node: str, eff: Any) -> HetctlError | None:
     """The error ssh reported on ``stderr`` (exit code 255), or None when it names none.
 
     Args:
@@ -83,12 +83,12 @@ def classify(stderr: str, node: str, eff: Any) -> RemoteError | None:
         eff: the node's :class:`hetctl.remote.sshconfig.EffectiveSsh` (for names and hints).
     """
     where = eff.where
-    err: RemoteError | None = host_key_error(stderr, node, eff)
+    err: HetctlError | None = host_key_error(stderr, node, eff)
     if err is not None:
         return err
     if ln := _line(stderr, r"Bad owner or permissions|Bad configuration option|terminating, \d+ bad configuration|"
                    r"garbage at end of line|Unsupported option|keyword \S+ extra arguments"):
-        return ConfigError(f"{node}: ssh refuses its configuration: {ln}", "fix the ssh config file it names")  # type: ignore[return-value]
+        return ConfigError(f"{node}: ssh refuses its configuration: {ln}", "fix the ssh config file it names")
     if ln := _line(stderr, r"Permission denied|Too many authentication failures|no mutual signature|"
                    r"Authentication failed|No more authentication methods"):
         return AuthFailed(f"{node}: {where} refused authentication ({ln})", _AUTH_HINT, node=node)
