@@ -94,6 +94,47 @@ def test_connect_picks_the_transport_the_inventory_names(sshd_inventory, tmp_pat
     assert isinstance(lp, Process) and lp.wait(10) == 0
 
 
+def _masters(t) -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if f"ControlPath={t.control_path}" in cmd and "-N" in cmd:
+            found.append(p)
+    return found
+
+
+def test_one_master_connection_per_node_carries_every_command_and_close_ends_it(sshd_cluster, sshd_inventory):
+    inv = load_inventory(sshd_inventory)
+    t = connect(inv.nodes[0], inv.ssh)
+    other = connect(inv.nodes[0], inv.ssh)  # a second transport to the same node has its own master
+    try:
+        assert t.connected and len(_masters(t)) == 1 and len(_masters(other)) == 1
+        port = sshd_cluster[0].port
+        before = [c for c in _tcp(_masters(t)[0]) if c.raddr and c.raddr.port == port]
+        procs = [t.start(["sh", "-c", "echo up; exec sleep 30"]) for _ in range(3)]
+        assert all(p.stdout.readline() == b"up\n" for p in procs)
+        assert [t.run(["echo", str(i)]).stdout for i in range(3)] == ["0\n", "1\n", "2\n"]
+        after = [c for c in _tcp(_masters(t)[0]) if c.raddr and c.raddr.port == port]
+        assert len(before) == len(after) == 1  # all of it over the one TCP connection
+        other.close()
+        assert not other.connected and t.run(["true"]).ok  # closing one leaves the other's sessions alone
+        t.close()
+        assert all(p.wait(10) == -1 for p in procs)  # its sessions end with it
+        assert not t.connected and wait_until(lambda: not _masters(t))
+        with pytest.raises(Unreachable):
+            t.run(["true"])
+    finally:
+        t.close()
+        other.close()
+
+
+def _tcp(p: psutil.Process) -> list:
+    try:
+        return p.net_connections(kind="tcp")
+    except AttributeError:
+        return p.connections(kind="tcp")
+
+
 def test_run_sees_host_path_home_env_and_cwd(ssh, sshd_cluster):
     host = sshd_cluster[0]
     r = ssh.run(["sh", "-c", 'echo "$PATH"; echo "$HOME"; echo "$HETCTL_SYSFS_ROOT"; echo "$GREETING"; pwd'],

@@ -135,3 +135,29 @@ def test_connection_and_auth_errors_from_real_ssh_output():
     assert isinstance(classify(JUMP_CLOSED, "n1", eff()), Unreachable)
     assert isinstance(classify(BAD_OPTION, "n1", eff()), ConfigError)
     assert classify("some text the command printed\n", "n1", eff()) is None
+
+
+def test_control_dir_is_private_and_a_foreign_one_is_refused(monkeypatch):
+    import os
+    import shutil
+    import tempfile
+
+    from hetctl.errors import HetctlError
+    from hetctl.remote.sshconfig import control_dir
+
+    runtime = tempfile.mkdtemp(dir="/tmp")  # short: unix socket paths allow ~104 bytes
+    try:
+        monkeypatch.setenv("XDG_RUNTIME_DIR", runtime)
+        path = control_dir()
+        assert path == f"{runtime}/hetctl" and os.stat(path).st_mode & 0o777 == 0o700
+        assert len(path) + 1 + 12 + 17 < 104  # + a 12-hex socket name + ssh's temporary suffix
+        os.chmod(path, 0o755)
+        with pytest.raises(HetctlError) as info:
+            control_dir()
+        assert "not a private folder" in info.value.message
+        os.rmdir(path)
+        os.symlink("/tmp", path)
+        with pytest.raises(HetctlError):
+            control_dir()
+    finally:
+        shutil.rmtree(runtime)
