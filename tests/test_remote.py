@@ -103,6 +103,7 @@ def _masters(t) -> list[psutil.Process]:
     return found
 
 
+@pytest.mark.e2e
 def test_one_master_connection_per_node_carries_every_command_and_close_ends_it(sshd_cluster, sshd_inventory):
     inv = load_inventory(sshd_inventory)
     t = connect(inv.nodes[0], inv.ssh)
