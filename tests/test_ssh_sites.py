@@ -130,6 +130,31 @@ def test_included_configs_relative_and_glob(make_sshd_cluster, tmp_path):
             t.close()
 
 
+def test_host_key_alias_several_known_hosts_files_and_match_host(make_sshd_cluster, tmp_path):
+    cluster = make_sshd_cluster(1)
+    h = cluster[0]
+    first, second = tmp_path / "kh-empty", tmp_path / "kh-site"
+    first.write_text("")
+    second.write_text(f"gpu-* {h.host_public_key}\n")  # a wildcard entry under the alias
+    cfg = tmp_path / "config"
+    cfg.write_text(f"Host n\n  HostName {h.addr}\n"
+                   f"Match host 127.0.0.*\n  Port {h.port}\n  HostKeyAlias gpu-7\n"  # matches the HostName set above
+                   f"  UserKnownHostsFile {first} {second}\n" + common(cluster))
+    inv = inventory_for(tmp_path, cfg, {"n": h.workdir})
+    assert_same_as_ssh(inv, cfg)
+    eff = effective_settings(inv.nodes[0], inv.ssh)
+    assert (eff.port, eff.host_key_alias, eff.known_hosts) == (h.port, "gpu-7", (str(first), str(second)))
+    run_both(inv, cfg, h.home)
+    # The inventory's known_hosts is added in front of the user's list, not in its place.
+    kh = tmp_path / "kh-inventory"
+    kh.write_text("")
+    inv = inventory_for(tmp_path, cfg, {"n": h.workdir}, known_hosts=str(kh))
+    assert effective_settings(inv.nodes[0], inv.ssh).known_hosts == (str(kh), str(first), str(second))
+    t = connect(inv.nodes[0], inv.ssh)
+    assert t.run(["true"]).ok
+    t.close()
+
+
 def test_values_the_inventory_leaves_unset_stay_with_ssh_config(make_sshd_cluster, tmp_path):
     cluster = make_sshd_cluster(1)
     cfg = tmp_path / "config"
