@@ -131,10 +131,10 @@ class SshTransport:
         opts = sshconfig.node_options(node)
         dump = sshconfig.run_dump(self._config, opts, node.host, where=self.node)
         self.effective = sshconfig.effective_from_dump(self.node, node.host, dump, settings.known_hosts)
-        if settings.known_hosts:
+        if settings.known_hosts:  # added in front of the node's own list (ssh -G), never in its place
             if self.effective.strict_host_key_checking in ("accept-new", "false", "no", "off"):
                 _end_with_newline(settings.known_hosts)
-            files = " ".join(sshconfig._opt_value(f.replace("%", "%%"), "known_hosts") for f in self.effective.known_hosts)
+            files = " ".join(sshconfig.opt_value(f.replace("%", "%%"), "known_hosts") for f in self.effective.known_hosts)
             opts += ["-o", f"UserKnownHostsFile={files}"]
         self.control_path = os.path.join(sshconfig.control_dir(), secrets.token_hex(6))
         self._opts = [*opts, "-o", f"ControlPath={self.control_path}", "-o", f"ControlPersist={CONTROL_PERSIST_S}",

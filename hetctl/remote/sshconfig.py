@@ -23,6 +23,7 @@ whose config names no files, and, for a node, prepended to the list ``ssh -G`` r
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import os
@@ -77,7 +78,7 @@ def control_dir() -> str:
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
         raise HetctlError(
             f"{path} is not a private folder of this user (a symlink, another owner, or open to others)",
-            f"remove it (it only holds hetctl's ssh control sockets) or set XDG_RUNTIME_DIR",
+            "remove it (it only holds hetctl's ssh control sockets) or set XDG_RUNTIME_DIR",
         )
     return path
 
@@ -158,7 +159,8 @@ def write_config(settings: Any) -> str:
 # --- options for one node -----------------------------------------------------------
 
 
-def _opt_value(value: str, what: str) -> str:
+def opt_value(value: str, what: str) -> str:
+    """``value`` for one ``-o Key=value``: quoted when it has spaces; quotes and line breaks refused."""
     if any(c in value for c in '"\n\r\0'):
         raise ConfigError(f"{what} {value!r}: quotes and line breaks cannot be passed to ssh", f"fix {what} in the inventory")
     return f'"{value}"' if any(c.isspace() for c in value) else value
@@ -173,14 +175,14 @@ def node_options(node: Any) -> list[str]:
     """
     opts: list[str] = []
     if node.user:
-        opts += ["-o", f"User={_opt_value(node.user, 'user')}"]
+        opts += ["-o", f"User={opt_value(node.user, 'user')}"]
     if node.port:
         opts += ["-o", f"Port={int(node.port)}"]
     if node.identity_file:
-        opts += ["-o", f"IdentityFile={_opt_value(node.identity_file.replace('%', '%%'), 'identity_file')}",
+        opts += ["-o", f"IdentityFile={opt_value(node.identity_file.replace('%', '%%'), 'identity_file')}",
                  "-o", "IdentitiesOnly=yes"]
     if node.proxy_jump:
-        opts += ["-o", f"ProxyJump={_opt_value(node.proxy_jump, 'proxy_jump')}"]
+        opts += ["-o", f"ProxyJump={opt_value(node.proxy_jump, 'proxy_jump')}"]
     return opts
 
 
@@ -351,11 +353,5 @@ def effective_settings(node: Any, settings: Any = None, *, jumps: bool = True) -
     dump = run_dump(config_file, node_options(node), node.host, where=node.name)
     eff = effective_from_dump(node.name, node.host, dump, settings.known_hosts)
     if jumps and eff.proxy_jump:
-        eff = _replace(eff, jump_path=jump_path(config_file, eff.proxy_jump, node.name))
+        eff = dataclasses.replace(eff, jump_path=jump_path(config_file, eff.proxy_jump, node.name))
     return eff
-
-
-def _replace(eff: EffectiveSsh, **changes: Any) -> EffectiveSsh:
-    import dataclasses
-
-    return dataclasses.replace(eff, **changes)
