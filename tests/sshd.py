@@ -18,6 +18,12 @@ every host. Sessions on a host get, through ``SetEnv``:
 A node loss is :meth:`SshdHost.kill`: SIGKILL to the host's sshd and to every
 process started under it. Stopping the cluster does that for every host.
 
+Site variants (keyword arguments of :class:`SshdCluster`): ``sftp=False`` (no sftp
+subsystem, as on hardened sites), ``shared_home=True`` (every host's ``HOME`` is the
+same folder, like an NFS home), ``host_ca=True`` (host certificates signed by a CA made
+with ``ssh-keygen -s``; :attr:`SshdCluster.host_ca`), ``user_ca=True`` (the servers
+trust user certificates signed by :attr:`SshdCluster.user_ca`).
+
 Needs root (sshd's privilege separation) and ``ssh-keygen``.
 """
 
@@ -71,6 +77,69 @@ def _case_pattern(glob: str) -> str:
     return "".join(p if p in ("*", "?") else (shlex.quote(p) if p else "") for p in parts) or "''"
 
 
+_ACCEPTOR_READY = "hetctl-test-acceptor listening"
+# inetd for one host: accept TCP here and run the command (sshd -i, in another network
+# namespace) on each connection; that sshd's forwarding then starts from inside that namespace.
+_ACCEPTOR = f"""
+import signal, socket, subprocess, sys
+signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[1], int(sys.argv[2])))
+s.listen(64)
+print({_ACCEPTOR_READY!r}, flush=True)
+while True:
+    c, _ = s.accept()
+    subprocess.Popen(sys.argv[3:], stdin=c, stdout=c)
+    c.close()
+"""
+
+
+class NetNs:
+    """A network namespace with only its own loopback (``unshare --net``), held by one sleeping process.
+
+    Hosts placed in it (``SshdCluster(netns=…)``) cannot be reached from the test
+    process: only through a gateway host whose sessions run inside it.
+    """
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(["unshare", "--net", "sh", "-c", "ip link set lo up && echo ready && exec sleep 86400"],
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
+        if self.proc.stdout.readline() != b"ready\n":
+            self.proc.kill()
+            raise RuntimeError("cannot make a network namespace (unshare --net)")
+
+    @property
+    def enter(self) -> list[str]:
+        """The argv prefix that runs a command inside this namespace."""
+        return ["nsenter", f"--net=/proc/{self.proc.pid}/ns/net"]
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        self.proc.stdout.close()
+
+
+def _wait_all(jobs: list[subprocess.Popen]) -> None:
+    for j in jobs:
+        if j.wait() != 0:
+            raise RuntimeError(f"ssh-keygen failed: {j.stderr.read().decode()}")
+        j.stderr.close()
+
+
+def _sign(ca: Path, key: Path, identity: str, principals: str, *, host: bool) -> subprocess.Popen:
+    """``ssh-keygen -s``: write ``<key>-cert.pub`` signed by ``ca`` for ``principals``."""
+    argv = ["ssh-keygen", "-q", "-s", str(ca), "-I", identity, "-n", principals, "-V", "-5m:+1d"]
+    return subprocess.Popen(argv + (["-h"] if host else []) + [str(key.with_suffix(".pub"))],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def sign_user_key(ca: Path, key: Path, user: str) -> Path:
+    """Sign ``key`` as a user certificate for ``user``; returns ``<key>-cert.pub``."""
+    _wait_all([_sign(ca, key, f"hetctl-test-user-{user}", user, host=False)])
+    return key.parent / f"{key.name}-cert.pub"
+
+
 def _free_port(addr: str) -> int:
     with socket.socket() as s:
         s.bind((addr, 0))
@@ -93,7 +162,7 @@ class SshdHost:
         self.cluster, self.index, self.name, self.addr = cluster, index, name, addr
         self.dir = cluster.root / name
         self.bin = self.dir / "bin"
-        self.home = self.dir / "home"
+        self.home = cluster.root / "shared-home" if cluster.shared_home else self.dir / "home"
         self.workdir = self.home / "work"
         self.sysfs_root = self.dir / "fakeroot"
         self.host_key = self.dir / "ssh_host_ed25519_key"
@@ -101,6 +170,7 @@ class SshdHost:
         self.log = self.dir / "sshd.log"
         self.port = 0
         self.env: dict[str, str] = {}
+        self._ready_line: str | None = None
         self.proc: subprocess.Popen | None = None
         for d in (self.bin, self.workdir, self.sysfs_root / "sys/bus/pci/devices", self.sysfs_root / "dev", self.dir / "replay"):
             d.mkdir(parents=True, exist_ok=True)
@@ -127,6 +197,11 @@ class SshdHost:
         path = os.pathsep.join([str(self.bin), os.path.dirname(sys.executable), os.environ.get("PATH", "/usr/bin:/bin")])
         self.env = {"PATH": path, "HOME": str(self.home), SYSFS_ENV: str(self.sysfs_root), MARKER_ENV: self.marker, **extra_env}
         setenv = " ".join(f'"{k}={v}"' for k, v in self.env.items())
+        extra = "Subsystem sftp internal-sftp\n" if self.cluster.sftp else "# no sftp subsystem\n"
+        if self.cluster.host_ca:
+            extra += f"HostCertificate {self.host_key}-cert.pub\n"
+        if self.cluster.user_ca:
+            extra += f"TrustedUserCAKeys {self.cluster.user_ca}.pub\n"
         self.config.write_text(
             f"""# sshd for hetctl tests: host {self.name}
 ListenAddress {self.addr}
@@ -146,22 +221,37 @@ PrintMotd no
 MaxStartups 200
 MaxSessions 100
 LogLevel INFO
-Subsystem sftp internal-sftp
-SetEnv {setenv}
+{extra}SetEnv {setenv}
 """
         )
 
     def _spawn(self) -> None:
         self.port = _free_port(self.addr)
         self._write_config(self.cluster.extra_env.get(self.name, {}))
+        listen_ns, session_ns = self.cluster.netns.get(self.name, (None, None))
+        sshd = [SSHD, "-D", "-e", "-f", str(self.config)]
+        if session_ns is not listen_ns:  # a gateway: accept here, run each connection's sshd -i there
+            sshd = [sys.executable, "-c", _ACCEPTOR, self.addr, str(self.port), *session_ns.enter,
+                    SSHD, "-i", "-e", "-f", str(self.config)]
+        argv = (listen_ns.enter if listen_ns else []) + sshd
+        self._ready_line = None if not (listen_ns or session_ns) else (
+            f"Server listening on {self.addr} port {self.port}" if session_ns is listen_ns else _ACCEPTOR_READY)
         with self.log.open("ab") as log:
-            self.proc = subprocess.Popen([SSHD, "-D", "-e", "-f", str(self.config)], stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
 
     def _wait_ready(self, deadline: float) -> bool:
-        """Poll the port until sshd accepts; False when sshd exited (e.g. the port was taken)."""
+        """Poll the port until sshd accepts; False when sshd exited (e.g. the port was taken).
+
+        A host in another network namespace cannot be dialled from here: its log says when it listens.
+        """
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 return False
+            if self._ready_line is not None:
+                if self._ready_line in self.log.read_text(errors="replace"):
+                    return True
+                time.sleep(0.02)
+                continue
             try:
                 with socket.create_connection((self.addr, self.port), timeout=0.5):
                     return True
@@ -295,6 +385,13 @@ class SshdCluster:
         names: node names (default ``node-1`` … ``node-n``).
         extra_env: per host name, more variables for its sessions (``SetEnv``).
         first_octet: hosts listen on ``127.0.0.<first_octet + i>``.
+        sftp: run the sftp subsystem (False: like a hardened site without it).
+        shared_home: every host's ``HOME`` is one folder (an NFS home).
+        host_ca: sign every host key with :attr:`host_ca` (``HostCertificate``).
+        user_ca: trust user certificates signed by :attr:`user_ca` (``TrustedUserCAKeys``).
+        netns: per host name, ``(listen_in, sessions_in)`` :class:`NetNs` (None: this
+            namespace). Different values make a gateway: it listens in the first, and
+            each connection's sshd (and so its TCP forwarding) runs in the second.
     """
 
     def __init__(
@@ -305,9 +402,18 @@ class SshdCluster:
         names: list[str] | None = None,
         extra_env: Mapping[str, Mapping[str, str]] | None = None,
         first_octet: int = 2,
+        sftp: bool = True,
+        shared_home: bool = False,
+        host_ca: bool = False,
+        user_ca: bool = False,
+        netns: Mapping[str, tuple[NetNs | None, NetNs | None]] | None = None,
     ) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
+        self.sftp, self.shared_home = sftp, shared_home
+        self.netns = dict(netns or {})
+        self.host_ca = self.root / "host_ca" if host_ca else None
+        self.user_ca = self.root / "user_ca" if user_ca else None
         self.id = uuid.uuid4().hex[:12]
         self.extra_env = {k: dict(v) for k, v in (extra_env or {}).items()}
         names = names or [f"node-{i + 1}" for i in range(n)]
@@ -336,10 +442,10 @@ class SshdCluster:
         Path("/run/sshd").mkdir(mode=0o755, parents=True, exist_ok=True)  # privilege-separation dir
         jobs = [_keygen(self.client_key, "hetctl-test-client")]
         jobs += [_keygen(h.host_key, f"hetctl-test-{h.name}") for h in self.hosts]
-        for j in jobs:
-            if j.wait() != 0:
-                raise RuntimeError(f"ssh-keygen failed: {j.stderr.read().decode()}")
-            j.stderr.close()
+        jobs += [_keygen(ca, f"hetctl-test-{ca.name}") for ca in (self.host_ca, self.user_ca) if ca]
+        _wait_all(jobs)
+        if self.host_ca:  # principal: the address clients dial (known_hosts names it [addr]:port)
+            _wait_all([_sign(self.host_ca, h.host_key, h.name, h.addr, host=True) for h in self.hosts])
         self.authorized_keys.write_text(self.client_key.with_suffix(".pub").read_text())
         pending = list(self.hosts)
         for _attempt in range(3):  # a port taken between probing and binding: retry on a new one

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import getpass
+import subprocess
 import textwrap
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 
 from hetctl.errors import ConfigError
 from hetctl.files.inventory import Inventory, Node, load_inventory
+from hetctl.remote.sshconfig import effective_settings, parse_dump
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -33,7 +35,8 @@ def test_host_range_expands_and_names_default_to_hosts(tmp_path):
     """))
     assert inv.names == ["gpu-01", "gpu-02", "gpu-03", "login"]
     assert [n.host for n in inv.nodes] == inv.names
-    assert all(n.hostname == n.host and n.port == 22 and n.transport == "ssh" for n in inv.nodes)
+    # port and user stay unset: ssh_config (or ssh's own default) decides them
+    assert all(n.hostname == n.host and n.port is None and n.user is None and n.transport == "ssh" for n in inv.nodes)
 
 
 def test_name_range_is_zipped_with_host_range(tmp_path):
@@ -228,13 +231,22 @@ def test_ssh_config_fills_what_the_inventory_leaves_open(tmp_path):
     """))
     g1, g2, g9, cpu = inv.nodes
     assert inv.ssh.config == str(tmp_path / "ssh_config")
-    assert (g1.hostname, g1.user, g1.port, g1.identity_file, g1.proxy_jump) == (
-        "gpu-1.cluster.internal", "alice", 2222, str(key), "ops@bastion",
-    )
-    assert g2.hostname == "gpu-2.cluster.internal"
-    # Values written in the inventory win over the ssh config.
-    assert (g9.user, g9.port, g9.identity_file, g9.proxy_jump) == ("bob", 22, str(tmp_path / "keys/other"), None)
-    assert (cpu.hostname, cpu.user, cpu.port, cpu.identity_file) == ("cpu-1", getpass.getuser(), 22, None)
+    # The inventory keeps only what it sets; ssh itself (ssh -G) resolves the rest.
+    assert (g1.user, g1.port, g1.identity_file, g1.proxy_jump) == (None, None, None, None)
+    e1, e2, e9, ecpu = (effective_settings(n, inv.ssh, jumps=False) for n in inv.nodes)
+    assert (e1.hostname, e1.user, e1.port, e1.proxy_jump) == ("gpu-1.cluster.internal", "alice", 2222, "ops@bastion")
+    # OpenSSH offers every IdentityFile in order (a missing one is skipped with a warning), not just the first existing one.
+    assert e1.identity_files == (f"{tmp_path}/keys/missing_key", str(key))
+    assert e2.hostname == "gpu-2.cluster.internal"
+    # Values written in the inventory win over the ssh config; IdentityFile adds to the config's list, first.
+    assert (e9.user, e9.port, e9.proxy_jump) == ("bob", 22, None)
+    assert e9.identity_files[0] == str(tmp_path / "keys/other") and g9.proxy_jump == "none"
+    assert (ecpu.hostname, ecpu.user, ecpu.port, ecpu.proxy_jump) == ("cpu-1", getpass.getuser(), 22, None)
+    # Exactly what plain `ssh -G` says for the same config, where the inventory sets nothing.
+    plain = parse_dump(subprocess.run(["ssh", "-F", str(tmp_path / "ssh_config"), "-G", "gpu-1"],
+                                      capture_output=True, text=True, check=True).stdout)
+    assert (e1.hostname, e1.user, str(e1.port), e1.proxy_jump, e1.identity_files) == (
+        plain["hostname"][0], plain["user"][0], plain["port"][0], plain["proxyjump"][0], plain["identityfile"])
 
 
 def test_missing_explicit_ssh_config_is_an_error_but_default_one_is_optional(tmp_path):
@@ -243,8 +255,9 @@ def test_missing_explicit_ssh_config_is_an_error_but_default_one_is_optional(tmp
         nodes: [{host: a}]
     """)
     assert error_of(p).message.startswith(f"{p}:1: ssh.config: ssh config /nonexistent/ssh_config does not exist")
-    # HOME is an empty folder in tests: the default ~/.ssh/config is simply absent.
-    assert load_inventory(write(tmp_path, "nodes: [{host: a}]\n", "b.yaml")).ssh.config is None
+    # The default is kept as written: ssh reads ~/.ssh/config (and the system file) itself when they exist.
+    assert load_inventory(write(tmp_path, "nodes: [{host: a}]\n", "b.yaml")).ssh.config == "~/.ssh/config"
+    assert load_inventory(write(tmp_path, "ssh: {config: null}\nnodes: [{host: a}]\n", "c.yaml")).ssh.config is None
 
 
 def test_paths_resolve_against_the_inventory_folder(tmp_path, monkeypatch):
@@ -326,5 +339,5 @@ def test_shipped_mixed_example(tmp_path):
 
 def test_models_build_in_code_with_defaults():
     n = Node(name="x", host="10.0.0.1")
-    assert (n.hostname, n.port, n.python, n.transport) == ("10.0.0.1", 22, "python3", "ssh")
+    assert (n.hostname, n.port, n.user, n.python, n.transport) == ("10.0.0.1", None, None, "python3", "ssh")
     assert Inventory(nodes=[n]).node("x") is n

@@ -21,7 +21,9 @@ import yaml
 
 from hetctl.errors import AuthFailed, CommandFailed, HostKeyMismatch, Unreachable
 from hetctl.files.inventory import load_inventory
-from hetctl.remote import TRANSPORTS, GroupFailed, LocalTransport, Process, SshTransport, Transport, connect, fanout
+from hetctl.remote import (
+    TRANSPORTS, GroupFailed, LocalTransport, Process, SshTransport, Transport, connect, effective_settings, fanout,
+)
 from hetctl.remote.local import shell_command
 from tests.sshd import Replay, strip_source_header
 
@@ -90,6 +92,48 @@ def test_connect_picks_the_transport_the_inventory_names(sshd_inventory, tmp_pat
     assert isinstance(lt, LocalTransport) and isinstance(lt, Transport)
     lp = lt.start(["true"])
     assert isinstance(lp, Process) and lp.wait(10) == 0
+
+
+def _masters(t) -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if f"ControlPath={t.control_path}" in cmd and "-N" in cmd:
+            found.append(p)
+    return found
+
+
+@pytest.mark.e2e
+def test_one_master_connection_per_node_carries_every_command_and_close_ends_it(sshd_cluster, sshd_inventory):
+    inv = load_inventory(sshd_inventory)
+    t = connect(inv.nodes[0], inv.ssh)
+    other = connect(inv.nodes[0], inv.ssh)  # a second transport to the same node has its own master
+    try:
+        assert t.connected and len(_masters(t)) == 1 and len(_masters(other)) == 1
+        port = sshd_cluster[0].port
+        before = [c for c in _tcp(_masters(t)[0]) if c.raddr and c.raddr.port == port]
+        procs = [t.start(["sh", "-c", "echo up; exec sleep 30"]) for _ in range(3)]
+        assert all(p.stdout.readline() == b"up\n" for p in procs)
+        assert [t.run(["echo", str(i)]).stdout for i in range(3)] == ["0\n", "1\n", "2\n"]
+        after = [c for c in _tcp(_masters(t)[0]) if c.raddr and c.raddr.port == port]
+        assert len(before) == len(after) == 1  # all of it over the one TCP connection
+        other.close()
+        assert not other.connected and t.run(["true"]).ok  # closing one leaves the other's sessions alone
+        t.close()
+        assert all(p.wait(10) == -1 for p in procs)  # its sessions end with it
+        assert not t.connected and wait_until(lambda: not _masters(t))
+        with pytest.raises(Unreachable):
+            t.run(["true"])
+    finally:
+        t.close()
+        other.close()
+
+
+def _tcp(p: psutil.Process) -> list:
+    try:
+        return p.net_connections(kind="tcp")
+    except AttributeError:
+        return p.connections(kind="tcp")
 
 
 def test_run_sees_host_path_home_env_and_cwd(ssh, sshd_cluster):
@@ -322,7 +366,7 @@ def test_host_listed_with_another_key_type_counts_as_changed(make_sshd_cluster, 
             ssh={"config": None, "known_hosts": str(cluster.known_hosts), "host_key_policy": policy}))
         with pytest.raises(HostKeyMismatch) as info:
             connect(inv.nodes[0], inv.ssh)
-        assert "CHANGED" in info.value.message and "ecdsa" in info.value.message
+        assert "CHANGED" in info.value.message and "ECDSA" in info.value.message  # ssh's own name for the key type
     assert cluster.known_hosts.read_bytes() == before
 
 
@@ -392,10 +436,11 @@ def test_node_loss_ends_started_process_and_later_runs_are_unreachable(make_sshd
     assert p.stdout.readline() == b"up\n"
     cluster[0].kill()
     assert p.stdout.readline() == b""  # the stream ends instead of hanging
-    assert p.wait(10) == -1
-    assert wait_until(lambda: not t._clients[-1].get_transport().is_active())
-    with pytest.raises(Unreachable):
-        t.run(["true"])
+    assert p.wait(10) == -1  # ssh's 255 with the master gone: the link was lost
+    assert wait_until(lambda: not t.connected)
+    with pytest.raises(Unreachable) as info:
+        t.run(["true"])  # a new connection is tried, and refused: the host is down
+    assert "connection refused" in info.value.message
     assert survivor.run(["echo", "alive"]).stdout == "alive\n"
     t.close()
     survivor.close()
@@ -412,8 +457,10 @@ def test_proxy_jump_through_a_bastion_from_ssh_config(make_sshd_cluster, tmp_pat
         nodes=[{"name": "inner", "host": "inner", "port": target.port}],
     ))
     node = inv.nodes[0]
-    assert (node.hostname, node.proxy_jump) == (target.addr, "bastion")
+    assert (node.host, node.proxy_jump) == ("inner", None)  # the inventory leaves both to ssh_config
     t = connect(node, inv.ssh)
+    assert (t.hostname, t.effective.proxy_jump, t.effective.port) == (target.addr, "bastion", target.port)
+    assert effective_settings(node, inv.ssh).jump_path == (f"root@{bastion.addr}:{bastion.port}",)
     try:
         assert t.run(["sh", "-c", "echo $HOME"]).stdout.strip() == str(target.home)
         # The bastion's sshd holds the TCP connection to the target: traffic really goes through it.

@@ -14,10 +14,11 @@ Resolution rules (the README repeats them):
   in ``name`` when ``name`` is set. Names must be unique across the file.
 * Every node key except ``host`` and ``name`` may also be set under ``defaults:``; a
   node's own value wins. ``env`` and ``labels`` are merged key by key.
-* For ``transport: ssh`` nodes, a value written in the inventory (on the node or in
-  ``defaults``) wins over ``~/.ssh/config`` (``HostName``, ``User``, ``Port``,
-  ``IdentityFile``, ``ProxyJump``), which wins over the built-ins (the local login
-  name, port 22, the agent and default keys).
+* For ``transport: ssh`` nodes, the system's OpenSSH client does the resolving: a
+  value written in the inventory (on the node or in ``defaults``) is passed to ``ssh``
+  as an option and wins; what it leaves unset (``None`` here) stays with the user's
+  ssh_config (``HostName``, ``User``, ``Port``, ``IdentityFile``, ``ProxyJump`` …), then
+  ssh's own defaults. :func:`hetctl.remote.sshconfig.effective_settings` shows the result.
 * Local paths (``identity_file``, ``ssh.config``, ``ssh.known_hosts``) expand ``~``
   on this machine; relative ones are relative to the inventory file's folder.
 * ``workdir`` (default ``~/.hetctl``) is a path *on the node*: for ssh nodes ``~`` is
@@ -42,8 +43,7 @@ from hetctl.errors import ConfigError
 from hetctl.files.yamlio import _line_of, format_loc, read_yaml, validation_error
 
 DEFAULT_WORKDIR = "~/.hetctl"
-DEFAULT_SSH_CONFIG = "~/.ssh/config"
-DEFAULT_KNOWN_HOSTS = "~/.ssh/known_hosts"
+DEFAULT_SSH_CONFIG = "~/.ssh/config"  # kept as written: ssh reads it (and the system file) itself
 _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._:-]*$")
 
 
@@ -69,14 +69,22 @@ class SshSettings(_Strict):
     """The ``ssh:`` block. After loading, paths are absolute (or ``None``)."""
 
     config: str | None = Field(
-        default=DEFAULT_SSH_CONFIG, description="OpenSSH client config to honour; null to ignore"
+        default=DEFAULT_SSH_CONFIG,
+        description="OpenSSH client config to honour (default: what ssh reads itself); null to read none",
     )
-    known_hosts: str = Field(default=DEFAULT_KNOWN_HOSTS, description="host keys to verify against")
-    host_key_policy: Literal["strict", "accept-new"] = Field(
-        default="strict", description="strict refuses unknown keys; accept-new records them. Changed keys are always refused."
+    known_hosts: str | None = Field(
+        default=None, description="host keys to verify against, added (first) to the user's UserKnownHostsFile list"
     )
-    connect_timeout: float = Field(default=10.0, gt=0, description="seconds for TCP connect, banner and auth")
-    keepalive: float = Field(default=5.0, ge=0, description="seconds between SSH keepalives; 0 turns them off")
+    host_key_policy: Literal["strict", "accept-new"] | None = Field(
+        default=None,
+        description="StrictHostKeyChecking yes / accept-new (unset: ssh_config, else strict). Changed keys are always refused.",
+    )
+    connect_timeout: float | None = Field(
+        default=None, gt=0, description="ConnectTimeout in seconds (unset: ssh_config, else 10)"
+    )
+    keepalive: float | None = Field(
+        default=None, ge=0, description="ServerAliveInterval in seconds, 0 off (unset: ssh_config, else 5)"
+    )
     fanout: int = Field(default=64, ge=1, description="how many nodes are contacted at once")
 
 
@@ -114,16 +122,19 @@ class InventoryFile(_Strict):
 class Node(_Strict):
     """One node, fully resolved: what a transport needs and what the planner labels.
 
-    ``host`` is the name as written in the inventory (after range expansion);
-    ``hostname`` is the address actually dialled (``HostName`` from the ssh config,
-    else ``host``).
+    ``host`` is the name as written in the inventory (after range expansion), the
+    destination given to ``ssh``; ``hostname`` starts as ``host`` (the address that
+    ssh_config's ``HostName`` may change: the transport's ``effective`` settings have
+    the dialled one). For ssh nodes ``user``, ``port``, ``identity_file`` and
+    ``proxy_jump`` hold what the inventory sets (``None``: left to ssh_config);
+    ``proxy_jump: none`` disables the config's ProxyJump.
     """
 
     name: str
     host: str
     hostname: str = ""
-    user: str = Field(default_factory=getpass.getuser)
-    port: int = Field(default=22, ge=1, le=65535)
+    user: str | None = None
+    port: int | None = Field(default=None, ge=1, le=65535)
     identity_file: str | None = None
     proxy_jump: str | None = None
     python: str = "python3"
@@ -203,44 +214,7 @@ def _expand(pattern: str, loc: tuple[Any, ...]) -> list[str]:
     return out
 
 
-def parse_ssh_config(config_path: str | None) -> Any:
-    """A ``paramiko.SSHConfig`` for ``config_path`` (``None`` without a config).
-
-    Raises:
-        ConfigError: the file cannot be read or parsed.
-    """
-    if not config_path:
-        return None
-    import paramiko
-
-    try:
-        return paramiko.SSHConfig.from_path(config_path)
-    except (OSError, paramiko.ssh_exception.ConfigParseError) as e:
-        raise ConfigError(f"{config_path}: cannot use this ssh config: {e}", "fix the file or set ssh.config: null") from None
-
-
-def ssh_config_lookup(config: Any, host: str) -> dict[str, Any]:
-    """What a parsed ssh config says about ``host`` (paramiko's lookup; ``{}`` without one)."""
-    return config.lookup(host) if config is not None else {}
-
-
-def _resolve_ssh(entry: dict[str, Any], host: str, config: Any) -> dict[str, Any]:
-    """Fill ssh coordinates: inventory value, else ssh config, else built-in default."""
-    cfg = ssh_config_lookup(config, host)
-    identity = entry.get("identity_file")
-    if identity is None:
-        identity = next((f for f in cfg.get("identityfile", []) if os.path.exists(f)), None)
-    jump = entry.get("proxy_jump") or cfg.get("proxyjump")
-    return {
-        "hostname": cfg.get("hostname", host),
-        "user": entry.get("user") or cfg.get("user") or getpass.getuser(),
-        "port": entry.get("port") or int(cfg.get("port", 22)),
-        "identity_file": identity,
-        "proxy_jump": None if (jump or "").lower() in ("", "none") else jump,
-    }
-
-
-def _resolve_nodes(f: InventoryFile, base: Path, ssh_config: Any) -> list[Node]:
+def _resolve_nodes(f: InventoryFile, base: Path) -> list[Node]:
     defaults = f.defaults.model_dump(exclude_none=True)
     nodes: list[Node] = []
     first_seen: dict[str, tuple[Any, ...]] = {}
@@ -277,7 +251,7 @@ def _resolve_nodes(f: InventoryFile, base: Path, ssh_config: Any) -> list[Node]:
             first_seen[name] = name_loc
             fields = dict(merged)
             if transport == "ssh":
-                fields.update(_resolve_ssh(merged, host, ssh_config))
+                fields["hostname"] = host
             else:
                 # A local node runs as whoever runs hetctl; ssh coordinates do not apply.
                 fields.update(hostname=host, user=getpass.getuser(), port=22, identity_file=None, proxy_jump=None)
@@ -287,17 +261,18 @@ def _resolve_nodes(f: InventoryFile, base: Path, ssh_config: Any) -> list[Node]:
 
 def _resolve(f: InventoryFile, base: Path, source: Path) -> Inventory:
     ssh = f.ssh.model_copy()
-    if ssh.config is not None and ssh.config.lower() != "none":
+    if ssh.config is None or ssh.config.lower() == "none":
+        ssh.config = None
+    elif os.path.expanduser(ssh.config) == os.path.expanduser(DEFAULT_SSH_CONFIG):
+        ssh.config = DEFAULT_SSH_CONFIG  # ssh finds it (and the system file) itself, if they exist
+    else:
         path = _local_path(ssh.config, base)
         if not os.path.exists(path):
-            if os.path.expanduser(ssh.config) != os.path.expanduser(DEFAULT_SSH_CONFIG):
-                raise _LocatedError(("ssh", "config"), f"ssh config {path} does not exist", "fix the path or set it to null")
-            path = None
+            raise _LocatedError(("ssh", "config"), f"ssh config {path} does not exist", "fix the path or set it to null")
         ssh.config = path
-    else:
-        ssh.config = None
-    ssh.known_hosts = _local_path(ssh.known_hosts, base)
-    nodes = _resolve_nodes(f, base, parse_ssh_config(ssh.config))
+    if ssh.known_hosts is not None:
+        ssh.known_hosts = _local_path(ssh.known_hosts, base)
+    nodes = _resolve_nodes(f, base)
     ckpt = f.checkpoint_dir
     if ckpt is not None and not (ckpt.startswith("/") or ckpt.startswith("~")):
         if any(n.transport != "local" for n in nodes):

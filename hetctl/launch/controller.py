@@ -273,7 +273,7 @@ class AttemptController:
         if failures:
             return failures
         port = self.req.master_port or results[rank0].get("port")
-        master_addr = mat.master_address(self.nodes[rank0])
+        master_addr = mat.master_address(self.nodes[rank0], getattr(self.transports.get(rank0), "hostname", None))
         workdirs = {n: info["workdir"] for n, info in results.items()}
         pythonpath = {n: mat.agent_path(workdirs[n]) for n, info in results.items()
                       if not info.get("modules", {}).get("hetctl")}

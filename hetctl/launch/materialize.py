@@ -207,9 +207,13 @@ def materialize(
     )
 
 
-def master_address(node: Any) -> str:
-    """Rank 0's node as the other nodes reach it: its dialled address (127.0.0.1 for a local node)."""
-    host = getattr(node, "hostname", "") or node.host
+def master_address(node: Any, dialled: str | None = None) -> str:
+    """Rank 0's node as the other nodes reach it: its dialled address (127.0.0.1 for a local node).
+
+    ``dialled`` is the address ssh actually dials (``HostName`` from ssh_config, as the
+    transport's ``ssh -G`` reports it); without it the inventory's host is used.
+    """
+    host = dialled or getattr(node, "hostname", "") or node.host
     if node.transport == "local" and host in ("", "localhost"):
         return "127.0.0.1"
     return host

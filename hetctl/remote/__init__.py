@@ -10,11 +10,12 @@ from hetctl.remote.base import Process, Result, Transport
 from hetctl.remote.fanout import GroupFailed, GroupResult, fanout
 from hetctl.remote.local import LocalTransport
 from hetctl.remote.ssh import SshTransport
+from hetctl.remote.sshconfig import EffectiveSsh, effective_settings
 
 TRANSPORTS: dict[str, type] = {"ssh": SshTransport, "local": LocalTransport}
 
 
-def connect(node, ssh=None) -> Transport:  # noqa: ANN001 - hetctl.files.inventory.Node / SshSettings
+def connect(node, ssh=None) -> Transport:
     """Open the transport for ``node`` (ssh connects now and raises on failure).
 
     Args:
@@ -35,5 +36,5 @@ def connect(node, ssh=None) -> Transport:  # noqa: ANN001 - hetctl.files.invento
 
 __all__ = [
     "TRANSPORTS", "connect", "fanout", "GroupResult", "GroupFailed",
-    "LocalTransport", "SshTransport", "Transport", "Process", "Result",
+    "LocalTransport", "SshTransport", "Transport", "Process", "Result", "EffectiveSsh", "effective_settings",
 ]

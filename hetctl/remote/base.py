@@ -1,12 +1,14 @@
 """The narrow Transport protocol that every remote operation goes through.
 
 One generic contract (``run``, ``start``, ``put``, ``close``) implemented by
-``local`` (subprocess) and ``ssh`` (paramiko). Transports never print and never
+``local`` (subprocess) and ``ssh`` (the system's OpenSSH client). Transports never print and never
 exit; they return :class:`Result` values or raise the RemoteError family
 (``Unreachable``, ``AuthFailed``, ``HostKeyMismatch``, ``CommandFailed``).
 
 Commands are always argument lists; the ssh transport quotes every element
-with :func:`shlex.quote` before it reaches the remote shell.
+with :func:`shlex.quote` before it reaches the remote shell. ``start(input=…)``
+writes bytes to the command's stdin before returning, for data that must not
+appear on a command line.
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ class Transport(Protocol):
         *,
         env: Mapping[str, str] | None = None,
         cwd: str | None = None,
+        input: bytes | None = None,
     ) -> Process: ...
 
     def put(self, data: bytes | Path, remote_path: str, mode: int = 0o644) -> None: ...

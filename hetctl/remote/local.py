@@ -76,6 +76,11 @@ def env_on_stdin(python: str, argv: Sequence[str], env: Mapping[str, str] | None
     return [python, "-c", loader, *argv], line.encode()
 
 
+def command_env(node, env: Mapping[str, str] | None) -> dict[str, str]:
+    """The environment a command gets: the node's inventory ``env``, then what the caller passes."""
+    return {**(node.env or {}), **(env or {})}
+
+
 def _text(data: bytes | None) -> str:
     return (data or b"").decode("utf-8", errors="replace")
 
@@ -135,7 +140,7 @@ class LocalTransport:
 
     def _argv(self, argv: Sequence[str], env: Mapping[str, str] | None, cwd: str | None) -> tuple[list[str], bytes]:
         """The command line (no environment values in it) and the stdin prefix that carries them."""
-        wrapped, prefix = env_on_stdin(self.spec.python, argv, {**self.spec.env, **(env or {})})
+        wrapped, prefix = env_on_stdin(self.spec.python, argv, command_env(self.spec, env))
         return ["/bin/sh", "-c", shell_command(wrapped, None, cwd)], prefix
 
     def run(
@@ -181,8 +186,12 @@ class LocalTransport:
         *,
         env: Mapping[str, str] | None = None,
         cwd: str | None = None,
+        input: bytes | None = None,
     ) -> LocalProcess:
-        """Start ``argv`` with piped stdin/stdout/stderr; read both outputs or it may block."""
+        """Start ``argv`` with piped stdin/stdout/stderr; read both outputs or it may block.
+
+        ``input`` is written to its stdin first (after the environment line); the pipe stays open for the caller.
+        """
         line, prefix = self._argv(argv, env, cwd)
         popen = subprocess.Popen(
             line,
@@ -191,9 +200,12 @@ class LocalTransport:
             stderr=subprocess.PIPE,
             start_new_session=True,
         )
-        if prefix:
-            popen.stdin.write(prefix)
-            popen.stdin.flush()
+        if prefix or input:
+            try:
+                popen.stdin.write(prefix + (input or b""))
+                popen.stdin.flush()
+            except OSError:
+                pass  # it exited at once; its status tells the rest
         return LocalProcess(popen)
 
     def put(self, data: bytes | Path, remote_path: str, mode: int = 0o644) -> None:

@@ -1,330 +1,208 @@
-"""The ``ssh`` transport: one paramiko connection per node, host keys always verified.
+"""The ``ssh`` transport: the system's OpenSSH client, one multiplexed master connection per node.
 
-Connecting (in the constructor, so :func:`hetctl.remote.connect` fails early):
+Whatever ``ssh node`` does in the user's terminal, this transport does: ssh_config with
+``Include`` and ``Match``, ProxyJump chains and ProxyCommand, the agent, certificates,
+``@cert-authority``/``@revoked`` known_hosts lines, Kerberos. hetctl only adds its
+own options (see :mod:`hetctl.remote.sshconfig` for the precedence):
 
-* coordinates come resolved from the inventory (``hostname``, ``user``, ``port``,
-  ``identity_file``, ``proxy_jump``); jump hosts in ``proxy_jump`` are looked up in
-  the same ssh config and reached through ``direct-tcpip`` channels, hop by hop;
-* host keys are checked against ``ssh.known_hosts`` (``[host]:port`` entries for
-  other ports, hashed entries too). ``strict`` refuses a host that is not listed;
-  ``accept-new`` appends its key; a key that differs from the listed one is always
-  refused. Jump hosts are verified the same way;
-* with ``identity_file`` set only that key is offered (like ``IdentitiesOnly``), so
-  a wrong key fails clearly instead of succeeding through an agent by accident;
-  without it, the agent and ``~/.ssh/id_*`` are tried;
-* socket failures and timeouts become :class:`Unreachable`, refused keys
-  :class:`AuthFailed`, host-key problems :class:`HostKeyMismatch`, each naming the node.
+* the constructor runs ``ssh -G`` (the effective settings, used for messages and the
+  known_hosts list) and then starts the node's master connection (``ControlMaster``,
+  ``-N -f``, ``ControlPersist``), so :func:`hetctl.remote.connect` fails early;
+* every later command is multiplexed over that master (its control socket is private
+  to this transport: :meth:`SshTransport.close` ends it with ``ssh -O exit`` without
+  touching another transport's sessions); if the master is gone, the next command
+  connects anew (``ControlMaster=auto``), so a node that comes back is reachable again;
+* ``BatchMode yes``: ssh never waits for a prompt; ssh's exit code 255 with its
+  stderr becomes :class:`Unreachable`, :class:`AuthFailed` or :class:`HostKeyMismatch`
+  with a one-line hint (:mod:`hetctl.remote.ssherrors`);
+* files travel as a piped exec (``cat`` into a temp name, then ``mv``): no SFTP.
 
-Commands run through the node's login shell, which must be POSIX (sh, bash, zsh):
-the line comes from :func:`hetctl.remote.local.shell_command`, so every value is
-quoted and the environment is passed with ``env`` rather than ``AcceptEnv``.
+Commands run through the node's login shell, which must be POSIX (sh, bash, zsh): the
+line comes from :func:`hetctl.remote.local.shell_command`, so every value is quoted,
+behind one ``echo hetctl-pid:$$ >&2`` that tells the transport the command started
+and which process group to kill on a timeout.
 """
 
 from __future__ import annotations
 
-import base64
-import getpass
-import hashlib
-import logging
 import os
+import re
+import secrets
 import shlex
-import socket
+import subprocess
 import threading
 import time
-import uuid
-from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import IO, Mapping, Sequence
 
-import paramiko
+from hetctl.errors import AuthFailed, HetctlError, RemoteError, Unreachable
+from hetctl.remote import sshconfig
+from hetctl.remote.base import Result, track, untrack
+from hetctl.remote.local import TIMEOUT_EXIT, command_env, env_on_stdin, finish, shell_command
+from hetctl.remote.ssherrors import classify
 
-from hetctl.errors import AuthFailed, ConfigError, HostKeyMismatch, RemoteError, Unreachable
-from hetctl.files.inventory import parse_ssh_config, ssh_config_lookup
-from hetctl.remote.base import Result
-from hetctl.remote.local import TIMEOUT_EXIT, finish, shell_command
-
-_KNOWN_HOSTS_LOCK = threading.Lock()  # accept-new appends from many fan-out threads
-# paramiko logs every failed handshake with a traceback from its own thread; the
-# same failure reaches the caller as one Unreachable/AuthFailed line, so keep it
-# out of the terminal unless the application configures logging.
-logging.getLogger("paramiko").addHandler(logging.NullHandler())
-
-
-@dataclass(frozen=True)
-class Hop:
-    """One SSH connection on the way to a node (a jump host or the node itself)."""
-
-    alias: str
-    hostname: str
-    user: str
-    port: int
-    identity_file: str | None
-
-
-def fingerprint(key: paramiko.PKey) -> str:
-    """OpenSSH-style ``SHA256:…`` fingerprint, for messages a user can compare."""
-    digest = hashlib.sha256(key.asbytes()).digest()
-    return "SHA256:" + base64.b64encode(digest).decode().rstrip("=")
-
-
-def known_hosts_name(hostname: str, port: int) -> str:
-    """The name known_hosts uses: ``host`` on port 22, ``[host]:port`` otherwise."""
-    return hostname if port == 22 else f"[{hostname}]:{port}"
-
-
-def parse_jump(spec: str, config, node: str, default_identity: str | None) -> list[Hop]:  # noqa: ANN001
-    """Split a ``ProxyJump`` value (``[user@]host[:port],…``) into hops resolved via ssh config.
-
-    A hop's user, port and key come from the value, else from its ssh config entry,
-    else the local login name, port 22 and the node's own ``identity_file``.
-    """
-    hops = []
-    for item in (s.strip() for s in spec.split(",")):
-        rest = item.removeprefix("ssh://")
-        user, _, hostport = rest.rpartition("@")
-        host, port = hostport, None
-        if hostport.startswith("["):
-            host, _, tail = hostport[1:].partition("]")
-            port = tail[1:] if tail.startswith(":") else None
-        elif hostport.count(":") == 1:
-            host, port = hostport.split(":")
-        cfg = ssh_config_lookup(config, host)
-        try:
-            port_n = int(port or cfg.get("port", 22))
-        except ValueError:
-            raise ConfigError(f"{node}: proxy_jump {spec!r}: bad port in {item!r}", "write [user@]host[:port]") from None
-        identity = next((f for f in cfg.get("identityfile", []) if os.path.exists(f)), default_identity)
-        user = user or cfg.get("user") or getpass.getuser()
-        hops.append(Hop(host, cfg.get("hostname", host), user, port_n, identity))
-    return hops
-
-
-class _HostKeyPolicy(paramiko.MissingHostKeyPolicy):
-    """Called by paramiko only for a host absent from known_hosts (changed keys raise earlier)."""
-
-    def __init__(self, node: str, policy: str, known_hosts: str) -> None:
-        self.node, self.policy, self.known_hosts = node, policy, known_hosts
-
-    def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
-        listed = client.get_host_keys().lookup(hostname)
-        if listed:  # known, but with another key type: as suspicious as a changed key
-            raise _changed(self.node, hostname, next(iter(listed.values())), key, self.known_hosts)
-        if self.policy != "accept-new":
-            host, _, port = hostname.removeprefix("[").partition("]:")
-            keyscan = f"ssh-keyscan {'-p ' + port + ' ' if port else ''}{host} >> {shlex.quote(self.known_hosts)}"
-            raise HostKeyMismatch(
-                f"{self.node}: host key of {hostname} ({key.get_name()} {fingerprint(key)}) is not in {self.known_hosts}",
-                f"check the fingerprint, then add it: {keyscan}; or set ssh.host_key_policy: accept-new",
-                node=self.node,
-            )
-        with _KNOWN_HOSTS_LOCK:
-            path = Path(self.known_hosts)
-            if path.exists():
-                # Another thread or process may have recorded this host meanwhile.
-                current = paramiko.HostKeys(str(path)).lookup(hostname) or {}
-                if key in current.values():
-                    return
-                if current:
-                    raise _changed(self.node, hostname, next(iter(current.values())), key, self.known_hosts)
-            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            text = path.read_text() if path.exists() else ""
-            with path.open("a") as f:
-                if text and not text.endswith("\n"):
-                    f.write("\n")
-                f.write(f"{hostname} {key.get_name()} {key.get_base64()}\n")
-        client.get_host_keys().add(hostname, key.get_name(), key)
-
-
-def _changed(node: str, hostname: str, old: paramiko.PKey, new: paramiko.PKey, known_hosts: str) -> HostKeyMismatch:
-    return HostKeyMismatch(
-        f"{node}: host key of {hostname} CHANGED: {known_hosts} has {old.get_name()} {fingerprint(old)}, "
-        f"the server sent {new.get_name()} {fingerprint(new)}",
-        f"if the node was reinstalled, remove the old key: ssh-keygen -R {shlex.quote(hostname)} -f {shlex.quote(known_hosts)}; "
-        "otherwise the connection may be intercepted",
-        node=node,
-    )
+CONTROL_PERSIST_S = 60  # an idle master outlives a crashed hetctl by this long, no longer
+PID_MARKER = b"hetctl-pid:"
+_PID_LINE = re.compile(rb"hetctl-pid:(\d+)\r?\n")
+SSH_FAILED = 255  # ssh's own exit code for its errors (also a command's exit 255 or a signal)
+# Put a file: mkdir -p, write a temp name in the target folder, chmod, rename over the target.
+# Atomic, and safe when several nodes share the folder (each uses its own temp name).
+_PUT = r"""set -e
+d=$1
+case $d in "~") d=$HOME ;; "~/"*) d=$HOME/${d#"~/"} ;; esac
+mkdir -p -- "$d"
+t=$d/.$2.$3.tmp
+trap 'rm -f -- "$t"' EXIT
+umask 077
+cat > "$t"
+chmod "$4" "$t"
+mv -f -- "$t" "$d/$2"
+trap - EXIT
+"""
 
 
 class SshProcess:
-    """A command started over one SSH channel.
+    """A command started over the node's master connection (one ``ssh`` client process here).
 
-    ``stdout.readline()`` yields bytes lines; :meth:`kill` sends SIGHUP (what a
-    dropped terminal delivers; the default action ends the command, an agent can
-    catch it to stop its ranks) and closes the channel, so the command also sees
-    EOF on stdin and a broken pipe on output.
+    ``stdout``/``stderr`` yield the command's bytes; closing ``stdin`` gives it EOF.
+    :meth:`kill` ends the local ssh client, which closes the channel: the command sees
+    EOF on stdin and a broken pipe on output (the agent stops its ranks on that).
     """
 
-    def __init__(self, channel: paramiko.Channel, command: str) -> None:
-        self._chan = channel
+    def __init__(self, popen: subprocess.Popen, transport: SshTransport, command: str, pid: int | None) -> None:
+        self._popen = popen
+        self._transport = transport
         self.command = command
-        self.stdin: IO[bytes] = channel.makefile("wb")
-        self.stdout: IO[bytes] = channel.makefile("rb")
-        self.stderr: IO[bytes] = channel.makefile_stderr("rb")
+        self.pid = pid  # the command's pid on the node (its process group)
+        self.stdin: IO[bytes] = popen.stdin  # type: ignore[assignment]
+        self.stdout: IO[bytes] = popen.stdout  # type: ignore[assignment]
+        self.stderr: IO[bytes] = popen.stderr  # type: ignore[assignment]
+        self._code: int | None = None
+
+    def _status(self, rc: int | None) -> int | None:
+        """ssh's exit code; ``-1`` when it is 255 and the connection is gone (lost link)."""
+        if rc is None:
+            return None
+        if self._code is None:
+            self._code = -1 if rc == SSH_FAILED and not self._transport.connected else rc
+        return self._code
 
     def poll(self) -> int | None:
-        """Exit code, ``-1`` when the channel closed without one (signal, lost link), else None."""
-        return self._chan.recv_exit_status() if self._chan.exit_status_ready() else None
+        return self._status(self._popen.poll())
 
     def wait(self, timeout: float | None = None) -> int:
         """Exit code; raises :class:`subprocess.TimeoutExpired` when still running."""
-        if not self._chan.status_event.wait(timeout):
-            import subprocess
-
-            raise subprocess.TimeoutExpired(self.command, timeout or 0)
-        return self._chan.recv_exit_status()
+        return self._status(self._popen.wait(timeout))  # type: ignore[return-value]
 
     def close_stdin(self) -> None:
         try:
-            self._chan.shutdown_write()
-        except (OSError, EOFError, paramiko.SSHException):
+            self._popen.stdin.close()
+        except OSError:
             pass
 
     def kill(self) -> None:
-        _signal(self._chan, "HUP")
-        self._chan.close()
-
-
-def _signal(chan: paramiko.Channel, name: str) -> None:
-    """Send an RFC 4254 ``signal`` request (OpenSSH ≥ 8.1 delivers it); best effort.
-
-    paramiko has no public call for it, so the message is built by hand.
-    """
-    if chan.closed or not chan.get_transport() or not chan.get_transport().is_active():
-        return
-    m = paramiko.Message()
-    m.add_byte(paramiko.common.cMSG_CHANNEL_REQUEST)
-    m.add_int(chan.remote_chanid)
-    m.add_string("signal")
-    m.add_boolean(False)
-    m.add_string(name)
-    try:
-        chan.get_transport()._send_user_message(m)  # noqa: SLF001 - see docstring
-    except (OSError, EOFError, paramiko.SSHException):
-        pass
+        self._popen.kill()
+        self._popen.wait()
+        self.close_stdin()
 
 
 class SshTransport:
-    """Runs a node's commands over SSH; one connection, many channels, thread-safe.
+    """Runs a node's commands with the system's ``ssh``; thread-safe (one ssh process per command).
 
     Args:
         node: the resolved :class:`hetctl.files.inventory.Node`.
         settings: the inventory's :class:`hetctl.files.inventory.SshSettings`.
 
     Raises:
-        Unreachable, AuthFailed, HostKeyMismatch: the connection could not be made.
+        Unreachable, AuthFailed, HostKeyMismatch: the master connection could not be made.
+        ConfigError: ssh refuses the configuration.
     """
 
-    def __init__(self, node, settings) -> None:  # noqa: ANN001 - inventory models
+    def __init__(self, node, settings) -> None:
         self.spec = node
         self.node: str = node.name
         self.settings = settings
-        self._clients: list[paramiko.SSHClient] = []
-        self._sftp: paramiko.SFTPClient | None = None
-        self._home: str | None = None
-        self._lock = threading.Lock()
-        try:
-            self._connect()
-        except BaseException:
-            self.close()
-            raise
+        self._closed = False
+        if node.identity_file and not os.path.exists(node.identity_file):
+            raise AuthFailed(f"{self.node}: identity_file {node.identity_file} does not exist",
+                             "fix the path in the inventory", node=self.node)
+        self._ssh = sshconfig.ssh_binary()
+        self._config = sshconfig.write_config(settings)
+        opts = sshconfig.node_options(node)
+        dump = sshconfig.run_dump(self._config, opts, node.host, where=self.node)
+        self.effective = sshconfig.effective_from_dump(self.node, node.host, dump, settings.known_hosts)
+        if settings.known_hosts:  # added in front of the node's own list (ssh -G), never in its place
+            if self.effective.strict_host_key_checking in ("accept-new", "false", "no", "off"):
+                _end_with_newline(settings.known_hosts)
+            files = " ".join(sshconfig.opt_value(f.replace("%", "%%"), "known_hosts") for f in self.effective.known_hosts)
+            opts += ["-o", f"UserKnownHostsFile={files}"]
+        self.control_path = os.path.join(sshconfig.control_dir(), secrets.token_hex(6))
+        self._opts = [*opts, "-o", f"ControlPath={self.control_path}", "-o", f"ControlPersist={CONTROL_PERSIST_S}",
+                      "-o", "ClearAllForwardings=yes", "-o", "RemoteCommand=none", "-T"]
+        self._connect()
+
+    @property
+    def hostname(self) -> str:
+        """The address ssh dials (``HostName`` from ssh_config, else the inventory's host)."""
+        return self.effective.hostname
 
     # --- connecting ----------------------------------------------------------
 
-    def _connect(self) -> None:
-        node, ct = self.spec, self.settings.connect_timeout
-        config = parse_ssh_config(self.settings.config)
-        hops = parse_jump(node.proxy_jump, config, self.node, node.identity_file) if node.proxy_jump else []
-        hops.append(Hop(node.host, node.hostname, node.user, node.port, node.identity_file))
-        sock = None
-        for i, hop in enumerate(hops):
-            via = hops[i - 1].alias if i else None
-            if i:
-                try:
-                    sock = self._clients[-1].get_transport().open_channel(
-                        "direct-tcpip", (hop.hostname, hop.port), ("127.0.0.1", 0), timeout=ct
-                    )
-                except (paramiko.SSHException, OSError, EOFError) as e:
-                    raise Unreachable(
-                        f"{self.node}: jump host {via} cannot reach {hop.hostname}:{hop.port}: {e}",
-                        "check the address and that the jump host allows TCP forwarding",
-                        node=self.node,
-                    ) from None
-            self._clients.append(self._dial(hop, sock, via))
-        if self.settings.keepalive:
-            self._clients[-1].get_transport().set_keepalive(max(1, round(self.settings.keepalive)))
+    def _argv(self, master: str, *flags: str, command: str | None = None) -> list[str]:
+        tail = [] if command is None else [command]
+        return [self._ssh, "-F", self._config, "-o", f"ControlMaster={master}", *self._opts, *flags, "--", self.spec.host, *tail]
 
-    def _dial(self, hop: Hop, sock, via: str | None) -> paramiko.SSHClient:  # noqa: ANN001
-        s, node = self.settings, self.node
-        where = f"{hop.user}@{hop.hostname}:{hop.port}" + (f" via {via}" if via else "")
-        client = paramiko.SSHClient()
-        if os.path.exists(s.known_hosts):
-            try:
-                client.get_host_keys().load(s.known_hosts)
-            except (OSError, paramiko.SSHException, ValueError) as e:
-                raise HostKeyMismatch(f"{node}: cannot read {s.known_hosts}: {e}", "fix or remove the bad line", node=node) from None
-        client.set_missing_host_key_policy(_HostKeyPolicy(node, s.host_key_policy, s.known_hosts))
-        if hop.identity_file and not os.path.exists(hop.identity_file):
-            raise AuthFailed(f"{node}: identity_file {hop.identity_file} does not exist", "fix the path in the inventory", node=node)
-        auth_hint = "check user and identity_file in the inventory (or ~/.ssh/config) and authorized_keys on the node"
+    def _connect(self) -> None:
+        limit = max(30.0, 3 * float(self.effective.connect_timeout if self.effective.connect_timeout.isdigit() else 10))
         try:
-            client.connect(
-                hop.hostname, hop.port, username=hop.user, key_filename=hop.identity_file,
-                look_for_keys=hop.identity_file is None, allow_agent=hop.identity_file is None,
-                timeout=s.connect_timeout, banner_timeout=s.connect_timeout, auth_timeout=s.connect_timeout,
-                sock=sock,
-            )
-            return client
-        except HostKeyMismatch:
-            client.close()
-            raise
-        except paramiko.BadHostKeyException as e:
-            client.close()
-            raise _changed(node, known_hosts_name(hop.hostname, hop.port), e.expected_key, e.key, s.known_hosts) from None
-        except paramiko.AuthenticationException as e:
-            client.close()
-            raise AuthFailed(f"{node}: {where} refused authentication ({e})", auth_hint, node=node) from None
-        except TimeoutError:
-            client.close()
-            raise Unreachable(
-                f"{node}: {where}: no answer within {s.connect_timeout:g} s", "check that the node is up; raise ssh.connect_timeout for slow links", node=node
-            ) from None
-        except socket.gaierror as e:
-            client.close()
-            raise Unreachable(f"{node}: cannot resolve {hop.hostname}: {e.strerror}", "check host in the inventory or HostName in ~/.ssh/config", node=node) from None
-        except paramiko.ssh_exception.NoValidConnectionsError:
-            client.close()
-            raise Unreachable(f"{node}: {where}: connection refused", "check that sshd runs on the node and listens on that port", node=node) from None
-        except paramiko.SSHException as e:
-            client.close()
-            text = str(e)
-            if "authentication methods" in text or "private key" in text.lower():
-                raise AuthFailed(f"{node}: {where}: {text}", auth_hint, node=node) from None
-            if "banner" in text or "No existing session" in text:
-                text = f"no SSH handshake within {s.connect_timeout:g} s ({text})"
-            raise Unreachable(f"{node}: {where}: {text}", "check that an SSH server answers on that port", node=node) from None
-        except (OSError, EOFError) as e:
-            client.close()
-            raise Unreachable(f"{node}: {where}: {e}", "check the network path to the node", node=node) from None
+            proc = subprocess.run(self._argv("yes", "-N", "-f"), stdin=subprocess.DEVNULL, capture_output=True,
+                                  timeout=limit, start_new_session=True)
+        except subprocess.TimeoutExpired:
+            raise Unreachable(f"{self.node}: {self.effective.where}: no connection within {limit:g} s",
+                              "check that the node is up and answers SSH", node=self.node) from None
+        if proc.returncode != 0:
+            raise self._error(proc.stderr.decode(errors="replace"), proc.returncode)
+
+    def _error(self, stderr: str, code: int) -> HetctlError:
+        err = classify(stderr, self.node, self.effective)
+        if err is not None:
+            return err
+        tail = "; ".join(ln.strip() for ln in stderr.strip().splitlines()[-2:]) or f"ssh exited {code}"
+        return Unreachable(f"{self.node}: {self.effective.where}: {tail}", "check the network path to the node", node=self.node)
+
+    @property
+    def connected(self) -> bool:
+        """Whether the master connection is up (``ssh -O check``; local, no network)."""
+        if self._closed:
+            return False
+        try:
+            return subprocess.run(self._control("check"), stdin=subprocess.DEVNULL, capture_output=True,
+                                  timeout=10).returncode == 0
+        except subprocess.TimeoutExpired:
+            return False
+
+    def _control(self, command: str) -> list[str]:
+        return [self._ssh, "-F", "none", "-o", f"ControlPath={self.control_path}", "-O", command, "--", self.spec.host]
 
     # --- running -------------------------------------------------------------
 
-    def _session(self) -> paramiko.Channel:
-        transport = self._clients[-1].get_transport() if self._clients else None
-        if transport is None or not transport.is_active():
-            raise Unreachable(f"{self.node}: the SSH connection is closed", "reconnect; the node may have gone down", node=self.node)
-        try:
-            return transport.open_session(timeout=self.settings.connect_timeout)
-        except (paramiko.SSHException, OSError, EOFError) as e:
-            raise Unreachable(f"{self.node}: cannot open an SSH session: {e}", node=self.node) from None
+    def _popen(self, argv: Sequence[str], env: Mapping[str, str] | None, cwd: str | None,
+               node_env: bool = True) -> tuple[subprocess.Popen, bytes]:
+        """The ssh client running ``argv`` on the node, and the bytes to write first on its stdin.
 
-    def _exec(self, argv: Sequence[str], env: Mapping[str, str] | None, cwd: str | None) -> paramiko.Channel:
-        chan = self._session()
-        try:
-            chan.exec_command(shell_command(argv, {**self.spec.env, **(env or {})}, cwd))
-        except (paramiko.SSHException, OSError, EOFError) as e:
-            chan.close()
-            raise Unreachable(f"{self.node}: cannot start `{shlex.join(argv)}`: {e}", node=self.node) from None
-        return chan
+        The environment (the node's inventory ``env`` and ``env``) travels on stdin
+        (:func:`hetctl.remote.local.env_on_stdin`): neither the local ssh client's argv
+        nor the remote shell's command line ever holds a value.
+        """
+        if self._closed:
+            raise Unreachable(f"{self.node}: the SSH connection is closed", "reconnect; the node may have gone down",
+                              node=self.node)
+        wrapped, prefix = env_on_stdin(self.spec.python, argv, command_env(self.spec, env) if node_env else
+                                       dict(env or {}))
+        line = "echo hetctl-pid:$$ >&2; " + shell_command(wrapped, None, cwd)
+        popen = subprocess.Popen(self._argv("auto", command=line), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, start_new_session=True)
+        return popen, prefix
 
     def run(
         self,
@@ -338,46 +216,67 @@ class SshTransport:
     ) -> Result:
         """Run ``argv`` on the node and collect its output.
 
-        After ``timeout`` seconds the command gets SIGKILL, its channel is closed and
-        the result has exit code 124. Exit code -1 means the channel closed without
-        a status (the command died of a signal).
+        After ``timeout`` seconds the command's process group on the node gets SIGKILL
+        and the result has exit code 124.
 
         Raises:
             CommandFailed: non-zero exit and ``check``.
-            Unreachable: the connection dropped before the command finished.
+            Unreachable: the connection failed or dropped before the command finished.
         """
+        return self._run(argv, env=env, cwd=cwd, input=input, timeout=timeout, check=check)
+
+    def _run(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: str | None = None,
+             input: bytes | None = None, timeout: float | None = None, check: bool = True,
+             node_env: bool = True) -> Result:
+        """:meth:`run`; ``node_env=False`` for the transport's own plumbing (file transfer), which
+        needs no environment and so no python on the node."""
         t0 = time.monotonic()
-        chan = self._exec(argv, env, cwd)
+        popen, prefix = self._popen(argv, env, cwd, node_env)
+        track(popen)
         chunks: dict[str, list[bytes]] = {"out": [], "err": []}
-        readers = [
-            threading.Thread(target=_drain, args=(chan.recv, chunks["out"]), daemon=True),
-            threading.Thread(target=_drain, args=(chan.recv_stderr, chunks["err"]), daemon=True),
-        ]
+        readers = [threading.Thread(target=_drain, args=(popen.stdout, chunks["out"]), daemon=True),
+                   threading.Thread(target=_drain, args=(popen.stderr, chunks["err"]), daemon=True),
+                   threading.Thread(target=_feed, args=(popen.stdin, prefix + (input or b"")), daemon=True)]
         for t in readers:
             t.start()
         try:
-            if input:
-                chan.sendall(input)
-            chan.shutdown_write()
-        except (OSError, EOFError, paramiko.SSHException):
-            pass  # the command exited without reading its input; its status tells the rest
-        finished = chan.status_event.wait(timeout)
-        if finished:
-            code = chan.recv_exit_status()
-        else:
-            _signal(chan, "KILL")
-            code = TIMEOUT_EXIT
-            chan.close()
+            code = popen.wait(timeout)
+            finished = True
+        except subprocess.TimeoutExpired:
+            finished = False
+            self._kill_remote(b"".join(chunks["err"]))
+            popen.kill()
+            code = popen.wait()
+        finally:
+            untrack(popen)
         for t in readers:
             t.join(None if finished else 5)
-        chan.close()
-        if code == -1 and not self._clients[-1].get_transport().is_active():
-            raise Unreachable(f"{self.node}: connection lost while running `{shlex.join(argv)}`", node=self.node)
-        err = b"".join(chunks["err"]).decode("utf-8", errors="replace")
-        if not finished:
-            err += f"\nhetctl: timed out after {timeout:g} s"
+        raw_err = b"".join(chunks["err"])
+        pid, err_bytes = _strip_marker(raw_err)
+        err = err_bytes.decode("utf-8", errors="replace")
         out = b"".join(chunks["out"]).decode("utf-8", errors="replace")
-        return finish(Result(self.node, shlex.join(argv), code, out, err, time.monotonic() - t0), check, timeout)
+        command = shlex.join(argv)
+        if not finished:
+            code = TIMEOUT_EXIT
+            err += f"\nhetctl: timed out after {timeout:g} s"
+        elif code == SSH_FAILED:
+            if pid is None:  # the command never started: ssh's own failure
+                raise self._error(err, code)
+            if not self.connected:
+                raise Unreachable(f"{self.node}: connection lost while running `{command}`", node=self.node)
+        return finish(Result(self.node, command, code, out, err, time.monotonic() - t0), check, timeout)
+
+    def _kill_remote(self, stderr_so_far: bytes) -> None:
+        """SIGKILL the timed-out command's process group on the node (best effort, over the master)."""
+        pid, _ = _strip_marker(stderr_so_far)
+        if pid is None or not self.connected:
+            return
+        try:
+            kill, _ = self._popen(["sh", "-c", 'kill -s KILL -- "-$1" 2>/dev/null || kill -s KILL "$1"', "sh", str(pid)],
+                                  None, None, node_env=False)
+            kill.communicate(timeout=10)
+        except (subprocess.TimeoutExpired, OSError, RemoteError):
+            pass
 
     def start(
         self,
@@ -385,68 +284,113 @@ class SshTransport:
         *,
         env: Mapping[str, str] | None = None,
         cwd: str | None = None,
+        input: bytes | None = None,
     ) -> SshProcess:
-        """Start ``argv`` on its own channel and return at once; read stdout and stderr."""
-        chan = self._exec(argv, env, cwd)
-        return SshProcess(chan, shlex.join(argv))
+        """Start ``argv`` and return once it runs on the node; read its stdout and stderr.
+
+        ``input`` is written to the command's stdin first (data that must not appear on
+        a command line, such as secrets); the pipe stays open for the caller.
+
+        Raises:
+            Unreachable, AuthFailed, HostKeyMismatch: the command could not be started.
+        """
+        popen, prefix = self._popen(argv, env, cwd)
+        if prefix or input:
+            try:
+                popen.stdin.write(prefix + (input or b""))
+                popen.stdin.flush()
+            except OSError:
+                pass  # it exited at once; what it said comes below
+        pid, early = self._await_marker(popen)
+        if pid is None:
+            popen.kill()
+            code = popen.wait()
+            rest = popen.stderr.read() if popen.stderr else b""
+            raise self._error((early + rest).decode(errors="replace"), code)
+        return SshProcess(popen, self, shlex.join(argv), pid)
+
+    def _await_marker(self, popen: subprocess.Popen) -> tuple[int | None, bytes]:
+        """Read stderr up to the marker line; the rest stays buffered for the caller."""
+        seen = b""
+        limit = max(30.0, 3 * float(self.effective.connect_timeout if self.effective.connect_timeout.isdigit() else 10))
+        timer = threading.Timer(limit, popen.kill)
+        timer.start()
+        try:
+            while True:
+                line = popen.stderr.readline()
+                if not line:
+                    return None, seen
+                m = _PID_LINE.search(line)
+                if m:
+                    return int(m.group(1)), seen
+                seen += line
+        finally:
+            timer.cancel()
 
     # --- files ---------------------------------------------------------------
 
-    def home(self) -> str:
-        """The node's ``$HOME`` as its shell sees it (cached), so ``~`` means the same for put and run."""
-        if self._home is None:
-            self._home = self.run(["/bin/sh", "-c", 'printf %s "$HOME"']).stdout
-        return self._home
-
     def put(self, data: bytes | Path, remote_path: str, mode: int = 0o644) -> None:
-        """Write ``data`` (bytes or a local file's contents) atomically over SFTP, creating folders."""
-        if remote_path == "~" or remote_path.startswith("~/"):
-            remote_path = self.home() + remote_path[1:]
+        """Write ``data`` (bytes or a local file's contents) atomically, creating folders; no SFTP needed."""
         path = PurePosixPath(remote_path)
         payload = data.read_bytes() if isinstance(data, Path) else data
-        with self._lock:
-            try:
-                sftp = self._sftp or self._clients[-1].open_sftp()
-                self._sftp = sftp
-                _makedirs(sftp, path.parent)
-                tmp = str(path.parent / f".{path.name}.{uuid.uuid4().hex[:8]}")
-                with sftp.open(tmp, "wb") as f:
-                    f.set_pipelined(True)
-                    f.write(payload)
-                sftp.chmod(tmp, mode)
-                sftp.posix_rename(tmp, str(path))
-            except (OSError, EOFError, paramiko.SSHException) as e:
-                raise RemoteError(f"{self.node}: cannot write {path}: {e}", node=self.node) from None
+        args = ["/bin/sh", "-c", _PUT, "hetctl-put", str(path.parent), path.name, secrets.token_hex(6), f"{mode:o}"]
+        try:
+            res = self._run(args, input=payload, check=False, timeout=600, node_env=False)
+        except RemoteError as e:
+            raise RemoteError(f"{self.node}: cannot write {path}: {e.message}", e.hint, node=self.node) from None
+        if not res.ok:
+            tail = (res.stderr.strip().splitlines() or [f"exit code {res.exit_code}"])[-1]
+            raise RemoteError(f"{self.node}: cannot write {path}: {tail}", node=self.node)
 
     def close(self) -> None:
-        """Close SFTP, the node's connection and any jump connections (innermost first)."""
-        if self._sftp is not None:
-            self._sftp.close()
-            self._sftp = None
-        for client in reversed(self._clients):
-            client.close()
-        self._clients.clear()
+        """End the master connection (``ssh -O exit``) and every session still on it. Idempotent."""
+        if self._closed:
+            return
+        try:
+            subprocess.run(self._control("exit"), stdin=subprocess.DEVNULL, capture_output=True, timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        self._closed = True
 
 
-def _drain(recv, sink: list[bytes]) -> None:  # noqa: ANN001
+def _end_with_newline(path: str) -> None:
+    """Give ``path`` a final newline: ssh appends a new key right after the last byte,
+    which would glue it to an unterminated last line and spoil both entries."""
+    try:
+        with open(path, "rb+") as f:
+            f.seek(0, os.SEEK_END)
+            if f.tell() == 0:
+                return
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                f.write(b"\n")
+    except OSError:
+        pass  # absent or read-only: ssh reports what it cannot do
+
+
+def _strip_marker(stderr: bytes) -> tuple[int | None, bytes]:
+    """The command's pid from the marker line, and stderr without that line."""
+    m = _PID_LINE.search(stderr)
+    if not m:
+        return None, stderr
+    return int(m.group(1)), stderr[: m.start()] + stderr[m.end():]
+
+
+def _drain(stream: IO[bytes], sink: list[bytes]) -> None:
     while True:
         try:
-            data = recv(65536)
-        except (OSError, EOFError, paramiko.SSHException):
+            data = stream.read1(65536) if hasattr(stream, "read1") else stream.read(65536)
+        except (OSError, ValueError):
             return
         if not data:
             return
         sink.append(data)
 
 
-def _makedirs(sftp: paramiko.SFTPClient, folder: PurePosixPath) -> None:
-    """``mkdir -p`` over SFTP."""
-    missing = []
-    for p in [folder, *folder.parents]:
-        try:
-            sftp.stat(str(p))
-            break
-        except FileNotFoundError:
-            missing.append(p)
-    for p in reversed(missing):
-        sftp.mkdir(str(p))
+def _feed(stream: IO[bytes], data: bytes | None) -> None:
+    try:
+        if data:
+            stream.write(data)
+        stream.close()
+    except (OSError, ValueError):
+        pass  # the command exited without reading its input; its status tells the rest
