@@ -381,3 +381,12 @@ def test_live_view_has_a_line_for_every_kind_the_loop_emits():
             ev["stages"] = [{"replica": 0, "stage": 0, "step": 3, "loss": 1.0, "step_ms": 5.0}]
         assert (event_line(ev) is None) == (kind in silent), kind
     assert event_line({"kind": "some_future_kind"}) is None
+
+
+def test_live_view_measured_line_without_a_planned_step_time():
+    """A plan without an estimate (hand-made, or --entry): measured stages still get a line, no step ratio."""
+    from hetctl.cli.live import event_line
+
+    ev = {"kind": "measured", "attempt": 0, "step_s_predicted": 0.0, "step_s_measured": 0.5, "step_ratio": None,
+          "stages": [{"replica": 0, "stage": 0, "node": "n1", "predicted_ms": 1.0, "measured_ms": 2.0, "ratio": 2.0}]}
+    assert event_line(ev) == "attempt 0 measured: stage compute 2× (n1) … 2× (n1) of plan"

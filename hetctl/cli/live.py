@@ -144,7 +144,7 @@ def _gave_up(ev: dict) -> str:
 def _measured(ev: dict) -> str:
     """``attempt 0 measured: step 0.41 s against 0.126 s planned (3.25×); stages 2.1× (node-a) … 3.9× (node-c)``."""
     parts = [f"attempt {ev['attempt']} measured:"]
-    if ev.get("step_s_measured") is not None:
+    if ev.get("step_s_measured") is not None and ev.get("step_ratio") is not None:
         parts.append(f"step {ev['step_s_measured']:.4g} s against {ev['step_s_predicted']:.4g} s planned "
                      f"({ev['step_ratio']:.3g}×)")
     stages = sorted(ev.get("stages") or [], key=lambda s: s["ratio"])
