@@ -9,9 +9,10 @@ from __future__ import annotations
 from hetctl.remote.base import Process, Result, Transport
 from hetctl.remote.fanout import GroupFailed, GroupResult, fanout
 from hetctl.remote.local import LocalTransport
+from hetctl.remote.slurm import SlurmTransport
 from hetctl.remote.ssh import SshTransport
 
-TRANSPORTS: dict[str, type] = {"ssh": SshTransport, "local": LocalTransport}
+TRANSPORTS: dict[str, type] = {"ssh": SshTransport, "local": LocalTransport, "slurm": SlurmTransport}
 
 
 def connect(node, ssh=None) -> Transport:  # noqa: ANN001 - hetctl.inventory.Node / SshSettings
@@ -35,5 +36,5 @@ def connect(node, ssh=None) -> Transport:  # noqa: ANN001 - hetctl.inventory.Nod
 
 __all__ = [
     "TRANSPORTS", "connect", "fanout", "GroupResult", "GroupFailed",
-    "LocalTransport", "SshTransport", "Transport", "Process", "Result",
+    "LocalTransport", "SshTransport", "SlurmTransport", "Transport", "Process", "Result",
 ]

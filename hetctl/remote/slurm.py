@@ -1,0 +1,251 @@
+"""The ``slurm`` transport: every command is one job step on one node of an allocation.
+
+A command for node ``N`` of job ``J`` runs as::
+
+    srun --jobid=J --nodes=1 --ntasks=1 -w N --overlap --quiet --job-name=hetctl-<id> \\
+         /bin/sh -c '<the same quoted line as over ssh>'
+
+Why one step per node and per command, rather than one step over the whole
+allocation with one task per node: the Transport contract is per node (probe,
+pre-flight, shipping, the agent, resume's liveness check are separate commands
+on one node), and one srun's stdin goes to one task (or the same bytes to all),
+so a single step could not carry each agent its own commands; its stdout would
+interleave every node's JSON stream; and a lost node would end the step for all
+nodes unless ``--no-kill``. Per-node steps keep each agent's stream and fate its
+own, exactly as one SSH channel per node does. ``--overlap`` lets them share the
+node's CPUs and GRES with each other (the agent's step holds them while a
+pre-flight or liveness check runs beside it); without ``--exact`` a step may use
+all of the job's CPUs on the node, so the ranks the agent spawns are not confined
+to one CPU. Each srun costs one round trip to slurmctld (tens of ms here).
+
+Stop semantics (:meth:`SlurmProcess.kill`, called once the agent's own stop —
+``stop`` on stdin, then closing stdin — got no end): ``scancel --signal=TERM`` on
+the step (the agent stops its ranks on SIGTERM), then ``scancel --signal=KILL``
+on the step (Slurm kills every process of the step, ranks that left their group
+included), then SIGKILL to the local srun. srun runs in its own session, so a
+Ctrl-C of hetctl never reaches it; when the controller dies, srun's stdin ends,
+srun passes the EOF to the agent, and the agent stops its ranks and exits, which
+ends the step: no orphan step.
+
+Environment: srun's default ``--export=ALL`` (the controller's environment, as
+Slurm users expect), then the node's inventory ``env``, then the call's ``env``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import time
+import uuid
+from pathlib import Path
+from typing import IO, Mapping, Sequence
+
+from hetctl.errors import HetctlError, RemoteError, Unreachable
+from hetctl.remote.base import Result
+from hetctl.remote.local import TIMEOUT_EXIT, finish, shell_command
+
+TERM_WAIT_S = 3.0  # after scancel --signal=TERM: the agent's own SIGTERM handling (its grace is spent already)
+KILL_WAIT_S = 5.0  # after scancel --signal=KILL, before the local srun is killed
+# srun's own report of a task's end; not the command's stderr, so it is dropped from the Result.
+_TASK_STATUS = re.compile(r"^srun: error: \S+: tasks? [0-9,-]+: (Exited with exit code \d+|Killed|Terminated)")
+_SRUN_ERROR = re.compile(r"^srun: error: (.*)$")
+# Step-creation problems: the node or the allocation is not usable (never the command's fault).
+_STEP_FAILED = re.compile(r"Unable to create step|Invalid job id|Job has already finished|Invalid node name|"
+                          r"Requested node configuration is not available|not allocated to|Unable to confirm allocation")
+
+_PUT_SCRIPT = (
+    'set -e; p=$1; case $p in "~") p=$HOME ;; "~/"*) p=$HOME/${p#"~/"} ;; esac; '
+    'd=$(dirname -- "$p"); mkdir -p -- "$d"; t=$(mktemp "$d/.hetctl-put.XXXXXX"); '
+    'trap \'rm -f -- "$t"\' EXIT; cat > "$t"; chmod "$2" "$t"; mv -f -- "$t" "$p"; trap - EXIT'
+)
+
+
+def srun_path() -> str:
+    """The srun binary, or a one-line error saying what to install."""
+    path = shutil.which("srun")
+    if path is None:
+        raise HetctlError("srun not found on PATH: the slurm transport runs where the Slurm client commands are",
+                          "run hetctl on a login node of the cluster or install them (Debian: apt-get install slurm-client)")
+    return path
+
+
+def scancel(args: Sequence[str], timeout: float = 15.0) -> bool:
+    """Run ``scancel ARGS``; True when it exited 0 (a step already gone is not an error here)."""
+    try:
+        return subprocess.run(["scancel", *args], stdin=subprocess.DEVNULL, capture_output=True,
+                              timeout=timeout).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def step_id(job: str, step_name: str, timeout: float = 15.0) -> str | None:
+    """``JOB.STEP`` of the running step called ``step_name`` in ``job`` (None when none runs)."""
+    try:
+        out = subprocess.run(["squeue", "-h", "-s", "-j", job, "-o", "%i %j"], stdin=subprocess.DEVNULL,
+                             capture_output=True, text=True, timeout=timeout).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    for line in out.splitlines():
+        sid, _, name = line.strip().partition(" ")
+        if name.strip() == step_name:
+            return sid
+    return None
+
+
+def clean_stderr(text: str) -> str:
+    """The command's stderr without srun's own task-status lines."""
+    return "".join(ln for ln in text.splitlines(keepends=True) if not _TASK_STATUS.match(ln))
+
+
+def step_failure(node: str, job: str, code: int, stderr: str) -> Unreachable | None:
+    """An Unreachable when srun could not start a step on ``node`` at all (the node or allocation is unusable)."""
+    if code == 0:
+        return None
+    for line in stderr.splitlines():
+        m = _SRUN_ERROR.match(line.strip())
+        if m and not _TASK_STATUS.match(line.strip()) and _STEP_FAILED.search(m.group(1)):
+            return Unreachable(f"{node}: srun cannot start a step in job {job}: {m.group(1)}",
+                               "check the allocation with `squeue -j " + job + "` and the node with `sinfo -n " + node + "`",
+                               node=node)
+    return None
+
+
+class SlurmProcess:
+    """A started step: the local srun's pipes, plus the step's Slurm-side stop and kill."""
+
+    def __init__(self, popen: subprocess.Popen, node: str, job: str, step_name: str) -> None:
+        self._popen = popen
+        self.node, self.job, self.step_name = node, job, step_name
+        self.pid = popen.pid
+        self.stdin: IO[bytes] = popen.stdin  # type: ignore[assignment]
+        self.stdout: IO[bytes] = popen.stdout  # type: ignore[assignment]
+        self.stderr: IO[bytes] = popen.stderr  # type: ignore[assignment]
+
+    def poll(self) -> int | None:
+        return self._popen.poll()
+
+    def wait(self, timeout: float | None = None) -> int:
+        """srun's exit code (the task's); raises :class:`subprocess.TimeoutExpired` when still running."""
+        return self._popen.wait(timeout)
+
+    def close_stdin(self) -> None:
+        """EOF to the task (srun forwards it): the agent's signal that the controller is gone."""
+        try:
+            self.stdin.close()
+        except OSError:
+            pass
+
+    def _wait_exit(self, seconds: float) -> bool:
+        try:
+            self._popen.wait(seconds)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+
+    def signal_step(self, sig: str) -> bool:
+        """``scancel --signal=SIG JOB.STEP`` for this step; False when it is not (or no longer) running."""
+        sid = step_id(self.job, self.step_name)
+        return bool(sid) and scancel([f"--signal={sig}", sid])
+
+    def kill(self) -> None:
+        """Escalate: SIGTERM to the step, then SIGKILL to the step, then SIGKILL to the local srun."""
+        if self._popen.poll() is None:
+            if not (self.signal_step("TERM") and self._wait_exit(TERM_WAIT_S)):
+                if self._popen.poll() is None:
+                    self.signal_step("KILL")
+                    self._wait_exit(KILL_WAIT_S)
+        if self._popen.poll() is None:
+            try:
+                os.killpg(self._popen.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        self._popen.wait()
+        self.close_stdin()
+
+
+class SlurmTransport:
+    """Runs a node's commands as job steps of the node's allocation (``node.slurm_job``)."""
+
+    def __init__(self, node, ssh=None) -> None:  # noqa: ANN001, ARG002 - hetctl.inventory.Node; ssh settings unused
+        self.spec = node
+        self.node: str = node.name
+        self.job: str = str(getattr(node, "slurm_job", None) or os.environ.get("SLURM_JOB_ID", ""))
+        if not self.job:
+            raise HetctlError(f"{self.node}: no Slurm allocation to run in",
+                              "run hetctl inside salloc/sbatch, or set slurm.job in the inventory")
+        self.srun = srun_path()
+
+    def srun_argv(self, argv: Sequence[str], env: Mapping[str, str] | None, cwd: str | None, step_name: str) -> list[str]:
+        """The full srun command line (a list: nothing is pasted into a local shell)."""
+        merged = {**self.spec.env, **(env or {})}
+        return [self.srun, f"--jobid={self.job}", "--nodes=1", "--ntasks=1", "-w", self.node, "--overlap",
+                "--quiet", f"--job-name={step_name}", "/bin/sh", "-c", shell_command(argv, merged, cwd)]
+
+    def _popen(self, argv: Sequence[str], env: Mapping[str, str] | None, cwd: str | None) -> tuple[subprocess.Popen, str]:
+        name = f"hetctl-{uuid.uuid4().hex[:10]}"
+        try:
+            popen = subprocess.Popen(self.srun_argv(argv, env, cwd, name), stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        except OSError as e:
+            raise Unreachable(f"{self.node}: cannot run srun: {e.strerror}", node=self.node) from None
+        return popen, name
+
+    def run(
+        self,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        input: bytes | None = None,
+        timeout: float | None = None,
+        check: bool = True,
+    ) -> Result:
+        """Run ``argv`` as one step to completion; exit 124 (and the step killed) after ``timeout`` s.
+
+        Raises:
+            Unreachable: srun could not create the step (node not in the job, job gone).
+        """
+        t0 = time.monotonic()
+        popen, name = self._popen(argv, env, cwd)
+        try:
+            out, err = popen.communicate(input or b"", timeout=timeout)
+            code = popen.returncode
+        except subprocess.TimeoutExpired:
+            SlurmProcess(popen, self.node, self.job, name).kill()
+            out, err = popen.communicate()
+            err += f"\nhetctl: timed out after {timeout:g} s".encode()
+            code = TIMEOUT_EXIT
+        stderr = err.decode("utf-8", errors="replace")
+        failed = step_failure(self.node, self.job, code, stderr)
+        if failed is not None:
+            raise failed
+        res = Result(self.node, shlex.join(argv), code, out.decode("utf-8", errors="replace"), clean_stderr(stderr),
+                     time.monotonic() - t0)
+        return finish(res, check, timeout)
+
+    def start(
+        self,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+    ) -> SlurmProcess:
+        """Start ``argv`` as a step with piped stdin/stdout/stderr; read both outputs or it may block."""
+        popen, name = self._popen(argv, env, cwd)
+        return SlurmProcess(popen, self.node, self.job, name)
+
+    def put(self, data: bytes | Path, remote_path: str, mode: int = 0o644) -> None:
+        """Write ``data`` atomically on the node (``cat`` into a temp file, then ``mv``), creating folders."""
+        payload = data.read_bytes() if isinstance(data, Path) else data
+        res = self.run(["/bin/sh", "-c", _PUT_SCRIPT, "hetctl-put", remote_path, f"{mode:o}"], input=payload,
+                       timeout=300, check=False)
+        if not res.ok:
+            tail = (res.stderr.strip().splitlines() or [f"exit code {res.exit_code}"])[-1]
+            raise RemoteError(f"{self.node}: cannot write {remote_path}: {tail}", node=self.node)
+
+    def close(self) -> None:
+        """Nothing to release: each command owns its step."""

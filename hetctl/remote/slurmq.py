@@ -1,0 +1,187 @@
+"""What Slurm says about an allocation and its nodes (``scontrol``/``squeue``/``salloc``).
+
+The parsers are pure (tests feed them captured output of a real slurmctld); the
+callers run the Slurm client commands as argument lists and turn every failure
+into a one-line :class:`~hetctl.errors.HetctlError` that says what to do.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from hetctl.errors import HetctlError
+
+QUERY_TIMEOUT_S = 30.0
+_KEY = re.compile(r"^([A-Za-z][A-Za-z0-9_:/.]*)=(.*)$")
+# Node states that mean the node is gone for this job (the base state, before flags like +DRAIN).
+LOST_STATES = ("DOWN", "DRAIN", "DRAINED", "DRAINING", "FAIL", "FAILING", "NOT_RESPONDING", "POWERED_DOWN", "FUTURE")
+
+
+def parse_record(line: str) -> dict[str, str]:
+    """One ``scontrol show … -o`` record: ``Key=value`` tokens; a token without ``=`` continues the last value."""
+    out: dict[str, str] = {}
+    last = None
+    for tok in line.split():
+        m = _KEY.match(tok)
+        if m:
+            last = m.group(1)
+            out[last] = m.group(2)
+        elif last is not None:
+            out[last] += " " + tok
+    return out
+
+
+def parse_records(text: str) -> list[dict[str, str]]:
+    """Every one-line record of ``scontrol show … -o`` output."""
+    return [parse_record(ln) for ln in text.splitlines() if "=" in ln]
+
+
+def _none(value: str | None) -> str:
+    return "" if value in (None, "(null)", "N/A", "none") else value
+
+
+@dataclass(frozen=True)
+class SlurmNode:
+    """A node as ``scontrol show node`` describes it."""
+
+    name: str
+    addr: str
+    cpus: int = 0
+    memory_mb: int = 0
+    gres: str = ""  # "gpu:2" or "gpu:a100:8,nic:1"
+    features: tuple[str, ...] = ()
+    state: str = ""
+    partitions: tuple[str, ...] = ()
+
+    @property
+    def lost(self) -> bool:
+        """True when the state says the node is unusable (DOWN, DRAIN, FAIL, not responding …)."""
+        parts = re.split(r"[+*]", self.state.upper())
+        return any(p in LOST_STATES for p in parts if p) or self.state.endswith("*")
+
+
+def parse_nodes(text: str) -> list[SlurmNode]:
+    """``scontrol show node -o`` → nodes."""
+    nodes = []
+    for rec in parse_records(text):
+        if "NodeName" not in rec:
+            continue
+        nodes.append(SlurmNode(
+            name=rec["NodeName"], addr=_none(rec.get("NodeAddr")) or rec["NodeName"],
+            cpus=int(rec.get("CPUTot", "0") or 0), memory_mb=int(rec.get("RealMemory", "0") or 0),
+            gres=_none(rec.get("Gres")), features=tuple(f for f in _none(rec.get("AvailableFeatures")).split(",") if f),
+            state=rec.get("State", ""), partitions=tuple(p for p in _none(rec.get("Partitions")).split(",") if p),
+        ))
+    return nodes
+
+
+@dataclass(frozen=True)
+class SlurmJob:
+    """A job as ``scontrol show job`` describes it."""
+
+    job_id: str
+    state: str
+    node_list: str
+    num_nodes: int
+    partition: str = ""
+    features: str = ""
+    extra: dict[str, str] = field(default_factory=dict, compare=False)
+
+
+def parse_job(text: str) -> SlurmJob | None:
+    """The first record of ``scontrol show job -o``."""
+    for rec in parse_records(text):
+        if "JobId" in rec:
+            return SlurmJob(job_id=rec["JobId"], state=rec.get("JobState", ""), node_list=_none(rec.get("NodeList")),
+                            num_nodes=int(rec.get("NumNodes", "0").split("-")[0] or 0), partition=rec.get("Partition", ""),
+                            features=_none(rec.get("Features")), extra=rec)
+    return None
+
+
+def _client(tool: str) -> str:
+    path = shutil.which(tool)
+    if path is None:
+        raise HetctlError(f"{tool} not found on PATH: hetctl needs the Slurm client commands for `slurm:`",
+                          "run hetctl on a login node of the cluster or install them (Debian: apt-get install slurm-client)")
+    return path
+
+
+def _run(argv: Sequence[str], what: str, timeout: float = QUERY_TIMEOUT_S) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run([_client(argv[0]), *argv[1:]], stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise HetctlError(f"{what}: `{argv[0]}` did not answer in {timeout:g} s",
+                          "check that slurmctld is up: scontrol ping") from None
+
+
+def _tail(r: subprocess.CompletedProcess) -> str:
+    lines = [ln.strip() for ln in (r.stderr or r.stdout or "").splitlines() if ln.strip()]
+    return lines[-1] if lines else f"exit code {r.returncode}"
+
+
+def show_job(job: str) -> SlurmJob:
+    """The job ``job``; a one-line error when Slurm does not know it or it is not running."""
+    r = _run(["scontrol", "show", "job", "-o", job], f"Slurm job {job}")
+    info = parse_job(r.stdout) if r.returncode == 0 else None
+    if info is None:
+        raise HetctlError(f"Slurm job {job} not found: {_tail(r)}",
+                          "run hetctl inside a live allocation (salloc/sbatch) or fix slurm.job in the inventory")
+    if info.state != "RUNNING":
+        raise HetctlError(f"Slurm job {job} is {info.state or 'not running'}, not RUNNING",
+                          "wait for it to start (squeue -j " + job + ") or ask for a new allocation")
+    return info
+
+
+def hostnames(node_list: str) -> list[str]:
+    """``scontrol show hostnames LIST`` (Slurm's own expansion of ``n[1-3,5]``)."""
+    r = _run(["scontrol", "show", "hostnames", node_list], "expanding the node list")
+    if r.returncode != 0:
+        raise HetctlError(f"cannot expand the Slurm node list {node_list!r}: {_tail(r)}")
+    return [h for h in r.stdout.split() if h]
+
+
+def show_nodes(names: Sequence[str]) -> list[SlurmNode]:
+    """The nodes ``names`` in that order."""
+    r = _run(["scontrol", "show", "node", "-o", ",".join(names)], "reading the Slurm nodes")
+    if r.returncode != 0:
+        raise HetctlError(f"cannot read Slurm nodes {','.join(names)}: {_tail(r)}")
+    by_name = {n.name: n for n in parse_nodes(r.stdout)}
+    missing = [n for n in names if n not in by_name]
+    if missing:
+        raise HetctlError(f"Slurm knows no node {missing[0]!r}")
+    return [by_name[n] for n in names]
+
+
+def current_job() -> str | None:
+    """``SLURM_JOB_ID`` of the allocation hetctl runs in (None outside one)."""
+    return os.environ.get("SLURM_JOB_ID") or None
+
+
+def job_nodes(job: str) -> list[SlurmNode]:
+    """The nodes of the running job ``job``, with their Gres, features, CPUs and memory.
+
+    Inside that job's own allocation ``SLURM_JOB_NODELIST`` gives the list without
+    asking slurmctld; otherwise the job's ``NodeList``.
+    """
+    node_list = os.environ.get("SLURM_JOB_NODELIST") if current_job() == job else None
+    if not node_list:
+        node_list = show_job(job).node_list
+    names = hostnames(node_list)
+    if not names:
+        raise HetctlError(f"Slurm job {job} holds no nodes")
+    return show_nodes(names)
+
+
+def node_state(name: str) -> str | None:
+    """The node's state as slurmctld sees it now (``IDLE``, ``DOWN*``, ``MIXED+DRAIN`` …); None when unknown."""
+    try:
+        nodes = show_nodes([name])
+    except HetctlError:
+        return None
+    return nodes[0].state if nodes else None
