@@ -29,7 +29,8 @@ Resolution rules (the README repeats them):
 * ``slurm:`` adds the nodes of a Slurm allocation (before any listed ``nodes:``):
   the job ``slurm.job``, else the one hetctl runs in (``SLURM_JOB_ID``). Each gets
   ``transport: slurm``, ``hostname`` = Slurm's ``NodeAddr``, the ``defaults:`` and
-  the labels ``slurm_gres``/``slurm_features`` (:mod:`hetctl.remote.slurmq`).
+  the labels ``slurm_gres``, ``slurm_features``, ``slurm_cpus``, ``slurm_memory_mb``
+  (:mod:`hetctl.remote.slurmq`).
 """
 
 from __future__ import annotations
@@ -354,7 +355,8 @@ def _slurm_nodes(f: InventoryFile, base: Path) -> tuple[list[Node], str]:
         defaults.pop(key, None)
     nodes = []
     for sn in found:
-        labels = {**defaults.get("labels", {}), "slurm_gres": sn.gres, "slurm_features": ",".join(sn.features)}
+        labels = {**defaults.get("labels", {}), "slurm_gres": sn.gres, "slurm_features": ",".join(sn.features),
+                  "slurm_cpus": str(sn.cpus), "slurm_memory_mb": str(sn.memory_mb)}
         fields = {**defaults, "labels": labels, "env": dict(defaults.get("env", {}))}
         nodes.append(Node(name=sn.name, host=sn.name, hostname=sn.addr, transport="slurm", workdir=workdir,
                           slurm_job=job, **fields))

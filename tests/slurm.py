@@ -34,6 +34,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass
@@ -222,7 +223,8 @@ class SlurmCluster:
         self.nodes = [SlurmNode(self, i, s) for i, s in enumerate(nodes)]
         self.conf = self.root / "slurm.conf"
         self.hosts_file = self.root / "hosts"
-        self.munge_dir = self.root / "munge"
+        # munged wants every folder above its socket to be o+x (a pytest tmp folder is 0700): its own one in /tmp
+        self.munge_dir = Path(tempfile.mkdtemp(prefix=f"hetctl-munge-{self.id}-"))
         self.munge_socket = self.munge_dir / "munge.sock"
         self.task_prolog = self.root / "task-prolog.sh"
         self.ctld_port = 0
@@ -255,8 +257,7 @@ class SlurmCluster:
         for d in ("state", "log", "run", "jobs"):
             (self.root / d).mkdir(exist_ok=True)
         self.munge_dir.mkdir(mode=0o755, exist_ok=True)
-        os.chmod(self.root, 0o755)  # munged wants an o+x path to its socket, no g/o write
-        os.chmod(self.munge_dir, 0o755)
+        os.chmod(self.munge_dir, 0o755)  # o+x, no g/o write
         key = self.munge_dir / "munge.key"
         if not key.exists():
             key.write_bytes(os.urandom(1024))
@@ -345,10 +346,12 @@ PartitionName=all Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 
     def _start_munge(self) -> None:
         pidfile = self.munge_dir / "munged.pid"
-        subprocess.run(["munged", f"--key-file={self.munge_dir / 'munge.key'}", f"--socket={self.munge_socket}",
-                        f"--pid-file={pidfile}", f"--log-file={self.root / 'log' / 'munged.log'}",
-                        f"--seed-file={self.munge_dir / 'munged.seed'}", "--num-threads=4"],
-                       check=True, capture_output=True, env={**os.environ, MARKER_ENV: self.id})
+        r = subprocess.run(["munged", f"--key-file={self.munge_dir / 'munge.key'}", f"--socket={self.munge_socket}",
+                            f"--pid-file={pidfile}", f"--log-file={self.root / 'log' / 'munged.log'}",
+                            f"--seed-file={self.munge_dir / 'munged.seed'}", "--num-threads=4"],
+                           capture_output=True, text=True, env={**os.environ, MARKER_ENV: self.id})
+        if r.returncode != 0:
+            raise RuntimeError(f"slurm fixture: munged failed: {r.stderr.strip()}")
         self.munged_pid = int(pidfile.read_text().strip())
 
     def _wait(self, what: str, ok, timeout: float, log: Path) -> None:  # noqa: ANN001
@@ -442,6 +445,7 @@ PartitionName=all Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         deadline = time.monotonic() + 5
         while self.leftovers() and time.monotonic() < deadline:
             time.sleep(0.05)
+        shutil.rmtree(self.munge_dir, ignore_errors=True)
 
     def leftovers(self) -> list[psutil.Process]:
         """Live processes this cluster started: daemons, step daemons, tasks (marker or our paths in argv)."""

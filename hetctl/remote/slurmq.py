@@ -185,3 +185,25 @@ def node_state(name: str) -> str | None:
     except HetctlError:
         return None
     return nodes[0].state if nodes else None
+
+
+def check_plan_fits(plan_nodes: Sequence[str], inventory) -> None:  # noqa: ANN001 - hetctl.inventory.Inventory
+    """A one-line error when a plan needs nodes the Slurm allocation does not hold.
+
+    Args:
+        plan_nodes: the node of every rank of the plan.
+        inventory: the loaded inventory (its ``slurm`` nodes carry ``slurm_job``).
+    """
+    have = {n.name for n in inventory.nodes}
+    want = list(dict.fromkeys(plan_nodes))
+    missing = [n for n in want if n not in have]
+    if not missing:
+        return
+    jobs = sorted({n.slurm_job for n in inventory.nodes if n.transport == "slurm" and n.slurm_job})
+    where = f"Slurm job {', '.join(jobs)}" if jobs else "the inventory"
+    held = ",".join(n.name for n in inventory.nodes) or "none"
+    raise HetctlError(
+        f"the plan needs {len(want)} node(s) ({','.join(want)}) but {where} holds {len(have)} ({held}); "
+        f"missing: {','.join(missing)}",
+        f"ask for an allocation with those nodes (salloc -w {','.join(want)}) or probe and plan again inside this one",
+    )
