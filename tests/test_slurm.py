@@ -452,3 +452,57 @@ def test_allocation_smaller_than_the_plan_is_one_line(cpu_site, tmp_path):
     assert f"Slurm job {small} holds 1 ({spare}); missing: {','.join(used)}" in err
     assert f"salloc -w {','.join(used)}" in err
     c.client("scancel", small, check=False)
+
+
+# --- plan/slurm.sbatch ----------------------------------------------------------------------------
+
+
+def test_sbatch_has_one_het_group_per_chip_kind_with_its_gres():
+    from hetctl.plan.sbatch import het_groups, render_sbatch
+    from tests.rankrunner import tiny_plan
+
+    raw = tiny_plan([2, 2, 2])
+    raw["stages"][1].update(vendor="nvidia", model="NVIDIA H200", device_type="cuda",
+                            visible_devices_env="CUDA_VISIBLE_DEVICES")
+    plan = Plan.model_validate(raw)
+    gres = {"n0": "", "n1": "gpu:8", "n2": ""}
+    groups = het_groups(plan, gres)
+    assert [(g.vendor, g.nodes, g.gres, g.ranks) for g in groups] == [("cpu", ("n0", "n2"), "", (0, 2)),
+                                                                     ("nvidia", ("n1",), "gpu:8", (1,))]
+    text = render_sbatch(plan, "/site/my plan", gres)
+    sb = [ln for ln in text.splitlines() if ln.startswith("#SBATCH")]
+    assert sb == ["#SBATCH --job-name=hetctl-tiny", "#SBATCH --nodes=2 --nodelist=n0,n2 --ntasks-per-node=1",
+                  "#SBATCH hetjob", "#SBATCH --nodes=1 --nodelist=n1 --ntasks-per-node=1 --gres=gpu:8"]
+    assert "PLAN_DIR=${HETCTL_PLAN_DIR:-'/site/my plan'}" in text and "MASTER_ADDR=${MASTER_ADDR:-n0}" in text
+    assert [ln.split()[1] for ln in text.splitlines() if ln.startswith("srun ")] == ["--het-group=0", "--het-group=1"]
+    assert "visible devices via CUDA_VISIBLE_DEVICES" in text
+
+
+@e2e
+def test_rendered_sbatch_runs_the_plan_to_the_end(cpu_site, tmp_path):
+    """Two chip kinds (c3's CPU model differs in the cluster file), so a real het job of two groups."""
+    from tests.rankrunner import free_port
+
+    c, d, job, env = cpu_site
+    facts = yaml.safe_load((d / "cluster.yaml").read_text())
+    for n in facts["nodes"]:
+        if n["name"] == "c3":
+            n["chips"][0]["model"] = "Other CPU"  # simulated hardware difference; the trainer runs on CPU anyway
+    (tmp_path / "cluster.yaml").write_text(yaml.safe_dump(facts, sort_keys=False))
+    r = hetctl(tmp_path, env, "plan", "-c", "cluster.yaml", "--model", "tiny", "--pp", "3", "--dp", "1", "-o", "plan")
+    assert r.returncode == 0, r.stderr
+    script = tmp_path / "plan" / "slurm.sbatch"
+    assert f"wrote {Path('plan') / 'slurm.sbatch'}" in r.stderr and script.stat().st_mode & 0o111
+    assert script.read_text().count("#SBATCH hetjob") == 1
+    submit = {k: v for k, v in env.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"}  # from outside the job
+    submit.update(HETCTL_PYTHON=sys.executable, MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
+    r = subprocess.run(["sbatch", "--wait", "--parsable", "-D", str(tmp_path), "-o", str(tmp_path / "job-%j.out"),
+                        str(script), "--steps", "6", "--checkpoint-every", "3"],
+                       cwd=tmp_path, env=submit, capture_output=True, text=True, timeout=240)
+    out = "".join(p.read_text() for p in tmp_path.glob("job-*.out"))
+    assert r.returncode == 0, (r.stderr, out)
+    het = r.stdout.strip().split(";")[0].split("+")[0]
+    info = c.client("scontrol", "show", "job", "-o", het).stdout
+    assert info.count("HetJobId=") == 2 and info.count("JobState=COMPLETED") == 2  # two groups, both done
+    assert "step=6 loss=" in out  # the last stage reached the end
+    assert ckpt.latest_valid(tmp_path / "checkpoints" / f"slurm-{het}")[0] == 6
