@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -409,6 +410,15 @@ def test_dry_run_names_the_slurm_nodes(cpu_site):
     for n in spec["nodes"]:
         for x in n["ranks"]:
             assert x["env"]["MASTER_ADDR"] == c[node0].addr  # Slurm's NodeAddr is what the peers dial
+    r = hetctl(d, env, "launch", "plan", "--dry-run")
+    assert r.returncode == 0, r.stderr
+    lines = [ln.strip() for ln in r.stdout.splitlines() if ln.strip().startswith("srun: ")]
+    assert len(lines) == len(used)
+    for node, line in zip(used, lines):
+        words = shlex.split(line.removeprefix("srun: "))
+        assert words[:9] == ["srun", f"--jobid={job}", "--nodes=1", "--ntasks=1", "-w", node, "--overlap", "--quiet",
+                             "--job-name=hetctl-<id>"]
+        assert words[9:11] == ["/bin/sh", "-c"] and "hetctl-agent-" in words[11] and sys.executable in words[11]
     assert not hetctl_steps(c, job)
 
 

@@ -114,6 +114,18 @@ def step_failure(node: str, job: str, code: int, stderr: str) -> Unreachable | N
     return None
 
 
+def srun_argv(node, argv: Sequence[str], env: Mapping[str, str] | None = None, cwd: str | None = None, *,  # noqa: ANN001
+              job: str, step_name: str, srun: str = "srun") -> list[str]:
+    """The srun command line that runs ``argv`` on ``node`` (a list: nothing is pasted into a local shell).
+
+    The environment is the node's inventory ``env``, then ``env``; ``node`` is a
+    :class:`hetctl.inventory.Node`.
+    """
+    merged = {**node.env, **(env or {})}
+    return [srun, f"--jobid={job}", "--nodes=1", "--ntasks=1", "-w", node.name, "--overlap",
+            "--quiet", f"--job-name={step_name}", "/bin/sh", "-c", shell_command(argv, merged, cwd)]
+
+
 class SlurmProcess:
     """A started step: the local srun's pipes, plus the step's Slurm-side stop and kill."""
 
@@ -179,16 +191,11 @@ class SlurmTransport:
                               "run hetctl inside salloc/sbatch, or set slurm.job in the inventory")
         self.srun = srun_path()
 
-    def srun_argv(self, argv: Sequence[str], env: Mapping[str, str] | None, cwd: str | None, step_name: str) -> list[str]:
-        """The full srun command line (a list: nothing is pasted into a local shell)."""
-        merged = {**self.spec.env, **(env or {})}
-        return [self.srun, f"--jobid={self.job}", "--nodes=1", "--ntasks=1", "-w", self.node, "--overlap",
-                "--quiet", f"--job-name={step_name}", "/bin/sh", "-c", shell_command(argv, merged, cwd)]
-
     def _popen(self, argv: Sequence[str], env: Mapping[str, str] | None, cwd: str | None) -> tuple[subprocess.Popen, str]:
         name = f"hetctl-{uuid.uuid4().hex[:10]}"
         try:
-            popen = subprocess.Popen(self.srun_argv(argv, env, cwd, name), stdin=subprocess.PIPE,
+            popen = subprocess.Popen(srun_argv(self.spec, argv, env, cwd, job=self.job, step_name=name, srun=self.srun),
+                                     stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
         except OSError as e:
             raise Unreachable(f"{self.node}: cannot run srun: {e.strerror}", node=self.node) from None
@@ -249,3 +256,10 @@ class SlurmTransport:
 
     def close(self) -> None:
         """Nothing to release: each command owns its step."""
+
+
+def dry_run_srun(node, launch) -> str:  # noqa: ANN001 - hetctl.inventory.Node, hetctl.run.materialize.NodeLaunch
+    """The srun line the node's agent would be started with, for ``hetctl launch --dry-run``."""
+    job = str(getattr(node, "slurm_job", None) or os.environ.get("SLURM_JOB_ID", "") or "<job>")
+    return shlex.join(srun_argv(node, list(launch.agent_argv), launch.env or None, launch.workdir,
+                                job=job, step_name="hetctl-<id>"))
