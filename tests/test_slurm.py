@@ -57,6 +57,7 @@ def test_show_node_gives_gres_features_cpus_memory_and_state():
         ("n3", "127.0.0.4", 2, 1000, "", ("cpu",)),
     ]
     assert [(n.state, n.lost) for n in nodes] == [("MIXED", False), ("MIXED", False), ("MIXED+DRAIN", True)]
+    assert nodes[2].reason.startswith("hetctl fixture capture [root@") and nodes[0].reason == ""
     assert slurmq.parse_record(capture("scontrol_show_node_o.txt").splitlines()[2])["Reason"].startswith(
         "hetctl fixture capture [root@")  # a value with spaces stays whole
 
@@ -516,3 +517,41 @@ def test_rendered_sbatch_runs_the_plan_to_the_end(cpu_site, tmp_path):
     assert info.count("HetJobId=") == 2 and info.count("JobState=COMPLETED") == 2  # two groups, both done
     assert "step=6 loss=" in out  # the last stage reached the end
     assert ckpt.latest_valid(tmp_path / "checkpoints" / f"slurm-{het}")[0] == 6
+
+
+@e2e
+def test_lost_node_replans_on_the_survivors_of_the_allocation(make_slurm_cluster, tmp_path, slurm_reference):
+    """Kill one node's slurmd and its steps under a --no-kill job: node lost, re-plan on the other two."""
+    c = make_slurm_cluster(nodes=[NodeSpec(n, 2, "", "cpu") for n in CPU_NODES])
+    d = tmp_path
+    job = allocate(c, "-N3", "--no-kill")
+    env = allocation_env(c, job, d / "home")
+    write_site(d, {"slurm": {}})
+    for args in (("probe", "-i", "inventory.yaml", "-o", "cluster.yaml"),
+                 ("plan", "-c", "cluster.yaml", "--model", "tiny", "--pp", "2", "--dp", "1", "-o", "plan")):
+        r = hetctl(d, env, *args)
+        assert r.returncode == 0, r.stderr
+    run = Launch(d, env, "lost")
+    run.wait_checkpoint(EVERY * 2)
+    first = load_model(run.run / "attempts" / "0" / "plan.yaml", Plan)
+    lost = first.stages_of(0)[-1].node
+    c[lost].kill()  # its slurmd, its slurmstepds and every task under them
+    summary = run.finish()
+    assert summary["state"] == "succeeded" and summary["steps"] == STEPS
+    assert summary["final_loss"] == slurm_reference["final_loss"]  # same layers, same DP width: bit for bit
+    story = "\n".join(json.dumps(e) for e in run.events() if e["kind"] != "progress")
+    # Seen first either as the node's silence (node_lost) or as the survivor's rank losing its peer
+    # (rank_failed, then the restart's pre-flight finds no step possible there): either way it is dropped.
+    assert run.events("node_lost") or run.events("rank_failed"), story
+    assert all(e["node"] == lost for e in run.events("node_lost")), story
+    replan = run.events("replan")
+    assert len(replan) == 1 and replan[0]["dropped"] == [lost], story
+    if not run.events("node_lost"):  # dropped at a pre-flight: the reason carries Slurm's own word on the node
+        assert f"Slurm reports {lost} DOWN" in replan[0]["reason"], story
+    last = run.events("launched")[-1]["attempt"]  # a crash first means a restart (same plan) before the re-plan
+    final = load_model(run.run / "attempts" / str(last) / "plan.yaml", Plan)
+    assert lost not in {r_.node for r_ in final.ranks} and lost not in run.events("launched")[-1]["nodes"]
+    # slurmctld keeps listing the dead node's step (its slurmd never confirms the end): no step runs elsewhere
+    r = c.client("squeue", "-h", "-s", "-j", job, "-o", "%i %j %N", check=False)
+    assert [ln.split()[2] for ln in r.stdout.splitlines() if " hetctl-" in ln] in ([], [lost]), r.stdout
+    assert rank_procs(run.run_id) == []

@@ -126,6 +126,17 @@ def srun_argv(node, argv: Sequence[str], env: Mapping[str, str] | None = None, c
             "--quiet", f"--job-name={step_name}", "/bin/sh", "-c", shell_command(argv, merged, cwd)]
 
 
+def _with_node_state(err: Unreachable, node: str) -> Unreachable:
+    """The same error, with the node's state in Slurm when slurmctld reports it lost (DOWN, DRAIN, FAIL …)."""
+    from hetctl.remote.slurmq import node_state
+
+    info = node_state(node)
+    if info is None or not info.lost:
+        return err
+    why = f" ({info.reason})" if info.reason else ""
+    return Unreachable(f"{err.message}; Slurm reports {node} {info.state}{why}", err.hint, node=node)
+
+
 class SlurmProcess:
     """A started step: the local srun's pipes, plus the step's Slurm-side stop and kill."""
 
@@ -229,7 +240,7 @@ class SlurmTransport:
         stderr = err.decode("utf-8", errors="replace")
         failed = step_failure(self.node, self.job, code, stderr)
         if failed is not None:
-            raise failed
+            raise _with_node_state(failed, self.node)
         res = Result(self.node, shlex.join(argv), code, out.decode("utf-8", errors="replace"), clean_stderr(stderr),
                      time.monotonic() - t0)
         return finish(res, check, timeout)

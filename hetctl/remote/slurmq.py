@@ -57,6 +57,7 @@ class SlurmNode:
     features: tuple[str, ...] = ()
     state: str = ""
     partitions: tuple[str, ...] = ()
+    reason: str = ""  # why slurmctld set the state (DOWN/DRAIN), e.g. "Not responding"
 
     @property
     def lost(self) -> bool:
@@ -76,6 +77,7 @@ def parse_nodes(text: str) -> list[SlurmNode]:
             cpus=int(rec.get("CPUTot", "0") or 0), memory_mb=int(rec.get("RealMemory", "0") or 0),
             gres=_none(rec.get("Gres")), features=tuple(f for f in _none(rec.get("AvailableFeatures")).split(",") if f),
             state=rec.get("State", ""), partitions=tuple(p for p in _none(rec.get("Partitions")).split(",") if p),
+            reason=_none(rec.get("Reason")),
         ))
     return nodes
 
@@ -178,13 +180,13 @@ def job_nodes(job: str) -> list[SlurmNode]:
     return show_nodes(names)
 
 
-def node_state(name: str) -> str | None:
-    """The node's state as slurmctld sees it now (``IDLE``, ``DOWN*``, ``MIXED+DRAIN`` …); None when unknown."""
+def node_state(name: str) -> SlurmNode | None:
+    """The node as slurmctld sees it now (state ``IDLE``, ``DOWN*``, ``MIXED+DRAIN`` …); None when unknown."""
     try:
         nodes = show_nodes([name])
     except HetctlError:
         return None
-    return nodes[0].state if nodes else None
+    return nodes[0] if nodes else None
 
 
 def check_plan_fits(plan_nodes: Sequence[str], inventory) -> None:  # noqa: ANN001 - hetctl.inventory.Inventory
