@@ -329,25 +329,12 @@ def _slurm_nodes(f: InventoryFile, base: Path) -> tuple[list[Node], str]:
     from hetctl.errors import HetctlError
     from hetctl.remote import slurmq
 
-    s = f.slurm
-    job = s.job or slurmq.current_job()
-    if not job:
-        want = " ".join(filter(None, [f"-p {s.partition}" if s.partition else "", f"-N {s.nodes}" if s.nodes else "",
-                                      f"-C {'&'.join(s.features)}" if s.features else "",
-                                      f"--gres={s.gres}" if s.gres else ""]))
-        raise _LocatedError(("slurm",), "no Slurm allocation: SLURM_JOB_ID is not set and slurm.job is not given",
-                            f"run hetctl inside one (salloc {want + ' ' if want else ''}hetctl …) or set slurm.job")
     try:
-        found = slurmq.job_nodes(job)
+        job, found = slurmq.allocation_nodes(f.slurm)
+    except slurmq.AllocationError as e:
+        raise _LocatedError(("slurm", *e.key), e.message, e.hint) from None
     except HetctlError as e:
         raise _LocatedError(("slurm",), e.message, e.hint) from None
-    lacking = [(n.name, ft) for n in found for ft in s.features if ft not in n.features]
-    if lacking:
-        raise _LocatedError(("slurm", "features"), f"node {lacking[0][0]} of job {job} lacks feature {lacking[0][1]!r}",
-                            "ask for the allocation with -C (salloc -C " + "&".join(s.features) + ") or drop the feature")
-    if s.nodes is not None and len(found) < s.nodes:
-        raise _LocatedError(("slurm", "nodes"), f"job {job} has {len(found)} node(s), the inventory asks for {s.nodes}",
-                            f"ask for a larger allocation (salloc -N {s.nodes}) or lower slurm.nodes")
     defaults = f.defaults.model_dump(exclude_none=True)
     defaults.pop("transport", None)
     workdir = _node_workdir(defaults.pop("workdir", DEFAULT_WORKDIR), "slurm", base, ("defaults", "workdir"))

@@ -209,3 +209,36 @@ def check_plan_fits(plan_nodes: Sequence[str], inventory) -> None:  # noqa: ANN0
         f"missing: {','.join(missing)}",
         f"ask for an allocation with those nodes (salloc -w {','.join(want)}) or probe and plan again inside this one",
     )
+
+
+class AllocationError(HetctlError):
+    """The allocation does not match the inventory's ``slurm:`` block; ``key`` names the key below it."""
+
+    def __init__(self, key: tuple[str, ...], message: str, hint: str | None = None) -> None:
+        super().__init__(message, hint)
+        self.key = key
+
+
+def allocation_nodes(s) -> tuple[str, list[SlurmNode]]:  # noqa: ANN001 - hetctl.inventory.SlurmSettings
+    """The job the ``slurm:`` block names (``slurm.job``, else ``SLURM_JOB_ID``) and its nodes, checked against it.
+
+    Raises:
+        AllocationError: no allocation, a node without an asked feature, fewer nodes than asked.
+        HetctlError: Slurm cannot be asked (client missing, job unknown or not running).
+    """
+    job = s.job or current_job()
+    if not job:
+        want = " ".join(filter(None, [f"-p {s.partition}" if s.partition else "", f"-N {s.nodes}" if s.nodes else "",
+                                      f"-C {'&'.join(s.features)}" if s.features else "",
+                                      f"--gres={s.gres}" if s.gres else ""]))
+        raise AllocationError((), "no Slurm allocation: SLURM_JOB_ID is not set and slurm.job is not given",
+                              f"run hetctl inside one (salloc {want + ' ' if want else ''}hetctl …) or set slurm.job")
+    found = job_nodes(job)
+    lacking = [(n.name, ft) for n in found for ft in s.features if ft not in n.features]
+    if lacking:
+        raise AllocationError(("features",), f"node {lacking[0][0]} of job {job} lacks feature {lacking[0][1]!r}",
+                              "ask for the allocation with -C (salloc -C " + "&".join(s.features) + ") or drop the feature")
+    if s.nodes is not None and len(found) < s.nodes:
+        raise AllocationError(("nodes",), f"job {job} has {len(found)} node(s), the inventory asks for {s.nodes}",
+                              f"ask for a larger allocation (salloc -N {s.nodes}) or lower slurm.nodes")
+    return job, found
