@@ -39,6 +39,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -55,7 +56,8 @@ _TASK_STATUS = re.compile(r"^srun: error: \S+: tasks? [0-9,-]+: (Exited with exi
 _SRUN_ERROR = re.compile(r"^srun: error: (.*)$")
 # Step-creation problems: the node or the allocation is not usable (never the command's fault).
 _STEP_FAILED = re.compile(r"Unable to create step|Invalid job id|Job has already finished|Invalid node name|"
-                          r"Requested node configuration is not available|not allocated to|Unable to confirm allocation")
+                          r"Requested node configuration is not available|not allocated to|Unable to confirm allocation|"
+                          r"Task launch for StepId=\S+ failed|Application launch failed|Node failure on")
 
 _PUT_SCRIPT = (
     'set -e; p=$1; case $p in "~") p=$HOME ;; "~/"*) p=$HOME/${p#"~/"} ;; esac; '
@@ -73,13 +75,20 @@ def srun_path() -> str:
     return path
 
 
-def scancel(args: Sequence[str], timeout: float = 15.0) -> bool:
-    """Run ``scancel ARGS``; True when it exited 0 (a step already gone is not an error here)."""
+def scancel(args: Sequence[str]) -> subprocess.Popen | None:
+    """Start ``scancel ARGS`` without waiting for it (None when it cannot run).
+
+    slurmctld answers a signal for a step on a node that stopped responding only
+    after its message timeout, so the stop escalation waits on srun's exit, never
+    on scancel; a thread reaps it.
+    """
     try:
-        return subprocess.run(["scancel", *args], stdin=subprocess.DEVNULL, capture_output=True,
-                              timeout=timeout).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
+        proc = subprocess.Popen(["scancel", *args], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+    except OSError:
+        return None
+    threading.Thread(target=proc.wait, daemon=True, name="scancel-reaper").start()
+    return proc
 
 
 def step_id(job: str, step_name: str, timeout: float = 15.0) -> str | None:
@@ -169,18 +178,23 @@ class SlurmProcess:
         except subprocess.TimeoutExpired:
             return False
 
-    def signal_step(self, sig: str) -> bool:
-        """``scancel --signal=SIG JOB.STEP`` for this step; False when it is not (or no longer) running."""
-        sid = step_id(self.job, self.step_name)
-        return bool(sid) and scancel([f"--signal={sig}", sid])
+    def signal_step(self, sig: str, sid: str | None = None) -> str | None:
+        """Send ``scancel --signal=SIG JOB.STEP`` to this step (not waited for); the step id, or None when none runs."""
+        sid = sid or step_id(self.job, self.step_name)
+        if sid:
+            scancel([f"--signal={sig}", sid])
+        return sid
 
     def kill(self) -> None:
-        """Escalate: SIGTERM to the step, then SIGKILL to the step, then SIGKILL to the local srun."""
+        """Escalate: SIGTERM to the step, then SIGKILL to the step, then SIGKILL to the local srun.
+
+        Bounded by ``TERM_WAIT_S + KILL_WAIT_S`` (plus one squeue) even when the node is gone.
+        """
         if self._popen.poll() is None:
-            if not (self.signal_step("TERM") and self._wait_exit(TERM_WAIT_S)):
-                if self._popen.poll() is None:
-                    self.signal_step("KILL")
-                    self._wait_exit(KILL_WAIT_S)
+            sid = self.signal_step("TERM")
+            if sid and not self._wait_exit(TERM_WAIT_S):
+                self.signal_step("KILL", sid)
+                self._wait_exit(KILL_WAIT_S)
         if self._popen.poll() is None:
             try:
                 os.killpg(self._popen.pid, signal.SIGKILL)
