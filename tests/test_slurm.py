@@ -271,6 +271,21 @@ def test_slurm_mistakes_are_one_line_errors(chips_site, tmp_path):
         outside.pop(k, None)
     err = one_line_error(hetctl(d, outside, "probe", "-i", "inventory.yaml", "-o", str(tmp_path / "c.yaml")))
     assert "slurm: no Slurm allocation" in err and "salloc" in err
+    # outside an allocation, what slurm: asks is checked against the partition (sinfo; nothing is allocated)
+    for block, expected in (
+        ({"partition": "all", "features": ["nvidia"], "nodes": 1}, "slurm: no Slurm allocation"),
+        ({"partition": "all", "features": ["cambricon"]}, "slurm.features: partition all has no node with features "
+                                                          "cambricon hint: its nodes offer features ascend,cpu,nvidia"),
+        ({"partition": "all", "gres": "gpu:8"}, "slurm.gres: partition all has no node with gres gpu:8"),
+        ({"partition": "all", "features": ["nvidia"], "nodes": 1}, "salloc -p all -N 1 -C nvidia hetctl"),
+        ({"partition": "all", "gres": "npu:2", "nodes": 2}, "slurm.nodes: partition all has 1 node(s) with gres npu:2, "
+                                                            "the inventory asks for 2"),
+        ({"partition": "gpu-big"}, "slurm.partition: Slurm has no partition 'gpu-big'"),
+    ):
+        (tmp_path / "p.yaml").write_text(yaml.safe_dump({"slurm": block}))
+        err = one_line_error(hetctl(d, outside, "probe", "-i", str(tmp_path / "p.yaml"), "-o", str(tmp_path / "c.yaml")))
+        assert expected in err, (block, err)
+    assert not c.client("squeue", "-h").stdout.strip()  # no allocation was made
 
     job = allocate(c, "-N2", "-w", "n1,n2")
     inside = allocation_env(c, job, home)
@@ -555,3 +570,9 @@ def test_lost_node_replans_on_the_survivors_of_the_allocation(make_slurm_cluster
     r = c.client("squeue", "-h", "-s", "-j", job, "-o", "%i %j %N", check=False)
     assert [ln.split()[2] for ln in r.stdout.splitlines() if " hetctl-" in ln] in ([], [lost]), r.stdout
     assert rank_procs(run.run_id) == []
+
+
+@pytest.mark.parametrize("have,want,fits", [("gpu:8", "gpu:8", True), ("gpu:a100:8(S:0-1)", "gpu:4", True),
+                                            ("gpu:2", "gpu:8", False), ("", "gpu:1", False), ("npu:2,nic:1", "nic", True)])
+def test_gres_fits(have, want, fits):
+    assert slurmq.gres_fits(have, want) is fits

@@ -228,6 +228,8 @@ def allocation_nodes(s) -> tuple[str, list[SlurmNode]]:  # noqa: ANN001 - hetctl
     """
     job = s.job or current_job()
     if not job:
+        if s.partition or s.features or s.gres:
+            check_partition(s)  # say now when no allocation could ever match
         want = " ".join(filter(None, [f"-p {s.partition}" if s.partition else "", f"-N {s.nodes}" if s.nodes else "",
                                       f"-C {'&'.join(s.features)}" if s.features else "",
                                       f"--gres={s.gres}" if s.gres else ""]))
@@ -242,3 +244,43 @@ def allocation_nodes(s) -> tuple[str, list[SlurmNode]]:  # noqa: ANN001 - hetctl
         raise AllocationError(("nodes",), f"job {job} has {len(found)} node(s), the inventory asks for {s.nodes}",
                               f"ask for a larger allocation (salloc -N {s.nodes}) or lower slurm.nodes")
     return job, found
+
+
+def _gres_items(gres: str) -> dict[str, int]:
+    """``gpu:a100:8(S:0-1),nic:1`` → ``{"gpu": 8, "nic": 1}`` (type names ignored, counts added)."""
+    out: dict[str, int] = {}
+    for item in filter(None, (g.strip() for g in re.sub(r"\([^)]*\)", "", gres).split(","))):
+        parts = item.split(":")
+        count = int(parts[-1]) if len(parts) > 1 and parts[-1].isdigit() else 1
+        out[parts[0]] = out.get(parts[0], 0) + count
+    return out
+
+
+def gres_fits(have: str, want: str) -> bool:
+    """True when a node's Gres ``have`` holds at least the Gres ``want`` (per name)."""
+    h = _gres_items(have)
+    return all(h.get(k, 0) >= n for k, n in _gres_items(want).items())
+
+
+def check_partition(s) -> None:  # noqa: ANN001 - hetctl.inventory.SlurmSettings
+    """Raise an AllocationError when the partition cannot give what ``slurm:`` asks (``sinfo``, no allocation made)."""
+    argv = ["sinfo", "-h", "-N", "-o", "%N|%f|%G|%T"] + (["-p", s.partition] if s.partition else [])
+    r = _run(argv, "reading the Slurm partitions")
+    if r.returncode != 0:
+        raise HetctlError(f"sinfo failed: {_tail(r)}", "check that slurmctld is up: scontrol ping")
+    rows = [ln.split("|") for ln in r.stdout.splitlines() if ln.count("|") == 3]
+    where = f"partition {s.partition}" if s.partition else "the cluster"
+    if not rows:
+        raise AllocationError(("partition",), f"Slurm has no partition {s.partition!r} (or it holds no node)",
+                              "list the partitions with `sinfo -s`")
+    fit = sorted({name for name, feats, gres, _ in rows
+                  if set(s.features) <= set(_none(feats).split(",")) and (not s.gres or gres_fits(_none(gres), s.gres))})
+    asked = " and ".join(filter(None, [f"features {','.join(s.features)}" if s.features else "",
+                                        f"gres {s.gres}" if s.gres else ""]))
+    if not fit:
+        feats = sorted({f for _, fs, _, _ in rows for f in _none(fs).split(",") if f})
+        raise AllocationError(("features" if s.features else "gres",), f"{where} has no node with {asked}",
+                              f"its nodes offer features {','.join(feats) or 'none'}; pick another partition or relax slurm:")
+    if s.nodes is not None and len(fit) < s.nodes:
+        raise AllocationError(("nodes",), f"{where} has {len(fit)} node(s) with {asked}, the inventory asks for {s.nodes}",
+                              "lower slurm.nodes or pick another partition")
