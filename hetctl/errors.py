@@ -60,7 +60,7 @@ class CommandFailed(RemoteError):
     command, exit code and the stderr tail.
     """
 
-    def __init__(self, result, hint: str | None = None) -> None:  # noqa: ANN001 - avoid import cycle
+    def __init__(self, result, hint: str | None = None) -> None:
         tail = "\n".join((result.stderr or "").strip().splitlines()[-5:])
         msg = f"{result.node}: `{result.command}` exited {result.exit_code}"
         if tail:

@@ -9,6 +9,10 @@
   break (kill a host, change keys, install replay tools); each is stopped after the
   test, which then fails if any process it started is still alive.
 * ``sshd_inventory``: an inventory file for the shared cluster, in ``tmp_path``.
+* ``slurm_cluster`` (session) and ``make_slurm_cluster`` (function): a real Slurm
+  mini-cluster (munged, slurmctld, one slurmd per node; :mod:`tests.slurm`), shared
+  read-only or private to a test that breaks it; skipped without root or the Slurm
+  binaries. The private ones must leave no process behind.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Callable
 
 import pytest
 
+from tests.slurm import SlurmCluster, skip_reason as slurm_skip_reason
 from tests.sshd import SshdCluster
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -84,3 +89,36 @@ def make_sshd_cluster(tmp_path_factory: pytest.TempPathFactory) -> Callable[...,
 @pytest.fixture
 def sshd_inventory(sshd_cluster: SshdCluster, tmp_path: Path) -> Path:
     return sshd_cluster.write_inventory(tmp_path / "inventory.yaml")
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory: pytest.TempPathFactory):
+    """Three nodes (n1 gpu:2/nvidia, n2 npu:2/ascend, n3 cpu); tests must not kill or reconfigure them."""
+    reason = slurm_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm-shared")).start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def make_slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., SlurmCluster]:
+    reason = slurm_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    clusters: list[SlurmCluster] = []
+
+    def make(**kwargs: object) -> SlurmCluster:
+        cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"), **kwargs)
+        clusters.append(cluster)
+        return cluster.start()
+
+    yield make
+    left = []
+    for cluster in clusters:
+        cluster.stop()
+        left += cluster.leftovers()
+    assert not left, f"processes left behind by the slurm fixture: {left}"

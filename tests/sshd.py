@@ -425,7 +425,7 @@ class SshdCluster:
     def __getitem__(self, key: int | str) -> SshdHost:
         return self.hosts[key] if isinstance(key, int) else next(h for h in self.hosts if h.name == key)
 
-    def __iter__(self):  # noqa: ANN204
+    def __iter__(self):
         return iter(self.hosts)
 
     def __len__(self) -> int:

@@ -103,7 +103,7 @@ def mixed(make_sshd_cluster, tmp_path_factory) -> SshdCluster:
     return c
 
 
-def _chips(node):  # noqa: ANN001, ANN202
+def _chips(node):
     return [(c.index, c.vendor, c.model, c.memory_gb, c.pci_bus_id, c.source) for c in node.chips]
 
 

@@ -80,7 +80,9 @@ def test_shell_command_quotes_everything_and_expands_only_leading_tilde():
 
 def test_connect_picks_the_transport_the_inventory_names(sshd_inventory, tmp_path):
     inv = load_inventory(sshd_inventory)
-    assert TRANSPORTS == {"ssh": SshTransport, "local": LocalTransport}
+    from hetctl.remote.slurm import SlurmTransport
+
+    assert TRANSPORTS == {"ssh": SshTransport, "local": LocalTransport, "slurm": SlurmTransport}
     t = connect(inv.nodes[0], inv.ssh)
     assert isinstance(t, SshTransport) and t.node == inv.nodes[0].name
     assert isinstance(t, Transport)

@@ -67,7 +67,7 @@ CHIPS_MD = [
 ]
 
 
-def _t(row) -> tuple:  # noqa: ANN001
+def _t(row) -> tuple:
     return (row.tflops.bf16, row.tflops.fp16, row.tflops.fp32)
 
 
@@ -79,7 +79,7 @@ def test_table_ships_as_package_data() -> None:
 
 
 @pytest.mark.parametrize(("vendor", "name", "dev", "model", "tflops"), CHIPS_MD, ids=[f"{v}:{n}" for v, n, *_ in CHIPS_MD])
-def test_chips_md_row_resolves_with_per_device_figures(vendor, name, dev, model, tflops) -> None:  # noqa: ANN001
+def test_chips_md_row_resolves_with_per_device_figures(vendor, name, dev, model, tflops) -> None:
     row = lookup(vendor, name, device_id=dev)
     assert row is not None and row.model == model
     assert _t(row) == pytest.approx(tflops)

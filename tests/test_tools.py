@@ -12,7 +12,7 @@ from tests.test_parsers import CAPTURES, _narrow_csv_from_capture, capture_secti
 H100_CAPTURE = "linux-x86_64__nvidia-h100-80gb-hbm3__590.48.01.txt"
 
 
-def tool(text: str, rc: int = 0, **extra) -> dict:  # noqa: ANN003
+def tool(text: str, rc: int = 0, **extra) -> dict:
     """A collector tool record around real output."""
     return {"argv": ["x"], "rc": rc, "stdout": text, "stderr": "", "timeout": False, **extra}
 

@@ -76,12 +76,17 @@ def plan_cmd(
     if note:
         plan = plan.model_copy(update={"notes": [note, *plan.notes]})
     written = write_plan_dir(plan, output, hosts={n.name: n.host for n in facts.nodes})
+    from hetctl.plan.sbatch import write_sbatch
+
+    sbatch = write_sbatch(plan, facts, output)  # only for a cluster probed through Slurm
     if json_out:
         print_json(to_json(plan))
         return
     _print_plan(plan, explain=explain)
     err.print(text(f"wrote {written[0]} and {len(written) - 1} launch script(s) in {written[0].parent / 'nodes'}"),
               highlight=False)
+    if sbatch is not None:
+        err.print(text(f"wrote {sbatch} (Slurm het job, one group per chip kind: sbatch {sbatch})"), highlight=False)
 
 
 def _print_plan(plan, *, explain: bool) -> None:

@@ -56,7 +56,7 @@ def launch_cmd(
 
             print_json(json.dumps(spec.to_dict(), indent=2))
         else:
-            _print_dry_run(spec)
+            _print_dry_run(spec, inv)
         return
     warning = launcher.checkpoint_warning(inv, plan)
     if warning:
@@ -159,7 +159,7 @@ def _finish_launch(result, json_out: bool) -> None:
         raise typer.Exit(130 if s.state == "stopped" else RunFailed.exit_code)
 
 
-def _print_dry_run(spec) -> None:
+def _print_dry_run(spec, inv=None) -> None:
     """Per node: the agent command, then each rank's argv and environment (secrets masked)."""
     import shlex
 
@@ -173,6 +173,10 @@ def _print_dry_run(spec) -> None:
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in mask_env(n.env).items())
         out.print(text(f"  agent: {env + ' ' if env else ''}{shlex.join(n.agent_argv)}"), highlight=False,
                   soft_wrap=True)
+        if n.transport == "slurm" and inv is not None:  # the step the agent runs in
+            from hetctl.remote.slurm import dry_run_srun
+
+            out.print(text(f"  srun: {dry_run_srun(inv.node(n.node), n)}"), highlight=False, soft_wrap=True)
         for r in n.ranks:
             out.print(text(f"  rank {r.rank} (replica {r.replica}, stage {r.stage}, "
                            f"layers {r.layers[0]}:{r.layers[1]}):"), highlight=False)

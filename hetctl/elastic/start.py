@@ -74,7 +74,12 @@ def load_plan_and_inventory(plan_dir: str | Path, inventory: str | Path | None =
         inv_path = Path(plan.inventory)
         if not inv_path.is_absolute() and not inv_path.exists() and (pf.parent / inv_path).exists():
             inv_path = pf.parent / inv_path
-    return plan, load_inventory(inv_path), pf
+    inv = load_inventory(inv_path)
+    if getattr(inv, "slurm", None) is not None:
+        from hetctl.remote.slurmq import check_plan_fits
+
+        check_plan_fits([r.node for r in plan.ranks], inv)
+    return plan, inv, pf
 
 
 def checkpoint_dir(inventory: Any, run: RunDir) -> str:

@@ -27,6 +27,11 @@ Resolution rules (the README repeats them):
   the inventory file's folder, so ``inventories/local.yaml`` works from any cwd.
 * ``checkpoint_dir`` must be absolute (or start with ``~``) unless every node is local,
   in which case a relative path is relative to the inventory file's folder.
+* ``slurm:`` adds the nodes of a Slurm allocation (before any listed ``nodes:``):
+  the job ``slurm.job``, else the one hetctl runs in (``SLURM_JOB_ID``). Each gets
+  ``transport: slurm``, ``hostname`` = Slurm's ``NodeAddr``, the ``defaults:`` and
+  the labels ``slurm_gres``, ``slurm_features``, ``slurm_cpus``, ``slurm_memory_mb``
+  (:mod:`hetctl.remote.slurmq`).
 """
 
 from __future__ import annotations
@@ -58,7 +63,7 @@ def _scalar_to_str(value: Any) -> Any:
 
 Scalar = Annotated[str, BeforeValidator(_scalar_to_str)]
 EnvName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
-TransportName = Literal["ssh", "local"]
+TransportName = Literal["ssh", "local", "slurm"]
 
 
 class _Strict(BaseModel):
@@ -110,13 +115,41 @@ class NodeEntry(NodeDefaults):
     name: str | None = None
 
 
+class SlurmSettings(_Strict):
+    """The ``slurm:`` block: take nodes from a Slurm allocation (``slurm: {}`` = the job hetctl runs in)."""
+
+    job: str | None = Field(default=None, description="job id to use; default: SLURM_JOB_ID of the allocation hetctl runs in")
+    partition: str | None = Field(default=None, description="outside an allocation: the partition to ask")
+    features: list[str] = Field(default_factory=list, description="node features every node must have (-C)")
+    gres: str | None = Field(default=None, description="generic resources per node, e.g. gpu:8")
+    nodes: int | None = Field(default=None, ge=1, description="how many nodes to ask for")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _job_as_text(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("job"), int) and not isinstance(data.get("job"), bool):
+            data = {**data, "job": str(data["job"])}
+        return data
+
+
 class InventoryFile(_Strict):
     """The inventory file as written."""
 
     defaults: NodeDefaults = Field(default_factory=NodeDefaults)
     ssh: SshSettings = Field(default_factory=SshSettings)
     checkpoint_dir: str | None = None
+    slurm: SlurmSettings | None = None
     nodes: list[NodeEntry] = Field(min_length=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nodes_optional_with_slurm(cls, data: Any) -> Any:
+        """With ``slurm:`` the nodes come from the allocation, so ``nodes:`` may be absent."""
+        if isinstance(data, dict) and "slurm" in data and data["slurm"] is None:
+            data = {**data, "slurm": {}}  # a bare `slurm:` means the same as `slurm: {}`
+        if isinstance(data, dict) and data.get("slurm") is not None and not data.get("nodes"):
+            data = {**data, "nodes": [{"host": "<slurm>"}]}  # placeholder, dropped by the resolver
+        return data
 
 
 class Node(_Strict):
@@ -143,6 +176,7 @@ class Node(_Strict):
     labels: dict[str, str] = Field(default_factory=dict)
     transport: TransportName = "ssh"
     tflops: float | None = None
+    slurm_job: str | None = None
 
     @model_validator(mode="after")
     def _fill_hostname(self) -> Node:
@@ -159,6 +193,7 @@ class Inventory(_Strict):
     ssh: SshSettings = Field(default_factory=SshSettings)
     checkpoint_dir: str | None = None
     nodes: list[Node] = Field(default_factory=list)
+    slurm: SlurmSettings | None = None
 
     @property
     def names(self) -> list[str]:
@@ -214,11 +249,13 @@ def _expand(pattern: str, loc: tuple[Any, ...]) -> list[str]:
     return out
 
 
-def _resolve_nodes(f: InventoryFile, base: Path) -> list[Node]:
+def _resolve_nodes(f: InventoryFile, base: Path, slurm_job: str | None = None) -> list[Node]:
     defaults = f.defaults.model_dump(exclude_none=True)
     nodes: list[Node] = []
     first_seen: dict[str, tuple[Any, ...]] = {}
     for i, entry in enumerate(f.nodes):
+        if f.slurm is not None and entry.host == "<slurm>":
+            continue
         own = entry.model_dump(exclude_none=True, exclude={"host", "name"})
         merged = {**defaults, **own}
         for key in ("env", "labels"):
@@ -250,6 +287,8 @@ def _resolve_nodes(f: InventoryFile, base: Path) -> list[Node]:
                 )
             first_seen[name] = name_loc
             fields = dict(merged)
+            if transport == "slurm":
+                fields.update(slurm_job=slurm_job)
             if transport == "ssh":
                 fields["hostname"] = host
             else:
@@ -257,6 +296,32 @@ def _resolve_nodes(f: InventoryFile, base: Path) -> list[Node]:
                 fields.update(hostname=host, user=getpass.getuser(), port=22, identity_file=None, proxy_jump=None)
             nodes.append(Node(name=name, host=host, transport=transport, workdir=workdir, **fields))
     return nodes
+
+
+def _slurm_nodes(f: InventoryFile, base: Path) -> tuple[list[Node], str]:
+    """The nodes of the Slurm allocation named by ``slurm:`` (with ``defaults:`` applied)."""
+    from hetctl.errors import HetctlError
+    from hetctl.remote import slurmq
+
+    try:
+        job, found = slurmq.allocation_nodes(f.slurm)
+    except slurmq.AllocationError as e:
+        raise _LocatedError(("slurm", *e.key), e.message, e.hint) from None
+    except HetctlError as e:
+        raise _LocatedError(("slurm",), e.message, e.hint) from None
+    defaults = f.defaults.model_dump(exclude_none=True)
+    defaults.pop("transport", None)
+    workdir = _node_workdir(defaults.pop("workdir", DEFAULT_WORKDIR), "slurm", base, ("defaults", "workdir"))
+    for key in ("user", "port", "identity_file", "proxy_jump"):  # ssh coordinates do not apply to srun
+        defaults.pop(key, None)
+    nodes = []
+    for sn in found:
+        labels = {**defaults.get("labels", {}), "slurm_gres": sn.gres, "slurm_features": ",".join(sn.features),
+                  "slurm_cpus": str(sn.cpus), "slurm_memory_mb": str(sn.memory_mb)}
+        fields = {**defaults, "labels": labels, "env": dict(defaults.get("env", {}))}
+        nodes.append(Node(name=sn.name, host=sn.name, hostname=sn.addr, transport="slurm", workdir=workdir,
+                          slurm_job=job, **fields))
+    return nodes, job
 
 
 def _resolve(f: InventoryFile, base: Path, source: Path) -> Inventory:
@@ -272,7 +337,14 @@ def _resolve(f: InventoryFile, base: Path, source: Path) -> Inventory:
         ssh.config = path
     if ssh.known_hosts is not None:
         ssh.known_hosts = _local_path(ssh.known_hosts, base)
-    nodes = _resolve_nodes(f, base)
+    slurm_nodes, slurm_job = _slurm_nodes(f, base) if f.slurm is not None else ([], None)
+    nodes = slurm_nodes + _resolve_nodes(f, base, slurm_job)
+    seen: set[str] = set()
+    for n in nodes:
+        if n.name in seen:
+            raise _LocatedError(("nodes",), f"duplicate node {n.name!r}: the Slurm allocation already has it",
+                                "list under nodes: only machines outside the allocation")
+        seen.add(n.name)
     ckpt = f.checkpoint_dir
     if ckpt is not None and not (ckpt.startswith("/") or ckpt.startswith("~")):
         if any(n.transport != "local" for n in nodes):
@@ -284,7 +356,7 @@ def _resolve(f: InventoryFile, base: Path, source: Path) -> Inventory:
         ckpt = _local_path(ckpt, base)
     elif ckpt is not None and all(n.transport == "local" for n in nodes):
         ckpt = _local_path(ckpt, base)
-    return Inventory(source=source, defaults=f.defaults, ssh=ssh, checkpoint_dir=ckpt, nodes=nodes)
+    return Inventory(source=source, defaults=f.defaults, ssh=ssh, checkpoint_dir=ckpt, nodes=nodes, slurm=f.slurm)
 
 
 def load_inventory(path: str | Path) -> Inventory:

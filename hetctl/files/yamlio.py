@@ -136,7 +136,7 @@ def dump_yaml(data: Any) -> str:
     """YAML text with keys in insertion order, no aliases."""
 
     class _NoAlias(yaml.SafeDumper):
-        def ignore_aliases(self, data):  # noqa: ANN001, ANN201
+        def ignore_aliases(self, data):
             return True
 
     return yaml.dump(data, Dumper=_NoAlias, sort_keys=False, default_flow_style=None, width=100)

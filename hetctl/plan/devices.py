@@ -218,7 +218,7 @@ def collect(cluster: Cluster) -> Devices:
     return Devices(kinds=make_kinds(groups), notes=notes)
 
 
-def _buckets(items: list[Group], value) -> list[list[Group]]:  # noqa: ANN001 - a key function
+def _buckets(items: list[Group], value) -> list[list[Group]]:
     """Split items sorted by ``value`` wherever it grows past 5 % of the bucket's first."""
     out: list[list[Group]] = []
     for g in sorted(items, key=lambda g: (value(g), g.node)):

@@ -9,10 +9,11 @@ from __future__ import annotations
 from hetctl.remote.base import Process, Result, Transport
 from hetctl.remote.fanout import GroupFailed, GroupResult, fanout
 from hetctl.remote.local import LocalTransport
+from hetctl.remote.slurm import SlurmTransport
 from hetctl.remote.ssh import SshTransport
 from hetctl.remote.sshconfig import EffectiveSsh, effective_settings
 
-TRANSPORTS: dict[str, type] = {"ssh": SshTransport, "local": LocalTransport}
+TRANSPORTS: dict[str, type] = {"ssh": SshTransport, "local": LocalTransport, "slurm": SlurmTransport}
 
 
 def connect(node, ssh=None) -> Transport:
@@ -36,5 +37,6 @@ def connect(node, ssh=None) -> Transport:
 
 __all__ = [
     "TRANSPORTS", "connect", "fanout", "GroupResult", "GroupFailed",
-    "LocalTransport", "SshTransport", "Transport", "Process", "Result", "EffectiveSsh", "effective_settings",
+    "LocalTransport", "SshTransport", "SlurmTransport", "Transport", "Process", "Result", "EffectiveSsh",
+    "effective_settings",
 ]

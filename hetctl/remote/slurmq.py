@@ -1,0 +1,286 @@
+"""What Slurm says about an allocation and its nodes (``scontrol``/``squeue``/``salloc``).
+
+The parsers are pure (tests feed them captured output of a real slurmctld); the
+callers run the Slurm client commands as argument lists and turn every failure
+into a one-line :class:`~hetctl.errors.HetctlError` that says what to do.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from hetctl.errors import HetctlError
+
+QUERY_TIMEOUT_S = 30.0
+_KEY = re.compile(r"^([A-Za-z][A-Za-z0-9_:/.]*)=(.*)$")
+# Node states that mean the node is gone for this job (the base state, before flags like +DRAIN).
+LOST_STATES = ("DOWN", "DRAIN", "DRAINED", "DRAINING", "FAIL", "FAILING", "NOT_RESPONDING", "POWERED_DOWN", "FUTURE")
+
+
+def parse_record(line: str) -> dict[str, str]:
+    """One ``scontrol show … -o`` record: ``Key=value`` tokens; a token without ``=`` continues the last value."""
+    out: dict[str, str] = {}
+    last = None
+    for tok in line.split():
+        m = _KEY.match(tok)
+        if m:
+            last = m.group(1)
+            out[last] = m.group(2)
+        elif last is not None:
+            out[last] += " " + tok
+    return out
+
+
+def parse_records(text: str) -> list[dict[str, str]]:
+    """Every one-line record of ``scontrol show … -o`` output."""
+    return [parse_record(ln) for ln in text.splitlines() if "=" in ln]
+
+
+def _none(value: str | None) -> str:
+    return "" if value in (None, "(null)", "N/A", "none") else value
+
+
+@dataclass(frozen=True)
+class SlurmNode:
+    """A node as ``scontrol show node`` describes it."""
+
+    name: str
+    addr: str
+    cpus: int = 0
+    memory_mb: int = 0
+    gres: str = ""  # "gpu:2" or "gpu:a100:8,nic:1"
+    features: tuple[str, ...] = ()
+    state: str = ""
+    partitions: tuple[str, ...] = ()
+    reason: str = ""  # why slurmctld set the state (DOWN/DRAIN), e.g. "Not responding"
+
+    @property
+    def lost(self) -> bool:
+        """True when the state says the node is unusable (DOWN, DRAIN, FAIL, not responding …)."""
+        parts = re.split(r"[+*]", self.state.upper())
+        return any(p in LOST_STATES for p in parts if p) or self.state.endswith("*")
+
+
+def parse_nodes(text: str) -> list[SlurmNode]:
+    """``scontrol show node -o`` → nodes."""
+    nodes = []
+    for rec in parse_records(text):
+        if "NodeName" not in rec:
+            continue
+        nodes.append(SlurmNode(
+            name=rec["NodeName"], addr=_none(rec.get("NodeAddr")) or rec["NodeName"],
+            cpus=int(rec.get("CPUTot", "0") or 0), memory_mb=int(rec.get("RealMemory", "0") or 0),
+            gres=_none(rec.get("Gres")), features=tuple(f for f in _none(rec.get("AvailableFeatures")).split(",") if f),
+            state=rec.get("State", ""), partitions=tuple(p for p in _none(rec.get("Partitions")).split(",") if p),
+            reason=_none(rec.get("Reason")),
+        ))
+    return nodes
+
+
+@dataclass(frozen=True)
+class SlurmJob:
+    """A job as ``scontrol show job`` describes it."""
+
+    job_id: str
+    state: str
+    node_list: str
+    num_nodes: int
+    partition: str = ""
+    features: str = ""
+    extra: dict[str, str] = field(default_factory=dict, compare=False)
+
+
+def parse_job(text: str) -> SlurmJob | None:
+    """The first record of ``scontrol show job -o``."""
+    for rec in parse_records(text):
+        if "JobId" in rec:
+            return SlurmJob(job_id=rec["JobId"], state=rec.get("JobState", ""), node_list=_none(rec.get("NodeList")),
+                            num_nodes=int(rec.get("NumNodes", "0").split("-")[0] or 0), partition=rec.get("Partition", ""),
+                            features=_none(rec.get("Features")), extra=rec)
+    return None
+
+
+def _client(tool: str) -> str:
+    path = shutil.which(tool)
+    if path is None:
+        raise HetctlError(f"{tool} not found on PATH: hetctl needs the Slurm client commands for `slurm:`",
+                          "run hetctl on a login node of the cluster or install them (Debian: apt-get install slurm-client)")
+    return path
+
+
+def _run(argv: Sequence[str], what: str, timeout: float = QUERY_TIMEOUT_S) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run([_client(argv[0]), *argv[1:]], stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise HetctlError(f"{what}: `{argv[0]}` did not answer in {timeout:g} s",
+                          "check that slurmctld is up: scontrol ping") from None
+
+
+def _tail(r: subprocess.CompletedProcess) -> str:
+    lines = [ln.strip() for ln in (r.stderr or r.stdout or "").splitlines() if ln.strip()]
+    return lines[-1] if lines else f"exit code {r.returncode}"
+
+
+def show_job(job: str) -> SlurmJob:
+    """The job ``job``; a one-line error when Slurm does not know it or it is not running."""
+    r = _run(["scontrol", "show", "job", "-o", job], f"Slurm job {job}")
+    info = parse_job(r.stdout) if r.returncode == 0 else None
+    if info is None:
+        raise HetctlError(f"Slurm job {job} not found: {_tail(r)}",
+                          "run hetctl inside a live allocation (salloc/sbatch) or fix slurm.job in the inventory")
+    if info.state != "RUNNING":
+        raise HetctlError(f"Slurm job {job} is {info.state or 'not running'}, not RUNNING",
+                          "wait for it to start (squeue -j " + job + ") or ask for a new allocation")
+    return info
+
+
+def hostnames(node_list: str) -> list[str]:
+    """``scontrol show hostnames LIST`` (Slurm's own expansion of ``n[1-3,5]``)."""
+    r = _run(["scontrol", "show", "hostnames", node_list], "expanding the node list")
+    if r.returncode != 0:
+        raise HetctlError(f"cannot expand the Slurm node list {node_list!r}: {_tail(r)}")
+    return [h for h in r.stdout.split() if h]
+
+
+def show_nodes(names: Sequence[str]) -> list[SlurmNode]:
+    """The nodes ``names`` in that order."""
+    r = _run(["scontrol", "show", "node", "-o", ",".join(names)], "reading the Slurm nodes")
+    if r.returncode != 0:
+        raise HetctlError(f"cannot read Slurm nodes {','.join(names)}: {_tail(r)}")
+    by_name = {n.name: n for n in parse_nodes(r.stdout)}
+    missing = [n for n in names if n not in by_name]
+    if missing:
+        raise HetctlError(f"Slurm knows no node {missing[0]!r}")
+    return [by_name[n] for n in names]
+
+
+def current_job() -> str | None:
+    """``SLURM_JOB_ID`` of the allocation hetctl runs in (None outside one)."""
+    return os.environ.get("SLURM_JOB_ID") or None
+
+
+def job_nodes(job: str) -> list[SlurmNode]:
+    """The nodes of the running job ``job``, with their Gres, features, CPUs and memory.
+
+    Inside that job's own allocation ``SLURM_JOB_NODELIST`` gives the list without
+    asking slurmctld; otherwise the job's ``NodeList``.
+    """
+    node_list = os.environ.get("SLURM_JOB_NODELIST") if current_job() == job else None
+    if not node_list:
+        node_list = show_job(job).node_list
+    names = hostnames(node_list)
+    if not names:
+        raise HetctlError(f"Slurm job {job} holds no nodes")
+    return show_nodes(names)
+
+
+def node_state(name: str) -> SlurmNode | None:
+    """The node as slurmctld sees it now (state ``IDLE``, ``DOWN*``, ``MIXED+DRAIN`` …); None when unknown."""
+    try:
+        nodes = show_nodes([name])
+    except HetctlError:
+        return None
+    return nodes[0] if nodes else None
+
+
+def check_plan_fits(plan_nodes: Sequence[str], inventory) -> None:
+    """A one-line error when a plan needs nodes the Slurm allocation does not hold.
+
+    Args:
+        plan_nodes: the node of every rank of the plan.
+        inventory: the loaded inventory (its ``slurm`` nodes carry ``slurm_job``).
+    """
+    have = {n.name for n in inventory.nodes}
+    want = list(dict.fromkeys(plan_nodes))
+    missing = [n for n in want if n not in have]
+    if not missing:
+        return
+    jobs = sorted({n.slurm_job for n in inventory.nodes if n.transport == "slurm" and n.slurm_job})
+    where = f"Slurm job {', '.join(jobs)}" if jobs else "the inventory"
+    held = ",".join(n.name for n in inventory.nodes) or "none"
+    raise HetctlError(
+        f"the plan needs {len(want)} node(s) ({','.join(want)}) but {where} holds {len(have)} ({held}); "
+        f"missing: {','.join(missing)}",
+        f"ask for an allocation with those nodes (salloc -w {','.join(want)}) or probe and plan again inside this one",
+    )
+
+
+class AllocationError(HetctlError):
+    """The allocation does not match the inventory's ``slurm:`` block; ``key`` names the key below it."""
+
+    def __init__(self, key: tuple[str, ...], message: str, hint: str | None = None) -> None:
+        super().__init__(message, hint)
+        self.key = key
+
+
+def allocation_nodes(s) -> tuple[str, list[SlurmNode]]:
+    """The job the ``slurm:`` block names (``slurm.job``, else ``SLURM_JOB_ID``) and its nodes, checked against it.
+
+    Raises:
+        AllocationError: no allocation, a node without an asked feature, fewer nodes than asked.
+        HetctlError: Slurm cannot be asked (client missing, job unknown or not running).
+    """
+    job = s.job or current_job()
+    if not job:
+        if s.partition or s.features or s.gres:
+            check_partition(s)  # say now when no allocation could ever match
+        want = " ".join(filter(None, [f"-p {s.partition}" if s.partition else "", f"-N {s.nodes}" if s.nodes else "",
+                                      f"-C {'&'.join(s.features)}" if s.features else "",
+                                      f"--gres={s.gres}" if s.gres else ""]))
+        raise AllocationError((), "no Slurm allocation: SLURM_JOB_ID is not set and slurm.job is not given",
+                              f"run hetctl inside one (salloc {want + ' ' if want else ''}hetctl …) or set slurm.job")
+    found = job_nodes(job)
+    lacking = [(n.name, ft) for n in found for ft in s.features if ft not in n.features]
+    if lacking:
+        raise AllocationError(("features",), f"node {lacking[0][0]} of job {job} lacks feature {lacking[0][1]!r}",
+                              "ask for the allocation with -C (salloc -C " + "&".join(s.features) + ") or drop the feature")
+    if s.nodes is not None and len(found) < s.nodes:
+        raise AllocationError(("nodes",), f"job {job} has {len(found)} node(s), the inventory asks for {s.nodes}",
+                              f"ask for a larger allocation (salloc -N {s.nodes}) or lower slurm.nodes")
+    return job, found
+
+
+def _gres_items(gres: str) -> dict[str, int]:
+    """``gpu:a100:8(S:0-1),nic:1`` → ``{"gpu": 8, "nic": 1}`` (type names ignored, counts added)."""
+    out: dict[str, int] = {}
+    for item in filter(None, (g.strip() for g in re.sub(r"\([^)]*\)", "", gres).split(","))):
+        parts = item.split(":")
+        count = int(parts[-1]) if len(parts) > 1 and parts[-1].isdigit() else 1
+        out[parts[0]] = out.get(parts[0], 0) + count
+    return out
+
+
+def gres_fits(have: str, want: str) -> bool:
+    """True when a node's Gres ``have`` holds at least the Gres ``want`` (per name)."""
+    h = _gres_items(have)
+    return all(h.get(k, 0) >= n for k, n in _gres_items(want).items())
+
+
+def check_partition(s) -> None:
+    """Raise an AllocationError when the partition cannot give what ``slurm:`` asks (``sinfo``, no allocation made)."""
+    argv = ["sinfo", "-h", "-N", "-o", "%N|%f|%G|%T"] + (["-p", s.partition] if s.partition else [])
+    r = _run(argv, "reading the Slurm partitions")
+    if r.returncode != 0:
+        raise HetctlError(f"sinfo failed: {_tail(r)}", "check that slurmctld is up: scontrol ping")
+    rows = [ln.split("|") for ln in r.stdout.splitlines() if ln.count("|") == 3]
+    where = f"partition {s.partition}" if s.partition else "the cluster"
+    if not rows:
+        raise AllocationError(("partition",), f"Slurm has no partition {s.partition!r} (or it holds no node)",
+                              "list the partitions with `sinfo -s`")
+    fit = sorted({name for name, feats, gres, _ in rows
+                  if set(s.features) <= set(_none(feats).split(",")) and (not s.gres or gres_fits(_none(gres), s.gres))})
+    asked = " and ".join(filter(None, [f"features {','.join(s.features)}" if s.features else "",
+                                        f"gres {s.gres}" if s.gres else ""]))
+    if not fit:
+        feats = sorted({f for _, fs, _, _ in rows for f in _none(fs).split(",") if f})
+        raise AllocationError(("features" if s.features else "gres",), f"{where} has no node with {asked}",
+                              f"its nodes offer features {','.join(feats) or 'none'}; pick another partition or relax slurm:")
+    if s.nodes is not None and len(fit) < s.nodes:
+        raise AllocationError(("nodes",), f"{where} has {len(fit)} node(s) with {asked}, the inventory asks for {s.nodes}",
+                              "lower slurm.nodes or pick another partition")
