@@ -25,7 +25,6 @@ from hetctl.probe.parsers import (
     nvidia_smi,
     rocm_smi,
     rocminfo,
-    xpu_smi,
 )
 from hetctl.probe.parsers._common import ParsedChip, normalize_bdf
 
@@ -89,6 +88,14 @@ EXPECTED: dict[str, Expect] = {
     "rocm-smi_productname_use_meminfo_rx7900xt.txt": Expect(rocm_smi.parse_json, "amd", ("Radeon RX 7900 XT",), (20464,)),
     "rocm-smi_json_amd_rocm-6.2.4_rx7800xt.json.txt": Expect(rocm_smi.parse_json, "amd", ("Navi 32 [Radeon RX 7700 XT / 7800 XT]",), (16368,)),
     "rocm-smi_showbus_mi300_tpx.txt": Expect(rocm_smi.parse_text, "amd", ("unknown",), _n(None, 3), "0000:01:00.0"),
+    # the codename and the bare device id are what the tool printed; tools.py names them from the id
+    "rocm-smi_json_a_mi210-aldebaran_mock.json.txt": Expect(rocm_smi.parse_json, "amd", ("Aldebaran", "Instinct MI210"), _n(None, 4), "0000:03:00.0"),
+    "rocm-smi_showproductname_mi100_rocm-4.0.0.txt": Expect(rocm_smi.parse_text, "amd", ("unknown",), (None,)),
+    "rocm-smi_showproductname_csv_mi100_easybuild.txt": Expect(rocm_smi.parse_csv, "amd", ("Arcturus GL-XL [AMD Instinct MI100]",), _n(None, 2)),
+    "rocm-smi_csv_mi210_slurm-monitor-fixture.txt": Expect(rocm_smi.parse_csv, "amd", ("Instinct MI210",), _n(65520, 2)),
+    "rocm-smi_csv_mi50_slurm-monitor-fixture.txt": Expect(rocm_smi.parse_csv, "amd", ("Vega 20 [Radeon Pro VII/Radeon Instinct MI50 32GB]",), (16368,)),
+    "rocm-smi_i_mi300x-partitioned_rocm-6.4.1.txt": Expect(rocm_smi.parse_text, "amd", ("AMD Instinct MI300X",), _n(None, 6)),
+    "rocm-smi_concise_mi350x-dpx_rocm-systems-1508.txt": Expect(rocm_smi.parse_plain, "amd", ("unknown",), _n(None, 8)),
     "amd-smi_static_text_mi350x.txt": Expect(amd_smi.parse_static, "amd", ("AMD Instinct MI350X",), (None,), "0000:05:00.0"),
     "amd-smi_gpu-id-bdf-uuid-list_mi300x-partitioned.txt": Expect(amd_smi.parse_gpu_list, "amd", ("unknown",), _n(None, 4), "0000:05:00.0"),
     "amd-smi_partition_mi300.txt": Expect(amd_smi.parse_partition, "amd", ("unknown",), _n(None, 4)),
@@ -146,8 +153,10 @@ EXPECTED: dict[str, Expect] = {
     # Intel Gaudi
     "hl-smi_gaudi2_hl-225_ray-docs.txt": Expect(hl_smi.parse, "gaudi", ("HL-225",), _n(98304, 8), "0000:33:00.0"),
     "hl-smi_gaudi3_hl-325l_excerpt.txt": Expect(hl_smi.parse, "gaudi", ("HL-325L",), _n(131072, 2), "0000:e9:00.0"),
-    # Kunlunxin (parser only; not a hetctl vendor yet)
-    "xpu_smi_kunlunxin-r300_paddle-docs.txt": Expect(xpu_smi.parse, "kunlunxin", ("R300",), _n(32768, 2), "0000:53:00.0"),
+    # Intel Gaudi 1: hl-smi up to 1.6 prints "Mib"
+    "hl-smi_gaudi1_hl-205_rm-runner-readme.txt": Expect(hl_smi.parse, "gaudi", ("HL-205",), _n(32768, 8), "0000:20:1d.0"),
+    "hl-smi_gaudi1_hl-205_v1.6.0_busy.txt": Expect(hl_smi.parse, "gaudi", ("HL-205",), _n(32768, 8), "0000:19:00.0"),
+    "hl-smi_gaudi1_hl-205_v1.18_slurm-monitor-fixture.txt": Expect(hl_smi.parse, "gaudi", ("HL-205",), _n(32768, 8), "0000:b3:00.0"),
 }
 
 # The wide ``--query-gpu`` CSV (with header and units) of each nvidia_gpu_exporter capture.
@@ -280,7 +289,7 @@ _ALL_PARSERS = [
     rocm_smi.parse_json, rocm_smi.parse_hy_json, rocm_smi.parse_csv, rocm_smi.parse_text, rocm_smi.parse_plain,
     amd_smi.parse_static, amd_smi.parse_gpu_list, amd_smi.parse_partition, rocminfo.parse,
     npu_smi.parse_info, npu_smi.parse_map, npu_smi.parse_detail,
-    mx_smi.parse, mthreads_gmi.parse, cnmon.parse, efsmi.parse, hl_smi.parse, xpu_smi.parse, lspci.parse,
+    mx_smi.parse, mthreads_gmi.parse, cnmon.parse, efsmi.parse, hl_smi.parse, lspci.parse,
 ]
 
 

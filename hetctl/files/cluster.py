@@ -41,6 +41,9 @@ class Chip(_Strict):
     measured_tflops: Tflops | None = None
     pci_bus_id: str | None = None
     source: str | None = Field(default=None, description="which tool or file the chip was read from")
+    spec: str | None = Field(
+        default=None, description="the spec-table row (hetctl/data/chips.yaml) that gave memory and TFLOPS, e.g. amd/instinct-mi210",
+    )
 
 
 class Nic(_Strict):
