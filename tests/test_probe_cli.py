@@ -266,3 +266,51 @@ def test_probe_without_inventory_says_what_to_pass():
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.splitlines()[0] == "error: no inventory given"
     assert "-i inventory.yaml" in proc.stderr
+
+
+@pytest.mark.e2e
+def test_findings_on_hosts_that_differ_and_plan_refuses_mixed_torch(make_sshd_cluster, tmp_path_factory, tmp_path):
+    """Three MetaX C550 hosts: one with an older torch, one with another driver, one without the ib NIC."""
+    old_torch = fake_dist(tmp_path_factory.mktemp("site"), "torch", "2.4.0")
+    names = ["mx-01", "mx-02", "mx-03"]
+    c = make_sshd_cluster(names=names, extra_env={"mx-02": {"PYTHONPATH": str(old_torch)}})
+    ib = [{"name": "ib0", "type": "32"}]
+    rdma = [{"name": "mlx5_0", "link_layer": "InfiniBand", "rate": "200 Gb/sec (4X HDR)", "netdev": "ib0"}]
+    for h in c:
+        h.install_tool("mx-smi", {"": SAMPLES / "mx-smi_c550x8.txt"})
+        lacks_ib = h.name == "mx-03"
+        make_sysfs(h.sysfs_root, nics=[{"name": "eth0", "speed": "25000"}] + ([] if lacks_ib else ib),
+                   rdma=[] if lacks_ib else rdma, modules={"metax": "2.14.0" if h.name == "mx-01" else "2.15.9"})
+    data = c.inventory()
+    data["defaults"].update(env={"NCCL_SOCKET_IFNAME": "ib0"}, tflops=100)
+    inv = tmp_path / "inventory.yaml"
+    inv.write_text(yaml.safe_dump(data))
+    out = tmp_path / "cluster.yaml"
+
+    proc = hetctl("probe", "-i", str(inv), "-o", str(out))
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    cluster = load_model(out, Cluster, "cluster file")
+    torch_here = cluster.nodes[0].software.torch.split("+")[0]  # the local build tag is not compared
+    assert cluster.nodes[1].software.torch == "2.4.0" and torch_here != "2.4.0"
+    got = {(f.kind, f.key): (f.nodes, f.message) for f in cluster.findings}
+    assert got[("software", "torch")] == ("mx-02", f"torch {torch_here} on 2 nodes, 2.4.0 on mx-02")
+    assert got[("software", "driver")] == ("mx-01", "metax driver 2.15.9 on 2 nodes, 2.14.0 on mx-01")
+    assert got[("interface", "NCCL_SOCKET_IFNAME")] == ("mx-03", "NCCL_SOCKET_IFNAME=ib0 names an interface that mx-03 lacks")
+    assert got[("network", "nic")][0] == "mx-03"
+    assert set(got) == {("software", "torch"), ("software", "driver"), ("interface", "NCCL_SOCKET_IFNAME"),
+                        ("network", "nic")}
+    for nodes, message in got.values():
+        assert message in proc.stdout
+
+    as_json = Cluster.model_validate(json.loads(hetctl("probe", "-i", str(inv), "--json").stdout))
+    assert as_json.findings == cluster.findings
+    assert {c.spec for n in as_json.nodes for c in n.chips} == {"metax/c550"}
+
+    refused = hetctl("plan", str(out), "-m", "tiny", "-o", str(tmp_path / "plan"))
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    first = refused.stderr.splitlines()[0]
+    assert "mixed torch across the job" in first and "2.4 on mx-02" in first and str(out) in first
+    assert "--allow-mixed-software" in refused.stderr
+    allowed = hetctl("plan", str(out), "-m", "tiny", "-o", str(tmp_path / "plan"), "--allow-mixed-software")
+    assert allowed.returncode == 0, allowed.stderr
+    assert "mixed torch across the job" in allowed.stderr
