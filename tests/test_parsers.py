@@ -109,6 +109,7 @@ EXPECTED: dict[str, Expect] = {
     "npu-smi_info_310p3_excerpt.txt": Expect(npu_smi.parse_info, "ascend", ("310P3",), (44280, 43693), "0000:01:00.0"),
     "npu-smi_info_910a_flagperf.txt": Expect(npu_smi.parse_info, "ascend", ("910A",), (21534,), "0000:81:00.0"),
     "npu-smi_info_910b2c_paddle-docs.txt": Expect(npu_smi.parse_info, "ascend", ("910B2C",), _n(65536, 2), "0000:5a:00.0"),
+    "npu-smi_info_910b3x8_vllm-ascend-198.txt": Expect(npu_smi.parse_info, "ascend", ("910B3",), _n(65536, 8), "0000:c1:00.0"),
     "npu-smi_info_910b4_excerpt.txt": Expect(npu_smi.parse_info, "ascend", ("910B4",), _n(32768, 2), "0000:c1:00.0"),
     "npu-smi_info_a3-ascend910-2chip_excerpt.txt": Expect(npu_smi.parse_info, "ascend", ("Ascend910",), _n(65536, 3), "0000:9d:00.0"),
     "npu-smi_info_ai-server_atlas-800-inference-server_model-3000_version-1.0.0-1.0.10.txt":
@@ -133,6 +134,7 @@ EXPECTED: dict[str, Expect] = {
     "npu-smi_info_t_usages_doc-examples.txt": Expect(npu_smi.parse_detail, "ascend", ("unknown",), (32768, 44280, 43693)),
     # Iluvatar
     "ixsmi_bi-v150s.txt": Expect(ixsmi.parse_plain, "iluvatar", ("Iluvatar BI-V150S",), (32768,), "0000:8a:00.0"),
+    "ixsmi_bi-v100x7_after-reset.txt": Expect(ixsmi.parse_plain, "iluvatar", ("Iluvatar BI-V100",), _n(32768, 7), "0000:14:00.0"),
     "ixsmi_query-gpu_csv_mr-v50_mr-v100.txt": Expect(
         lambda t: ixsmi.parse_csv(t, _IXSMI_SAMPLE_FIELDS), "iluvatar", ("Iluvatar MR-V100", "Iluvatar MR-V50"), (16384, 32768)),
     # MetaX
