@@ -78,6 +78,7 @@ EXPECTED: dict[str, Expect] = {
     "nvidia-smi_L_l40s.txt": Expect(nvidia_smi.parse_list, "nvidia", ("NVIDIA L40S",), (None,)),
     "nvidia-smi_plain_h100-80gb-hbm3.txt": Expect(nvidia_smi.parse_plain, "nvidia", ("NVIDIA H100 80GB HBM3",), (81559,), "0000:00:09.0"),
     "nvidia-smi_plain_h200.txt": Expect(nvidia_smi.parse_plain, "nvidia", ("NVIDIA H200",), (143771,), "0000:83:00.0"),
+    "nvidia-smi_plain_h20_deepgemm-268.txt": Expect(nvidia_smi.parse_plain, "nvidia", ("NVIDIA H20",), (97871,), "0000:08:00.0"),
     "nvidia-smi_plain_l40s.txt": Expect(nvidia_smi.parse_plain, "nvidia", ("NVIDIA L40S",), (46068,), "0000:01:00.0"),
     "nvidia-smi_q_x_a100-sxm4-80gb.xml.txt": Expect(nvidia_smi.parse_xml, "nvidia", ("NVIDIA A100-SXM4-80GB",), (81920,), "0000:01:00.0"),
     "nvidia-smi_q_x_tesla-t4.xml.txt": Expect(nvidia_smi.parse_xml, "nvidia", ("Tesla T4",), (15360,), "0000:00:1e.0"),
@@ -148,6 +149,9 @@ EXPECTED: dict[str, Expect] = {
     # FlagPerf's awk pipeline output is not a tool format: the parser must not mistake it for one.
     "mthreads-gmi_q_flagperf-awk-derived.txt": Expect(mthreads_gmi.parse, "mthreads", (), ()),
     # Cambricon: an MLU370-X8 board is two chips; each cnmon row is one
+    "cnmon_mlu370-x4x3_v4.20.11_no-bus-id_paddle-docs.txt": Expect(cnmon.parse, "cambricon", ("MLU370-X4",), _n(23308, 3)),
+    "cnmon_mlu370-x4x2_v5.10.10_paddle-docs.txt": Expect(cnmon.parse, "cambricon", ("MLU370-X4",), _n(23308, 2), "0000:1b:00.0"),
+    "cnmon_mlu370-x8x2_v5.10.22_kylin.txt": Expect(cnmon.parse, "cambricon", ("MLU370-X8",), _n(20638, 2), "0000:13:00.0"),
     "cnmon_mlu370-x8_paddle-docs.txt": Expect(cnmon.parse, "cambricon", ("MLU370-X8",), _n(23374, 2), "0000:39:00.0"),
     # Enflame: the two S60s print different totals
     "efsmi_s60_paddle-docs.txt": Expect(efsmi.parse, "enflame", ("S60",), (49120, 42976), "0000:01:00.0"),
