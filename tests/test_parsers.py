@@ -155,6 +155,8 @@ EXPECTED: dict[str, Expect] = {
     "cnmon_mlu370-x8_paddle-docs.txt": Expect(cnmon.parse, "cambricon", ("MLU370-X8",), _n(23374, 2), "0000:39:00.0"),
     # Enflame: the two S60s print different totals
     "efsmi_s60_paddle-docs.txt": Expect(efsmi.parse, "enflame", ("S60",), (49120, 42976), "0000:01:00.0"),
+    "efsmi_s60g-sriov_v1.6.3.12_flagtree.txt": Expect(efsmi.parse, "enflame", ("Enflame S60G",), _n(23552, 2), "0000:2e:00.0"),
+    "efsmi_l300_v1.7.2.14_flagtree.txt": Expect(efsmi.parse, "enflame", ("Enflame L300",), (147456,), "0000:2d:00.0"),
     "lspci_enflame-s60_excerpt.txt": Expect(lspci.parse, "enflame", ("S60",), _n(None, 2), "0000:01:00.0"),
     # Intel Gaudi
     "hl-smi_gaudi2_hl-225_ray-docs.txt": Expect(hl_smi.parse, "gaudi", ("HL-225",), _n(98304, 8), "0000:33:00.0"),
