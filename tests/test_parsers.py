@@ -139,12 +139,15 @@ EXPECTED: dict[str, Expect] = {
     "ixsmi_query-gpu_csv_mr-v50_mr-v100.txt": Expect(
         lambda t: ixsmi.parse_csv(t, _IXSMI_SAMPLE_FIELDS), "iluvatar", ("Iluvatar MR-V100", "Iluvatar MR-V50"), (16384, 32768)),
     # MetaX
+    "mx-smi_c500_v2.2.4_docflowai.txt": Expect(mx_smi.parse, "metax", ("MetaX C500",), (65536,), "0000:01:00.0"),
+    "mx-smi_c500_v2.2.9_newlayout_internvl.txt": Expect(mx_smi.parse, "metax", ("MetaX C500",), (65536,), "0000:10:00.0"),
     "mx-smi_c550x8.txt": Expect(mx_smi.parse, "metax", ("MetaX C550",), _n(65536, 8), "0000:0f:00.0"),
     "mx-smi_c500_v2.3.1_newlayout.txt": Expect(mx_smi.parse, "metax", ("MetaX C500",), (65536,), "0000:12:00.0"),
     "mx-smi_mxc500_flagperf-html-escaped.txt": Expect(mx_smi.parse, "metax", ("MXC500",), (65536,), "0000:1b:00.0"),
     # Moore Threads (the S4000 reports 32768 MiB with the IOMMU off, as its FAQ says)
     "mthreads-gmi_s4000.txt": Expect(mthreads_gmi.parse, "mthreads", ("MTT S4000",), (32768,), "0000:08:00.0"),
     "mthreads-gmi_s5000x8.txt": Expect(mthreads_gmi.parse, "mthreads", ("MTT S5000",), _n(81920, 8), "0000:18:00.0"),
+    "mthreads-gmi_s80_v2.0.0.txt": Expect(mthreads_gmi.parse, "mthreads", ("MTT S80",), (16384,), "0000:01:00.0"),
     "mthreads-gmi_s80.txt": Expect(mthreads_gmi.parse, "mthreads", ("MTT S80",), (16384,), "0000:04:00.0"),
     # FlagPerf's awk pipeline output is not a tool format: the parser must not mistake it for one.
     "mthreads-gmi_q_flagperf-awk-derived.txt": Expect(mthreads_gmi.parse, "mthreads", (), ()),
