@@ -314,3 +314,60 @@ def test_findings_on_hosts_that_differ_and_plan_refuses_mixed_torch(make_sshd_cl
     allowed = hetctl("plan", str(out), "-m", "tiny", "-o", str(tmp_path / "plan"), "--allow-mixed-software")
     assert allowed.returncode == 0, allowed.stderr
     assert "mixed torch across the job" in allowed.stderr
+
+
+CPU_CGROUP = Path("/sys/fs/cgroup/cpu")
+
+
+@pytest.fixture
+def cpu_cgroup():
+    """A cpu cgroup (v1) limited to 10% of one CPU; yields a function that moves a pid into it.
+
+    The period is short (10 ms) so that no timed chunk of the benchmark fits in one
+    period's quota and runs at full speed.
+    """
+    group = CPU_CGROUP / f"hetctl-test-{os.getpid()}"
+    try:
+        group.mkdir()
+        (group / "cpu.cfs_period_us").write_text("10000\n")
+        (group / "cpu.cfs_quota_us").write_text("1000\n")
+    except OSError as e:
+        pytest.skip(f"no writable cpu cgroup here: {e}")
+    moved: list[int] = []
+
+    def enter(pid: int) -> None:
+        (group / "cgroup.procs").write_text(f"{pid}\n")
+        moved.append(pid)
+
+    yield enter
+    for pid in (int(p) for p in (group / "cgroup.procs").read_text().split()):
+        try:
+            (CPU_CGROUP / "cgroup.procs").write_text(f"{pid}\n")
+        except OSError:
+            pass  # exited meanwhile
+    group.rmdir()
+
+
+@pytest.mark.e2e
+def test_bench_flags_the_chip_slowed_by_a_cgroup(make_sshd_cluster, cpu_cgroup, tmp_path):
+    """Three CPU-only hosts; one host's sshd (so every session it forks) gets 10% of a CPU."""
+    c = make_sshd_cluster(names=["cpu-1", "cpu-2", "cpu-3"])
+    cpu_cgroup(c["cpu-2"].proc.pid)
+    # One node at a time: the two unslowed hosts must not share this machine's cores while they measure.
+    data = c.inventory()
+    data.setdefault("ssh", {})["fanout"] = 1
+    inv = tmp_path / "inventory.yaml"
+    inv.write_text(yaml.safe_dump(data))
+    out = tmp_path / "cluster.yaml"
+    proc = hetctl("probe", "-i", str(inv), "--bench", "-o", str(out), timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    cluster = load_model(out, Cluster)
+    assert all(n.chips[0].measured_tflops is not None for n in cluster.nodes), [n.bench_error for n in cluster.nodes]
+    fp32 = {n.name: n.chips[0].measured_tflops.fp32 for n in cluster.nodes}
+    assert min(fp32, key=fp32.get) == "cpu-2", fp32
+    # The slowed host is flagged. The two others may be too: on this shared test machine
+    # back-to-back CPU matmul runs differ by several times, and the 10% rule reports that.
+    slow = {f.nodes: f.message for f in cluster.findings if f.kind == "slow_chip"}
+    assert "cpu-2" in slow, [f.message for f in cluster.findings]
+    assert slow["cpu-2"].startswith("cpu-2 chip 0 (") and "TFLOPS fp32" in slow["cpu-2"]
+    assert slow["cpu-2"] in proc.stdout

@@ -22,6 +22,7 @@ import hostlist
 
 from hetctl.errors import ConfigError
 from hetctl.files.cluster import Cluster, Finding, NodeFacts, Tflops
+from hetctl.vendors import VENDOR_TABLE
 
 SOCKET_VARS: tuple[str, ...] = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
 """Inventory ``env`` variables that name the interface collectives use (checked against each node's NICs)."""
@@ -199,8 +200,15 @@ def interface_findings(nodes: Sequence[NodeFacts], env: Mapping[str, Mapping[str
     return out
 
 
-def _best(t: Tflops) -> tuple[str, float] | None:
-    for dtype in ("bf16", "fp16", "fp32"):
+def _training_dtype(vendor: str, t: Tflops) -> tuple[str, float] | None:
+    """The measured figure of the dtype the planner would train in on this vendor's chips.
+
+    bf16 where the vendor trains in bf16 (then fp16), else fp32 first: a CPU's
+    bf16 matmul is an emulation whose speed says little about the chip.
+    """
+    info = VENDOR_TABLE.get(vendor)
+    order = ("bf16", "fp16", "fp32") if info is None or info.bf16 else ("fp32", "bf16", "fp16")
+    for dtype in order:
         value = getattr(t, dtype)
         if value:
             return dtype, value
@@ -208,11 +216,14 @@ def _best(t: Tflops) -> tuple[str, float] | None:
 
 
 def slow_chip_findings(nodes: Sequence[NodeFacts]) -> list[Finding]:
-    """Chips measured (``--bench``) more than 10% below the median of the other chips of the same model."""
+    """Chips measured (``--bench``) more than 10% below the median of the other chips of the same model.
+
+    Compared in the dtype the chip would train in (:func:`_training_dtype`); at least two peers are needed.
+    """
     measured: dict[tuple[str, str, str], list[tuple[str, int, float]]] = {}
     for node in nodes:
         for chip in node.chips:
-            best = _best(chip.measured_tflops) if chip.measured_tflops else None
+            best = _training_dtype(chip.vendor, chip.measured_tflops) if chip.measured_tflops else None
             if best is not None:
                 measured.setdefault((chip.vendor, chip.model, best[0]), []).append((node.name, chip.index, best[1]))
     out = []
