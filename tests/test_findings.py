@@ -144,3 +144,13 @@ def test_mixed_torch_is_refused_unless_allowed() -> None:
 def test_helpers() -> None:
     assert ranges(["gpu-08", "gpu-01", "gpu-02", "gpu-03"]) == "gpu-[01-03,08]"
     assert major_minor("2.5.1+cu121") == "2.5"
+
+
+def test_cpus_are_compared_in_fp32_not_their_emulated_bf16() -> None:
+    def cpu(name: str, fp32: float, bf16: float) -> dict[str, Any]:
+        return {"name": name, "host": name, "chips": [{"index": 0, "vendor": "cpu", "model": "AMD EPYC",
+                                                       "measured_tflops": {"fp32": fp32, "bf16": bf16}}]}
+    same_fp32 = cluster(cpu("c-1", 1.0, 0.9), cpu("c-2", 1.0, 0.1), cpu("c-3", 1.0, 0.9))
+    assert find(same_fp32) == []
+    slow_fp32 = cluster(cpu("c-1", 1.0, 0.9), cpu("c-2", 0.5, 0.9), cpu("c-3", 1.0, 0.9))
+    assert [(f.nodes, "TFLOPS fp32" in f.message) for f in find(slow_fp32)] == [("c-2", True)]
