@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -321,7 +322,7 @@ CPU_CGROUP = Path("/sys/fs/cgroup/cpu")
 
 @pytest.fixture
 def cpu_cgroup():
-    """A cpu cgroup (v1) limited to 10% of one CPU; yields a function that moves a pid into it.
+    """A cpu cgroup (v1) limited to 10% of one CPU; yields its folder.
 
     The period is short (10 ms) so that no timed chunk of the benchmark fits in one
     period's quota and runs at full speed.
@@ -333,13 +334,7 @@ def cpu_cgroup():
         (group / "cpu.cfs_quota_us").write_text("1000\n")
     except OSError as e:
         pytest.skip(f"no writable cpu cgroup here: {e}")
-    moved: list[int] = []
-
-    def enter(pid: int) -> None:
-        (group / "cgroup.procs").write_text(f"{pid}\n")
-        moved.append(pid)
-
-    yield enter
+    yield group
     for pid in (int(p) for p in (group / "cgroup.procs").read_text().split()):
         try:
             (CPU_CGROUP / "cgroup.procs").write_text(f"{pid}\n")
@@ -350,12 +345,16 @@ def cpu_cgroup():
 
 @pytest.mark.e2e
 def test_bench_flags_the_chip_slowed_by_a_cgroup(make_sshd_cluster, cpu_cgroup, tmp_path):
-    """Three CPU-only hosts; one host's sshd (so every session it forks) gets 10% of a CPU."""
+    """Three CPU-only hosts; on one, the node's Python (collector and benchmark) runs in a cgroup with 10% of a CPU."""
     c = make_sshd_cluster(names=["cpu-1", "cpu-2", "cpu-3"])
-    cpu_cgroup(c["cpu-2"].proc.pid)
-    # One node at a time: the two unslowed hosts must not share this machine's cores while they measure.
+    procs = shlex.quote(str(cpu_cgroup / "cgroup.procs"))
+    c["cpu-2"].install_script("python-slowed", f"#!/bin/sh\necho $$ > {procs}\nexec {shlex.quote(sys.executable)} \"$@\"\n")
     data = c.inventory()
+    # One node at a time: the two unslowed hosts must not share this machine's cores while they measure.
     data.setdefault("ssh", {})["fanout"] = 1
+    for n in data["nodes"]:
+        if n["name"] == "cpu-2":
+            n["python"] = "python-slowed"
     inv = tmp_path / "inventory.yaml"
     inv.write_text(yaml.safe_dump(data))
     out = tmp_path / "cluster.yaml"
@@ -363,6 +362,8 @@ def test_bench_flags_the_chip_slowed_by_a_cgroup(make_sshd_cluster, cpu_cgroup, 
     assert proc.returncode == 0, proc.stderr
     cluster = load_model(out, Cluster)
     assert all(n.chips[0].measured_tflops is not None for n in cluster.nodes), [n.bench_error for n in cluster.nodes]
+    throttled = dict(line.split() for line in (cpu_cgroup / "cpu.stat").read_text().splitlines())
+    assert int(throttled["nr_throttled"]) > 0  # the quota did bite
     fp32 = {n.name: n.chips[0].measured_tflops.fp32 for n in cluster.nodes}
     assert min(fp32, key=fp32.get) == "cpu-2", fp32
     # The slowed host is flagged. The two others may be too: on this shared test machine
