@@ -117,7 +117,7 @@ def test_unreachable_nodes_are_left_out() -> None:
     assert find(c) == []
 
 
-def test_findings_round_trip_through_the_cluster_file(tmp_path) -> None:  # noqa: ANN001
+def test_findings_round_trip_through_the_cluster_file(tmp_path) -> None:
     from hetctl.probe.gather import with_findings
     from hetctl.files.yamlio import load_model, save_model
 

@@ -195,7 +195,7 @@ ISSUE_13 = [
 
 
 @pytest.mark.parametrize(("vendor", "name", "model", "tflops"), ISSUE_13, ids=[n for _, n, *_ in ISSUE_13])
-def test_issue_13_chip_resolves_by_name_alone(vendor, name, model, tflops) -> None:  # noqa: ANN001
+def test_issue_13_chip_resolves_by_name_alone(vendor, name, model, tflops) -> None:
     row = lookup(vendor, name)
     assert row is not None and row.model == model
     assert _t(row) == pytest.approx(tflops)

@@ -107,7 +107,7 @@ def chip_count_findings(nodes: Sequence[NodeFacts]) -> list[Finding]:
         if (main := _main_model(node)) is not None:
             peers.setdefault(main, {})[node.name] = sum(1 for c in node.chips if (c.vendor, c.model) == main)
     out = []
-    for (vendor, model), counts in sorted(peers.items()):
+    for (_, model), counts in sorted(peers.items()):
         tally = Counter(counts.values())
         if len(tally) < 2:
             continue
