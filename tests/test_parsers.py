@@ -25,7 +25,6 @@ from hetctl.probe.parsers import (
     nvidia_smi,
     rocm_smi,
     rocminfo,
-    xpu_smi,
 )
 from hetctl.probe.parsers._common import ParsedChip, normalize_bdf
 
@@ -79,6 +78,7 @@ EXPECTED: dict[str, Expect] = {
     "nvidia-smi_L_l40s.txt": Expect(nvidia_smi.parse_list, "nvidia", ("NVIDIA L40S",), (None,)),
     "nvidia-smi_plain_h100-80gb-hbm3.txt": Expect(nvidia_smi.parse_plain, "nvidia", ("NVIDIA H100 80GB HBM3",), (81559,), "0000:00:09.0"),
     "nvidia-smi_plain_h200.txt": Expect(nvidia_smi.parse_plain, "nvidia", ("NVIDIA H200",), (143771,), "0000:83:00.0"),
+    "nvidia-smi_plain_h20_deepgemm-268.txt": Expect(nvidia_smi.parse_plain, "nvidia", ("NVIDIA H20",), (97871,), "0000:08:00.0"),
     "nvidia-smi_plain_l40s.txt": Expect(nvidia_smi.parse_plain, "nvidia", ("NVIDIA L40S",), (46068,), "0000:01:00.0"),
     "nvidia-smi_q_x_a100-sxm4-80gb.xml.txt": Expect(nvidia_smi.parse_xml, "nvidia", ("NVIDIA A100-SXM4-80GB",), (81920,), "0000:01:00.0"),
     "nvidia-smi_q_x_tesla-t4.xml.txt": Expect(nvidia_smi.parse_xml, "nvidia", ("Tesla T4",), (15360,), "0000:00:1e.0"),
@@ -89,6 +89,14 @@ EXPECTED: dict[str, Expect] = {
     "rocm-smi_productname_use_meminfo_rx7900xt.txt": Expect(rocm_smi.parse_json, "amd", ("Radeon RX 7900 XT",), (20464,)),
     "rocm-smi_json_amd_rocm-6.2.4_rx7800xt.json.txt": Expect(rocm_smi.parse_json, "amd", ("Navi 32 [Radeon RX 7700 XT / 7800 XT]",), (16368,)),
     "rocm-smi_showbus_mi300_tpx.txt": Expect(rocm_smi.parse_text, "amd", ("unknown",), _n(None, 3), "0000:01:00.0"),
+    # the codename and the bare device id are what the tool printed; tools.py names them from the id
+    "rocm-smi_json_a_mi210-aldebaran_mock.json.txt": Expect(rocm_smi.parse_json, "amd", ("Aldebaran", "Instinct MI210"), _n(None, 4), "0000:03:00.0"),
+    "rocm-smi_showproductname_mi100_rocm-4.0.0.txt": Expect(rocm_smi.parse_text, "amd", ("unknown",), (None,)),
+    "rocm-smi_showproductname_csv_mi100_easybuild.txt": Expect(rocm_smi.parse_csv, "amd", ("Arcturus GL-XL [AMD Instinct MI100]",), _n(None, 2)),
+    "rocm-smi_csv_mi210_slurm-monitor-fixture.txt": Expect(rocm_smi.parse_csv, "amd", ("Instinct MI210",), _n(65520, 2)),
+    "rocm-smi_csv_mi50_slurm-monitor-fixture.txt": Expect(rocm_smi.parse_csv, "amd", ("Vega 20 [Radeon Pro VII/Radeon Instinct MI50 32GB]",), (16368,)),
+    "rocm-smi_i_mi300x-partitioned_rocm-6.4.1.txt": Expect(rocm_smi.parse_text, "amd", ("AMD Instinct MI300X",), _n(None, 6)),
+    "rocm-smi_concise_mi350x-dpx_rocm-systems-1508.txt": Expect(rocm_smi.parse_plain, "amd", ("unknown",), _n(None, 8)),
     "amd-smi_static_text_mi350x.txt": Expect(amd_smi.parse_static, "amd", ("AMD Instinct MI350X",), (None,), "0000:05:00.0"),
     "amd-smi_gpu-id-bdf-uuid-list_mi300x-partitioned.txt": Expect(amd_smi.parse_gpu_list, "amd", ("unknown",), _n(None, 4), "0000:05:00.0"),
     "amd-smi_partition_mi300.txt": Expect(amd_smi.parse_partition, "amd", ("unknown",), _n(None, 4)),
@@ -102,6 +110,7 @@ EXPECTED: dict[str, Expect] = {
     "npu-smi_info_310p3_excerpt.txt": Expect(npu_smi.parse_info, "ascend", ("310P3",), (44280, 43693), "0000:01:00.0"),
     "npu-smi_info_910a_flagperf.txt": Expect(npu_smi.parse_info, "ascend", ("910A",), (21534,), "0000:81:00.0"),
     "npu-smi_info_910b2c_paddle-docs.txt": Expect(npu_smi.parse_info, "ascend", ("910B2C",), _n(65536, 2), "0000:5a:00.0"),
+    "npu-smi_info_910b3x8_vllm-ascend-198.txt": Expect(npu_smi.parse_info, "ascend", ("910B3",), _n(65536, 8), "0000:c1:00.0"),
     "npu-smi_info_910b4_excerpt.txt": Expect(npu_smi.parse_info, "ascend", ("910B4",), _n(32768, 2), "0000:c1:00.0"),
     "npu-smi_info_a3-ascend910-2chip_excerpt.txt": Expect(npu_smi.parse_info, "ascend", ("Ascend910",), _n(65536, 3), "0000:9d:00.0"),
     "npu-smi_info_ai-server_atlas-800-inference-server_model-3000_version-1.0.0-1.0.10.txt":
@@ -126,28 +135,39 @@ EXPECTED: dict[str, Expect] = {
     "npu-smi_info_t_usages_doc-examples.txt": Expect(npu_smi.parse_detail, "ascend", ("unknown",), (32768, 44280, 43693)),
     # Iluvatar
     "ixsmi_bi-v150s.txt": Expect(ixsmi.parse_plain, "iluvatar", ("Iluvatar BI-V150S",), (32768,), "0000:8a:00.0"),
+    "ixsmi_bi-v100x7_after-reset.txt": Expect(ixsmi.parse_plain, "iluvatar", ("Iluvatar BI-V100",), _n(32768, 7), "0000:14:00.0"),
     "ixsmi_query-gpu_csv_mr-v50_mr-v100.txt": Expect(
         lambda t: ixsmi.parse_csv(t, _IXSMI_SAMPLE_FIELDS), "iluvatar", ("Iluvatar MR-V100", "Iluvatar MR-V50"), (16384, 32768)),
     # MetaX
+    "mx-smi_c500_v2.2.4_docflowai.txt": Expect(mx_smi.parse, "metax", ("MetaX C500",), (65536,), "0000:01:00.0"),
+    "mx-smi_c500_v2.2.9_newlayout_internvl.txt": Expect(mx_smi.parse, "metax", ("MetaX C500",), (65536,), "0000:10:00.0"),
     "mx-smi_c550x8.txt": Expect(mx_smi.parse, "metax", ("MetaX C550",), _n(65536, 8), "0000:0f:00.0"),
     "mx-smi_c500_v2.3.1_newlayout.txt": Expect(mx_smi.parse, "metax", ("MetaX C500",), (65536,), "0000:12:00.0"),
     "mx-smi_mxc500_flagperf-html-escaped.txt": Expect(mx_smi.parse, "metax", ("MXC500",), (65536,), "0000:1b:00.0"),
     # Moore Threads (the S4000 reports 32768 MiB with the IOMMU off, as its FAQ says)
     "mthreads-gmi_s4000.txt": Expect(mthreads_gmi.parse, "mthreads", ("MTT S4000",), (32768,), "0000:08:00.0"),
     "mthreads-gmi_s5000x8.txt": Expect(mthreads_gmi.parse, "mthreads", ("MTT S5000",), _n(81920, 8), "0000:18:00.0"),
+    "mthreads-gmi_s80_v2.0.0.txt": Expect(mthreads_gmi.parse, "mthreads", ("MTT S80",), (16384,), "0000:01:00.0"),
     "mthreads-gmi_s80.txt": Expect(mthreads_gmi.parse, "mthreads", ("MTT S80",), (16384,), "0000:04:00.0"),
     # FlagPerf's awk pipeline output is not a tool format: the parser must not mistake it for one.
     "mthreads-gmi_q_flagperf-awk-derived.txt": Expect(mthreads_gmi.parse, "mthreads", (), ()),
     # Cambricon: an MLU370-X8 board is two chips; each cnmon row is one
+    "cnmon_mlu370-x4x3_v4.20.11_no-bus-id_paddle-docs.txt": Expect(cnmon.parse, "cambricon", ("MLU370-X4",), _n(23308, 3)),
+    "cnmon_mlu370-x4x2_v5.10.10_paddle-docs.txt": Expect(cnmon.parse, "cambricon", ("MLU370-X4",), _n(23308, 2), "0000:1b:00.0"),
+    "cnmon_mlu370-x8x2_v5.10.22_kylin.txt": Expect(cnmon.parse, "cambricon", ("MLU370-X8",), _n(20638, 2), "0000:13:00.0"),
     "cnmon_mlu370-x8_paddle-docs.txt": Expect(cnmon.parse, "cambricon", ("MLU370-X8",), _n(23374, 2), "0000:39:00.0"),
     # Enflame: the two S60s print different totals
     "efsmi_s60_paddle-docs.txt": Expect(efsmi.parse, "enflame", ("S60",), (49120, 42976), "0000:01:00.0"),
+    "efsmi_s60g-sriov_v1.6.3.12_flagtree.txt": Expect(efsmi.parse, "enflame", ("Enflame S60G",), _n(23552, 2), "0000:2e:00.0"),
+    "efsmi_l300_v1.7.2.14_flagtree.txt": Expect(efsmi.parse, "enflame", ("Enflame L300",), (147456,), "0000:2d:00.0"),
     "lspci_enflame-s60_excerpt.txt": Expect(lspci.parse, "enflame", ("S60",), _n(None, 2), "0000:01:00.0"),
     # Intel Gaudi
     "hl-smi_gaudi2_hl-225_ray-docs.txt": Expect(hl_smi.parse, "gaudi", ("HL-225",), _n(98304, 8), "0000:33:00.0"),
     "hl-smi_gaudi3_hl-325l_excerpt.txt": Expect(hl_smi.parse, "gaudi", ("HL-325L",), _n(131072, 2), "0000:e9:00.0"),
-    # Kunlunxin (parser only; not a hetctl vendor yet)
-    "xpu_smi_kunlunxin-r300_paddle-docs.txt": Expect(xpu_smi.parse, "kunlunxin", ("R300",), _n(32768, 2), "0000:53:00.0"),
+    # Intel Gaudi 1: hl-smi up to 1.6 prints "Mib"
+    "hl-smi_gaudi1_hl-205_rm-runner-readme.txt": Expect(hl_smi.parse, "gaudi", ("HL-205",), _n(32768, 8), "0000:20:1d.0"),
+    "hl-smi_gaudi1_hl-205_v1.6.0_busy.txt": Expect(hl_smi.parse, "gaudi", ("HL-205",), _n(32768, 8), "0000:19:00.0"),
+    "hl-smi_gaudi1_hl-205_v1.18_slurm-monitor-fixture.txt": Expect(hl_smi.parse, "gaudi", ("HL-205",), _n(32768, 8), "0000:b3:00.0"),
 }
 
 # The wide ``--query-gpu`` CSV (with header and units) of each nvidia_gpu_exporter capture.
@@ -280,7 +300,7 @@ _ALL_PARSERS = [
     rocm_smi.parse_json, rocm_smi.parse_hy_json, rocm_smi.parse_csv, rocm_smi.parse_text, rocm_smi.parse_plain,
     amd_smi.parse_static, amd_smi.parse_gpu_list, amd_smi.parse_partition, rocminfo.parse,
     npu_smi.parse_info, npu_smi.parse_map, npu_smi.parse_detail,
-    mx_smi.parse, mthreads_gmi.parse, cnmon.parse, efsmi.parse, hl_smi.parse, xpu_smi.parse, lspci.parse,
+    mx_smi.parse, mthreads_gmi.parse, cnmon.parse, efsmi.parse, hl_smi.parse, lspci.parse,
 ]
 
 

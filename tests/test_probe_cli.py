@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -266,3 +267,108 @@ def test_probe_without_inventory_says_what_to_pass():
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.splitlines()[0] == "error: no inventory given"
     assert "-i inventory.yaml" in proc.stderr
+
+
+@pytest.mark.e2e
+def test_findings_on_hosts_that_differ_and_plan_refuses_mixed_torch(make_sshd_cluster, tmp_path_factory, tmp_path):
+    """Three MetaX C550 hosts: one with an older torch, one with another driver, one without the ib NIC."""
+    old_torch = fake_dist(tmp_path_factory.mktemp("site"), "torch", "2.4.0")
+    names = ["mx-01", "mx-02", "mx-03"]
+    c = make_sshd_cluster(names=names, extra_env={"mx-02": {"PYTHONPATH": str(old_torch)}})
+    ib = [{"name": "ib0", "type": "32"}]
+    rdma = [{"name": "mlx5_0", "link_layer": "InfiniBand", "rate": "200 Gb/sec (4X HDR)", "netdev": "ib0"}]
+    for h in c:
+        h.install_tool("mx-smi", {"": SAMPLES / "mx-smi_c550x8.txt"})
+        lacks_ib = h.name == "mx-03"
+        make_sysfs(h.sysfs_root, nics=[{"name": "eth0", "speed": "25000"}] + ([] if lacks_ib else ib),
+                   rdma=[] if lacks_ib else rdma, modules={"metax": "2.14.0" if h.name == "mx-01" else "2.15.9"})
+    data = c.inventory()
+    data["defaults"].update(env={"NCCL_SOCKET_IFNAME": "ib0"}, tflops=100)
+    inv = tmp_path / "inventory.yaml"
+    inv.write_text(yaml.safe_dump(data))
+    out = tmp_path / "cluster.yaml"
+
+    proc = hetctl("probe", "-i", str(inv), "-o", str(out))
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    cluster = load_model(out, Cluster, "cluster file")
+    torch_here = cluster.nodes[0].software.torch.split("+")[0]  # the local build tag is not compared
+    assert cluster.nodes[1].software.torch == "2.4.0" and torch_here != "2.4.0"
+    got = {(f.kind, f.key): (f.nodes, f.message) for f in cluster.findings}
+    assert got[("software", "torch")] == ("mx-02", f"torch {torch_here} on 2 nodes, 2.4.0 on mx-02")
+    assert got[("software", "driver")] == ("mx-01", "metax driver 2.15.9 on 2 nodes, 2.14.0 on mx-01")
+    assert got[("interface", "NCCL_SOCKET_IFNAME")] == ("mx-03", "NCCL_SOCKET_IFNAME=ib0 names an interface that mx-03 lacks")
+    assert got[("network", "nic")][0] == "mx-03"
+    assert set(got) == {("software", "torch"), ("software", "driver"), ("interface", "NCCL_SOCKET_IFNAME"),
+                        ("network", "nic")}
+    for _, message in got.values():
+        assert message in proc.stdout
+
+    as_json = Cluster.model_validate(json.loads(hetctl("probe", "-i", str(inv), "--json").stdout))
+    assert as_json.findings == cluster.findings
+    assert {c.spec for n in as_json.nodes for c in n.chips} == {"metax/c550"}
+
+    refused = hetctl("plan", str(out), "-m", "tiny", "-o", str(tmp_path / "plan"))
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    first = refused.stderr.splitlines()[0]
+    assert "mixed torch across the job" in first and "2.4 on mx-02" in first and str(out) in first
+    assert "--allow-mixed-software" in refused.stderr
+    allowed = hetctl("plan", str(out), "-m", "tiny", "-o", str(tmp_path / "plan"), "--allow-mixed-software")
+    assert allowed.returncode == 0, allowed.stderr
+    assert "mixed torch across the job" in allowed.stderr
+
+
+CPU_CGROUP = Path("/sys/fs/cgroup/cpu")
+
+
+@pytest.fixture
+def cpu_cgroup():
+    """A cpu cgroup (v1) limited to 10% of one CPU; yields its folder.
+
+    The period is short (10 ms) so that no timed chunk of the benchmark fits in one
+    period's quota and runs at full speed.
+    """
+    group = CPU_CGROUP / f"hetctl-test-{os.getpid()}"
+    try:
+        group.mkdir()
+        (group / "cpu.cfs_period_us").write_text("10000\n")
+        (group / "cpu.cfs_quota_us").write_text("1000\n")
+    except OSError as e:
+        pytest.skip(f"no writable cpu cgroup here: {e}")
+    yield group
+    for pid in (int(p) for p in (group / "cgroup.procs").read_text().split()):
+        try:
+            (CPU_CGROUP / "cgroup.procs").write_text(f"{pid}\n")
+        except OSError:
+            pass  # exited meanwhile
+    group.rmdir()
+
+
+@pytest.mark.e2e
+def test_bench_flags_the_chip_slowed_by_a_cgroup(make_sshd_cluster, cpu_cgroup, tmp_path):
+    """Three CPU-only hosts; on one, the node's Python (collector and benchmark) runs in a cgroup with 10% of a CPU."""
+    c = make_sshd_cluster(names=["cpu-1", "cpu-2", "cpu-3"])
+    procs = shlex.quote(str(cpu_cgroup / "cgroup.procs"))
+    c["cpu-2"].install_script("python-slowed", f"#!/bin/sh\necho $$ > {procs}\nexec {shlex.quote(sys.executable)} \"$@\"\n")
+    data = c.inventory()
+    # One node at a time: the two unslowed hosts must not share this machine's cores while they measure.
+    data.setdefault("ssh", {})["fanout"] = 1
+    for n in data["nodes"]:
+        if n["name"] == "cpu-2":
+            n["python"] = "python-slowed"
+    inv = tmp_path / "inventory.yaml"
+    inv.write_text(yaml.safe_dump(data))
+    out = tmp_path / "cluster.yaml"
+    proc = hetctl("probe", "-i", str(inv), "--bench", "-o", str(out), timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    cluster = load_model(out, Cluster)
+    assert all(n.chips[0].measured_tflops is not None for n in cluster.nodes), [n.bench_error for n in cluster.nodes]
+    throttled = dict(line.split() for line in (cpu_cgroup / "cpu.stat").read_text().splitlines())
+    assert int(throttled["nr_throttled"]) > 0  # the quota did bite
+    fp32 = {n.name: n.chips[0].measured_tflops.fp32 for n in cluster.nodes}
+    assert min(fp32, key=fp32.get) == "cpu-2", fp32
+    # The slowed host is flagged. The two others may be too: on this shared test machine
+    # back-to-back CPU matmul runs differ by several times, and the 10% rule reports that.
+    slow = {f.nodes: f.message for f in cluster.findings if f.kind == "slow_chip"}
+    assert "cpu-2" in slow, [f.message for f in cluster.findings]
+    assert slow["cpu-2"].startswith("cpu-2 chip 0 (") and "TFLOPS fp32" in slow["cpu-2"]
+    assert slow["cpu-2"] in proc.stdout

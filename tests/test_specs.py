@@ -127,7 +127,7 @@ def test_unknown_names_and_masked_names_do_not_match() -> None:
     assert lookup("hygon", "K1xx_AI") is None
     assert lookup("cambricon", "MLUXXX-XX") is None
     assert lookup("nvidia", "unknown") is None
-    assert lookup("kunlunxin", "R300") is None  # not a hetctl vendor
+    assert lookup("kunlunxin", "R300") is None  # not a hetctl vendor (its parser was removed)
     # A masked name still resolves through its PCI device id; a clear name wins over an id.
     assert lookup("hygon", "DCU xxxx", device_id="0x6210").model == "DCU K100-AI"
     assert lookup("nvidia", "NVIDIA L40S", device_id="0x2330").model == "L40S"
@@ -171,3 +171,47 @@ def test_memory_breaks_ties_between_rows_with_the_same_name(monkeypatch: pytest.
 def test_a_broken_table_is_one_clear_error(text: str, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         parse_table(text, "test.yaml")
+
+
+# Issue 13's list of chips people train on: every one resolves to its own row by the
+# name a tool prints (or the model name where no capture exists), with dense figures
+# as the row's source gives them; unknowns stay None.
+ISSUE_13 = [
+    ("nvidia", "NVIDIA A100-SXM4-40GB", "A100 40GB", (312, 312, 19.5)),
+    ("nvidia", "NVIDIA A100-SXM4-80GB", "A100 SXM4", (312, 312, 19.5)),
+    ("nvidia", "NVIDIA H100 NVL", "H100 NVL", (835.5, 835.5, 60)),
+    ("nvidia", "NVIDIA GH200 480GB", "GH200", (989.4, 989.4, 66.9)),
+    ("nvidia", "NVIDIA B200", "B200", (2250, 2250, 75)),
+    ("nvidia", "NVIDIA L40", "L40", (181.05, 181.05, 90.5)),
+    ("nvidia", "NVIDIA A40", "A40", (149.67, 149.67, 37.42)),
+    ("nvidia", "NVIDIA RTX 6000 Ada Generation", "RTX 6000 Ada", (364.2, 364.2, 91.1)),
+    ("nvidia", "NVIDIA GeForce RTX 5090", "GeForce RTX 5090", (209.6, 209.6, 104.8)),
+    ("amd", "AMD Instinct MI250", "Instinct MI250", (181.05, 181.05, 22.65)),  # per GCD
+    ("amd", "AMD Instinct MI300A", "Instinct MI300A", (980.6, 980.6, 122.6)),
+    ("amd", "AMD Instinct MI325X", "Instinct MI325X", (1307.4, 1307.4, 163.4)),
+    ("ascend", "310P3", "Ascend 310P3", (None, None, None)),
+    ("gaudi", "HL-205", "Gaudi (HL-205)", (None, None, None)),
+]
+
+
+@pytest.mark.parametrize(("vendor", "name", "model", "tflops"), ISSUE_13, ids=[n for _, n, *_ in ISSUE_13])
+def test_issue_13_chip_resolves_by_name_alone(vendor, name, model, tflops) -> None:
+    row = lookup(vendor, name)
+    assert row is not None and row.model == model
+    assert _t(row) == pytest.approx(tflops)
+    norm = normalize_name(name)
+    assert sum(any(p.search(norm) for p in r.patterns) for r in table() if r.vendor == vendor) == 1
+
+
+def test_every_row_names_its_source_and_unknown_rows_have_no_figures() -> None:
+    for row in table():
+        assert row.source.strip(), row.model
+        if row.confidence == "?":
+            assert _t(row) == (None, None, None), row.model
+
+
+def test_row_ids_are_unique_and_stable() -> None:
+    ids = [r.id for r in table()]
+    assert len(ids) == len(set(ids))
+    assert lookup("amd", "Instinct MI210", device_id="0x740f").id == "amd/instinct-mi210"
+    assert lookup("gaudi", "HL-205").id == "gaudi/gaudi-hl-205"

@@ -222,3 +222,67 @@ def test_cpu_chip_carries_the_cpu_model() -> None:
     (chip,) = chips_from_raw({"cpu": {"model": "AMD EPYC 9654 96-Core Processor", "cores": 192}})
     assert chip.model == "AMD EPYC 9654 96-Core Processor"
 
+
+
+# --- naming from the device id (codenames, bare ids, the ROCm 6 concise table) -------
+
+
+def test_codename_and_bare_id_are_named_from_the_device_id() -> None:
+    chips = chips_from_raw(raw(rocm_smi_json=sample("rocm-smi_json_a_mi210-aldebaran_mock.json.txt")))
+    # two cards say "Instinct MI210", two "Aldebaran"; all four are GPU ID 0x740f
+    assert [(c.model, c.spec, c.tflops.bf16, c.memory_gb) for c in chips] == [
+        ("Instinct MI210", "amd/instinct-mi210", 181.0, 64)] * 4
+    (mi100,) = chips_from_raw(raw(rocm_smi=sample("rocm-smi_showproductname_mi100_rocm-4.0.0.txt")))
+    assert (mi100.model, mi100.spec, mi100.tflops.fp16) == ("Instinct MI100", "amd/instinct-mi100", 184.6)  # series "0x738c"
+
+
+def test_rocm6_concise_table_gives_the_id_and_the_partition_mode() -> None:
+    chips = chips_from_raw(raw(rocm_smi=sample("rocm-smi_concise_mi350x-dpx_rocm-systems-1508.txt")))
+    assert len(chips) == 8
+    # DPX: each listed GPU is half an MI350X
+    assert {(c.vendor, c.model, c.spec, c.tflops.bf16) for c in chips} == {("amd", "Instinct MI350X", "amd/instinct-mi350x", 1150)}
+
+
+def test_rocm_smi_id_lines_name_the_chips() -> None:
+    chips = chips_from_raw(raw(rocm_smi=sample("rocm-smi_i_mi300x-partitioned_rocm-6.4.1.txt")))
+    assert [(c.index, c.model, c.spec) for c in chips] == [(i, "AMD Instinct MI300X", "amd/instinct-mi300x") for i in range(6)]
+
+
+def test_gaudi1_memory_in_lower_case_mib() -> None:
+    chips = chips_from_raw(raw(hl_smi=sample("hl-smi_gaudi1_hl-205_rm-runner-readme.txt")))
+    assert len(chips) == 8
+    assert {(c.vendor, c.memory_gb, c.spec) for c in chips} == {("gaudi", 32.0, "gaudi/gaudi-hl-205")}
+
+
+def test_spec_row_is_recorded_and_absent_where_nothing_matched() -> None:
+    (h100,) = chips_from_raw(raw(nvidia_smi_L=sample("nvidia-smi_L_h100-80gb-hbm3.txt")))
+    assert h100.spec == "nvidia/h100-sxm5"
+    npus = chips_from_raw(raw(npu_smi=sample(
+        "npu-smi_info_ai-server_atlas-800-training-server_model-9010_version-24.1.RC2.txt")))
+    assert {c.spec for c in npus} == {None}  # masked "xxx", no device id
+    (cpu,) = chips_from_raw({})
+    assert cpu.spec is None
+
+
+# --- one chip counted once across vendors -------------------------------------------------
+
+
+def _without_haiguang(text: str) -> str:
+    """The DTK rocm-smi capture without the lines that reveal Hygon (vendor, ``DCU use``)."""
+    return "\n".join(ln for ln in text.splitlines() if "Haiguang" not in ln and "DCU use" not in ln)
+
+
+def test_hy_smi_wins_over_a_rocm_smi_that_looks_amd() -> None:
+    generic = _without_haiguang(sample("rocm-smi_json_hygon-dcu_dtk-24.04.3.json.txt"))
+    (alone,) = chips_from_raw(raw(rocm_smi_json=generic))
+    assert alone.vendor == "amd"  # nothing in it says Hygon
+    chips = chips_from_raw(raw(hy_smi_json=sample("hy-smi_json_k100-ai_excerpt.txt"), rocm_smi_json=generic))
+    assert summary(chips) == [("hygon", 0, "K100_AI", 63.98, "hy-smi-json"), ("hygon", 1, "K100_AI", 63.98, "hy-smi-json")]
+
+
+def test_pci_vendor_id_relabels_a_chip_and_is_not_counted_again() -> None:
+    # The bus addresses of the MI210 capture, with the PCI vendor id a Hygon DCU has (0x1d94).
+    pci = [_pci(f"0000:{b}:00.0", "0x1d94", "0x6210") for b in ("03", "43", "83", "a3")]
+    chips = chips_from_raw({**raw(rocm_smi_json=sample("rocm-smi_json_a_mi210-aldebaran_mock.json.txt")), "pci": pci})
+    assert len(chips) == 4 and {c.vendor for c in chips} == {"hygon"}
+    assert [c.pci_bus_id for c in chips] == ["0000:03:00.0", "0000:43:00.0", "0000:83:00.0", "0000:a3:00.0"]

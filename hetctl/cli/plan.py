@@ -30,6 +30,8 @@ def plan_cmd(
     output: str = typer.Option("plan", "-o", "--output", help="Folder for plan.yaml and nodes/<node>.sh."),
     json_out: bool = typer.Option(False, "--json", help="Print the plan as JSON on stdout, no tables."),
     explain: bool = typer.Option(False, "--explain", help="Say why each choice was made."),
+    allow_mixed_software: bool = typer.Option(False, "--allow-mixed-software",
+                                              help="Plan even when nodes run different torch major.minor versions."),
 ) -> None:
     """Split the model across the cluster's chips so that no chip waits.
 
@@ -69,6 +71,10 @@ def plan_cmd(
             raise ConfigError("no model given", "pass -m/--model (a preset such as tiny or llama2-7b, or a YAML file)")
         facts = load_model(cluster, Cluster, "cluster file")
         spec = load_spec(model, seq_len=seq_len)
+    from hetctl.probe.findings import check_uniform_torch
+
+    if mixed := check_uniform_torch(facts, allow_mixed=allow_mixed_software, where=cluster):
+        err.print(text(("warning:", "yellow"), f" {mixed} (--allow-mixed-software)"), highlight=False, soft_wrap=True)
     plan = plan_cluster(
         facts, spec, global_batch=global_batch, micro_batch=micro_batch or 1, framework=framework or "hetctl",
         pins=Pins(pp=pp, dp=dp, tp=tp), cluster_path=cluster,

@@ -53,6 +53,8 @@ def probe_cmd(
         print_json(to_json(cluster))
     else:
         _print_probe(cluster, bench=bench)
+        for finding in cluster.findings:  # consistency across nodes (hetctl.probe.findings)
+            out.print(text(("!", "yellow"), f" {finding.message}"), highlight=False, soft_wrap=True)
         if output:
             err.print(text(f"wrote {output}"), highlight=False)
     failed = [n.name for n in cluster.nodes if not n.reachable]

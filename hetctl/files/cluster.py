@@ -41,6 +41,9 @@ class Chip(_Strict):
     measured_tflops: Tflops | None = None
     pci_bus_id: str | None = None
     source: str | None = Field(default=None, description="which tool or file the chip was read from")
+    spec: str | None = Field(
+        default=None, description="the spec-table row (hetctl/data/chips.yaml) that gave memory and TFLOPS, e.g. amd/instinct-mi210",
+    )
 
 
 class Nic(_Strict):
@@ -83,6 +86,15 @@ class NodeFacts(_Strict):
     )
 
 
+class Finding(_Strict):
+    """Something that differs between nodes that should match (see :mod:`hetctl.probe.findings`)."""
+
+    kind: Literal["software", "chip_count", "network", "interface", "slow_chip"]
+    key: str = Field(description="what differs: torch, driver, a chip model, nic, NCCL_SOCKET_IFNAME…")
+    message: str = Field(description="one line, node ranges in hostlist form")
+    nodes: str = Field(description="the odd nodes, as a hostlist expression")
+
+
 class Cluster(_Strict):
     """Top level of ``cluster.yaml``."""
 
@@ -90,6 +102,9 @@ class Cluster(_Strict):
     inventory: str | None = Field(default=None, description="path of the inventory probed")
     probed_at: float | None = None
     nodes: list[NodeFacts]
+    findings: list[Finding] = Field(
+        default_factory=list, description="consistency findings across the nodes, written by probe",
+    )
 
     def reachable_nodes(self) -> list[NodeFacts]:
         return [n for n in self.nodes if n.reachable]

@@ -159,7 +159,19 @@ def probe(inventory: Any, *, bench: bool = False, on_done: OnDone | None = None)
     group = fanout(nodes, work, max_workers=fanout_workers, on_done=done)
     results = [_as_facts(n, group[n.name]) for n in nodes]
     source = getattr(inventory, "source", None)
-    return Cluster(inventory=str(source) if source else None, probed_at=round(time.time(), 3), nodes=results)
+    cluster = Cluster(inventory=str(source) if source else None, probed_at=round(time.time(), 3), nodes=results)
+    return with_findings(cluster, {n.name: dict(getattr(n, "env", None) or {}) for n in nodes})
+
+
+def with_findings(cluster: Cluster, env: dict[str, dict[str, Any]] | None = None) -> Cluster:
+    """The cluster with its consistency findings (:func:`hetctl.probe.findings.find`) filled in.
+
+    Only the socket-interface variables of ``env`` are read; nothing of it is recorded.
+    """
+    from hetctl.probe.findings import SOCKET_VARS, find
+
+    socket_env = {name: {k: str(v) for k, v in (e or {}).items() if k in SOCKET_VARS} for name, e in (env or {}).items()}
+    return cluster.model_copy(update={"findings": find(cluster, socket_env)})
 
 
 def _as_facts(node: Any, value: Any) -> NodeFacts:

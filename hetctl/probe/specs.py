@@ -94,6 +94,11 @@ class SpecRow:
     patterns: tuple[re.Pattern[str], ...]
     device_ids: tuple[str, ...]
 
+    @property
+    def id(self) -> str:
+        """Stable key of the row, ``<vendor>/<model slug>`` (``amd/instinct-mi210``), shown as a chip's ``spec``."""
+        return f"{self.vendor}/{re.sub(r'[^a-z0-9]+', '-', self.model.lower()).strip('-')}"
+
     def memory_fallback_gb(self) -> float | None:
         """Memory to assume when the tool printed none: the reported total if known, else marketing."""
         if self.reported_mib is not None:
@@ -167,7 +172,14 @@ def table() -> tuple[SpecRow, ...]:
 def lookup(
     vendor: str, model: str, memory_gb: float | None = None, device_id: str | None = None,
 ) -> SpecRow | None:
-    """The spec row for a chip, or ``None`` when the table does not know it.
+    """The spec row for a chip, or ``None`` when the table does not know it (see :func:`match`)."""
+    return match(vendor, model, memory_gb, device_id)[0]
+
+
+def match(
+    vendor: str, model: str, memory_gb: float | None = None, device_id: str | None = None,
+) -> tuple[SpecRow | None, Literal["name", "device_id"] | None]:
+    """The spec row for a chip and what identified it: the printed name or the PCI device id.
 
     Identification order: the name, then the PCI device id (for names that
     match no row, such as rocm-smi's ``AMD INSTINCT MI200 (MCM) …`` or a
@@ -181,21 +193,26 @@ def lookup(
         model: the name a tool printed.
         memory_gb: the memory the tool printed, for tie-breaks.
         device_id: PCI device id (``0x2330``), when known.
+
+    Returns:
+        ``(row, "name")``, ``(row, "device_id")`` or ``(None, None)``. A match by
+        device id means the printed name was a codename (``Aldebaran``), a
+        generic family name or nothing; the caller then shows ``row.model``.
     """
     vendor = vendor.lower()
     if vendor not in VENDORS:
-        return None
+        return None, None
     rows = [r for r in table() if r.vendor == vendor]
     if vendor == "cpu":
-        return rows[0] if rows else None
+        return (rows[0], "name") if rows else (None, None)
     hits: list[SpecRow] = []
     if model and model != "unknown" and not is_masked(model):
         norm = normalize_name(model)
         hits = [r for r in rows if any(p.search(norm) for p in r.patterns)]
     if len(hits) > 1 and memory_gb is not None:
-        return min(hits, key=lambda r: abs((r.memory_fallback_gb() or 0) - memory_gb))
+        return min(hits, key=lambda r: abs((r.memory_fallback_gb() or 0) - memory_gb)), "name"
     if hits:
-        return hits[0]
+        return hits[0], "name"
     dev = hex_id(device_id) if device_id else None
     by_id = [r for r in rows if dev and dev in r.device_ids]
-    return by_id[0] if len(by_id) == 1 else None
+    return (by_id[0], "device_id") if len(by_id) == 1 else (None, None)

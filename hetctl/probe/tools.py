@@ -9,13 +9,19 @@ functions and ``/dev`` entries. :func:`chips_from_raw` turns that into
 2. per vendor the most reliable source wins (:data:`SOURCE_PREFERENCE`: the
    CSV query over ``-L`` over the plain table…), and gaps in it (a truncated
    name, missing memory or bus id) are filled from the vendor's other sources;
-3. vendors no tool reported are taken from PCI vendor ids (one chip per
-   physical device: partition functions of one MI300 are grouped), then from
-   ``/dev`` nodes (Biren's ``/dev/biren/card_N``);
-4. names are matched against the spec table for memory and peak TFLOPS;
-   masked documentation names (``Ascend xxx``) resolve by device id or stay
-   ``unknown``;
-5. a node with no accelerator gets one chip of vendor ``cpu``.
+3. a chip two vendors' tools both list is counted once, under the more
+   specific vendor (:data:`SPECIFIC_OVER_GENERIC`: hy-smi over DTK's rocm-smi),
+   matched by PCI bus id;
+4. vendors no tool reported are taken from PCI vendor ids (one chip per
+   physical device: partition functions of one MI300 are grouped; addresses a
+   tool already listed are skipped), then from ``/dev`` nodes (Biren's
+   ``/dev/biren/card_N``);
+5. names are matched against the spec table for memory and peak TFLOPS; a
+   name that matches no row while the device id does (a codename such as
+   ``Aldebaran``, a family name, a masked ``Ascend xxx``, or none) is replaced
+   by the row's model; otherwise a masked name stays ``unknown``. The row's id
+   is recorded as the chip's ``spec``;
+6. a node with no accelerator gets one chip of vendor ``cpu``.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ from hetctl.probe.parsers import (
     rocminfo,
 )
 from hetctl.probe.parsers._common import ParsedChip, device_key, hex_id, is_masked, normalize_bdf
-from hetctl.probe.specs import SpecRow, lookup
+from hetctl.probe.specs import SpecRow, lookup, match
 
 TOOL_COMMANDS: dict[str, list[str]] = {
     "nvidia-smi-csv": ["nvidia-smi", "--query-gpu=" + ",".join(nvidia_smi.CSV_FIELDS), "--format=csv,noheader,nounits"],
@@ -110,6 +116,11 @@ VENDOR_PCI_IDS: dict[str, str] = {
     "0x1da3": "gaudi",  # Habana Labs
 }
 """PCI vendor id → hetctl vendor (sources in reference/vendors.md; Biren's id is unverified, so absent)."""
+
+SPECIFIC_OVER_GENERIC: tuple[tuple[str, str], ...] = (("hygon", "amd"),)
+"""(specific, generic) vendors whose tools can list the same chip: DTK ships a
+``rocm-smi`` beside ``hy-smi``, and an old or trimmed one prints neither the
+Haiguang vendor nor ``DCU`` keys. The specific vendor's tool wins."""
 
 DEV_PATTERNS: dict[str, str] = {
     "nvidia": r"^nvidia(\d+)$",
@@ -219,11 +230,48 @@ def _pci_records(raw: dict[str, Any]) -> list[ParsedChip]:
     return out
 
 
-def _pci_chips(raw: dict[str, Any], skip: set[str]) -> dict[str, list[ParsedChip]]:
-    """One chip per physical PCI device (functions of one device grouped), per vendor not in ``skip``."""
+def _one_per_device(
+    found: dict[str, tuple[str, list[ParsedChip]]], pci: list[ParsedChip],
+) -> dict[str, tuple[str, list[ParsedChip]]]:
+    """Count each chip once when tools of two vendors list it (see :data:`SPECIFIC_OVER_GENERIC`).
+
+    A chip whose bus id the PCI data gives to another vendor of a pair takes
+    that vendor (PCI vendor 0x1d94 is Hygon whatever rocm-smi printed). Then a
+    generic-vendor chip is dropped when the specific vendor lists its bus id,
+    or, without bus ids to compare, when the specific tool lists at least as
+    many chips as these unaddressed ones.
+    """
+    out = dict(found)
+    by_bus = {device_key(c.bus_id): c.vendor for c in pci if c.bus_id}
+    for specific, generic in SPECIFIC_OVER_GENERIC:
+        if generic not in out:
+            continue
+        label, chips = out[generic]
+        moved = [c for c in chips if c.bus_id and by_bus.get(device_key(c.bus_id)) == specific]
+        if moved and specific not in out:
+            out[specific] = (label, [replace(c, vendor=specific) for c in moved])
+        keep = [c for c in chips if c not in moved]
+        if specific in out and out[specific][1]:
+            seen = {device_key(c.bus_id) for c in out[specific][1] if c.bus_id}
+            keep = [c for c in keep if not (c.bus_id and device_key(c.bus_id) in seen)]
+            bare = [c for c in keep if not c.bus_id]
+            if bare and len(bare) <= len(out[specific][1]):
+                keep = [c for c in keep if c.bus_id]
+        if keep:
+            out[generic] = (label, keep)
+        else:
+            del out[generic]
+    return out
+
+
+def _pci_chips(raw: dict[str, Any], skip: set[str], seen_bus: set[str] = frozenset()) -> dict[str, list[ParsedChip]]:
+    """One chip per physical PCI device (functions of one device grouped), per vendor not in ``skip``.
+
+    Devices at a bus address some tool already listed (``seen_bus``, device keys) are left out.
+    """
     groups: dict[tuple[str, str], ParsedChip] = {}
     for c in _pci_records(raw):
-        if c.vendor in skip or c.bus_id is None:
+        if c.vendor in skip or c.bus_id is None or device_key(c.bus_id) in seen_bus:
             continue
         groups.setdefault((c.vendor, device_key(c.bus_id)), c)
     out: dict[str, list[ParsedChip]] = {}
@@ -245,16 +293,25 @@ def _dev_chips(raw: dict[str, Any], skip: set[str]) -> dict[str, list[ParsedChip
 
 
 def _partitions(chips: list[ParsedChip]) -> dict[int, int]:
-    """Position → number of listed devices on the same physical device (MI300 partitions)."""
+    """Position → number of listed devices on the same physical device (MI300 partitions).
+
+    Grouped by PCI device (or UUID); where neither is known, the partition
+    count the tool printed (rocm-smi's ``DPX``) is used.
+    """
     keys = [device_key(c.bus_id) if c.bus_id else (f"uuid:{c.uuid}" if c.uuid else f"pos:{i}") for i, c in enumerate(chips)]
-    return {i: keys.count(k) for i, k in enumerate(keys)}
+    return {i: (keys.count(k) if not k.startswith("pos:") else (chips[i].partitions or 1)) for i, k in enumerate(keys)}
 
 
 def _to_chip(c: ParsedChip, source: str, parts: int) -> Chip:
     mem = round(c.memory_mib / 1024, 2) if c.memory_mib else None
-    row: SpecRow | None = lookup(c.vendor, c.model, mem, c.device_id)
+    row: SpecRow | None
+    row, how = match(c.vendor, c.model, mem, c.device_id)
     model = c.model
-    if _weak_name(model):
+    if row is not None and how == "device_id":
+        # The name matched no row but the device id did: a codename ("Aldebaran"),
+        # a family name ("AMD INSTINCT MI200 (MCM)"), a masked or no name.
+        model = row.model
+    elif _weak_name(model):
         # A truncated plain-table name is still better than "unknown"; a masked one is not.
         model = row.model if row else (model if model.endswith("...") else "unknown")
     tflops = Tflops()
@@ -263,7 +320,7 @@ def _to_chip(c: ParsedChip, source: str, parts: int) -> Chip:
         if mem is None and (fallback := row.memory_fallback_gb()) is not None:
             mem = round(fallback / (parts if row.partitionable else 1), 2)
     return Chip(index=c.index, vendor=c.vendor, model=model, memory_gb=mem, tflops=tflops,
-                pci_bus_id=c.bus_id, source=source)
+                pci_bus_id=c.bus_id, source=source, spec=row.id if row is not None and c.vendor != "cpu" else None)
 
 
 def chips_from_raw(raw: dict) -> list[Chip]:
@@ -282,8 +339,9 @@ def chips_from_raw(raw: dict) -> list[Chip]:
         when the source printed none.
     """
     raw = raw or {}
-    found: dict[str, tuple[str, list[ParsedChip]]] = dict(_tool_chips(raw.get("tools") or {}))
-    for vendor, chips in _pci_chips(raw, set(found)).items():
+    found = _one_per_device(_tool_chips(raw.get("tools") or {}), _pci_records(raw))
+    seen_bus = {device_key(c.bus_id) for _, chips in found.values() for c in chips if c.bus_id}
+    for vendor, chips in _pci_chips(raw, set(found), seen_bus).items():
         found[vendor] = ("pci", chips)
     for vendor, chips in _dev_chips(raw, set(found)).items():
         found[vendor] = ("dev", chips)

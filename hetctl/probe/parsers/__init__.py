@@ -14,7 +14,6 @@ module             tool and formats
 ``cnmon``          Cambricon ``cnmon``
 ``efsmi``          Enflame ``efsmi``
 ``hl_smi``         Intel Gaudi ``hl-smi``
-``xpu_smi``        Kunlunxin ``xpu_smi``
 ``lspci``          ``lspci`` (fallback for PCI data)
 =================  ====================================================
 

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 # dddd:bb:dd.f with a 2-, 4- or 8-digit domain, or bb:dd.f without one.
 BDF_RE = re.compile(r"\b(?:([0-9a-fA-F]{2,8}):)?([0-9a-fA-F]{2}):([0-9a-fA-F]{2})\.([0-7])\b")
 # "858/65536 MiB", "0MiB /  81559MiB", "0 MiB/ 23374 MiB", "26838/ 32768".
-MEM_PAIR_RE = re.compile(r"(\d+)\s*(?:MiB|MB)?\s*/\s*(\d+)\s*(?:MiB|MB)?")
+# Units compared case-insensitively: Gaudi 1 hl-smi prints "512Mib / 32768Mib".
+MEM_PAIR_RE = re.compile(r"(\d+)\s*(?:MiB|MB)?\s*/\s*(\d+)\s*(?:MiB|MB)?", re.I)
 _INDEX_NAME_RE = re.compile(r"^(\d+)\s+(\S.*?)\s*$")
 _MASK_RE = re.compile(r"(?i)xx")
 
@@ -44,6 +45,9 @@ class ParsedChip:
         package: key of the physical package the device sits on when the tool
             says so (Ascend NPU ID; two chips of an A3 or a 310P3 Duo share one).
         chip_in_package: the chip number inside that package.
+        partitions: how many logical devices the physical one is split into,
+            when the tool says so without a bus id to group by (rocm-smi's
+            ``Partitions`` column: ``DPX`` is 2); ``None`` when not shown.
     """
 
     index: int
@@ -55,6 +59,7 @@ class ParsedChip:
     uuid: str | None = None
     package: str | None = None
     chip_in_package: int | None = None
+    partitions: int | None = None
 
 
 def normalize_bdf(text: str | None) -> str | None:

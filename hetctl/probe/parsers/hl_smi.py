@@ -1,7 +1,9 @@
 """Intel Gaudi ``hl-smi`` plain table (mirrors nvidia-smi's).
 
 ``| 0  HL-225  N/A | 0000:33:00.0  N/A | 2 |`` then ``| N/A 22C P0 88W / 600W | 768MiB / 98304MiB | … |``.
-Product names: ``HL-225`` is Gaudi2, ``HL-325L`` Gaudi3 (the spec table maps both).
+Product names: ``HL-205`` is Gaudi (1), ``HL-225`` Gaudi2, ``HL-325L`` Gaudi3 (the spec table
+maps all three). Gaudi 1 versions up to 1.6 print the unit as ``Mib``; units are
+matched case-insensitively.
 """
 
 from __future__ import annotations

@@ -29,7 +29,8 @@ CSV_FIELDS: tuple[str, ...] = ("index", "name", "memory.total", "pci.bus_id", "p
 
 _LIST_RE = re.compile(r"^GPU\s+(\d+):\s+(.+?)(?:\s+\(UUID:\s*([^)]+)\))?\s*$")
 _PERSIST_RE = re.compile(r"\s+(On|Off|N/A)$")
-_MEM_RE = re.compile(r"(\d+)\s*MiB\s*/\s*(\d+)\s*MiB")
+# Case-insensitive: hl-smi (which reuses this parser) printed "Mib" up to 1.6 and "MiB" later.
+_MEM_RE = re.compile(r"(\d+)\s*MiB\s*/\s*(\d+)\s*MiB", re.I)
 
 
 def _na(value: str | None) -> str | None:

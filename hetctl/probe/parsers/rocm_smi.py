@@ -11,7 +11,15 @@ Pitfalls handled here (see vendors.md):
 * DTK's ``rocm-smi`` on a Hygon node prints ``DCU``/``HCU`` keys and the vendor
   "Chengdu Haiguang", which makes the chip a Hygon one whatever the tool name;
 * a cut-off JSON document (a log excerpt, a killed tool) still yields every
-  complete ``cardN`` object.
+  complete ``cardN`` object;
+* ``Card series`` may be a codename (``Aldebaran``), the bare device id
+  (``0x738c`` on ROCm 4) or missing; ``Card SKU`` (``D67301``) is a board part
+  number, never a product name. A bare hex series is taken as the device id, and
+  :mod:`hetctl.probe.tools` names the chip from the device id through the spec
+  table;
+* the ROCm 6 concise table (``Device  Node  IDs (DID, GUID) … Partitions``)
+  carries the device id and the compute partition mode (``DPX`` = 2 logical
+  GPUs) but no name.
 """
 
 from __future__ import annotations
@@ -20,12 +28,17 @@ import csv
 import io
 import json
 import re
+from dataclasses import replace
 
 from hetctl.probe.parsers._common import ParsedChip, first_int, hex_id, normalize_bdf
 
 _CARD_RE = re.compile(r'"card(\d+)"\s*:\s*\{')
 _TEXT_RE = re.compile(r"^GPU\[(\d+)\]\s*:\s*([^:]+?)\s*:\s*(.*?)\s*$")
 _MEM_KEY_RE = re.compile(r"^vram total memory \((b|mib|mb)\)$", re.I)
+_HEX_RE = re.compile(r"^0x[0-9a-f]{3,4}$", re.I)
+_DID_RE = re.compile(r"^(0x[0-9a-f]{4}),?$", re.I)
+# Compute partition mode → logical GPUs per physical one (AMD Instinct docs: SPX/DPX/TPX/QPX/CPX).
+COMPUTE_PARTITIONS = {"SPX": 1, "DPX": 2, "TPX": 3, "QPX": 4, "CPX": 8}
 
 
 def _vendor(rec: dict[str, str], default: str) -> str:
@@ -59,8 +72,11 @@ def _memory_mib(rec: dict[str, str]) -> int | None:
 
 def chip_from_record(index: int, rec: dict[str, str], default_vendor: str = "amd") -> ParsedChip:
     """One chip from a rocm-smi/hy-smi key → value record (JSON card, CSV row or text lines)."""
-    name = _get(rec, "card series", "device name", "marketing name", "card sku") or "unknown"
-    dev = _get(rec, "device id", "gpu id") or _get(rec, "card model")
+    name = _get(rec, "card series", "device name", "marketing name") or "unknown"
+    dev = _get(rec, "device id", "gpu id")
+    if _HEX_RE.match(name):  # ROCm 4 printed the device id as the series
+        dev, name = dev or name, "unknown"
+    dev = dev or _get(rec, "card model")
     return ParsedChip(
         index=index,
         vendor=_vendor(rec, default_vendor),
@@ -132,14 +148,35 @@ def parse_text(text: str, default_vendor: str = "amd") -> list[ParsedChip]:
     return [chip_from_record(i, rec, default_vendor) for i, rec in sorted(recs.items())]
 
 
-def parse_plain(text: str) -> list[ParsedChip]:
-    """Parse the plain summary table (``GPU|DCU  Temp  AvgPwr …`` then one row per device).
+def _partition_count(line: str, previous: int | None) -> int | None:
+    """Logical GPUs per physical one from a concise-table row's ``Partitions`` cell.
 
-    It names no model and no memory; it still counts the devices, and a
-    ``DCU``/``HCU`` first column marks DTK on a Hygon node.
+    ``NPS1, DPX, 0`` → 2; the secondary partitions print ``N/A, N/A, 1``, so a
+    row with a partition id above 0 and no mode inherits the previous row's.
+    """
+    m = re.search(r"\b(N/A|NPS\d+),\s*(\w+|N/A),\s*(\d+)\b", line)
+    if not m:
+        return None
+    mode = COMPUTE_PARTITIONS.get(m.group(2).upper())
+    if mode is None and int(m.group(3)) > 0:
+        return previous
+    return mode
+
+
+def parse_plain(text: str) -> list[ParsedChip]:
+    """Parse the plain summary table (``GPU|DCU|Device  Temp …`` then one row per device).
+
+    The older table names no model, no memory and no id; it still counts the
+    devices, and a ``DCU``/``HCU`` first column marks DTK on a Hygon node.
+    The ROCm 6 concise table adds ``IDs (DID, GUID)``, read as the device id,
+    and ``Partitions``, read as the compute partition count. Text lines in the
+    same output (``GPU[0] : Device Name: …``, as ``rocm-smi -i`` or
+    ``--showproductname`` print them) fill the name, id and bus of the chip
+    with that index.
     """
     chips: list[ParsedChip] = []
     vendor = None
+    parts: int | None = None
     for line in text.splitlines():
         cols = line.split()
         if not cols:
@@ -153,5 +190,23 @@ def parse_plain(text: str) -> list[ParsedChip]:
                 break
             continue
         if cols[0].isdigit():
-            chips.append(ParsedChip(index=int(cols[0]), vendor=vendor))
-    return chips
+            dev = next((hex_id(m.group(1)) for c in cols[1:4] if (m := _DID_RE.match(c))), None)
+            parts = _partition_count(line, parts)
+            chips.append(ParsedChip(index=int(cols[0]), vendor=vendor, device_id=dev, partitions=parts))
+    texts = {c.index: c for c in parse_text(text, default_vendor=vendor or "amd")}
+    if not chips:
+        return list(texts.values())
+    return [_merge_text(c, texts.get(c.index)) for c in chips]
+
+
+def _merge_text(chip: ParsedChip, text: ParsedChip | None) -> ParsedChip:
+    if text is None:
+        return chip
+    return replace(
+        chip,
+        vendor="hygon" if "hygon" in (chip.vendor, text.vendor) else chip.vendor,
+        model=text.model if chip.model == "unknown" else chip.model,
+        device_id=chip.device_id or text.device_id,
+        bus_id=chip.bus_id or text.bus_id,
+        memory_mib=chip.memory_mib if chip.memory_mib is not None else text.memory_mib,
+    )
