@@ -124,7 +124,7 @@ def parse_hy_json(text: str) -> list[ParsedChip]:
 def parse_csv(text: str, default_vendor: str = "amd") -> list[ParsedChip]:
     """Parse ``rocm-smi … --csv``: a ``device,…`` header, then one ``cardN,…`` row per GPU."""
     lines = text.splitlines()
-    for i, line in enumerate(lines):
+    for _i, line in enumerate(lines):
         if line.startswith("device,"):
             break
     else:
