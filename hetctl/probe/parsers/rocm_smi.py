@@ -124,13 +124,11 @@ def parse_hy_json(text: str) -> list[ParsedChip]:
 def parse_csv(text: str, default_vendor: str = "amd") -> list[ParsedChip]:
     """Parse ``rocm-smi … --csv``: a ``device,…`` header, then one ``cardN,…`` row per GPU."""
     lines = text.splitlines()
-    for _i, line in enumerate(lines):
-        if line.startswith("device,"):
-            break
-    else:
+    start = next((k for k, line in enumerate(lines) if line.startswith("device,")), None)
+    if start is None:
         return []
     chips = []
-    for row in csv.DictReader(io.StringIO("\n".join(lines[i:]))):
+    for row in csv.DictReader(io.StringIO("\n".join(lines[start:]))):
         m = re.fullmatch(r"card(\d+)", (row.get("device") or "").strip())
         if not m:
             break
