@@ -27,7 +27,9 @@ def launch_cmd(
     steps: int = typer.Option(100, "--steps", min=1, help="Optimizer steps to train."),
     checkpoint_every: int = typer.Option(10, "--checkpoint-every", min=0, help="Checkpoint every K steps (0: none)."),
     run_dir: str = typer.Option("runs", "--run-dir", help="Folder that receives runs/<run-id>/."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Print every node's commands and environment; start nothing."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print every node's commands and environment, and the ssh "
+                                 "settings `ssh -G` gives (which, like ssh, evaluates `Match exec` in your ssh "
+                                 "config); start nothing, contact no node."),
     json_out: bool = typer.Option(False, "--json", help="Print the summary (or the dry run) as JSON on stdout."),
     master_port: int | None = typer.Option(None, "--master-port", min=1, max=65535,
                                            help="Rendezvous port; default: a free port on rank 0's node."),
@@ -49,14 +51,17 @@ def launch_cmd(
     words = launcher.parse_entry(entry)
     plan, inv, pf = launcher.load_plan_and_inventory(plan_dir, inventory, entry=words)
     if dry_run:
+        ssh = launcher.ssh_settings(plan, inv)
         spec = launcher.dry_run(plan, inv, steps=steps, checkpoint_every=checkpoint_every, run_root=run_dir,
-                                master_port=master_port, entry=words)
+                                master_port=master_port, entry=words, ssh=ssh)
         if json_out:
             import json
 
-            print_json(json.dumps(spec.to_dict(), indent=2))
+            data = spec.to_dict()
+            data["ssh"] = {n: (e if isinstance(e, str) else e.to_dict()) for n, e in ssh.items()}
+            print_json(json.dumps(data, indent=2))
         else:
-            _print_dry_run(spec, inv)
+            _print_dry_run(spec, inv, ssh)
         return
     warning = launcher.checkpoint_warning(inv, plan)
     if warning:
@@ -159,7 +164,7 @@ def _finish_launch(result, json_out: bool) -> None:
         raise typer.Exit(130 if s.state == "stopped" else RunFailed.exit_code)
 
 
-def _print_dry_run(spec, inv=None) -> None:
+def _print_dry_run(spec, inv=None, ssh=None) -> None:
     """Per node: the agent command, then each rank's argv and environment (secrets masked)."""
     import shlex
 
@@ -170,6 +175,16 @@ def _print_dry_run(spec, inv=None) -> None:
               f"checkpoints {spec.ckpt_dir}; nothing started"), highlight=False, soft_wrap=True)
     for n in spec.nodes:
         out.print(text("\n", (n.node, "bold"), f" ({n.transport} {n.host}, workdir {n.workdir})"), highlight=False)
+        eff = (ssh or {}).get(n.node)
+        if isinstance(eff, str):
+            out.print(text(("  ssh: ", "red"), eff), highlight=False, soft_wrap=True)
+        elif eff is not None:  # what `ssh -G` says: the connection as it will be made
+            via = f" via {' → '.join(eff.jump_path or (eff.proxy_jump,))}" if eff.proxy_jump else ""
+            via += f" via ProxyCommand {eff.proxy_command}" if eff.proxy_command else ""
+            out.print(text(f"  ssh: {eff.user}@{eff.hostname}:{eff.port}{via}; keys "
+                           f"{', '.join(eff.identity_files) or 'agent only'}; known_hosts "
+                           f"{', '.join(eff.known_hosts)}; StrictHostKeyChecking {eff.strict_host_key_checking}"),
+                      highlight=False, soft_wrap=True)
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in mask_env(n.env).items())
         out.print(text(f"  agent: {env + ' ' if env else ''}{shlex.join(n.agent_argv)}"), highlight=False,
                   soft_wrap=True)

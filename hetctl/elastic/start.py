@@ -107,21 +107,48 @@ def checkpoint_warning(inventory: Any, plan: Plan) -> str | None:
     return None
 
 
+def ssh_settings(plan: Plan, inventory: Any) -> dict[str, Any]:
+    """Per ssh node of the plan, what ``ssh -G`` says it will use (an ``EffectiveSsh``), or the error's message.
+
+    Like ``ssh -G``, this evaluates the user's ssh_config, ``Match exec`` lines
+    included (they run as they would for a real connection); it contacts no node.
+    """
+    from hetctl.errors import HetctlError
+    from hetctl.remote.fanout import fanout
+    from hetctl.remote.sshconfig import effective_settings
+
+    used = list(dict.fromkeys(r.node for r in plan.ranks))
+    nodes = [inventory.node(n) for n in used if inventory.node(n).transport == "ssh"]
+
+    def one(node: Any) -> Any:
+        try:
+            return effective_settings(node, inventory.ssh)
+        except HetctlError as e:
+            return e.message
+
+    group = fanout(nodes, one, max_workers=max(1, min(32, len(nodes))))
+    return {n.name: group[n.name] for n in nodes}
+
+
 def dry_run(plan: Plan, inventory: Any, *, steps: int, checkpoint_every: int, run_root: str | Path,
-            master_port: int | None = None, entry: tuple[str, ...] = mat.REFERENCE_TRAINER) -> mat.LaunchSpec:
+            master_port: int | None = None, entry: tuple[str, ...] = mat.REFERENCE_TRAINER,
+            ssh: dict[str, Any] | None = None) -> mat.LaunchSpec:
     """The first attempt as it would run, without contacting any node.
 
     Launch-time values that only the nodes can give appear as placeholders: the
     run id, the rendezvous port (unless ``--master-port``) and ``~`` in workdirs.
+    ``ssh`` (from :func:`ssh_settings`) gives rank 0's dialled address, as at launch.
     """
     rid = "<run-id>"
     rank0 = min(plan.ranks, key=lambda r: r.rank).node
     node0 = inventory.node(rank0)
+    dialled = getattr((ssh or {}).get(rank0), "hostname", None)
     base = getattr(inventory, "checkpoint_dir", None)
     ckpt = f"{str(base).rstrip('/')}/{rid}" if base else f"{Path(run_root).resolve()}/{rid}/checkpoints"
     return mat.materialize(
         plan, {n.name: n for n in inventory.nodes}, run_id=rid, attempt=0,
-        master_addr=mat.master_address(node0), master_port=master_port or mat.PORT_AT_LAUNCH.format(node=rank0),
+        master_addr=mat.master_address(node0, dialled),
+        master_port=master_port or mat.PORT_AT_LAUNCH.format(node=rank0),
         steps=steps, checkpoint_every=checkpoint_every, ckpt_dir=ckpt, entry=entry,
     )
 
