@@ -262,3 +262,38 @@ def test_calibrate_plans_on_the_measured_speeds(site):
     assert new.notes[0].startswith(f"calibrated on run {prep.run.run_id} attempt 0") and f"{slow} ×0.25" in new.notes[0]
     assert new.model == plan.model and new.parallel.global_batch == plan.parallel.global_batch
     assert (tmp_path / "plan2" / "cluster.calibrated.yaml").is_file() and new.cluster.endswith("cluster.calibrated.yaml")
+
+
+def test_report_draws_the_planned_and_the_measured_timeline(site):
+    from html.parser import HTMLParser
+
+    from hetctl.elastic.report import render
+
+    tmp_path, plan, _ = site
+    prep = prepared(site)
+    m = plan.parallel.micro_batches
+    slow = plan.stages[2]
+    measured_ms = {(s.replica, s.stage): s.est_ms * m * (3.0 if s is slow else 1.0) for s in plan.stages}
+    crash_first = crash(node="b<script>", rank=1)  # outside strings are escaped in the page
+    ElasticRun(prep, attempt_fn=Script(crash_first, ok(stage_ms=measured_ms))).run()
+    page = render(prep.run.path)
+
+    class Count(HTMLParser):
+        def __init__(self):
+            super().__init__()
+            self.svgs, self.ops = 0, []
+
+        def handle_starttag(self, tag, attrs):
+            a = dict(attrs)
+            if tag == "svg" and a.get("class") == "timeline":
+                self.svgs += 1
+            if tag == "rect" and a.get("class") in ("f", "b"):
+                self.ops.append(a["class"])
+
+    c = Count()
+    c.feed(page)
+    assert c.svgs == 2  # planned and measured
+    assert len(c.ops) == 2 * (2 * m * len(plan.stages))  # every forward and backward of every stage, twice
+    assert f"slowest stage as measured: <b>{slow.stage}: {slow.node}" in page
+    assert "<script>" not in page and "b&lt;script&gt;" in page
+    assert "rank_failed" in page or "restart" in page

@@ -172,3 +172,25 @@ def stop_cmd(
         err.print(text(("warning:", "yellow"), f" the run is still {res.state}; `hetctl stop --force {run_dir}` "
                        "escalates"), highlight=False, soft_wrap=True)
         raise typer.Exit(1)
+
+
+@app.command("report")
+@handle_errors
+def report_cmd(
+    run_dir: str = typer.Argument(..., help="The run folder, runs/<id>."),
+    output: str | None = typer.Option(None, "-o", "--output", help="Where to write the page (default: "
+                                      "RUN_DIR/report.html)."),
+) -> None:
+    """One HTML page of a run: the 1F1B timeline planned and measured, stages, restarts, loss.
+
+    Self-contained (no script, nothing fetched); open it in any browser.
+    """
+    from pathlib import Path
+
+    from hetctl.elastic.report import render
+    from hetctl.files.run import RunDir
+
+    page = render(run_dir)
+    path = Path(output) if output else RunDir.open(run_dir).path / "report.html"
+    path.write_text(page, encoding="utf-8")
+    out.print(text(f"wrote {path}"), highlight=False)

@@ -143,3 +143,48 @@ def estimate_1f1b(fwd: Sequence[float], bwd: Sequence[float], micro_batches: int
         ends.append(span - tail)
         tail += b
     return span, ends
+
+
+@dataclass(frozen=True)
+class Op:
+    """One operation of a simulated step, for drawing a timeline."""
+
+    stage: int
+    kind: int  # FWD or BWD
+    micro_batch: int
+    start: float
+    end: float
+
+
+def timeline_1f1b(fwd: Sequence[float], bwd: Sequence[float], micro_batches: int) -> list[Op]:
+    """Every operation of one 1F1B step with its start and end (the same rules as :func:`simulate_1f1b`).
+
+    Slower than the planner's simulation and meant for pictures (``hetctl report``):
+    each stage runs :func:`schedule_1f1b`'s order; an operation starts when the stage
+    is free and its input has arrived.
+    """
+    p, m = len(fwd), micro_batches
+    orders = [schedule_1f1b(s, p, m) for s in range(p)]
+    done: dict[tuple[int, int, int], float] = {}  # (stage, kind, mb) → end
+    nxt, free = [0] * p, [0.0] * p
+    ops: list[Op] = []
+    while any(nxt[s] < len(orders[s]) for s in range(p)):
+        moved = False
+        for s in range(p):
+            while nxt[s] < len(orders[s]):
+                kind, mb = orders[s][nxt[s]]
+                if kind == FWD:
+                    ready = done.get((s - 1, FWD, mb)) if s > 0 else 0.0
+                else:
+                    ready = done.get((s + 1, BWD, mb)) if s < p - 1 else done.get((s, FWD, mb))
+                if ready is None:
+                    break
+                start = max(free[s], ready)
+                end = start + (fwd[s] if kind == FWD else bwd[s])
+                done[(s, kind, mb)] = free[s] = end
+                ops.append(Op(s, kind, mb, start, end))
+                nxt[s] += 1
+                moved = True
+        if not moved:
+            raise RuntimeError("1F1B timeline deadlocked")  # a bug in the schedule, not user input
+    return ops
