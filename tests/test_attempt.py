@@ -129,3 +129,20 @@ def test_a_workdir_others_can_write_is_refused_before_anything_starts(plan, tmp_
     assert [f.node for f in e.value.failures] == ["n1"]
     assert f"workdir {shared} is writable by others (mode 777)" in e.value.message
     assert "only you can write" in e.value.message
+
+
+def test_nodes_with_another_torch_are_refused_at_launch_unless_allowed(plan, inventory, tmp_path):
+    """The pre-flight reads each node's torch version (package metadata); a mixed major.minor stops the launch."""
+    old = {"versions": {"torch": "2.4.1", "hetctl": "0.1.0"}}
+    fleet = FakeFleet({"n0": NodeScript(preflight={"versions": {"torch": "2.13.0+cpu"}}),
+                       "n1": NodeScript(preflight={"versions": {"torch": "2.13.0"}}), "n2": NodeScript(preflight=old)})
+    with pytest.raises(StartFailed, match=r"mixed torch across the job: 2\.13 on n\[0-1\], 2\.4 on n2"):
+        attempt(plan, inventory, tmp_path, fleet)
+    assert fleet.agents == {}
+
+    run = RunDir.create(tmp_path, "r-allowed")
+    with EventLog(run.events_path) as events:
+        req = AttemptRequest(plan=plan, attempt=0, steps=3, checkpoint_every=0, ckpt_dir="/ck", allow_mixed_software=True)
+        out = AttemptController(req, inventory=inventory, run=run, events=events, thresholds=TH,
+                                connect=FakeFleet(fleet.scripts).connect).run()
+    assert out.state == RunState.SUCCEEDED

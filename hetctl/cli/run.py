@@ -43,6 +43,9 @@ def launch_cmd(
     node_timeout: float = NODE_TIMEOUT_OPT,
     max_node_failures: int = MAX_NODE_FAILURES_OPT,
     rebalance: bool = REBALANCE_OPT,
+    allow_mixed_software: bool = typer.Option(False, "--allow-mixed-software",
+                                              help="Launch even when the nodes' torch major.minor versions differ "
+                                                   "(the pre-flight reads them on every node)."),
 ) -> None:
     """Start every rank of a plan through a per-node agent, show it live, keep it alive through faults."""
     from hetctl.elastic import start as launcher
@@ -70,6 +73,7 @@ def launch_cmd(
         plan, inv, run_root=run_dir, plan_path=pf, steps=steps, checkpoint_every=checkpoint_every, entry=words,
         policy=_policy(max_restarts, max_node_failures, rebalance),
         thresholds=Thresholds(grace_s=grace, hang_timeout=hang_timeout, node_timeout=node_timeout),
+        allow_mixed_software=allow_mixed_software,
     )
     _finish_launch(_run_live(prepared), json_out)
 

@@ -180,7 +180,8 @@ def stop_on_signals() -> Iterator[threading.Event]:
 
 
 def new_run(plan: Plan, inventory: Any, *, run_root: str | Path, plan_path: Path | None, steps: int,
-            checkpoint_every: int, entry: tuple[str, ...] = mat.REFERENCE_TRAINER) -> tuple[RunDir, RunInfo]:
+            checkpoint_every: int, entry: tuple[str, ...] = mat.REFERENCE_TRAINER,
+            allow_mixed_software: bool = False) -> tuple[RunDir, RunInfo]:
     """Create ``runs/<id>/`` with its first ``run.yaml``."""
     import time
 
@@ -195,6 +196,7 @@ def new_run(plan: Plan, inventory: Any, *, run_root: str | Path, plan_path: Path
             checkpoint_dir=checkpoint_dir(inventory, run),
             command=["hetctl", *sys.argv[1:]],
             entry=list(entry),
+            allow_mixed_software=allow_mixed_software,
         ),
     )
     run.save_info(info)
@@ -203,9 +205,10 @@ def new_run(plan: Plan, inventory: Any, *, run_root: str | Path, plan_path: Path
 
 def prepare_launch(plan: Plan, inventory: Any, *, run_root: str | Path, plan_path: Path | None, steps: int,
                    checkpoint_every: int, entry: tuple[str, ...] = mat.REFERENCE_TRAINER,
-                   policy: PolicyConfig | None = None, thresholds: Thresholds | None = None) -> Prepared:
+                   policy: PolicyConfig | None = None, thresholds: Thresholds | None = None,
+                   allow_mixed_software: bool = False) -> Prepared:
     """A new run folder and the :class:`Prepared` run of ``hetctl launch`` (nothing started)."""
     run, info = new_run(plan, inventory, run_root=run_root, plan_path=plan_path, steps=steps,
-                        checkpoint_every=checkpoint_every, entry=entry)
+                        checkpoint_every=checkpoint_every, entry=entry, allow_mixed_software=allow_mixed_software)
     return Prepared(run=run, info=info, inventory=inventory, plan=plan, policy=policy or PolicyConfig(),
                     thresholds=thresholds or Thresholds(), plan_file=plan_path, lock=run.lock())

@@ -44,6 +44,7 @@ class RunInputs(_Strict):
     command: list[str] = Field(default_factory=list, description="the hetctl command line")
     entry: list[str] = Field(default_factory=lambda: ["-m", "hetctl.train"],
                              description="what each rank runs after the node's python")
+    allow_mixed_software: bool = Field(False, description="launch even when the nodes' torch major.minor differ")
 
 
 class RunSummary(_Strict):

@@ -77,6 +77,7 @@ class AttemptRequest:
     resume_step: int = 0
     master_port: int | None = None
     entry: tuple[str, ...] = mat.REFERENCE_TRAINER
+    allow_mixed_software: bool = False
 
 
 class _Agent:
@@ -148,6 +149,24 @@ def _fanout(nodes: list[Any], fn: Callable[[Any], Any], width: int) -> dict[str,
 
 def _start_failure(node: str, reason: str) -> FailureRecord:
     return FailureRecord(kind=FaultKind.START, node=node, time=time.time(), reason=reason)
+
+
+def mixed_torch(versions: Mapping[str, str | None]) -> str | None:
+    """``torch 2.5 on a-[1-3], 2.4 on b`` when the nodes' torch major.minor differ (from the pre-flight), else None.
+
+    Ranks of different torch versions may not agree on collectives or checkpoints;
+    the plan was checked on the probe's facts, this checks the nodes as they are now.
+    """
+    from hetctl.probe.findings import major_minor, ranges
+
+    groups: dict[str, list[str]] = {}
+    for node, v in versions.items():
+        if v:
+            groups.setdefault(major_minor(v), []).append(node)
+    if len(groups) < 2:
+        return None
+    return "mixed torch across the job: " + ", ".join(
+        f"{v} on {ranges(names)}" for v, names in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0])))
 
 
 def start_failed(failures: list[FailureRecord]) -> StartFailed:
@@ -272,6 +291,9 @@ class AttemptController:
         failures = [_start_failure(n, str(v)) for n, v in results.items() if isinstance(v, BaseException)]
         if failures:
             return failures
+        mixed = mixed_torch({n: info.get("versions", {}).get("torch") for n, info in results.items()})
+        if mixed and not self.req.allow_mixed_software:
+            return [_start_failure(n, f"{mixed} (pass --allow-mixed-software to launch anyway)") for n in results]
         port = self.req.master_port or results[rank0].get("port")
         master_addr = mat.master_address(self.nodes[rank0], getattr(self.transports.get(rank0), "hostname", None))
         workdirs = {n: info["workdir"] for n, info in results.items()}

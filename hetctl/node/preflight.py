@@ -3,7 +3,7 @@
 Arguments: ``WORKDIR WANT_PORT MODULES`` (MODULES comma-separated). Prints one JSON
 line: the python version and executable, the workdir as the node expands it and
 whether it is writable (proved by creating a file), which modules are importable
-(found, not imported: cheap), and with WANT_PORT=1 a free TCP port for the
+(found, not imported: cheap) and their installed versions, and with WANT_PORT=1 a free TCP port for the
 rendezvous.
 """
 
@@ -50,6 +50,15 @@ def main(argv: list) -> dict:
         except (ImportError, ValueError):
             mods[m] = False
     r["modules"] = mods
+    versions = {}
+    for m in mods:
+        try:
+            from importlib import metadata
+
+            versions[m] = metadata.version(m)  # from the package's metadata: torch is not imported
+        except Exception:  # noqa: BLE001 - not installed as a distribution (a source tree): no version
+            pass
+    r["versions"] = versions
     if argv[1] == "1":
         s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         s.bind(("", 0))
