@@ -26,6 +26,7 @@ from hetctl.plan.render import (
     write_plan_dir,
 )
 from hetctl.plan.schema import Plan
+from hetctl.plan.search import Pins
 from hetctl.probe.facts import Cluster
 from hetctl.yamlio import load_model as load_yaml_model
 from tests.test_plan_invariants import SMALL, node
@@ -253,3 +254,37 @@ def test_every_template_renders_for_a_cpu_plan():
         for text in scripts.values():
             assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0, fw
             assert "VISIBLE_DEVICES=" not in text  # CPU ranks have no visible-devices variable
+
+
+def test_issue15_flagscale_ranks_fit_world_size_and_label_each_chip(tmp_path):
+    from tests.test_plan_invariants import issue15_cluster
+
+    plan = plan_cluster(issue15_cluster(4), load_model("llama2-7b"), global_batch=256, framework="flagscale",
+                        homogeneous=False)
+    records, codes = run_scripts(tmp_path, plan)
+    assert set(codes) == {0}
+    world = len(plan.ranks)
+    assert sorted(records) == list(range(world))
+    mesh_list = meshes(plan)
+    assert sum(m.tp * plan.parallel.dp * m.stages for m in mesh_list) == world
+    for r in plan.ranks:
+        rec = records[framework_rank(plan, r, mesh_list)]
+        stage = plan.stages_of(r.replica)[r.stage]
+        assert rec["env"]["WORLD_SIZE"] == str(world)
+        assert (rec["env"]["HETCTL_STAGE"], rec["env"]["HETCTL_REPLICA"]) == (str(r.stage), str(r.replica))
+        label = rec["argv"][rec["argv"].index("--hetero-current-device-type") + 1]
+        assert label.split("_")[0] == (stage.vendor + stage.model).replace("-", "").replace(" ", "")
+
+
+def test_a_stage_mixing_chip_types_across_replicas_is_refused_for_flagscale(plans):
+    from hetctl.errors import ConfigError
+
+    plan = plans["flagscale"].model_copy(deep=True)
+    if plan.parallel.dp < 2:
+        plan = plan_cluster(mixed_cluster(), SMALL, global_batch=32, framework="flagscale",
+                            pins=Pins(dp=2), homogeneous=False)
+    other = next(s for s in plan.stages if s.replica == 1)
+    other.model = "Some Other Chip"
+    with pytest.raises(ConfigError, match=f"plan stage {other.stage}: replica 0 runs .* but replica 1 runs"):
+        render_node_scripts(plan)
+    assert meshes(plan, by_type=False)  # frameworks without device types only need the TP degrees to agree

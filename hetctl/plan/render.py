@@ -102,11 +102,30 @@ def _device_label(vendor: str, model: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "", f"{vendor}{model}") or vendor
 
 
-def meshes(plan: Plan) -> list[Mesh]:
-    """FlagScale process meshes of the plan (identical in every replica)."""
+def meshes(plan: Plan, by_type: bool = True) -> list[Mesh]:
+    """FlagScale process meshes of the plan, checked across every replica.
+
+    A mesh holds the same stages, device type and TP degree in every replica
+    (FlagScale's ``--hetero-process-meshes`` has one ``dp`` per mesh), so a
+    stage position whose replicas run different chip models or degrees cannot
+    be expressed; built from replica 0 alone it would label the other
+    replicas' ranks with the wrong device type. With ``by_type`` off (the
+    frameworks that know no device types) only the TP degrees must agree.
+
+    Raises:
+        ConfigError: a stage position differs between replicas.
+    """
     out: list[Mesh] = []
     for s in plan.stages_of(0):
         label = _device_label(s.vendor, s.model)
+        for other in (o for o in plan.stages if o.stage == s.stage and o.replica):
+            if other.tp != s.tp or (by_type and _device_label(other.vendor, other.model) != label):
+                raise ConfigError(
+                    f"plan stage {s.stage}: replica 0 runs {s.vendor} {s.model} (tp {s.tp}) but replica "
+                    f"{other.replica} runs {other.vendor} {other.model} (tp {other.tp}); a FlagScale process mesh "
+                    "has one device type and TP degree",
+                    "plan again with `hetctl plan --framework flagscale` (it keeps each stage on one chip type)",
+                )
         if out and out[-1].tp == s.tp and out[-1].label.split("_")[0] == label:
             last = out[-1]
             out[-1] = Mesh(last.label, last.tp, last.first, last.stages + 1)
@@ -122,7 +141,7 @@ def framework_rank(plan: Plan, rank: Rank, mesh_list: list[Mesh] | None = None) 
     With one mesh (one TP degree) this is Megatron's ``tp-cp-ep-dp-pp`` and
     DeepSpeed's ``pipe-data-model`` topology.
     """
-    mesh_list = mesh_list or meshes(plan)
+    mesh_list = mesh_list or meshes(plan, by_type=plan.framework == "flagscale")
     stage = stage_of(plan, rank)
     tp_idx = stage.chips.index(rank.chip) if rank.chip in stage.chips else 0
     if rank.chip is None:  # CPU stages: the TP index is the rank's place in its stage
@@ -206,7 +225,7 @@ def render_node_scripts(plan: Plan, hosts: dict[str, str] | None = None, plan_pa
         template = env.get_template(f"{fw}.sh.j2")
     except Exception as e:  # jinja2.TemplateNotFound
         raise ConfigError(f"--framework {fw}: no launch template", "use hetctl, megatron, flagscale, deepspeed or torchrun") from e
-    mesh_list = meshes(plan)
+    mesh_list = meshes(plan, by_type=fw == "flagscale")
     first = min(plan.ranks, key=lambda r: r.rank)
     visible = "rank" if fw == "hetctl" else "node"
     reorder = fw in ("megatron", "flagscale", "deepspeed")

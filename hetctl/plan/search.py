@@ -50,6 +50,9 @@ from hetctl.plan.simulate import estimate_1f1b, simulate_1f1b
 # FlagScale (process meshes) and a user's own script may differ per stage.
 TP_MODE = {"hetctl": "none", "megatron": "uniform", "deepspeed": "uniform", "flagscale": "any", "torchrun": "any"}
 KEEP = 4  # candidates placed and simulated
+# FlagScale gives every process mesh one device type, so a stage position may
+# not mix chip models across replicas there.
+ONE_TYPE_PER_POSITION = {"flagscale"}
 
 @dataclass(frozen=True)
 class Pins:
@@ -83,14 +86,18 @@ class Searcher:
         """The cost of a stage position (None when its kinds disagree on the TP degree)."""
         if len(column) == 1:
             i = column[0][0]
-            key = ((i,), tps[i], dp)
+            key = ((i,), (tps[i],), dp)
             if key in self._types:
                 return self._types[key]
         members = tuple(sorted({k for k, _ in column}))
-        key = (members, tps[members[0]], dp)
+        # Keyed on every member's degree: a column of kinds (a, b) is a valid
+        # type under TP (4, 4) and none under (4, 1).
+        degrees = tuple(tps[i] for i in members)
+        key = (members, degrees, dp)
         if key not in self._types:
-            t = tps[members[0]]
-            if any(tps[i] != t for i in members):
+            t = degrees[0]
+            models = {(self.kinds[i].vendor, self.kinds[i].model) for i in members}
+            if any(d != t for d in degrees) or (len(models) > 1 and self.framework in ONE_TYPE_PER_POSITION):
                 self._types[key] = None
             else:
                 kind = self.kinds[members[0]] if len(members) == 1 else merge([self.kinds[i] for i in members])
