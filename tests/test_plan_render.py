@@ -40,7 +40,11 @@ RECORDER = """#!{python}
 import json, os, sys, time
 rank = os.environ["RANK"]
 keys = {keys!r}
-out = {{"argv": sys.argv[1:], "env": {{k: os.environ[k] for k in keys if k in os.environ}}}}
+out = {{"argv": sys.argv[1:], "env": {{k: os.environ[k] for k in keys if k in os.environ}}, "cwd": os.getcwd(),
+       "pythonpath": os.environ.get("PYTHONPATH", "")}}
+if "--deepspeed_config" in sys.argv:  # the script removes its config when it ends: keep a copy
+    with open(sys.argv[sys.argv.index("--deepspeed_config") + 1]) as f:
+        out["ds_config"] = json.load(f)
 with open(os.path.join(os.environ["REC_DIR"], "rank-" + rank + ".json"), "w") as f:
     json.dump(out, f)
 if os.environ.get("REC_FAIL") == rank:
@@ -94,6 +98,7 @@ def run_scripts(tmp_path: Path, plan: Plan, hosts: dict[str, str] | None = None,
     fake.write_text(RECORDER.format(python=sys.executable, keys=CONTRACT))
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     written = write_plan_dir(plan, tmp_path / "plan", hosts or {})
+    (tmp_path / "FlagScale").mkdir(exist_ok=True)  # FlagScale's scripts run from its folder
     base = {**os.environ, "HETCTL_PYTHON": str(fake), "REC_DIR": str(rec),
             "HETCTL_HEARTBEAT_DIR": str(tmp_path / "hb"), **(env or {})}
     if fail is not None:
@@ -216,7 +221,8 @@ def test_deepspeed_script_writes_a_config_matching_the_plan(tmp_path, plans):
     records, _ = run_scripts(tmp_path, plan)
     argv = records[0]["argv"]
     assert argv[0] == "train.py" and "--deepspeed" in argv and argv[1].startswith("--local_rank=")
-    cfg = json.loads(Path(argv[argv.index("--deepspeed_config") + 1]).read_text())
+    cfg = records[0]["ds_config"]
+    assert not Path(argv[argv.index("--deepspeed_config") + 1]).exists(), "the temporary config is removed"
     par = plan.parallel
     assert cfg["train_batch_size"] == par.global_batch
     assert cfg["gradient_accumulation_steps"] == par.micro_batches

@@ -19,7 +19,8 @@ split exactly for each:
 3. Order — stages of one vendor stay adjacent so cross-vendor (gloo) hops are
    as few as the vendors; vendor blocks by memory and by speed, and every
    permutation of up to three vendors for the leading candidates.
-4. Layers — :func:`hetctl.plan.partition.minmax_split` with memory caps.
+4. Layers — :func:`hetctl.plan.partition.minmax_split` with memory caps (for
+   DeepSpeed its own even split, :func:`hetctl.plan.deepspeed_layout.deepspeed_split`).
 
 Candidates are ranked by a fast estimate (a lower bound prunes hopeless
 compositions); the best few are placed on real nodes (a replica's stages of one
@@ -36,6 +37,7 @@ import math
 from dataclasses import dataclass
 
 from hetctl.plan.costmodel import StageType, Workload, kind_link, link, stage_type
+from hetctl.plan.deepspeed_layout import deepspeed_split
 from hetctl.plan.devices import Kind, merge
 from hetctl.plan.layout import (
     Columns, Found, Layout, Miss, cut_columns, pairs, split_terms, stage_times, sync_times,
@@ -271,7 +273,12 @@ class Searcher:
 
     def split(self, types: list[StageType], links: list[float], dp: int, m: int) -> Layout | None:
         slope, offset, caps = split_terms(types, links, m)
-        counts = minmax_split(self.L, slope, offset, caps)
+        if self.framework == "deepspeed":  # PipelineModule makes only its own even split
+            counts = deepspeed_split(self.L, len(types))
+            if counts is not None and any(n > c for n, c in zip(counts, caps)):
+                counts = None
+        else:
+            counts = minmax_split(self.L, slope, offset, caps)
         if counts is None:
             self._record_miss(types, caps, dp, m)
             return None
@@ -357,7 +364,13 @@ class Searcher:
         return exact
 
     def finish(self, lay: Layout) -> Layout:
-        """The winner, or one of the baseline splits of it when that simulates faster."""
+        """The winner, or one of the baseline splits of it when that simulates faster.
+
+        DeepSpeed plans keep DeepSpeed's split (the baselines stay in the plan's
+        ``baselines`` for comparison).
+        """
+        if self.framework == "deepspeed":
+            return lay
         best = lay
         for rule, counts in self.baseline_splits(lay).items():
             if counts is None or any(n > c for n, c in zip(counts, lay.caps)):
