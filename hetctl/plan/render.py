@@ -179,11 +179,15 @@ def _env_words(env: dict[str, str]) -> Shell:
 
 
 def _check_values(plan: Plan, hosts: dict[str, str], plan_path: str) -> None:
-    """Refuse a NUL anywhere in what reaches a script (no program can receive it), naming the key."""
+    """Refuse a NUL or a lone surrogate anywhere in what reaches a script (no program can receive
+    either as text), naming the key."""
     def walk(value, where: str) -> None:
         if isinstance(value, str):
             if "\0" in value:
                 raise ConfigError(f"{where}: holds a NUL character", "remove it from the plan, cluster or inventory")
+            if any("\ud800" <= ch <= "\udfff" for ch in value):
+                raise ConfigError(f"{where}: holds a lone surrogate (not valid Unicode text)",
+                                  "remove it from the plan, cluster or inventory")
         elif isinstance(value, dict):
             for k, v in value.items():
                 walk(k, where)
@@ -326,6 +330,16 @@ def write_plan_dir(plan: Plan, out_dir: str | Path, hosts: dict[str, str] | None
 
     out = Path(out_dir)
     plan_file = out / "plan.yaml"
+    # Render (and so check) everything before writing anything.
+    scripts = render_node_scripts(plan, hosts, plan_path=str(plan_file.resolve()))
+    names: dict[str, str] = {}
+    for node in scripts:
+        other = names.setdefault(script_name(node), node)
+        if other != node:
+            raise ConfigError(f"nodes {other!r} and {node!r} would share the same script file "
+                              f"nodes/{script_name(node)}", "rename one of them in the inventory")
+    hostfile_text = _ds_launcher(plan, hosts or {}, meshes(plan, by_type=False))[0] \
+        if plan.framework == "deepspeed" else None
     header = (f"hetctl plan: {plan.model.name} on {len(plan.nodes)} nodes, pp {plan.parallel.pp} × "
               f"dp {plan.parallel.dp}, framework {plan.framework}")
     written = [save_model(plan_file, plan, header=header)]
@@ -333,14 +347,11 @@ def write_plan_dir(plan: Plan, out_dir: str | Path, hosts: dict[str, str] | None
     nodes_dir.mkdir(parents=True, exist_ok=True)
     for old in nodes_dir.glob("*.sh"):
         old.unlink()
-    scripts = render_node_scripts(plan, hosts, plan_path=str(plan_file.resolve()))
     hostfile = out / "hostfile"
     if hostfile.exists():
         hostfile.unlink()
-    if plan.framework == "deepspeed":
-        text = _ds_launcher(plan, hosts or {}, meshes(plan, by_type=False))[0]
-        if text is not None:
-            hostfile.write_text(text)
+    if hostfile_text is not None:
+        hostfile.write_text(hostfile_text)
     for node, text in scripts.items():
         path = nodes_dir / script_name(node)
         path.write_text(text)

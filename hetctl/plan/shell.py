@@ -43,6 +43,7 @@ def word(value: object) -> str:
 
     Raises:
         ValueError: the value holds a NUL character (no shell word can carry it).
+        UnicodeEncodeError: it holds a lone surrogate (not text).
     """
     text = str(value)
     if "\0" in text:
@@ -54,7 +55,7 @@ def word(value: object) -> str:
         if _plain(ch) and ch != "'":
             out.append(ch)
         else:
-            out.extend(f"\\x{b:02x}" for b in ch.encode("utf-8", "surrogatepass"))
+            out.extend(f"\\x{b:02x}" for b in ch.encode("utf-8"))
     return "$'" + "".join(out) + "'"
 
 
