@@ -294,3 +294,75 @@ def test_a_stage_mixing_chip_types_across_replicas_is_refused_for_flagscale(plan
     with pytest.raises(ConfigError, match=f"plan stage {other.stage}: replica 0 runs .* but replica 1 runs"):
         render_node_scripts(plan)
     assert meshes(plan, by_type=False)  # frameworks without device types only need the TP degrees to agree
+
+
+def test_megatron_and_flagscale_defaults_can_start_training(tmp_path):
+    # Issue 15 defect 3: the length, a learning rate and the run's checkpoint folder, from the launch variables.
+    one_vendor = Cluster(nodes=[node(f"gpu-{i}", "nvidia", "NVIDIA A100-SXM4-80GB", 2, 80.0, 312.0, 312.0)
+                                for i in range(2)])
+    for fw in ("megatron", "flagscale"):
+        plan = plan_cluster(one_vendor, SMALL, global_batch=16, framework=fw, homogeneous=False)
+        for every, saves in (("5", True), ("0", False)):
+            run = tmp_path / f"{fw}-{every}"
+            run.mkdir()
+            records, codes = run_scripts(run, plan, env={"HETCTL_STEPS": "7", "HETCTL_CKPT_EVERY": every,
+                                                         "HETCTL_CKPT_DIR": "/ckpt/run-1"})
+            assert set(codes) == {0}
+            for rec in records.values():
+                argv = rec["argv"]
+
+                def value(flag: str) -> str:
+                    return argv[argv.index(flag) + 1]
+
+                assert value("--train-iters") == "7" and float(value("--lr")) > 0
+                assert value("--load") == "/ckpt/run-1" and value("--ckpt-format") == "torch_dist"
+                assert ("--save" in argv) == saves
+                if saves:
+                    assert value("--save") == "/ckpt/run-1" and value("--save-interval") == "5"
+
+
+def test_flagscale_runs_from_its_folder_with_its_megatron_on_pythonpath(tmp_path, plans):
+    # Issue 15 defect 2: FlagScale's own runner does `cd $ROOT; export PYTHONPATH=$ROOT:$ROOT/third_party/Megatron-LM`.
+    records, codes = run_scripts(tmp_path, plans["flagscale"], env={"HETCTL_CKPT_DIR": "ckpt", "PYTHONPATH": "/mine"})
+    assert set(codes) == {0}
+    root = str(tmp_path / "FlagScale")
+    for rec in records.values():
+        assert rec["cwd"] == root
+        assert rec["pythonpath"] == f"{root}:{root}/third_party/Megatron-LM:/mine"
+        assert rec["argv"][0] == f"{root}/flagscale/train/train_gpt.py"
+        assert rec["env"]["HETCTL_CKPT_DIR"] == str(tmp_path / "ckpt"), "relative paths made absolute before the cd"
+
+
+def test_deepspeed_plans_deepspeeds_own_split_and_refuses_another(tmp_path, plans):
+    from hetctl.errors import ConfigError
+    from hetctl.plan.deepspeed_layout import deepspeed_split
+
+    plan = plans["deepspeed"]
+    split = [b - a for a, b in (s.layers for s in plan.stages_of(0))]
+    assert split == deepspeed_split(SMALL.num_layers, plan.parallel.pp)
+    bad = plan.model_copy(deep=True)
+    for s in bad.stages:  # move one layer from stage 0 to stage 1
+        if s.stage == 0:
+            s.layers = (s.layers[0], s.layers[1] - 1)
+        elif s.stage == 1:
+            s.layers = (s.layers[0] - 1, s.layers[1])
+    with pytest.raises(ConfigError, match="PipelineModule partitions only uniform, by parameters or by type:"):
+        render_node_scripts(bad)
+
+
+def test_deepspeed_hostfile_numbers_ranks_as_planned(tmp_path, plans):
+    plan = plans["deepspeed"]
+    hosts = {n: f"10.0.0.{i + 1}" for i, n in enumerate(plan.nodes)}
+    write_plan_dir(plan, tmp_path, hosts)
+    lines = (tmp_path / "hostfile").read_text().splitlines()
+    script = (tmp_path / "nodes" / script_name(plan.nodes[0])).read_text()
+    include = script.split("--include ", 1)[1].split(" ", 1)[0]
+    # DeepSpeed's launcher: ranks host by host in hostfile order, local rank i on the i-th included device.
+    expected = []
+    for part in include.split("@"):
+        host, chips = part.split(":")
+        node_name = next(n for n, h in hosts.items() if h == host)
+        expected += [(node_name, int(c)) for c in chips.split(",")]
+    assert [line.split()[0] for line in lines] == [p.split(":")[0] for p in include.split("@")]
+    by_rank = sorted(plan.ranks, key=lambda r: framework_rank(plan, r))
+    assert [(r.node, r.chip) for r in by_rank] == expected
