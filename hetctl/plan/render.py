@@ -1,8 +1,9 @@
 """Write ``plan/``: ``plan.yaml`` and one launch script per node, from Jinja2 templates.
 
 The templates live in the package (``hetctl/templates/<framework>.sh.j2``) so
-they ship in the wheel. Every value that reaches the shell is quoted with
-:func:`shlex.quote`; values decided at launch time (rendezvous address, run id,
+they ship in the wheel. Every value that reaches a script goes through
+:mod:`hetctl.plan.shell` (one quoted word on one line, comments included);
+values decided at launch time (rendezvous address, run id,
 checkpoint folder…) are read from the script's environment with defaults for a
 run by hand.
 
@@ -123,8 +124,8 @@ def meshes(plan: Plan, by_type: bool = True) -> list[Mesh]:
             if other.tp != s.tp or (by_type and _device_label(other.vendor, other.model) != label):
                 raise ConfigError(
                     f"plan stage {s.stage}: replica 0 runs {s.vendor} {s.model} (tp {s.tp}) but replica "
-                    f"{other.replica} runs {other.vendor} {other.model} (tp {other.tp}); a FlagScale process mesh "
-                    "has one device type and TP degree",
+                    f"{other.replica} runs {other.vendor} {other.model} (tp {other.tp}); the replicas of a stage "
+                    "share its TP degree, and under FlagScale its device type (one per process mesh)",
                     "plan again with `hetctl plan --framework flagscale` (it keeps each stage on one chip type)",
                 )
         if out and out[-1].tp == s.tp and out[-1].label.split("_")[0] == label:

@@ -85,7 +85,8 @@ class Searcher:
     # -- stage types and links by kind ---------------------------------------------
 
     def ctype(self, column: tuple[tuple[int, int], ...], tps: tuple[int, ...], dp: int) -> StageType | None:
-        """The cost of a stage position (None when its kinds disagree on the TP degree)."""
+        """The cost of a stage position (None when its kinds disagree on the TP degree, or for
+        FlagScale on the chip model)."""
         if len(column) == 1:
             i = column[0][0]
             key = ((i,), (tps[i],), dp)
