@@ -252,3 +252,45 @@ def test_a_costly_pin_is_reported():
     plan = plan_cluster(four_to_one(), BALANCE, global_batch=64, pins=Pins(pp=1))
     assert plan.parallel.pp == 1
     assert any("the pin (--pp 1) costs" in n for n in plan.notes)
+
+
+def issue15_cluster(a100_chips: int = 8) -> Cluster:
+    """Issue 15's case: four A100 nodes and one Ascend 910B node (4 chips)."""
+    nodes = [node(f"a100-{i}", "nvidia", "NVIDIA A100-SXM4-80GB", a100_chips, 80.0, 312.0, 312.0) for i in range(4)]
+    return Cluster(nodes=nodes + [node("910b-0", "ascend", "910B2C", 4, 64.0, 376.0, 376.0)])
+
+
+@pytest.mark.parametrize("a100_chips,gb", [(8, 512), (4, 256), (4, 512)])
+def test_mixed_columns_never_reuse_another_tp_degree(a100_chips, gb):
+    # Before the fix a column of (A100, 910B) scored under TP (4, 4) was reused
+    # under TP (4, 1): a stage with tp 4 on one chip, ranks past WORLD_SIZE.
+    cluster = issue15_cluster(a100_chips)
+    plan = plan_cluster(cluster, load_model("llama2-7b"), global_batch=gb, framework="flagscale", homogeneous=False)
+    check_invariants(plan, cluster)
+    par = plan.parallel
+    for s in plan.stages:
+        assert s.tp == len(s.chips) <= len(next(n for n in cluster.nodes if n.name == s.node).chips)
+    assert len(plan.ranks) == par.dp * sum(s.tp for s in plan.stages_of(0))
+    for pos in range(par.pp):
+        column = {(s.vendor, s.model, s.tp) for s in plan.stages if s.stage == pos}
+        assert len(column) == 1, f"stage {pos} mixes chip types across replicas: FlagScale cannot express it"
+
+
+def test_searcher_keys_stage_types_on_every_members_degree():
+    from hetctl.plan.costmodel import Workload
+    from hetctl.plan.devices import collect
+    from hetctl.plan.models import model_cost
+    from hetctl.plan.search import Searcher
+
+    spec = load_model("llama2-7b")
+    kinds = collect(issue15_cluster()).kinds
+    work = Workload(cost=model_cost(spec), micro_batch=1, global_batch=64)
+    a, b = (next(i for i, k in enumerate(kinds) if k.vendor == v) for v in ("nvidia", "ascend"))
+    column = tuple(sorted(((a, 1), (b, 1))))
+    tps = [0] * len(kinds)
+    tps[a] = tps[b] = 4
+    search = Searcher(kinds, spec, work, "torchrun", Pins())
+    assert search.ctype(column, tuple(tps), 2).tp == 4
+    tps[b] = 1
+    assert search.ctype(column, tuple(tps), 2) is None, "members disagree on the TP degree"
+    assert Searcher(kinds, spec, work, "flagscale", Pins()).ctype(((a, 1), (b, 1)), (4, 4), 2) is None

@@ -26,6 +26,7 @@ from hetctl.plan.render import (
     write_plan_dir,
 )
 from hetctl.files.plan import Plan
+from hetctl.plan.search import Pins
 from hetctl.files.cluster import Cluster
 from hetctl.files.yamlio import load_model as load_yaml_model
 from tests.test_plan_invariants import SMALL, node
@@ -39,7 +40,11 @@ RECORDER = """#!{python}
 import json, os, sys, time
 rank = os.environ["RANK"]
 keys = {keys!r}
-out = {{"argv": sys.argv[1:], "env": {{k: os.environ[k] for k in keys if k in os.environ}}}}
+out = {{"argv": sys.argv[1:], "env": {{k: os.environ[k] for k in keys if k in os.environ}}, "cwd": os.getcwd(),
+       "pythonpath": os.environ.get("PYTHONPATH", "")}}
+if "--deepspeed_config" in sys.argv:  # the script removes its config when it ends: keep a copy
+    with open(sys.argv[sys.argv.index("--deepspeed_config") + 1]) as f:
+        out["ds_config"] = json.load(f)
 with open(os.path.join(os.environ["REC_DIR"], "rank-" + rank + ".json"), "w") as f:
     json.dump(out, f)
 if os.environ.get("REC_FAIL") == rank:
@@ -93,6 +98,7 @@ def run_scripts(tmp_path: Path, plan: Plan, hosts: dict[str, str] | None = None,
     fake.write_text(RECORDER.format(python=sys.executable, keys=CONTRACT))
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     written = write_plan_dir(plan, tmp_path / "plan", hosts or {})
+    (tmp_path / "FlagScale").mkdir(exist_ok=True)  # FlagScale's scripts run from its folder
     base = {**os.environ, "HETCTL_PYTHON": str(fake), "REC_DIR": str(rec),
             "HETCTL_HEARTBEAT_DIR": str(tmp_path / "hb"), **(env or {})}
     if fail is not None:
@@ -215,7 +221,8 @@ def test_deepspeed_script_writes_a_config_matching_the_plan(tmp_path, plans):
     records, _ = run_scripts(tmp_path, plan)
     argv = records[0]["argv"]
     assert argv[0] == "train.py" and "--deepspeed" in argv and argv[1].startswith("--local_rank=")
-    cfg = json.loads(Path(argv[argv.index("--deepspeed_config") + 1]).read_text())
+    cfg = records[0]["ds_config"]
+    assert not Path(argv[argv.index("--deepspeed_config") + 1]).exists(), "the temporary config is removed"
     par = plan.parallel
     assert cfg["train_batch_size"] == par.global_batch
     assert cfg["gradient_accumulation_steps"] == par.micro_batches
@@ -253,3 +260,109 @@ def test_every_template_renders_for_a_cpu_plan():
         for text in scripts.values():
             assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0, fw
             assert "VISIBLE_DEVICES=" not in text  # CPU ranks have no visible-devices variable
+
+
+def test_issue15_flagscale_ranks_fit_world_size_and_label_each_chip(tmp_path):
+    from tests.test_plan_invariants import issue15_cluster
+
+    plan = plan_cluster(issue15_cluster(4), load_model("llama2-7b"), global_batch=256, framework="flagscale",
+                        homogeneous=False)
+    records, codes = run_scripts(tmp_path, plan)
+    assert set(codes) == {0}
+    world = len(plan.ranks)
+    assert sorted(records) == list(range(world))
+    mesh_list = meshes(plan)
+    assert sum(m.tp * plan.parallel.dp * m.stages for m in mesh_list) == world
+    for r in plan.ranks:
+        rec = records[framework_rank(plan, r, mesh_list)]
+        stage = plan.stages_of(r.replica)[r.stage]
+        assert rec["env"]["WORLD_SIZE"] == str(world)
+        assert (rec["env"]["HETCTL_STAGE"], rec["env"]["HETCTL_REPLICA"]) == (str(r.stage), str(r.replica))
+        label = rec["argv"][rec["argv"].index("--hetero-current-device-type") + 1]
+        assert label.split("_")[0] == (stage.vendor + stage.model).replace("-", "").replace(" ", "")
+
+
+def test_a_stage_mixing_chip_types_across_replicas_is_refused_for_flagscale(plans):
+    from hetctl.errors import ConfigError
+
+    plan = plans["flagscale"].model_copy(deep=True)
+    if plan.parallel.dp < 2:
+        plan = plan_cluster(mixed_cluster(), SMALL, global_batch=32, framework="flagscale",
+                            pins=Pins(dp=2), homogeneous=False)
+    other = next(s for s in plan.stages if s.replica == 1)
+    other.model = "Some Other Chip"
+    with pytest.raises(ConfigError, match=f"plan stage {other.stage}: replica 0 runs .* but replica 1 runs"):
+        render_node_scripts(plan)
+    assert meshes(plan, by_type=False)  # frameworks without device types only need the TP degrees to agree
+
+
+def test_megatron_and_flagscale_defaults_can_start_training(tmp_path):
+    # Issue 15 defect 3: the length, a learning rate and the run's checkpoint folder, from the launch variables.
+    one_vendor = Cluster(nodes=[node(f"gpu-{i}", "nvidia", "NVIDIA A100-SXM4-80GB", 2, 80.0, 312.0, 312.0)
+                                for i in range(2)])
+    for fw in ("megatron", "flagscale"):
+        plan = plan_cluster(one_vendor, SMALL, global_batch=16, framework=fw, homogeneous=False)
+        for every, saves in (("5", True), ("0", False)):
+            run = tmp_path / f"{fw}-{every}"
+            run.mkdir()
+            records, codes = run_scripts(run, plan, env={"HETCTL_STEPS": "7", "HETCTL_CKPT_EVERY": every,
+                                                         "HETCTL_CKPT_DIR": "/ckpt/run-1"})
+            assert set(codes) == {0}
+            for rec in records.values():
+                argv = rec["argv"]
+
+                def value(flag: str) -> str:
+                    return argv[argv.index(flag) + 1]
+
+                assert value("--train-iters") == "7" and float(value("--lr")) > 0
+                assert value("--load") == "/ckpt/run-1" and value("--ckpt-format") == "torch_dist"
+                assert ("--save" in argv) == saves
+                if saves:
+                    assert value("--save") == "/ckpt/run-1" and value("--save-interval") == "5"
+
+
+def test_flagscale_runs_from_its_folder_with_its_megatron_on_pythonpath(tmp_path, plans):
+    # Issue 15 defect 2: FlagScale's own runner does `cd $ROOT; export PYTHONPATH=$ROOT:$ROOT/third_party/Megatron-LM`.
+    records, codes = run_scripts(tmp_path, plans["flagscale"], env={"HETCTL_CKPT_DIR": "ckpt", "PYTHONPATH": "/mine"})
+    assert set(codes) == {0}
+    root = str(tmp_path / "FlagScale")
+    for rec in records.values():
+        assert rec["cwd"] == root
+        assert rec["pythonpath"] == f"{root}:{root}/third_party/Megatron-LM:/mine"
+        assert rec["argv"][0] == f"{root}/flagscale/train/train_gpt.py"
+        assert rec["env"]["HETCTL_CKPT_DIR"] == str(tmp_path / "ckpt"), "relative paths made absolute before the cd"
+
+
+def test_deepspeed_plans_deepspeeds_own_split_and_refuses_another(tmp_path, plans):
+    from hetctl.errors import ConfigError
+    from hetctl.plan.deepspeed_layout import deepspeed_split
+
+    plan = plans["deepspeed"]
+    split = [b - a for a, b in (s.layers for s in plan.stages_of(0))]
+    assert split == deepspeed_split(SMALL.num_layers, plan.parallel.pp)
+    bad = plan.model_copy(deep=True)
+    for s in bad.stages:  # move one layer from stage 0 to stage 1
+        if s.stage == 0:
+            s.layers = (s.layers[0], s.layers[1] - 1)
+        elif s.stage == 1:
+            s.layers = (s.layers[0] - 1, s.layers[1])
+    with pytest.raises(ConfigError, match="PipelineModule partitions only uniform, by parameters or by type:"):
+        render_node_scripts(bad)
+
+
+def test_deepspeed_hostfile_numbers_ranks_as_planned(tmp_path, plans):
+    plan = plans["deepspeed"]
+    hosts = {n: f"10.0.0.{i + 1}" for i, n in enumerate(plan.nodes)}
+    write_plan_dir(plan, tmp_path, hosts)
+    lines = (tmp_path / "hostfile").read_text().splitlines()
+    script = (tmp_path / "nodes" / script_name(plan.nodes[0])).read_text()
+    include = script.split("--include ", 1)[1].split(" ", 1)[0]
+    # DeepSpeed's launcher: ranks host by host in hostfile order, local rank i on the i-th included device.
+    expected = []
+    for part in include.split("@"):
+        host, chips = part.split(":")
+        node_name = next(n for n, h in hosts.items() if h == host)
+        expected += [(node_name, int(c)) for c in chips.split(",")]
+    assert [line.split()[0] for line in lines] == [p.split(":")[0] for p in include.split("@")]
+    by_rank = sorted(plan.ranks, key=lambda r: framework_rank(plan, r))
+    assert [(r.node, r.chip) for r in by_rank] == expected

@@ -102,6 +102,9 @@ def plan_cluster(
     if framework in ("megatron", "deepspeed") and len(vendors) > 1:
         notes.append(f"{WARNING}one {framework} job cannot span vendors ({', '.join(vendors)}); "
                      "the scripts are rendered, but use --framework flagscale or hetctl to run them")
+    if framework == "deepspeed":
+        notes.append(f"layers {lay.counts}: DeepSpeed's PipelineModule splits only evenly (uniform, parameters or "
+                     "type:), so the plan keeps that split; --framework flagscale or torchrun can split by speed")
     homog = _homogeneous(devices, spec, work, framework, free) if homogeneous else None
     plan = _build(lay, spec, work, devices, framework, cluster, cluster_path, homog, notes, found)
     plan.plan_time_s = round(time.perf_counter() - t0, 4)

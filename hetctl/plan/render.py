@@ -1,8 +1,9 @@
 """Write ``plan/``: ``plan.yaml`` and one launch script per node, from Jinja2 templates.
 
 The templates live in the package (``hetctl/templates/<framework>.sh.j2``) so
-they ship in the wheel. Every value that reaches the shell is quoted with
-:func:`shlex.quote`; values decided at launch time (rendezvous address, run id,
+they ship in the wheel. Every value that reaches a script goes through
+:mod:`hetctl.plan.shell` (one quoted word on one line, comments included);
+values decided at launch time (rendezvous address, run id,
 checkpoint folder…) are read from the script's environment with defaults for a
 run by hand.
 
@@ -29,13 +30,14 @@ from __future__ import annotations
 
 import json
 import re
-import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
 from hetctl.errors import ConfigError
+from hetctl.plan.deepspeed_layout import check_deepspeed_split, launcher_files
 from hetctl.plan.rankenv import LAUNCH_TIME, stage_of, static_env
 from hetctl.files.plan import Plan, Rank
+from hetctl.plan.shell import Shell, assignment, check_script, env_name, environment, word
 
 DEFAULT_PORT = 29500
 
@@ -102,11 +104,30 @@ def _device_label(vendor: str, model: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "", f"{vendor}{model}") or vendor
 
 
-def meshes(plan: Plan) -> list[Mesh]:
-    """FlagScale process meshes of the plan (identical in every replica)."""
+def meshes(plan: Plan, by_type: bool = True) -> list[Mesh]:
+    """FlagScale process meshes of the plan, checked across every replica.
+
+    A mesh holds the same stages, device type and TP degree in every replica
+    (FlagScale's ``--hetero-process-meshes`` has one ``dp`` per mesh), so a
+    stage position whose replicas run different chip models or degrees cannot
+    be expressed; built from replica 0 alone it would label the other
+    replicas' ranks with the wrong device type. With ``by_type`` off (the
+    frameworks that know no device types) only the TP degrees must agree.
+
+    Raises:
+        ConfigError: a stage position differs between replicas.
+    """
     out: list[Mesh] = []
     for s in plan.stages_of(0):
         label = _device_label(s.vendor, s.model)
+        for other in (o for o in plan.stages if o.stage == s.stage and o.replica):
+            if other.tp != s.tp or (by_type and _device_label(other.vendor, other.model) != label):
+                raise ConfigError(
+                    f"plan stage {s.stage}: replica 0 runs {s.vendor} {s.model} (tp {s.tp}) but replica "
+                    f"{other.replica} runs {other.vendor} {other.model} (tp {other.tp}); the replicas of a stage "
+                    "share its TP degree, and under FlagScale its device type (one per process mesh)",
+                    "plan again with `hetctl plan --framework flagscale` (it keeps each stage on one chip type)",
+                )
         if out and out[-1].tp == s.tp and out[-1].label.split("_")[0] == label:
             last = out[-1]
             out[-1] = Mesh(last.label, last.tp, last.first, last.stages + 1)
@@ -122,7 +143,7 @@ def framework_rank(plan: Plan, rank: Rank, mesh_list: list[Mesh] | None = None) 
     With one mesh (one TP degree) this is Megatron's ``tp-cp-ep-dp-pp`` and
     DeepSpeed's ``pipe-data-model`` topology.
     """
-    mesh_list = mesh_list or meshes(plan)
+    mesh_list = mesh_list or meshes(plan, by_type=plan.framework == "flagscale")
     stage = stage_of(plan, rank)
     tp_idx = stage.chips.index(rank.chip) if rank.chip in stage.chips else 0
     if rank.chip is None:  # CPU stages: the TP index is the rank's place in its stage
@@ -138,32 +159,47 @@ def framework_rank(plan: Plan, rank: Rank, mesh_list: list[Mesh] | None = None) 
 
 # -- rendering ---------------------------------------------------------------------
 
+# Megatron/FlagScale training defaults that validate_args needs to start (the
+# script's own arguments come later on the command line and win).
+TRAIN_ARGS = ["--lr", "3e-4", "--min-lr", "3e-5", "--lr-decay-style", "cosine", "--lr-warmup-fraction", "0.01",
+              "--weight-decay", "0.1", "--clip-grad", "1.0", "--log-interval", "1", "--ckpt-format", "torch_dist"]
 
-def _env_words(env: dict[str, str]) -> str:
-    words = []
+
+def _env_words(env: dict[str, str]) -> Shell:
+    """``NAME=value`` words for ``env``: plan values quoted, launch-time ones read from the script's variables."""
+    words_ = []
     for key, value in env.items():
+        key = env_name(key, "plan: rank environment variable")
         if key == "HETCTL_HEARTBEAT_FILE":
-            words.append(f'{key}="$HETCTL_HEARTBEAT_DIR"/{shlex.quote(value)}')
+            words_.append(f'{key}="$HETCTL_HEARTBEAT_DIR"/{word(value)}')
         elif key in LAUNCH_TIME:
-            words.append(f'{key}="${key}"')
+            words_.append(f'{key}="${key}"')
         else:
-            words.append(f"{key}={shlex.quote(value)}")
-    return " \\\n    ".join(words)
+            words_.append(assignment(key, value))
+    return Shell(" \\\n    ".join(words_))
 
 
-def _environment():
-    import jinja2
+def _check_values(plan: Plan, hosts: dict[str, str], plan_path: str) -> None:
+    """Refuse a NUL or a lone surrogate anywhere in what reaches a script (no program can receive
+    either as text), naming the key."""
+    def walk(value, where: str) -> None:
+        if isinstance(value, str):
+            if "\0" in value:
+                raise ConfigError(f"{where}: holds a NUL character", "remove it from the plan, cluster or inventory")
+            if any("\ud800" <= ch <= "\udfff" for ch in value):
+                raise ConfigError(f"{where}: holds a lone surrogate (not valid Unicode text)",
+                                  "remove it from the plan, cluster or inventory")
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                walk(k, where)
+                walk(v, f"{where}.{k}")
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                walk(v, f"{where}[{i}]")
 
-    env = jinja2.Environment(
-        loader=jinja2.PackageLoader("hetctl", "templates"),
-        undefined=jinja2.StrictUndefined,
-        autoescape=False,
-        keep_trailing_newline=True,
-        trim_blocks=True,
-        lstrip_blocks=True,
-    )
-    env.filters["q"] = lambda v: shlex.quote(str(v))
-    return env
+    walk(plan.model_dump(), "plan")
+    walk(dict(hosts), "hosts")
+    walk(plan_path, "plan path")
 
 
 def _model_args(plan: Plan) -> list[str]:
@@ -191,6 +227,9 @@ def _model_args(plan: Plan) -> list[str]:
 def render_node_scripts(plan: Plan, hosts: dict[str, str] | None = None, plan_path: str = "plan.yaml") -> dict[str, str]:
     """One launch script per node of the plan, for ``plan.framework``.
 
+    Every value reaches the script through :mod:`hetctl.plan.shell` (one
+    quoted word on one line, in code and comments alike).
+
     Args:
         plan: the plan.
         hosts: node name → address (rank 0's becomes the default MASTER_ADDR).
@@ -198,28 +237,37 @@ def render_node_scripts(plan: Plan, hosts: dict[str, str] | None = None, plan_pa
 
     Returns:
         node name → script text.
+
+    Raises:
+        ConfigError: a value that no script can carry (NUL, a bad variable
+            name), a FlagScale plan whose replicas differ at a stage, or a
+            DeepSpeed plan whose split DeepSpeed would not make.
     """
     hosts = hosts or {}
+    _check_values(plan, hosts, plan_path)
     fw = plan.framework
-    env = _environment()
+    env = environment()
     try:
         template = env.get_template(f"{fw}.sh.j2")
     except Exception as e:  # jinja2.TemplateNotFound
         raise ConfigError(f"--framework {fw}: no launch template", "use hetctl, megatron, flagscale, deepspeed or torchrun") from e
-    mesh_list = meshes(plan)
+    mesh_list = meshes(plan, by_type=fw == "flagscale")
     first = min(plan.ranks, key=lambda r: r.rank)
     visible = "rank" if fw == "hetctl" else "node"
     reorder = fw in ("megatron", "flagscale", "deepspeed")
     vendors = sorted({s.vendor for s in plan.stages})
-    layout = megatron_layout([b - a for a, b in (s.layers for s in plan.stages_of(0))])
+    split = [b - a for a, b in (s.layers for s in plan.stages_of(0))]
+    if fw == "deepspeed":
+        check_deepspeed_split(split, plan.parallel.pp)
     common = {
         "plan": plan, "framework": fw, "world": len(plan.ranks),
         "master_addr": hosts.get(first.node, first.node), "master_port": DEFAULT_PORT, "plan_path": plan_path,
-        "model_args": _model_args(plan), "layout": layout, "meshes": mesh_list, "vendors": vendors,
-        "layer_split": [b - a for a, b in (s.layers for s in plan.stages_of(0))],
+        "model_args": _model_args(plan), "train_args": TRAIN_ARGS, "layout": megatron_layout(split),
+        "meshes": mesh_list, "vendors": vendors, "layer_split": split,
+        "mesh_args": [n for m in mesh_list for n in (m.tp, 1, 1, plan.parallel.dp, m.stages)],
         "uniform_tp": len({s.tp for s in plan.stages}) == 1,
-        "ds_config": json.dumps(_ds_config(plan), indent=2),
-        "device_types": sorted({s.device_type for s in plan.stages}),
+        "ds_config": json.dumps(_ds_config(plan), sort_keys=True),
+        "ds_launcher": _ds_launcher(plan, hosts, mesh_list)[1] if fw == "deepspeed" else None,
     }
     out = {}
     for node in plan.nodes:
@@ -234,13 +282,19 @@ def render_node_scripts(plan: Plan, hosts: dict[str, str] | None = None, plan_pa
             label = next(m.label for m in mesh_list if m.first <= r.stage < m.first + m.stages)
             ranks.append({
                 "rank": int(e["RANK"]), "plan_rank": r.rank, "local_rank": int(e["LOCAL_RANK"]),
-                "env": _env_words(e), "device_label": label,
-                "comment": (f"replica {r.replica}, stage {r.stage}, layers [{stage.layers[0]}, {stage.layers[1]}), "
-                            f"{stage.vendor} {stage.model} chip {r.chip if r.chip is not None else '-'} "
-                            f"(tp {stage.tp}, {stage.precision}, {stage.backend})"),
+                "env": _env_words(e), "device_label": label, "replica": r.replica, "stage": r.stage,
+                "start": stage.layers[0], "end": stage.layers[1], "vendor": stage.vendor, "model": stage.model,
+                "chip": r.chip if r.chip is not None else "-", "tp": stage.tp, "precision": stage.precision,
+                "backend": stage.backend,
             })
-        out[node] = template.render(node=node, ranks=ranks, **common)
+        out[node] = check_script(template.render(node=node, ranks=ranks, **common), script_name(node))
     return out
+
+
+def _ds_launcher(plan: Plan, hosts: dict[str, str], mesh_list: list[Mesh]) -> tuple[str | None, str | None]:
+    """DeepSpeed launcher's hostfile and ``--include`` for the plan (both None when it cannot place it)."""
+    files = launcher_files(plan, hosts, lambda r: framework_rank(plan, r, mesh_list))
+    return files if files is not None else (None, None)
 
 
 def _ds_config(plan: Plan) -> dict:
@@ -267,13 +321,26 @@ def script_name(node: str) -> str:
 def write_plan_dir(plan: Plan, out_dir: str | Path, hosts: dict[str, str] | None = None) -> list[Path]:
     """Write ``plan.yaml`` and ``nodes/<node>.sh`` (executable) under ``out_dir``.
 
+    For DeepSpeed also ``hostfile``, when DeepSpeed's launcher can number the
+    ranks as planned (see :func:`hetctl.plan.deepspeed_layout.launcher_files`).
+
     Returns:
-        The paths written, plan first.
+        The paths written: the plan, then the node scripts.
     """
     from hetctl.files.yamlio import save_model
 
     out = Path(out_dir)
     plan_file = out / "plan.yaml"
+    # Render (and so check) everything before writing anything.
+    scripts = render_node_scripts(plan, hosts, plan_path=str(plan_file.resolve()))
+    names: dict[str, str] = {}
+    for node in scripts:
+        other = names.setdefault(script_name(node), node)
+        if other != node:
+            raise ConfigError(f"nodes {other!r} and {node!r} would share the same script file "
+                              f"nodes/{script_name(node)}", "rename one of them in the inventory")
+    hostfile_text = _ds_launcher(plan, hosts or {}, meshes(plan, by_type=False))[0] \
+        if plan.framework == "deepspeed" else None
     header = (f"hetctl plan: {plan.model.name} on {len(plan.nodes)} nodes, pp {plan.parallel.pp} × "
               f"dp {plan.parallel.dp}, framework {plan.framework}")
     written = [save_model(plan_file, plan, header=header)]
@@ -281,7 +348,11 @@ def write_plan_dir(plan: Plan, out_dir: str | Path, hosts: dict[str, str] | None
     nodes_dir.mkdir(parents=True, exist_ok=True)
     for old in nodes_dir.glob("*.sh"):
         old.unlink()
-    scripts = render_node_scripts(plan, hosts, plan_path=str(plan_file.resolve()))
+    hostfile = out / "hostfile"
+    if hostfile.exists():
+        hostfile.unlink()
+    if hostfile_text is not None:
+        hostfile.write_text(hostfile_text)
     for node, text in scripts.items():
         path = nodes_dir / script_name(node)
         path.write_text(text)

@@ -19,7 +19,8 @@ split exactly for each:
 3. Order — stages of one vendor stay adjacent so cross-vendor (gloo) hops are
    as few as the vendors; vendor blocks by memory and by speed, and every
    permutation of up to three vendors for the leading candidates.
-4. Layers — :func:`hetctl.plan.partition.minmax_split` with memory caps.
+4. Layers — :func:`hetctl.plan.partition.minmax_split` with memory caps (for
+   DeepSpeed its own even split, :func:`hetctl.plan.deepspeed_layout.deepspeed_split`).
 
 Candidates are ranked by a fast estimate (a lower bound prunes hopeless
 compositions); the best few are placed on real nodes (a replica's stages of one
@@ -36,6 +37,7 @@ import math
 from dataclasses import dataclass
 
 from hetctl.plan.costmodel import StageType, Workload, kind_link, link, stage_type
+from hetctl.plan.deepspeed_layout import deepspeed_split
 from hetctl.plan.devices import Kind, merge
 from hetctl.plan.layout import (
     Columns, Found, Layout, Miss, cut_columns, pairs, split_terms, stage_times, sync_times,
@@ -50,6 +52,9 @@ from hetctl.plan.simulate import estimate_1f1b, simulate_1f1b
 # FlagScale (process meshes) and a user's own script may differ per stage.
 TP_MODE = {"hetctl": "none", "megatron": "uniform", "deepspeed": "uniform", "flagscale": "any", "torchrun": "any"}
 KEEP = 4  # candidates placed and simulated
+# FlagScale gives every process mesh one device type, so a stage position may
+# not mix chip models across replicas there.
+ONE_TYPE_PER_POSITION = {"flagscale"}
 
 @dataclass(frozen=True)
 class Pins:
@@ -80,17 +85,22 @@ class Searcher:
     # -- stage types and links by kind ---------------------------------------------
 
     def ctype(self, column: tuple[tuple[int, int], ...], tps: tuple[int, ...], dp: int) -> StageType | None:
-        """The cost of a stage position (None when its kinds disagree on the TP degree)."""
+        """The cost of a stage position (None when its kinds disagree on the TP degree, or for
+        FlagScale on the chip model)."""
         if len(column) == 1:
             i = column[0][0]
-            key = ((i,), tps[i], dp)
+            key = ((i,), (tps[i],), dp)
             if key in self._types:
                 return self._types[key]
         members = tuple(sorted({k for k, _ in column}))
-        key = (members, tps[members[0]], dp)
+        # Keyed on every member's degree: a column of kinds (a, b) is a valid
+        # type under TP (4, 4) and none under (4, 1).
+        degrees = tuple(tps[i] for i in members)
+        key = (members, degrees, dp)
         if key not in self._types:
-            t = tps[members[0]]
-            if any(tps[i] != t for i in members):
+            t = degrees[0]
+            models = {(self.kinds[i].vendor, self.kinds[i].model) for i in members}
+            if any(d != t for d in degrees) or (len(models) > 1 and self.framework in ONE_TYPE_PER_POSITION):
                 self._types[key] = None
             else:
                 kind = self.kinds[members[0]] if len(members) == 1 else merge([self.kinds[i] for i in members])
@@ -264,7 +274,12 @@ class Searcher:
 
     def split(self, types: list[StageType], links: list[float], dp: int, m: int) -> Layout | None:
         slope, offset, caps = split_terms(types, links, m)
-        counts = minmax_split(self.L, slope, offset, caps)
+        if self.framework == "deepspeed":  # PipelineModule makes only its own even split
+            counts = deepspeed_split(self.L, len(types))
+            if counts is not None and any(n > c for n, c in zip(counts, caps)):
+                counts = None
+        else:
+            counts = minmax_split(self.L, slope, offset, caps)
         if counts is None:
             self._record_miss(types, caps, dp, m)
             return None
@@ -350,7 +365,13 @@ class Searcher:
         return exact
 
     def finish(self, lay: Layout) -> Layout:
-        """The winner, or one of the baseline splits of it when that simulates faster."""
+        """The winner, or one of the baseline splits of it when that simulates faster.
+
+        DeepSpeed plans keep DeepSpeed's split (the baselines stay in the plan's
+        ``baselines`` for comparison).
+        """
+        if self.framework == "deepspeed":
+            return lay
         best = lay
         for rule, counts in self.baseline_splits(lay).items():
             if counts is None or any(n > c for n, c in zip(counts, lay.caps)):

@@ -1,0 +1,194 @@
+"""The rendered scripts, checked by the frameworks' own code (issue 15).
+
+Each node script is run by real bash, every rank at once, with the framework's
+code standing where the training script would be (``tests/framework_check.py``
+for Megatron-LM and FlagScale, ``tests/deepspeed_check.py`` for DeepSpeed):
+Megatron's ``parse_args``/``validate_args``, its rank generator and layout
+parser; FlagScale's hetero checks, ``RankMapper`` and ``ParallelContext`` over
+gloo; DeepSpeed's ``init_distributed`` over gloo, topology, grid, config and
+``PipelineModule`` partition. Each rank must land on the stage, replica and
+layers of ``plan.yaml``, and tp·pp·dp must equal WORLD_SIZE. The training
+loops need CUDA and are not run.
+
+Needs the ``frameworks`` extra (``pip install -e '.[frameworks]'``) and
+FlagScale, whose wheel pins another torch: ``pip install --no-deps
+flag-scale==0.8.0`` (its wheel carries its patched Megatron-LM, the only
+Megatron-LM training code on PyPI). Skipped, saying which, when absent.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hetctl.plan.planner import plan_cluster
+from hetctl.plan.render import framework_rank, meshes, write_plan_dir
+from hetctl.files.plan import Plan
+from hetctl.plan.search import Pins
+from hetctl.files.cluster import Cluster
+from tests.test_plan_invariants import SMALL, node
+
+HERE = Path(__file__).parent
+
+
+def _flag_scale_dir() -> Path | None:
+    spec = importlib.util.find_spec("flag_scale")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    root = Path(list(spec.submodule_search_locations)[0])
+    return root if (root / "third_party/Megatron-LM/megatron/training/arguments.py").exists() else None
+
+
+FLAG_SCALE = _flag_scale_dir()
+needs_flagscale = pytest.mark.skipif(
+    FLAG_SCALE is None, reason="FlagScale not installed (pip install --no-deps flag-scale==0.8.0): it carries "
+    "the Megatron-LM training code (parse_args, validate_args) and FlagScale's hetero checks")
+needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                     reason="DeepSpeed not installed (pip install -e '.[frameworks]')")
+needs_mcore = pytest.mark.skipif(importlib.util.find_spec("megatron") is None
+                                 or importlib.util.find_spec("megatron.core") is None,
+                                 reason="megatron-core not installed (pip install -e '.[frameworks]')")
+
+
+def a100s(nodes: int, chips: int) -> list:
+    return [node(f"gpu-{i}", "nvidia", "NVIDIA A100-SXM4-80GB", chips, 80.0, 312.0, 312.0) for i in range(nodes)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_plan(tmp_path: Path, plan: Plan, env: dict[str, str], args: list[str]) -> dict[int, dict]:
+    """Run every node script of the plan at once (all ranks meet over gloo); the checkers' records by rank."""
+    out = tmp_path / "out"
+    out.mkdir()
+    written = write_plan_dir(plan, tmp_path / "plan")
+    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+            "HETCTL_HEARTBEAT_DIR": str(tmp_path / "hb"), "HETCTL_CKPT_DIR": str(tmp_path / "ckpt"),
+            "HETCTL_STEPS": "20", "HETCTL_CKPT_EVERY": "5", "CHECK_OUT": str(out), **env}
+    procs = [subprocess.Popen(["bash", str(p), *args], env=base, cwd=tmp_path, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, start_new_session=True) for p in written[1:]]
+    try:
+        logs = [p.communicate(timeout=400)[0].decode(errors="replace") for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+                p.wait()
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-3000:]
+    return {int(f.stem.split("-")[1]): json.loads(f.read_text()) for f in out.glob("rank-*.json")}
+
+
+def megatron_python(tmp_path: Path) -> Path:
+    """``HETCTL_PYTHON`` for Megatron/FlagScale scripts: this Python running the framework checker."""
+    wrapper = tmp_path / "python"
+    wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} {HERE / "framework_check.py"} "$CHECK_OUT" "$@"\n')
+    wrapper.chmod(0o755)
+    return wrapper
+
+
+def check_ranks(plan: Plan, records: dict[int, dict]) -> None:
+    """Every rank where plan.yaml puts it, by the framework's own account."""
+    world = len(plan.ranks)
+    assert sorted(records) == list(range(world))
+    mesh_list = meshes(plan, by_type=plan.framework == "flagscale")
+    for r in plan.ranks:
+        rec = records[framework_rank(plan, r, mesh_list)]
+        stage = plan.stages_of(r.replica)[r.stage]
+        assert (rec["stage"], rec["replica"]) == (r.stage, r.replica)
+        assert tuple(rec["layers"]) == tuple(stage.layers)
+        assert rec["tp_rank"] == stage.chips.index(r.chip)
+
+
+# Mock data from the script's arguments; gloo, and no fused RoPE (Transformer Engine), on this CPU machine.
+CPU_ARGS = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(SMALL.vocab_size),
+            "--distributed-backend", "gloo", "--no-rope-fusion"]
+
+
+@needs_mcore
+def test_megatron_core_parses_every_rendered_layout(tmp_path):
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+    from tests.test_plan_render import run_scripts
+
+    for i, (nodes, chips) in enumerate([(2, 2), (3, 4), (1, 8)]):
+        plan = plan_cluster(Cluster(nodes=a100s(nodes, chips)), SMALL, global_batch=32, framework="megatron",
+                            homogeneous=False)
+        run = tmp_path / str(i)
+        run.mkdir()
+        records, codes = run_scripts(run, plan)
+        assert set(codes) == {0}
+        for r in plan.ranks:
+            argv = records[framework_rank(plan, r)]["argv"]
+            pp = int(argv[argv.index("--pipeline-model-parallel-size") + 1])
+            layout = PipelineParallelLayerLayout(argv[argv.index("--pipeline-model-parallel-layout") + 1], pp)
+            layout.validate_layer_layout(num_layers=SMALL.num_layers, mtp_num_layers=0)
+            ids = layout.get_layer_id_list(pp_rank=r.stage)
+            assert (ids[0], ids[-1] + 1) == tuple(plan.stages_of(r.replica)[r.stage].layers)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(900)
+@needs_flagscale
+def test_megatron_accepts_the_rendered_scripts_and_places_every_rank(tmp_path):
+    plan = plan_cluster(Cluster(nodes=a100s(2, 2)), SMALL, global_batch=16, framework="megatron", homogeneous=False,
+                        pins=Pins(tp=2))
+    env = {"HETCTL_PYTHON": str(megatron_python(tmp_path)), "MEGATRON_DIR": str(FLAG_SCALE / "third_party/Megatron-LM"),
+           # FlagScale's Megatron-LM imports flagscale: its root goes on the path too.
+           "PYTHONPATH": f"{FLAG_SCALE}:{FLAG_SCALE / 'third_party/Megatron-LM'}"}
+    records = run_plan(tmp_path, plan, env, CPU_ARGS)
+    check_ranks(plan, records)
+    for rec in records.values():
+        assert rec["tp"] * rec["pp"] * rec["dp"] == rec["world_size"] == len(plan.ranks)
+        assert (rec["train_iters"], rec["save_interval"], rec["ckpt_format"]) == (20, 5, "torch_dist")
+        assert rec["save"] == rec["load"] == str(tmp_path / "ckpt") and rec["lr"] > 0
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(900)
+@needs_flagscale
+def test_flagscale_accepts_the_rendered_hetero_scripts_and_places_every_rank(tmp_path):
+    cluster = Cluster(nodes=[node("gpu-a", "nvidia", "NVIDIA A100-SXM4-80GB", 4, 80.0, 312.0, 312.0),
+                             node("npu-b", "ascend", "910B2C", 2, 64.0, 376.0, 376.0)])
+    plan = plan_cluster(cluster, SMALL, global_batch=16, framework="flagscale", homogeneous=False, pins=Pins(dp=2))
+    assert len({s.tp for s in plan.stages}) > 1, "two meshes with different TP degrees"
+    records = run_plan(tmp_path, plan, {"HETCTL_PYTHON": str(megatron_python(tmp_path)),
+                                        "FLAGSCALE_DIR": str(FLAG_SCALE)}, CPU_ARGS)
+    check_ranks(plan, records)
+    mesh_list = meshes(plan)
+    assert sum(tp * cp * dp * pp for tp, cp, ep, dp, pp in records[0]["meshes"]) == len(plan.ranks)
+    for r in plan.ranks:
+        rank = framework_rank(plan, r, mesh_list)
+        rec = records[rank]
+        stage = plan.stages_of(r.replica)[r.stage]
+        assert rec["logical_rank"] == rank and rec["tp"] == stage.tp and rec["dp"] == plan.parallel.dp
+        assert rec["device_type"] == next(m.label for m in mesh_list if m.first <= r.stage < m.first + m.stages)
+        assert rec["save"] == str(tmp_path / "ckpt")
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(900)
+@needs_deepspeed
+def test_deepspeed_accepts_the_rendered_scripts_and_places_every_rank(tmp_path):
+    plan = plan_cluster(Cluster(nodes=a100s(2, 2)), SMALL, global_batch=16, framework="deepspeed", homogeneous=False)
+    tp, pp = plan.stages[0].tp, plan.parallel.pp
+    env = {"HETCTL_PYTHON": sys.executable, "HETCTL_SCRIPT": str(HERE / "deepspeed_check.py")}
+    args = ["--out", str(tmp_path / "out"), "--tp", str(tp), "--pp", str(pp), "--num-layers", str(SMALL.num_layers)]
+    records = run_plan(tmp_path, plan, env, args)
+    check_ranks(plan, records)
+    par = plan.parallel
+    for rec in records.values():
+        assert rec["world"] == tp * pp * par.dp == len(plan.ranks)
+        assert (rec["train_batch_size"], rec["micro_batch"], rec["grad_acc"]) == \
+            (par.global_batch, par.micro_batch, par.micro_batches)
+        assert rec["local_rank"] == rec["env_local_rank"]
