@@ -39,3 +39,19 @@ def probed_site(cluster: SshdCluster, d: Path, tflops: dict[str, float]) -> Path
     r = hetctl(d, "probe", "-i", "inventory.yaml", "-o", "cluster.yaml")
     assert r.returncode == 0, r.stderr
     return d
+
+
+def local_cli(d: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``hetctl ARGS`` in ``d`` for a local site (the developer's HOME is harmless there: no ssh)."""
+    return subprocess.run([sys.executable, "-m", "hetctl", *args], cwd=d, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "COLUMNS": "200"})
+
+
+def local_site(d: Path) -> Path:
+    """The demo's three local nodes, probed, with the tiny model planned as PP=3 in ``d/plan``."""
+    from hetctl.cli import demo
+
+    inv = demo.write_inventory(d)
+    _, cluster = demo.probe_nodes(inv)
+    demo.plan_tiny(d, cluster)
+    return d

@@ -11,31 +11,21 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
 from hetctl.files.events import read_events
+from tests.sites import local_cli as cli
+from tests.sites import local_site
 
 pytestmark = pytest.mark.e2e
 
 
-def cli(d: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "COLUMNS": "200"}
-    return subprocess.run([sys.executable, "-m", "hetctl", *args], cwd=d, env=env, capture_output=True, text=True,
-                          timeout=timeout)
-
-
 @pytest.fixture
 def site(tmp_path):
-    from hetctl.cli import demo
-
-    inv = demo.write_inventory(tmp_path)
-    _, cluster = demo.probe_nodes(inv)
-    demo.plan_tiny(tmp_path, cluster)
-    return tmp_path
+    return local_site(tmp_path)
 
 
 def story(d: Path) -> list[dict]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -13,23 +12,15 @@ from pathlib import Path
 import pytest
 
 from hetctl.files.events import read_events
+from tests.sites import local_cli as cli
+from tests.sites import local_site
 
 pytestmark = pytest.mark.e2e
 
 
-def cli(d: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hetctl", *args], cwd=d, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "COLUMNS": "200"})
-
-
 @pytest.fixture
 def site(tmp_path):
-    from hetctl.cli import demo
-
-    inv = demo.write_inventory(tmp_path)
-    _, cluster = demo.probe_nodes(inv)
-    demo.plan_tiny(tmp_path, cluster)
-    return tmp_path
+    return local_site(tmp_path)
 
 
 def start_long_run(d: Path) -> tuple[subprocess.Popen, Path]:

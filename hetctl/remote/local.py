@@ -81,6 +81,17 @@ def command_env(node, env: Mapping[str, str] | None) -> dict[str, str]:
     return {**(node.env or {}), **(env or {})}
 
 
+def write_first(popen: subprocess.Popen, data: bytes) -> None:
+    """Write what a started command must read first (its environment line, its input); the pipe stays open."""
+    if not data:
+        return
+    try:
+        popen.stdin.write(data)
+        popen.stdin.flush()
+    except OSError:
+        pass  # it exited at once; its status and stderr tell the rest
+
+
 def _text(data: bytes | None) -> str:
     return (data or b"").decode("utf-8", errors="replace")
 
@@ -200,12 +211,7 @@ class LocalTransport:
             stderr=subprocess.PIPE,
             start_new_session=True,
         )
-        if prefix or input:
-            try:
-                popen.stdin.write(prefix + (input or b""))
-                popen.stdin.flush()
-            except OSError:
-                pass  # it exited at once; its status tells the rest
+        write_first(popen, prefix + (input or b""))
         return LocalProcess(popen)
 
     def put(self, data: bytes | Path, remote_path: str, mode: int = 0o644) -> None:

@@ -43,12 +43,12 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import IO, Mapping, Sequence
+from typing import Mapping, Sequence
 
 from hetctl.errors import HetctlError, RemoteError, Unreachable
 from hetctl.remote.base import Result
 from hetctl.remote.base import track, untrack
-from hetctl.remote.local import TIMEOUT_EXIT, command_env, env_on_stdin, finish, shell_command
+from hetctl.remote.local import TIMEOUT_EXIT, LocalProcess, command_env, env_on_stdin, finish, shell_command, write_first
 
 TERM_WAIT_S = 3.0  # after scancel --signal=TERM: the agent's own SIGTERM handling (its grace is spent already)
 KILL_WAIT_S = 5.0  # after scancel --signal=KILL, before the local srun is killed
@@ -149,30 +149,12 @@ def _with_node_state(err: Unreachable, node: str) -> Unreachable:
     return Unreachable(f"{err.message}; Slurm reports {node} {info.state}{why}", err.hint, node=node)
 
 
-class SlurmProcess:
-    """A started step: the local srun's pipes, plus the step's Slurm-side stop and kill."""
+class SlurmProcess(LocalProcess):
+    """A started step: the local srun's pipes (as a local command's), plus the step's Slurm-side stop and kill."""
 
     def __init__(self, popen: subprocess.Popen, node: str, job: str, step_name: str) -> None:
-        self._popen = popen
+        super().__init__(popen)
         self.node, self.job, self.step_name = node, job, step_name
-        self.pid = popen.pid
-        self.stdin: IO[bytes] = popen.stdin  # type: ignore[assignment]
-        self.stdout: IO[bytes] = popen.stdout  # type: ignore[assignment]
-        self.stderr: IO[bytes] = popen.stderr  # type: ignore[assignment]
-
-    def poll(self) -> int | None:
-        return self._popen.poll()
-
-    def wait(self, timeout: float | None = None) -> int:
-        """srun's exit code (the task's); raises :class:`subprocess.TimeoutExpired` when still running."""
-        return self._popen.wait(timeout)
-
-    def close_stdin(self) -> None:
-        """EOF to the task (srun forwards it): the agent's signal that the controller is gone."""
-        try:
-            self.stdin.close()
-        except OSError:
-            pass
 
     def _wait_exit(self, seconds: float) -> bool:
         try:
@@ -279,12 +261,7 @@ class SlurmTransport:
         ``input`` is written to its stdin first (after the environment line); the pipe stays open.
         """
         popen, name, prefix = self._popen(argv, env, cwd)
-        if prefix or input:
-            try:
-                popen.stdin.write(prefix + (input or b""))
-                popen.stdin.flush()
-            except OSError:
-                pass  # it exited at once; its status tells the rest
+        write_first(popen, prefix + (input or b""))
         return SlurmProcess(popen, self.node, self.job, name)
 
     def put(self, data: bytes | Path, remote_path: str, mode: int = 0o644) -> None:

@@ -38,7 +38,7 @@ from typing import IO, Mapping, Sequence
 from hetctl.errors import AuthFailed, HetctlError, RemoteError, Unreachable
 from hetctl.remote import sshconfig
 from hetctl.remote.base import Result, track, untrack
-from hetctl.remote.local import TIMEOUT_EXIT, command_env, env_on_stdin, finish, shell_command
+from hetctl.remote.local import TIMEOUT_EXIT, command_env, env_on_stdin, finish, shell_command, write_first
 from hetctl.remote.ssherrors import classify
 
 CONTROL_PERSIST_S = 60  # an idle master outlives a crashed hetctl by this long, no longer
@@ -295,12 +295,7 @@ class SshTransport:
             Unreachable, AuthFailed, HostKeyMismatch: the command could not be started.
         """
         popen, prefix = self._popen(argv, env, cwd)
-        if prefix or input:
-            try:
-                popen.stdin.write(prefix + (input or b""))
-                popen.stdin.flush()
-            except OSError:
-                pass  # it exited at once; what it said comes below
+        write_first(popen, prefix + (input or b""))
         pid, early = self._await_marker(popen)
         if pid is None:
             popen.kill()
