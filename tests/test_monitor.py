@@ -139,7 +139,7 @@ def test_crash_is_a_rank_failed_event_and_the_root_cause(plan, spec, tmp_path):
     out = mon.outcome(RunState.FAILED)
     assert [(f.kind, f.rank) for f in out.failures] == [(FaultKind.CRASH, 2), (FaultKind.CRASH, 1)]
     assert out.root_cause.reason == "exit code 1" and out.failures[1].reason == "killed by SIGKILL"
-    mon._close_logs()
+    mon.logs.close()
     assert out.root_cause.log_tail.endswith("Traceback: boom")
     assert [e["rank"] for e in read_events(run.events_path, "rank_failed")] == [2, 1]
 

@@ -1,4 +1,7 @@
-"""``hetctl plan --calibrate RUN_DIR``: the cluster facts a finished run measured, to plan from.
+"""Predicted against measured: each attempt compared with its plan, and ``hetctl plan --calibrate RUN_DIR``.
+
+:func:`compare` turns an attempt's outcome into the ``measured`` event; :func:`calibrate`
+turns a run's newest one into the cluster facts to plan from.
 
 Each attempt that trained wrote a ``measured`` event: per stage, the compute time
 per step the plan predicted and the one the heartbeats reported. A node whose
@@ -18,10 +21,11 @@ from pathlib import Path
 
 from hetctl.errors import ConfigError, HetctlError
 from hetctl.files.cluster import Cluster
-from hetctl.files.events import Measured, parse_event, read_events
+from hetctl.files.events import Measured, StageMeasured, parse_event, read_events
 from hetctl.files.plan import Plan
 from hetctl.files.run import RunDir
 from hetctl.files.yamlio import load_model
+from hetctl.launch.outcome import AttemptOutcome
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,34 @@ class Calibration:
     def note(self) -> str:
         nodes = ", ".join(f"{n} ×{f:.3g}" for n, f in sorted(self.factors.items()))
         return f"calibrated on run {self.run_id} attempt {self.attempt}: speeds measured against the plan: {nodes}"
+
+
+def compare(plan: Plan, outcome: AttemptOutcome, attempt: int) -> Measured | None:
+    """The attempt's measured stage compute and step times against the plan's; None when it trained no step.
+
+    Predicted per stage: ``est_ms`` (one micro-batch, forward + backward) × the plan's
+    micro-batches. Measured: the mean ``compute_ms`` the stage's heartbeats reported
+    (warm-up step left out). The step: the plan's simulated step time against
+    tokens/s measured over the attempt.
+    """
+    if not outcome.stage_step_ms:
+        return None
+    m = plan.parallel.micro_batches
+    stages = []
+    for s in plan.stages:
+        got = outcome.stage_step_ms.get((s.replica, s.stage))
+        want = s.est_ms * m
+        if got is None or want <= 0:
+            continue
+        stages.append(StageMeasured(replica=s.replica, stage=s.stage, node=s.node, predicted_ms=round(want, 4),
+                                    measured_ms=round(got, 4), ratio=round(got / want, 4)))
+    step_pred = plan.estimate.step_time_s
+    step_meas = None
+    if outcome.tokens_per_s:
+        step_meas = plan.parallel.global_batch * plan.model.seq_len / outcome.tokens_per_s
+    ratio = round(step_meas / step_pred, 4) if step_meas and step_pred else None
+    return Measured(attempt=attempt, step_s_predicted=step_pred,
+                    step_s_measured=round(step_meas, 6) if step_meas else None, step_ratio=ratio, stages=stages)
 
 
 def node_factors(measured: Measured) -> dict[str, float]:

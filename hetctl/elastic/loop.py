@@ -36,12 +36,12 @@ from hetctl.files.events import (
     Listener,
     Measured,
     Rebalanced,
-    StageMeasured,
     ReplanLayout,
     Stopped,
 )
 from hetctl.files.plan import Plan
 from hetctl.files.run import RunDir, RunInfo, RunSummary
+from hetctl.elastic.calibrate import compare
 from hetctl.elastic.policy import Decision, PolicyConfig, Tally, describe, run_loop
 from hetctl.elastic.replan import layer_split, load_cluster, replan
 from hetctl.elastic.straggler import StragglerHook, StragglerWatch, layout_of, predicted_gain, speed_factors
@@ -123,34 +123,6 @@ def latest_checkpoint(ckpt_dir: str | Path, model: dict, emit: Callable[[Event],
         return None
     found = ckpt.latest_valid(ckpt_dir, ckpt.model_digest(model), on_skip=skipped)
     return found[0] if found else None
-
-
-def compare(plan: Plan, outcome: AttemptOutcome, attempt: int) -> Measured | None:
-    """The attempt's measured stage compute and step times against the plan's; None when it trained no step.
-
-    Predicted per stage: ``est_ms`` (one micro-batch, forward + backward) × the plan's
-    micro-batches. Measured: the mean ``compute_ms`` the stage's heartbeats reported
-    (warm-up step left out). The step: the plan's simulated step time against
-    tokens/s measured over the attempt.
-    """
-    if not outcome.stage_step_ms:
-        return None
-    m = plan.parallel.micro_batches
-    stages = []
-    for s in plan.stages:
-        got = outcome.stage_step_ms.get((s.replica, s.stage))
-        want = s.est_ms * m
-        if got is None or want <= 0:
-            continue
-        stages.append(StageMeasured(replica=s.replica, stage=s.stage, node=s.node, predicted_ms=round(want, 4),
-                                    measured_ms=round(got, 4), ratio=round(got / want, 4)))
-    step_pred = plan.estimate.step_time_s
-    step_meas = None
-    if outcome.tokens_per_s:
-        step_meas = plan.parallel.global_batch * plan.model.seq_len / outcome.tokens_per_s
-    ratio = round(step_meas / step_pred, 4) if step_meas and step_pred else None
-    return Measured(attempt=attempt, step_s_predicted=step_pred,
-                    step_s_measured=round(step_meas, 6) if step_meas else None, step_ratio=ratio, stages=stages)
 
 
 def _bottleneck_ms(outcome: AttemptOutcome) -> float | None:

@@ -24,12 +24,12 @@ import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
-from hetctl.files.events import EventLog, NodeLost, ProcessesLeft, open_append, Progress, RankFailed, StageProgress
+from hetctl.files.events import EventLog, NodeLost, ProcessesLeft, Progress, RankFailed, StageProgress
 from hetctl.launch.outcome import CAUSE_ORDER, AttemptOutcome, FailureRecord, FaultKind, RunState, classify
 from hetctl.files.run import RunDir
+from hetctl.launch.ranklogs import RankLogs
 
 class RankState(str, enum.Enum):
     """What the controller believes of one rank (transitions in the module docstring)."""
@@ -111,13 +111,13 @@ class Monitor:
         for r in plan.ranks:
             s = stage[(r.replica, r.stage)]
             self.ranks[r.rank] = RankStatus(r.rank, r.node, s.vendor, r.replica, r.stage, tuple(s.layers))
-        self.node_log_paths = {x.rank: x.log for n in spec.nodes for x in n.ranks} if spec else {}
+        self.logs = RankLogs(run, attempt, {r.rank: r.node for r in plan.ranks},
+                             {x.rank: x.log for n in spec.nodes for x in n.ranks} if spec else {})
         self.node_state: dict[str, str] = {n: "starting" for n in dict.fromkeys(r.node for r in plan.ranks)}
         self.last_seen: dict[str, float] = {}
         self.stopped_nodes: set[str] = set()
         self.failures: list[FailureRecord] = []
         self.started_at = clock()
-        self._logs: dict[int, Any] = {}
         self._stopping = False
         self._lost_tail: Callable[[str], str] | None = None
         # One representative rank per (replica, stage) feeds the stage timings (TP peers agree).
@@ -184,7 +184,7 @@ class Monitor:
         for st in self.ranks.values():
             if st.state in LIVE:
                 st.state = RankState.STOPPED
-        self._close_logs()
+        self.logs.close()
         if self.on_update:
             self.on_update(self.snapshot())
 
@@ -203,11 +203,12 @@ class Monitor:
             st = self.ranks.get(int(msg["rank"]))
             if st:
                 st.state, st.pid, st.progress_at = RankState.RUNNING, msg.get("pid"), now
-                self._log_file(st.rank)  # every rank has its log, even one that prints nothing
+                self.logs.file(st.rank)  # every rank has its log, even one that prints nothing
         elif ev == "heartbeat":
             self._heartbeat(int(msg["rank"]), msg.get("hb") or {}, now)
         elif ev == "log":
-            self._log(int(msg["rank"]), msg.get("lines") or [], int(msg.get("dropped") or 0))
+            if int(msg["rank"]) in self.ranks:
+                self.logs.write(int(msg["rank"]), msg.get("lines") or [], int(msg.get("dropped") or 0))
         elif ev == "alive":
             for r, letter in (msg.get("ranks") or {}).items():
                 if int(r) in self.ranks:
@@ -329,46 +330,6 @@ class Monitor:
         text = self._lost_tail(node) if self._lost_tail else ""
         return f": {text.splitlines()[-1]}" if text else ""
 
-    def _log_file(self, rank: int):
-        """The rank's log in the run folder, opened (and headed) on first use; all attempts append."""
-        f = self._logs.get(rank)
-        if f is None:
-            st = self.ranks[rank]
-            path = self.run_dir.log_path(st.node, rank)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            if path.parent.is_symlink():
-                raise OSError(f"{path.parent}: a symbolic link in the run folder")
-            f = self._logs[rank] = open_append(path)  # closed in drain()
-            f.write(f"==> hetctl attempt {self.attempt}, rank {rank} on {st.node} <==\n")
-            f.flush()
-        return f
-
-    def _log(self, rank: int, lines: list[str], dropped: int) -> None:
-        st = self.ranks.get(rank)
-        if st is None:
-            return
-        f = self._log_file(rank)
-        for line in lines:
-            f.write(line + "\n")
-        if dropped:
-            where = self.node_log_paths.get(rank, "the node's workdir")
-            f.write(f"[hetctl: {dropped} lines over the agent's rate limit not copied; full log on {st.node}: "
-                    f"{where}]\n")
-        f.flush()
-
-    def _close_logs(self) -> None:
-        for f in self._logs.values():
-            f.close()
-        self._logs.clear()
-
-    def log_tail(self, rank: int, n: int = 20) -> str:
-        st = self.ranks[rank]
-        try:
-            lines = Path(self.run_dir.log_path(st.node, rank)).read_text(errors="replace").splitlines()
-        except OSError:
-            return ""
-        return "\n".join(lines[-n:])
-
     # -- progress and outcome ----------------------------------------------------
     def progress(self, now: float, force: bool = False) -> None:
         if self.on_update:
@@ -395,7 +356,7 @@ class Monitor:
     def outcome(self, state: RunState, failures: list[FailureRecord] | None = None) -> AttemptOutcome:
         """The attempt's :class:`AttemptOutcome`; lost nodes first (they explain peers' crashes)."""
         fails = list(failures if failures is not None else self.failures)
-        fails = [replace(f, log_tail=self.log_tail(f.rank)) if f.rank is not None and not f.log_tail else f
+        fails = [replace(f, log_tail=self.logs.tail(f.rank)) if f.rank is not None and not f.log_tail else f
                  for f in fails]
         fails = [classify(f) for f in fails]  # now that the logs are complete: set-up and storage errors
         fails.sort(key=lambda f: CAUSE_ORDER.get(f.kind, 2))  # the cause first; stable: time order otherwise
