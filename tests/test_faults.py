@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -63,3 +64,60 @@ def test_a_full_checkpoint_disk_stops_cleanly_naming_the_disk(site):
         assert "restart" not in kinds and "node_abnormal" not in kinds
     finally:
         subprocess.run(["umount", "-l", str(ck)], check=False)
+
+
+PLAIN_TRAINER = '''
+# A torchrun-style script that knows nothing of hetctl: the rank contract's variables, gloo, and
+# Megatron's own log line every step.
+import os, time
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+steps = int(os.environ.get("HETCTL_STEPS", "1000"))
+x = torch.ones(4)
+for it in range(1, steps + 1):
+    t0 = time.time()
+    dist.all_reduce(x)
+    x /= dist.get_world_size()
+    time.sleep(0.05)
+    ms = (time.time() - t0) * 1000
+    print(f" iteration {it:8d}/{steps:8d} | consumed samples: {it * 8:12d} | elapsed time per iteration (ms): "
+          f"{ms:.1f} | learning rate: 3.000E-04 | global batch size:     8 | lm loss: {5.0 / it:.6E} |", flush=True)
+dist.destroy_process_group()
+'''
+
+
+def test_an_unmodified_torchrun_script_is_watched_through_its_log_lines(site):
+    """--progress megatron: a SIGSTOPped rank of a script that writes no heartbeat is found as a hang."""
+    import signal
+    import time
+
+    from hetctl.launch.inject import rank_procs
+
+    (site / "train_plain.py").write_text(PLAIN_TRAINER)
+    proc = subprocess.Popen([sys.executable, "-m", "hetctl", "launch", "plan", "--run-dir", "runs", "--steps", "100000",
+                             "--entry", str(site / "train_plain.py"), "--progress", "megatron", "--hang-timeout", "6",
+                             "--max-restarts", "0", "--json"], cwd=site, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            runs = list((site / "runs").glob("*/events.jsonl"))
+            if runs and any(e["kind"] == "progress" and e.get("step", 0) >= 5 for e in read_events(runs[0])):
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError("no progress read from the script's log lines")
+        run_id = runs[0].parent.name
+        victim = next(p for p in rank_procs(run_id) if p.rank == 1)
+        os.kill(victim.pid, signal.SIGSTOP)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 5, err
+    failed = [e for e in story(site) if e["kind"] == "rank_failed"]
+    assert failed and failed[0]["rank"] == 1 and "hang" in failed[0]["reason"] and "SIGSTOP" in failed[0]["reason"]
+    progress = [e for e in read_events(runs[0]) if e["kind"] == "progress"]
+    assert any(e.get("loss") is not None for e in progress)  # the loss came from `lm loss:` too

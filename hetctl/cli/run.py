@@ -43,6 +43,10 @@ def launch_cmd(
     node_timeout: float = NODE_TIMEOUT_OPT,
     max_node_failures: int = MAX_NODE_FAILURES_OPT,
     rebalance: bool = REBALANCE_OPT,
+    progress: str | None = typer.Option(None, "--progress", help="For scripts that write no heartbeat: read each "
+                                        "rank's steps from its output: megatron, deepspeed, or a regular expression "
+                                        "with a (?P<step>…) group (and optional loss, step_ms); hang detection and "
+                                        "the live view then work on it."),
     allow_mixed_software: bool = typer.Option(False, "--allow-mixed-software",
                                               help="Launch even when the nodes' torch major.minor versions differ "
                                                    "(the pre-flight reads them on every node)."),
@@ -52,11 +56,12 @@ def launch_cmd(
     from hetctl.launch.controller import Thresholds
 
     words = launcher.parse_entry(entry)
+    progress = launcher.parse_progress(progress)
     plan, inv, pf = launcher.load_plan_and_inventory(plan_dir, inventory, entry=words)
     if dry_run:
         ssh = launcher.ssh_settings(plan, inv)
         spec = launcher.dry_run(plan, inv, steps=steps, checkpoint_every=checkpoint_every, run_root=run_dir,
-                                master_port=master_port, entry=words, ssh=ssh)
+                                master_port=master_port, entry=words, ssh=ssh, progress=progress)
         if json_out:
             import json
 
@@ -73,7 +78,7 @@ def launch_cmd(
         plan, inv, run_root=run_dir, plan_path=pf, steps=steps, checkpoint_every=checkpoint_every, entry=words,
         policy=_policy(max_restarts, max_node_failures, rebalance),
         thresholds=Thresholds(grace_s=grace, hang_timeout=hang_timeout, node_timeout=node_timeout),
-        allow_mixed_software=allow_mixed_software,
+        allow_mixed_software=allow_mixed_software, progress=progress,
     )
     _finish_launch(_run_live(prepared), json_out)
 

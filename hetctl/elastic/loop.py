@@ -236,7 +236,7 @@ class ElasticRun:
         req = AttemptRequest(plan=plan, attempt=attempt, steps=info.inputs.steps,
                              checkpoint_every=info.inputs.checkpoint_every, ckpt_dir=info.inputs.checkpoint_dir,
                              resume_step=step or 0, entry=tuple(info.inputs.entry),
-                             allow_mixed_software=info.inputs.allow_mixed_software)
+                             allow_mixed_software=info.inputs.allow_mixed_software, progress=info.inputs.progress)
         hook = self._hook(attempt, plan)
         kwargs: dict[str, Any] = {"inventory": p.inventory, "run": p.run, "events": self.events,
                                   "thresholds": p.thresholds, "on_progress": hook, "on_update": self.on_update,

@@ -48,6 +48,26 @@ def parse_entry(entry: str | None) -> tuple[str, ...]:
     return words
 
 
+def parse_progress(value: str | None) -> str | None:
+    """``--progress``: a preset (``megatron``, ``deepspeed``) or a regular expression with a ``(?P<step>…)`` group."""
+    import re
+
+    from hetctl.node.progress import PRESETS
+
+    if not value or value in PRESETS:
+        return value or None
+    try:
+        pattern = re.compile(value)
+    except re.error as e:
+        raise ConfigError(f"--progress {value!r}: not a regular expression: {e}",
+                          f"use a preset ({', '.join(PRESETS)}) or a pattern like 'step (?P<step>\\d+) loss (?P<loss>\\S+)'") \
+            from None
+    if "step" not in pattern.groupindex:
+        raise ConfigError(f"--progress {value!r}: the pattern has no (?P<step>…) group",
+                          "name the step number's group `step`; `loss` and `step_ms` are optional")
+    return value
+
+
 def load_plan_and_inventory(plan_dir: str | Path, inventory: str | Path | None = None,
                             entry: tuple[str, ...] = mat.REFERENCE_TRAINER) -> tuple[Plan, Any, Path]:
     """The plan, the inventory it runs on (``-i`` wins over the plan's own), and the plan file.
@@ -132,7 +152,7 @@ def ssh_settings(plan: Plan, inventory: Any) -> dict[str, Any]:
 
 def dry_run(plan: Plan, inventory: Any, *, steps: int, checkpoint_every: int, run_root: str | Path,
             master_port: int | None = None, entry: tuple[str, ...] = mat.REFERENCE_TRAINER,
-            ssh: dict[str, Any] | None = None) -> mat.LaunchSpec:
+            ssh: dict[str, Any] | None = None, progress: str | None = None) -> mat.LaunchSpec:
     """The first attempt as it would run, without contacting any node.
 
     Launch-time values that only the nodes can give appear as placeholders: the
@@ -149,7 +169,7 @@ def dry_run(plan: Plan, inventory: Any, *, steps: int, checkpoint_every: int, ru
         plan, {n.name: n for n in inventory.nodes}, run_id=rid, attempt=0,
         master_addr=mat.master_address(node0, dialled),
         master_port=master_port or mat.PORT_AT_LAUNCH.format(node=rank0),
-        steps=steps, checkpoint_every=checkpoint_every, ckpt_dir=ckpt, entry=entry,
+        steps=steps, checkpoint_every=checkpoint_every, ckpt_dir=ckpt, entry=entry, progress=progress,
     )
 
 
@@ -181,7 +201,7 @@ def stop_on_signals() -> Iterator[threading.Event]:
 
 def new_run(plan: Plan, inventory: Any, *, run_root: str | Path, plan_path: Path | None, steps: int,
             checkpoint_every: int, entry: tuple[str, ...] = mat.REFERENCE_TRAINER,
-            allow_mixed_software: bool = False) -> tuple[RunDir, RunInfo]:
+            allow_mixed_software: bool = False, progress: str | None = None) -> tuple[RunDir, RunInfo]:
     """Create ``runs/<id>/`` with its first ``run.yaml``."""
     import time
 
@@ -197,6 +217,7 @@ def new_run(plan: Plan, inventory: Any, *, run_root: str | Path, plan_path: Path
             command=["hetctl", *sys.argv[1:]],
             entry=list(entry),
             allow_mixed_software=allow_mixed_software,
+            progress=progress,
         ),
     )
     run.save_info(info)
@@ -206,9 +227,10 @@ def new_run(plan: Plan, inventory: Any, *, run_root: str | Path, plan_path: Path
 def prepare_launch(plan: Plan, inventory: Any, *, run_root: str | Path, plan_path: Path | None, steps: int,
                    checkpoint_every: int, entry: tuple[str, ...] = mat.REFERENCE_TRAINER,
                    policy: PolicyConfig | None = None, thresholds: Thresholds | None = None,
-                   allow_mixed_software: bool = False) -> Prepared:
+                   allow_mixed_software: bool = False, progress: str | None = None) -> Prepared:
     """A new run folder and the :class:`Prepared` run of ``hetctl launch`` (nothing started)."""
     run, info = new_run(plan, inventory, run_root=run_root, plan_path=plan_path, steps=steps,
-                        checkpoint_every=checkpoint_every, entry=entry, allow_mixed_software=allow_mixed_software)
+                        checkpoint_every=checkpoint_every, entry=entry, allow_mixed_software=allow_mixed_software,
+                        progress=progress)
     return Prepared(run=run, info=info, inventory=inventory, plan=plan, policy=policy or PolicyConfig(),
                     thresholds=thresholds or Thresholds(), plan_file=plan_path, lock=run.lock())

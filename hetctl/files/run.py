@@ -45,6 +45,7 @@ class RunInputs(_Strict):
     entry: list[str] = Field(default_factory=lambda: ["-m", "hetctl.train"],
                              description="what each rank runs after the node's python")
     allow_mixed_software: bool = Field(False, description="launch even when the nodes' torch major.minor differ")
+    progress: str | None = Field(None, description="preset or pattern the agents read steps from in rank output")
 
 
 class RunSummary(_Strict):

@@ -78,6 +78,7 @@ class AttemptRequest:
     master_port: int | None = None
     entry: tuple[str, ...] = mat.REFERENCE_TRAINER
     allow_mixed_software: bool = False
+    progress: str | None = None
 
 
 class _Agent:
@@ -303,7 +304,7 @@ class AttemptController:
             plan, self.nodes, run_id=self.run_dir.run_id, attempt=self.req.attempt, master_addr=master_addr,
             master_port=port, steps=self.req.steps, checkpoint_every=self.req.checkpoint_every,
             resume_step=self.req.resume_step, ckpt_dir=self.req.ckpt_dir, workdirs=workdirs,
-            pythonpath=pythonpath, entry=self.req.entry,
+            pythonpath=pythonpath, entry=self.req.entry, progress=self.req.progress,
         )
         by_name = {n.node: n for n in self.spec.nodes}
         zipapp, plan_bytes = mat.agent_zipapp(), mat.plan_json(plan)

@@ -55,11 +55,15 @@ class RankLaunch:
     env: dict[str, str]
     log: str
     heartbeat: str
+    progress: str | None = None  # a pattern (or preset) read from the rank's output: hetctl.node.progress
 
     def wire(self, cwd: str) -> dict[str, Any]:
         """The rank's entry in the agent's ``start`` command."""
-        return {"rank": self.rank, "argv": list(self.argv), "env": dict(self.env), "cwd": cwd,
+        wire = {"rank": self.rank, "argv": list(self.argv), "env": dict(self.env), "cwd": cwd,
                 "log": self.log, "heartbeat": self.heartbeat}
+        if self.progress:
+            wire["progress"] = self.progress
+        return wire
 
 
 @dataclass(frozen=True)
@@ -137,6 +141,7 @@ def materialize(
     workdirs: Mapping[str, str] | None = None,
     pythonpath: Mapping[str, str] | None = None,
     entry: Sequence[str] = REFERENCE_TRAINER,
+    progress: str | None = None,
 ) -> LaunchSpec:
     """Build the exact launch of one attempt (pure: no network, no files).
 
@@ -153,6 +158,8 @@ def materialize(
         pythonpath: per node, a ``PYTHONPATH`` for the ranks (the shipped zipapp, on nodes
             without hetctl installed, so a user's script can ``import hetctl.node.runtime``).
         entry: what follows the node's python in each rank's argv.
+        progress: a preset (``megatron``, ``deepspeed``) or pattern the agent reads steps from
+            in each rank's output, for scripts that write no heartbeat.
 
     Raises:
         hetctl.errors.ConfigError: the plan names a node the inventory lacks.
@@ -193,7 +200,7 @@ def materialize(
                 rank=r.rank, node=name, replica=r.replica, stage=r.stage, local_rank=r.local_rank,
                 layers=tuple(stage_of[(r.replica, r.stage)].layers),
                 argv=(node.python, *entry, *trainer_args), env=env,
-                log=f"{base}/logs/rank-{r.rank}.log", heartbeat=hb,
+                log=f"{base}/logs/rank-{r.rank}.log", heartbeat=hb, progress=progress,
             ))
         out.append(NodeLaunch(
             node=name, host=node.host, transport=node.transport, python=node.python, workdir=workdir,

@@ -33,12 +33,15 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+
+from hetctl.node.progress import LineProgress
 
 try:  # optional: only to catch descendants that escaped the rank's process group
     import psutil  # type: ignore[import-not-found]
@@ -134,6 +137,11 @@ class RankProc:
         self._budget = float(LOG_BUDGET_BYTES_PER_S)
         self._refill = time.monotonic()
         self._lock = threading.Lock()
+        try:
+            self.progress = LineProgress(spec["progress"]) if spec.get("progress") else None
+        except (ValueError, re.error):
+            self.progress = None  # the controller checked the pattern; a bad one only loses log progress
+        self.from_log = None  # the newest heartbeat read from the rank's output (see hetctl.node.progress)
         self.pump = threading.Thread(target=self._pump, name=f"log-{self.rank}", daemon=True)
         self.pump.start()
 
@@ -148,7 +156,10 @@ class RankProc:
             except (OSError, ValueError):
                 pass
             text = raw.decode(errors="replace").rstrip("\n")[:LOG_LINE_MAX]
+            hb = self.progress.feed(text) if self.progress is not None else None
             with self._lock:
+                if hb is not None:
+                    self.from_log = hb
                 now = time.monotonic()
                 self._budget = min(LOG_BUDGET_BYTES_PER_S, self._budget + (now - self._refill) * LOG_BUDGET_BYTES_PER_S)
                 self._refill = now
@@ -309,6 +320,10 @@ class Agent:
 
     def poll_heartbeats(self, only: RankProc | None = None) -> None:
         for rp in [only] if only else list(self.ranks.values()):
+            with rp._lock:
+                from_log, rp.from_log = rp.from_log, None
+            if from_log is not None and rp.hb_mtime == 0:  # a heartbeat file, once written, is the precise path
+                self.emit("heartbeat", rank=rp.rank, hb=from_log)
             if not rp.heartbeat:
                 continue
             try:
