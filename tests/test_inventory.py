@@ -97,7 +97,7 @@ def test_unknown_key_names_file_line_and_key_path(tmp_path):
             prot: 22
     """)
     e = error_of(p)
-    assert e.message == f"{p}:4: nodes[1].prot: unknown key"
+    assert e.message == f"{p}:4: nodes[1].prot: unknown key, did you mean port?"
     assert e.hint
 
 
@@ -109,7 +109,7 @@ def test_unknown_key_in_ssh_block(tmp_path):
         nodes:
           - host: a
     """)
-    assert error_of(p).message == f"{p}:3: ssh.timeout: unknown key"
+    assert error_of(p).message == f"{p}:3: ssh.timeout: unknown key, did you mean connect_timeout?"
 
 
 @pytest.mark.parametrize(

@@ -45,11 +45,14 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, ValidationError, model_validator
 
 from hetctl.errors import ConfigError
-from hetctl.files.yamlio import _line_of, format_loc, read_yaml, validation_error
+from hetctl.files.fields import NoNul, Text, Tflops, host_problem, node_name_problem
+from hetctl.files.yamlio import _line_of, format_loc, located_error, read_yaml, validation_error
 
 DEFAULT_WORKDIR = "~/.hetctl"
 DEFAULT_SSH_CONFIG = "~/.ssh/config"  # kept as written: ssh reads it (and the system file) itself
-_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._:-]*$")
+# All ranges of a file together: checked before anything is expanded, so that
+# `gpu-[1-99999],cpu-[1-99999],…` costs nothing to refuse.
+MAX_NODES = 100_000
 
 
 def _scalar_to_str(value: Any) -> Any:
@@ -61,7 +64,8 @@ def _scalar_to_str(value: Any) -> Any:
     return value
 
 
-Scalar = Annotated[str, BeforeValidator(_scalar_to_str)]
+Scalar = Annotated[NoNul, BeforeValidator(_scalar_to_str)]
+Label = Annotated[Text, BeforeValidator(_scalar_to_str)]
 EnvName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
 TransportName = Literal["ssh", "local", "slurm"]
 
@@ -73,11 +77,11 @@ class _Strict(BaseModel):
 class SshSettings(_Strict):
     """The ``ssh:`` block. After loading, paths are absolute (or ``None``)."""
 
-    config: str | None = Field(
+    config: Text | None = Field(
         default=DEFAULT_SSH_CONFIG,
         description="OpenSSH client config to honour (default: what ssh reads itself); null to read none",
     )
-    known_hosts: str | None = Field(
+    known_hosts: Text | None = Field(
         default=None, description="host keys to verify against, added (first) to the user's UserKnownHostsFile list"
     )
     host_key_policy: Literal["strict", "accept-new"] | None = Field(
@@ -85,34 +89,35 @@ class SshSettings(_Strict):
         description="StrictHostKeyChecking yes / accept-new (unset: ssh_config, else strict). Changed keys are always refused.",
     )
     connect_timeout: float | None = Field(
-        default=None, gt=0, description="ConnectTimeout in seconds (unset: ssh_config, else 10)"
+        default=None, gt=0, le=3600, allow_inf_nan=False, description="ConnectTimeout in seconds (unset: ssh_config, else 10)"
     )
     keepalive: float | None = Field(
-        default=None, ge=0, description="ServerAliveInterval in seconds, 0 off (unset: ssh_config, else 5)"
+        default=None, ge=0, le=3600, allow_inf_nan=False,
+        description="ServerAliveInterval in seconds, 0 off (unset: ssh_config, else 5)",
     )
-    fanout: int = Field(default=64, ge=1, description="how many nodes are contacted at once")
+    fanout: int = Field(default=64, ge=1, le=4096, description="how many nodes are contacted at once")
 
 
 class NodeDefaults(_Strict):
     """Keys allowed under ``defaults:`` and on every node (where the node's value wins)."""
 
-    user: str | None = None
+    user: Text | None = None
     port: int | None = Field(default=None, ge=1, le=65535)
-    identity_file: str | None = None
-    proxy_jump: str | None = Field(default=None, description="like ssh -J; 'none' disables the ssh config's ProxyJump")
-    python: str | None = None
-    workdir: str | None = None
+    identity_file: Text | None = None
+    proxy_jump: Text | None = Field(default=None, description="like ssh -J; 'none' disables the ssh config's ProxyJump")
+    python: Text | None = None
+    workdir: Text | None = None
     env: dict[EnvName, Scalar] | None = None
-    labels: dict[str, Scalar] | None = None
+    labels: dict[Text, Label] | None = None
     transport: TransportName | None = None
-    tflops: float | None = Field(default=None, gt=0, description="per-chip TFLOPS; wins over spec and measurement")
+    tflops: Tflops | None = Field(default=None, description="per-chip TFLOPS; wins over spec and measurement")
 
 
 class NodeEntry(NodeDefaults):
     """One item of ``nodes:`` as written; ``host`` and ``name`` may hold ranges."""
 
-    host: str = Field(min_length=1)
-    name: str | None = None
+    host: Text = Field(min_length=1)
+    name: Text | None = None
 
 
 class SlurmSettings(_Strict):
@@ -137,7 +142,7 @@ class InventoryFile(_Strict):
 
     defaults: NodeDefaults = Field(default_factory=NodeDefaults)
     ssh: SshSettings = Field(default_factory=SshSettings)
-    checkpoint_dir: str | None = None
+    checkpoint_dir: Text | None = None
     slurm: SlurmSettings | None = None
     nodes: list[NodeEntry] = Field(min_length=1)
 
@@ -237,12 +242,49 @@ def _node_workdir(value: str, transport: str, base: Path, loc: tuple[Any, ...]) 
     return "~/" + value
 
 
+def count_hostlist(pattern: str) -> int:
+    """How many names ``pattern`` expands to at most, without expanding it.
+
+    Follows python-hostlist's syntax (top-level commas, ``[lo-hi,n,…]`` groups
+    multiplied within one item); a malformed part counts as one name and is left
+    for :func:`_expand` to report. A bound with more than 18 digits counts as
+    more than :data:`MAX_NODES`.
+    """
+    total, depth, part = 0, 0, ""
+    for c in pattern + ",":
+        if c == "," and depth == 0:
+            total += _count_item(part)
+            part = ""
+            continue
+        part += c
+        depth += {"[": 1, "]": -1}.get(c, 0)
+    return total + (_count_item(part) if part else 0)
+
+
+def _count_item(item: str) -> int:
+    if not item:
+        return 0
+    n = 1
+    for group in re.findall(r"\[([^\]]*)\]", item):
+        size = 0
+        for r in group.split(","):
+            m = re.fullmatch(r"([0-9]+)-([0-9]+)", r)
+            if m is None:
+                size += 1
+            elif max(len(m[1]), len(m[2])) > 18:
+                size += MAX_NODES + 1
+            else:
+                size += max(1, int(m[2]) - int(m[1]) + 1)
+        n *= size
+    return n
+
+
 def _expand(pattern: str, loc: tuple[Any, ...]) -> list[str]:
     import hostlist
 
     try:
         out = hostlist.expand_hostlist(pattern)
-    except hostlist.BadHostlist as e:
+    except (hostlist.BadHostlist, ValueError) as e:
         raise _LocatedError(loc, f"bad host range {pattern!r}: {e}", "write ranges like gpu-[01-16] or 10.0.0.[1-4]") from None
     if not out:
         raise _LocatedError(loc, f"{pattern!r} names no host")
@@ -253,9 +295,17 @@ def _resolve_nodes(f: InventoryFile, base: Path, slurm_job: str | None = None) -
     defaults = f.defaults.model_dump(exclude_none=True)
     nodes: list[Node] = []
     first_seen: dict[str, tuple[Any, ...]] = {}
+    total = 0
     for i, entry in enumerate(f.nodes):
         if f.slurm is not None and entry.host == "<slurm>":
             continue
+        total += max(count_hostlist(entry.host), count_hostlist(entry.name or ""))
+        if total > MAX_NODES:
+            raise _LocatedError(
+                ("nodes", i, "host"),
+                f"the ranges up to here name {total:,} nodes; an inventory may list at most {MAX_NODES:,}",
+                "check the ranges for a typo such as [1-10000] for [1-100]",
+            )
         own = entry.model_dump(exclude_none=True, exclude={"host", "name"})
         merged = {**defaults, **own}
         for key in ("env", "labels"):
@@ -277,8 +327,9 @@ def _resolve_nodes(f: InventoryFile, base: Path, slurm_job: str | None = None) -
             merged["identity_file"] = _local_path(merged["identity_file"], base)
         workdir = _node_workdir(merged.pop("workdir", DEFAULT_WORKDIR), transport, base, ("nodes", i, "workdir"))
         for name, host in zip(names, hosts):
-            if not _NAME_RE.match(name):
-                raise _LocatedError(name_loc, f"node name {name!r} may hold only letters, digits, '.', '_', ':' and '-'")
+            for problem, loc in ((node_name_problem(name), name_loc), (host_problem(host), ("nodes", i, "host"))):
+                if problem:
+                    raise _LocatedError(loc, problem, "node names and hosts must be hostnames or addresses")
             if name in first_seen:
                 raise _LocatedError(
                     name_loc,
@@ -294,7 +345,11 @@ def _resolve_nodes(f: InventoryFile, base: Path, slurm_job: str | None = None) -
             else:
                 # A local node runs as whoever runs hetctl; ssh coordinates do not apply.
                 fields.update(hostname=host, user=getpass.getuser(), port=22, identity_file=None, proxy_jump=None)
-            nodes.append(Node(name=name, host=host, transport=transport, workdir=workdir, **fields))
+            try:
+                nodes.append(Node(name=name, host=host, transport=transport, workdir=workdir, **fields))
+            except ValidationError as e:  # a merged value the file models let through
+                first = e.errors()[0]
+                raise _LocatedError(name_loc, f"node {name}: {format_loc(tuple(first['loc']))}: {first['msg']}") from None
     return nodes
 
 
@@ -369,14 +424,12 @@ def load_inventory(path: str | Path) -> Inventory:
     p = Path(path)
     data, root = read_yaml(p, "inventory")
     if data is None:
-        raise ConfigError(f"{p}: inventory is empty", "list at least one node under nodes:")
+        raise located_error(p, None, None, "inventory is empty", "list at least one node under nodes:")
     try:
         raw = InventoryFile.model_validate(data)
     except ValidationError as e:
-        raise validation_error(p, e, root) from None
+        raise validation_error(p, e, root, InventoryFile) from None
     try:
         return _resolve(raw, p.resolve().parent, p)
     except _LocatedError as e:
-        line = _line_of(root, e.loc)
-        where = f"{p}:{line}" if line else str(p)
-        raise ConfigError(f"{where}: {format_loc(e.loc)}: {e.msg}", e.hint) from None
+        raise located_error(p, _line_of(root, e.loc), format_loc(e.loc), e.msg, e.hint) from None

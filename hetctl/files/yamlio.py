@@ -3,13 +3,31 @@
 Every file is validated against its pydantic model on load. A validation error
 becomes one :class:`~hetctl.errors.ConfigError` line naming the file, the line
 and the key path (``inventory.yaml:12: nodes[2].port: …``).
+
+The files are read as hostile input: anything a user (or an attacker who can
+write the file) puts there ends as a valid load or as that one line, never as a
+traceback, a hang or a blow-up of memory. So, before any value is built:
+
+* the bytes must be UTF-8 and at most :data:`MAX_FILE_BYTES`;
+* anchors and aliases (``&a``/``*a``) are refused: hetctl writes none, and an
+  alias bomb (a "billion laughs") expands exponentially in whatever walks the
+  data; an inventory has ``defaults:`` for what aliases would share;
+* explicit tags (``!!int``, ``!!python/…``) are refused, and dates stay strings;
+* nesting deeper than :data:`MAX_DEPTH` is refused (libyaml's composer recurses
+  in C and would crash the interpreter on a deep enough file).
+
+A model may define ``check_consistency()``, raising :class:`Invalid` with a key
+path, for rules that span fields (layer ranges, rank tables); :func:`load_model`
+calls it after validation so every file of that kind is checked on load.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import tempfile
+import typing
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -20,13 +38,55 @@ from hetctl.errors import ConfigError
 
 M = TypeVar("M", bound=BaseModel)
 
+MAX_FILE_BYTES = 256 << 20  # a 100,000-node cluster file is about 120 MB
+MAX_DEPTH = 64  # hetctl's own files nest 5 deep
 
 # libyaml's parser when PyYAML was built with it: ten times faster on a 4096-node cluster file.
-_Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_BaseLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+class _Loader(_BaseLoader):  # type: ignore[misc, valid-type]
+    """The safe loader without implicit timestamps: ``2020-13-01`` is a string, not a crash in datetime."""
+
+    yaml_implicit_resolvers = {
+        first: [(tag, rx) for tag, rx in entries if tag != "tag:yaml.org,2002:timestamp"]
+        for first, entries in _BaseLoader.yaml_implicit_resolvers.items()
+    }
+
+
+class Invalid(Exception):
+    """A rule across fields is broken at ``loc`` (a key path); :func:`load_model` adds file and line."""
+
+    def __init__(self, loc: tuple[Any, ...], msg: str, hint: str | None = None) -> None:
+        super().__init__(msg)
+        self.loc, self.msg, self.hint = tuple(loc), msg, hint
+
+
+class _At(Exception):
+    """A problem at a YAML mark (0-based line), before any value exists."""
+
+    def __init__(self, line: int | None, msg: str, hint: str | None = None) -> None:
+        super().__init__(msg)
+        self.line, self.msg, self.hint = line, msg, hint
+
+
+def one_line(text: str) -> str:
+    """``text`` with every line break and control character escaped, so an error stays one line."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
+def located_error(path: str | Path, line: int | None, key: str | None, msg: str,
+                  hint: str | None = None) -> ConfigError:
+    """``FILE:LINE: KEY: MSG`` as one line (line and key left out where unknown)."""
+    where = f"{path}:{line}" if line else str(path)
+    text = f"{where}: {key}: {msg}" if key else f"{where}: {msg}"
+    return ConfigError(one_line(text), one_line(hint) if hint else None)
 
 
 def _refuse_duplicate_keys(node: yaml.Node | None) -> None:
-    """Raise ConfigError for a mapping that repeats a key (YAML would keep the last silently)."""
+    """Raise _At for a mapping that repeats a key (YAML would keep the last silently)."""
     stack = [node] if node is not None else []
     while stack:
         n = stack.pop()
@@ -35,24 +95,106 @@ def _refuse_duplicate_keys(node: yaml.Node | None) -> None:
             for k, v in n.value:
                 if isinstance(k, yaml.ScalarNode):
                     if k.value in seen:
-                        raise ConfigError(
-                            f"{k.start_mark.line + 1}: duplicate key {k.value!r}",
-                            "remove one of the two entries",
-                        )
+                        raise _At(k.start_mark.line, f"duplicate key {k.value!r}", "remove one of the two entries")
                     seen.add(k.value)
                 stack.append(v)
         elif isinstance(n, yaml.SequenceNode):
             stack.extend(n.value)
 
 
+def _check_events(text: str) -> None:
+    """Refuse anchors, aliases, explicit tags and deep nesting, from the event stream (nothing is built)."""
+    loader = _Loader(text)
+    depth = 0
+    try:
+        while loader.check_event():
+            ev = loader.get_event()
+            line = ev.start_mark.line if ev.start_mark is not None else None
+            if isinstance(ev, yaml.AliasEvent) or getattr(ev, "anchor", None) is not None:
+                mark = "*" if isinstance(ev, yaml.AliasEvent) else "&"
+                raise _At(line, f"YAML anchor or alias {mark}{ev.anchor} is not accepted",
+                          "write the values out (an inventory's defaults: applies to every node)")
+            if getattr(ev, "tag", None) is not None:
+                raise _At(line, f"YAML tag {ev.tag!r} is not accepted", "write the plain value, quoted if it is text")
+            if isinstance(ev, yaml.CollectionStartEvent):
+                depth += 1
+                if depth > MAX_DEPTH:
+                    raise _At(line, f"nested more than {MAX_DEPTH} levels deep", "hetctl's files nest a few levels")
+            elif isinstance(ev, yaml.CollectionEndEvent):
+                depth -= 1
+    finally:
+        loader.dispose()
+
+
+def _first_bad_scalar(root: yaml.Node) -> int | None:
+    """The 0-based line of the first scalar that cannot be built (error path only)."""
+    loader = _Loader("")
+    stack = [root]
+    while stack:
+        n = stack.pop(0)
+        if isinstance(n, yaml.ScalarNode):
+            try:
+                loader.construct_object(n)
+            except (ValueError, OverflowError, yaml.YAMLError):
+                return n.start_mark.line
+        elif isinstance(n, yaml.MappingNode):
+            stack[:0] = [x for kv in n.value for x in kv]
+        elif isinstance(n, yaml.SequenceNode):
+            stack[:0] = list(n.value)
+    return None
+
+
+def _compose_and_build(text: str) -> tuple[Any, yaml.Node | None]:
+    """One parse: the node tree (for line numbers and duplicate keys), then the data built from it."""
+    loader = _Loader(text)
+    try:
+        root = loader.get_single_node()
+        _refuse_duplicate_keys(root)
+        if root is None:
+            return None, None
+        try:
+            return loader.construct_document(root), root
+        except (ValueError, OverflowError) as e:  # an int past Python's 4300-digit limit, say
+            # Python's own message goes on to suggest sys.set_int_max_str_digits(); keep only the fact.
+            raise _At(_first_bad_scalar(root), f"a value cannot be read: {str(e).split(';')[0]}") from None
+    finally:
+        loader.dispose()
+
+
+def _decode(p: Path, raw: bytes) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise located_error(p, line, None, f"not UTF-8 text (byte 0x{raw[e.start]:02x})",
+                            "save the file as UTF-8") from None
+
+
+def _yaml_error(p: Path, text: str, e: yaml.YAMLError) -> ConfigError:
+    if isinstance(e, yaml.reader.ReaderError):
+        # libyaml counts UTF-8 bytes, PyYAML's own reader characters.
+        prefix = text.encode()[: e.position] if _BaseLoader is not yaml.SafeLoader else text[: e.position]
+        line = prefix.count(b"\n" if isinstance(prefix, bytes) else "\n") + 1
+        char = e.character if isinstance(e.character, int) else ord(e.character or "\0")
+        return located_error(p, line, None, f"not valid YAML: character #x{char:04x} is not allowed",
+                             "remove control characters from the file")
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None) or str(e)
+    return located_error(p, mark.line + 1 if mark else None, None, f"not valid YAML: {problem}", "fix the syntax")
+
+
 def format_loc(loc: tuple[Any, ...]) -> str:
-    """Render a pydantic location tuple as ``nodes[2].port``."""
+    """Render a pydantic location tuple as ``nodes[2].port`` (odd keys quoted: ``env['A B']``)."""
     out = ""
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
+        elif part == "[key]":  # pydantic's marker for a dict key that failed
+            out += " (the key)"
+        elif isinstance(part, str) and part.replace("_", "a").replace("-", "a").isalnum() and part.isascii():
+            out += ("." if out else "") + part
         else:
-            out += ("." if out else "") + str(part)
+            out += f"[{one_line(repr(part))}]"
     return out or "(top level)"
 
 
@@ -64,11 +206,11 @@ def _line_of(root: yaml.Node | None, loc: tuple[Any, ...]) -> int | None:
         if isinstance(node, yaml.MappingNode):
             nxt = None
             for k, v in node.value:
-                if k.value == str(part):
+                if getattr(k, "value", None) == str(part):
                     nxt, line = v, k.start_mark.line + 1
                     break
             node = nxt
-        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and 0 <= part < len(node.value):
             node = node.value[part]
             line = node.start_mark.line + 1
         else:
@@ -79,57 +221,112 @@ def _line_of(root: yaml.Node | None, loc: tuple[Any, ...]) -> int | None:
 
 
 def read_yaml(path: str | Path, what: str = "file") -> tuple[Any, yaml.Node | None]:
-    """Parse a YAML file, returning the data and its node tree (for line numbers)."""
+    """Parse a YAML file, returning the data and its node tree (for line numbers).
+
+    Raises:
+        ConfigError: missing, unreadable, too big, not UTF-8, not YAML, or using
+            aliases, tags or deep nesting (see the module docstring).
+    """
     p = Path(path)
     try:
-        text = p.read_text()
+        with open(p, "rb") as f:
+            raw = f.read(MAX_FILE_BYTES + 1)
     except FileNotFoundError:
-        raise ConfigError(f"{p}: {what} not found", "check the path") from None
+        raise located_error(p, None, None, f"{what} not found", "check the path") from None
     except OSError as e:
-        raise ConfigError(f"{p}: cannot read {what}: {e.strerror}") from None
+        raise located_error(p, None, None, f"cannot read {what}: {e.strerror or e}") from None
+    if len(raw) > MAX_FILE_BYTES:
+        raise located_error(p, None, None, f"{what} is larger than {MAX_FILE_BYTES >> 20} MiB")
+    text = _decode(p, raw)
     try:
-        root = yaml.compose(text, Loader=_Loader)
-        _refuse_duplicate_keys(root)
-        data = yaml.load(text, Loader=_Loader)  # noqa: S506 - a safe loader
-    except ConfigError as e:
-        raise ConfigError(f"{p}:{e.message}", e.hint) from None
+        _check_events(text)
+        return _compose_and_build(text)
+    except _At as e:
+        raise located_error(p, e.line + 1 if e.line is not None else None, None, e.msg, e.hint) from None
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f":{mark.line + 1}" if mark else ""
-        problem = getattr(e, "problem", None) or str(e)
-        raise ConfigError(f"{p}{where}: not valid YAML: {problem}", "fix the syntax") from None
-    return data, root
+        raise _yaml_error(p, text, e) from None
 
 
-def validation_error(path: str | Path, err: ValidationError, root: yaml.Node | None = None) -> ConfigError:
-    """Turn the first pydantic error into a one-line ConfigError naming file, line and key."""
-    first = err.errors()[0]
+def _unwrap(tp: Any) -> list[Any]:
+    """The concrete types inside ``Annotated``/``Optional``/unions."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Annotated:
+        return _unwrap(typing.get_args(tp)[0])
+    if origin is typing.Union or type(tp).__name__ == "UnionType":
+        return [t for a in typing.get_args(tp) for t in _unwrap(a)]
+    return [tp]
+
+
+def known_keys(model: Any, loc: tuple[Any, ...]) -> list[str]:
+    """The keys a mapping at ``loc`` may hold under ``model`` (``[]`` when it cannot tell)."""
+    current = [model]
+    for part in loc:
+        nxt = []
+        for tp in (t for c in current for t in _unwrap(c)):
+            origin, args = typing.get_origin(tp), typing.get_args(tp)
+            if isinstance(tp, type) and issubclass(tp, BaseModel) and isinstance(part, str):
+                field = tp.model_fields.get(part)
+                nxt += [field.annotation] if field is not None else []
+            elif origin in (list, tuple) and isinstance(part, int) and args:
+                nxt.append(args[0])
+            elif origin is dict and len(args) == 2:
+                nxt.append(args[1])
+        current = nxt
+    keys = [k for c in current for t in _unwrap(c) if isinstance(t, type) and issubclass(t, BaseModel)
+            for k in t.model_fields]
+    return list(dict.fromkeys(keys))
+
+
+def validation_error(path: str | Path, err: ValidationError, root: yaml.Node | None = None,
+                     model: Any = None) -> ConfigError:
+    """Turn pydantic's errors into one ConfigError line naming file, line and key.
+
+    An unknown key is reported first, with the closest known key when ``model``
+    is given (``hots: unknown key, did you mean host?``); a required key that
+    the misspelling explains is not counted again.
+    """
+    errors = err.errors()
+    errors.sort(key=lambda e: e.get("type") != "extra_forbidden")  # stable: file order otherwise
+    first = errors[0]
     loc = tuple(first.get("loc", ()))
     line = _line_of(root, loc) if root is not None else None
-    where = f"{path}:{line}" if line else str(path)
     msg = first.get("msg", "invalid value")
+    explained: tuple[Any, ...] | None = None
     if first.get("type") == "extra_forbidden":
-        msg = "unknown key"
-        hint = "check the spelling against the README's file format"
+        msg, hint = "unknown key", "check the spelling against the README's file format"
+        close = difflib.get_close_matches(str(loc[-1]), known_keys(model, loc[:-1]), n=1) if model and loc else []
+        if close:
+            msg += f", did you mean {close[0]}?"
+            explained = (*loc[:-1], close[0])
     elif first.get("type") == "missing":
-        msg = "required key is missing"
-        hint = "add it"
+        msg, hint = "required key is missing", "add it"
     else:
-        hint = None
-    more = len(err.errors()) - 1
+        msg, hint = msg.removeprefix("Value error, "), None
+    more = sum(1 for e in errors[1:] if not (e.get("type") == "missing" and tuple(e.get("loc", ())) == explained))
     suffix = f" (and {more} more problem{'s' if more > 1 else ''})" if more else ""
-    return ConfigError(f"{where}: {format_loc(loc)}: {msg}{suffix}", hint)
+    return located_error(path, line, format_loc(loc), f"{msg}{suffix}", hint)
 
 
 def load_model(path: str | Path, model: type[M], what: str = "file") -> M:
-    """Read ``path`` and validate it as ``model``; errors name file, line and key."""
+    """Read ``path`` and validate it as ``model``; errors name file, line and key.
+
+    When the model defines ``check_consistency()`` it runs too; an
+    :class:`Invalid` it raises becomes the same one-line ConfigError.
+    """
     data, root = read_yaml(path, what)
     if data is None:
-        raise ConfigError(f"{path}: {what} is empty")
+        raise located_error(path, None, None, f"{what} is empty")
     try:
-        return model.model_validate(data)
+        obj = model.model_validate(data)
     except ValidationError as e:
-        raise validation_error(path, e, root) from None
+        raise validation_error(path, e, root, model) from None
+    check = getattr(obj, "check_consistency", None)
+    if check is not None:
+        try:
+            check()
+        except Invalid as e:
+            raise located_error(path, _line_of(root, e.loc), format_loc(e.loc), e.msg, e.hint) from None
+    return obj
 
 
 def dump_yaml(data: Any) -> str:
