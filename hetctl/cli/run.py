@@ -8,13 +8,15 @@ from hetctl.cli import app, err, handle_errors, out, print_json, text
 
 
 # Fault-policy options shared by `launch` and `resume` (one definition, one help text).
+# Upper bounds on counts too: a typo such as --steps 1000000000000000 is refused.
+MAX_STEPS = 1_000_000_000
 GRACE_OPT = typer.Option(5.0, "--grace", min=0.0, max=600.0,
                          help="Seconds between SIGTERM and SIGKILL when stopping (at most 600).")
 HANG_TIMEOUT_OPT = typer.Option(300.0, "--hang-timeout", min=0.5, max=7 * 86400.0,
                                 help="Seconds without heartbeat progress before a rank counts as hung.")
 NODE_TIMEOUT_OPT = typer.Option(20.0, "--node-timeout", min=1.0, max=86400.0,
                                 help="Seconds of silence from a node's agent before the node counts as lost.")
-MAX_NODE_FAILURES_OPT = typer.Option(3, "--max-node-failures", min=1,
+MAX_NODE_FAILURES_OPT = typer.Option(3, "--max-node-failures", min=1, max=10_000,
                                      help="Crashes or hangs on one node before it is marked abnormal and dropped.")
 REBALANCE_OPT = typer.Option(False, "--rebalance", help="Re-plan with measured stage speeds when a straggler persists.")
 
@@ -24,8 +26,9 @@ REBALANCE_OPT = typer.Option(False, "--rebalance", help="Re-plan with measured s
 def launch_cmd(
     plan_dir: str = typer.Argument(..., help="Plan folder written by `hetctl plan` (or its plan.yaml)."),
     inventory: str | None = typer.Option(None, "-i", "--inventory", help="Inventory YAML; default: the plan's."),
-    steps: int = typer.Option(100, "--steps", min=1, help="Optimizer steps to train."),
-    checkpoint_every: int = typer.Option(10, "--checkpoint-every", min=0, help="Checkpoint every K steps (0: none)."),
+    steps: int = typer.Option(100, "--steps", min=1, max=MAX_STEPS, help="Optimizer steps to train."),
+    checkpoint_every: int = typer.Option(10, "--checkpoint-every", min=0, max=MAX_STEPS,
+                                         help="Checkpoint every K steps (0: none)."),
     run_dir: str = typer.Option("runs", "--run-dir", help="Folder that receives runs/<run-id>/."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print every node's commands and environment, and the ssh "
                                  "settings `ssh -G` gives (which, like ssh, evaluates `Match exec` in your ssh "
@@ -37,7 +40,7 @@ def launch_cmd(
     entry: str | None = typer.Option(None, "--entry", help="What each rank runs after the node's python, e.g. "
                                      "'train.py --lr 3e-4' or '-m mypkg.train' (a path on the node, relative to "
                                      "its workdir); default: the reference trainer, -m hetctl.train."),
-    max_restarts: int = typer.Option(3, "--max-restarts", min=0,
+    max_restarts: int = typer.Option(3, "--max-restarts", min=0, max=10_000,
                                      help="Restarts after a crash or hang before giving up (node losses count apart)."),
     hang_timeout: float = HANG_TIMEOUT_OPT,
     node_timeout: float = NODE_TIMEOUT_OPT,
@@ -87,8 +90,9 @@ def launch_cmd(
 @handle_errors
 def demo_cmd(
     directory: str = typer.Option("hetctl-demo", "--dir", help="Folder for the demo's inventory, plan and runs."),
-    steps: int = typer.Option(40, "--steps", min=1, help="Optimizer steps to train."),
-    checkpoint_every: int = typer.Option(10, "--checkpoint-every", min=0, help="Checkpoint every K steps."),
+    steps: int = typer.Option(40, "--steps", min=1, max=MAX_STEPS, help="Optimizer steps to train."),
+    checkpoint_every: int = typer.Option(10, "--checkpoint-every", min=0, max=MAX_STEPS,
+                                         help="Checkpoint every K steps."),
     json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON on stdout."),
     inject_failure: bool = typer.Option(True, "--inject-failure/--no-inject-failure",
                                         help="kill -9 one rank half-way, to show detection and recovery."),
@@ -214,10 +218,11 @@ def _print_dry_run(spec, inv=None, ssh=None) -> None:
 def resume_cmd(
     run_dir: str = typer.Argument(..., help="The run folder, runs/<run-id>."),
     inventory: str | None = typer.Option(None, "-i", "--inventory", help="Inventory YAML; default: the run's."),
-    steps: int | None = typer.Option(None, "--steps", min=1, help="Total steps to reach; default: the run's."),
+    steps: int | None = typer.Option(None, "--steps", min=1, max=MAX_STEPS,
+                                     help="Total steps to reach; default: the run's."),
     json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON on stdout."),
     grace: float = GRACE_OPT,
-    max_restarts: int = typer.Option(3, "--max-restarts", min=0,
+    max_restarts: int = typer.Option(3, "--max-restarts", min=0, max=10_000,
                                      help="Restarts after a crash or hang before giving up (a fresh budget)."),
     hang_timeout: float = HANG_TIMEOUT_OPT,
     node_timeout: float = NODE_TIMEOUT_OPT,

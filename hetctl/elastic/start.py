@@ -99,6 +99,10 @@ def load_plan_and_inventory(plan_dir: str | Path, inventory: str | Path | None =
         from hetctl.remote.slurmq import check_plan_fits
 
         check_plan_fits([r.node for r in plan.ranks], inv)
+    missing = [n for n in dict.fromkeys(r.node for r in plan.ranks) if n not in set(inv.names)]
+    if missing:
+        raise ConfigError(f"{pf}: node {missing[0]!r} of the plan is not in the inventory {inv_path}",
+                          "pass the inventory the plan was made for with -i, or re-plan on this one")
     return plan, inv, pf
 
 

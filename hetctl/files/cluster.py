@@ -2,7 +2,9 @@
 
 These models are the contract between ``probe`` (which writes the file) and
 ``plan`` (which reads it). A hand-written file with the same schema works too,
-for sizing a purchase.
+for sizing a purchase, so figures are bounded (finite, positive TFLOPS) and
+:meth:`Cluster.check_consistency` refuses, on load, what the planner would turn
+into two ranks on one chip: a node listed twice, a chip index listed twice.
 """
 
 from __future__ import annotations
@@ -10,6 +12,9 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from hetctl.files import fields
+from hetctl.files.fields import Invalid
 
 Vendor = Literal[
     "nvidia", "amd", "ascend", "iluvatar", "metax", "mthreads",
@@ -25,18 +30,18 @@ class _Strict(BaseModel):
 class Tflops(_Strict):
     """Dense peak (or measured) TFLOPS per dtype; ``None`` where unknown."""
 
-    bf16: float | None = None
-    fp16: float | None = None
-    fp32: float | None = None
+    bf16: fields.Tflops | None = None
+    fp16: fields.Tflops | None = None
+    fp32: fields.Tflops | None = None
 
 
 class Chip(_Strict):
     """One accelerator as its management tool lists it (a GCD, a die, a partition)."""
 
-    index: int
+    index: int = Field(ge=0, le=65535)
     vendor: Vendor
     model: str = "unknown"
-    memory_gb: float | None = None
+    memory_gb: fields.Amount | None = None
     tflops: Tflops = Field(default_factory=Tflops)
     measured_tflops: Tflops | None = None
     pci_bus_id: str | None = None
@@ -49,12 +54,12 @@ class Chip(_Strict):
 class Nic(_Strict):
     name: str
     kind: Literal["ib", "roce", "ethernet", "loopback", "other"] = "ethernet"
-    speed_gbps: float | None = None
+    speed_gbps: fields.Amount | None = None
 
 
 class Cpu(_Strict):
     model: str | None = None
-    cores: int | None = None
+    cores: int | None = Field(default=None, ge=0)
 
 
 class Software(_Strict):
@@ -68,17 +73,17 @@ class Software(_Strict):
 class NodeFacts(_Strict):
     """Everything probe learned about one node, or why it could not."""
 
-    name: str
-    host: str
+    name: fields.NodeName
+    host: fields.HostName
     reachable: bool = True
     error: str | None = None
     labels: dict[str, str] = Field(default_factory=dict)
-    tflops_override: float | None = Field(
+    tflops_override: fields.Tflops | None = Field(
         default=None, description="per-chip TFLOPS from the inventory; wins over spec and measurement"
     )
-    chips: list[Chip] = Field(default_factory=list)
+    chips: list[Chip] = Field(default_factory=list, max_length=4096)
     cpu: Cpu = Field(default_factory=Cpu)
-    memory_gb: float | None = None
+    memory_gb: fields.Amount | None = None
     nics: list[Nic] = Field(default_factory=list)
     software: Software = Field(default_factory=Software)
     bench_error: str | None = Field(
@@ -101,10 +106,33 @@ class Cluster(_Strict):
     version: int = 1
     inventory: str | None = Field(default=None, description="path of the inventory probed")
     probed_at: float | None = None
-    nodes: list[NodeFacts]
+    nodes: list[NodeFacts] = Field(max_length=100_000)
     findings: list[Finding] = Field(
         default_factory=list, description="consistency findings across the nodes, written by probe",
     )
 
     def reachable_nodes(self) -> list[NodeFacts]:
         return [n for n in self.nodes if n.reachable]
+
+    def check_consistency(self) -> None:
+        """Raise :class:`~hetctl.files.fields.Invalid` for a node name, or a node's chip (vendor and index), listed twice.
+
+        Called by :func:`hetctl.files.yamlio.load_model` on every cluster file read.
+        """
+        seen: dict[str, int] = {}
+        for i, node in enumerate(self.nodes):
+            if node.name in seen:
+                raise Invalid(("nodes", i, "name"),
+                              f"node {node.name!r} is listed twice (also nodes[{seen[node.name]}])",
+                              "keep one entry per node, or probe again")
+            seen[node.name] = i
+            # Per vendor: each vendor's tool numbers its own chips from 0.
+            chips: dict[tuple[str, int], int] = {}
+            for j, chip in enumerate(node.chips):
+                key = (chip.vendor, chip.index)
+                if key in chips:
+                    raise Invalid(("nodes", i, "chips", j, "index"),
+                                  f"node {node.name}: {chip.vendor} chip index {chip.index} is listed twice "
+                                  f"(also chips[{chips[key]}])",
+                                  "list each chip once: two ranks would share it")
+                chips[key] = j

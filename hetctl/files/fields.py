@@ -10,7 +10,7 @@ character but no control characters (no line breaks, no NUL).
 from __future__ import annotations
 
 import re
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import AfterValidator, Field
 
@@ -18,6 +18,18 @@ NODE_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._:-]{0,252}")
 # Hostnames, IPv4 and IPv6 literals (with a %zone): what ssh is given to dial.
 HOST_RE = re.compile(r"[A-Za-z0-9_.:%-]{1,253}")
 TFLOPS_MAX = 1e6  # a chip a thousand times today's largest is a typo, not a chip
+
+
+class Invalid(Exception):
+    """A rule across fields is broken at ``loc`` (a key path).
+
+    Raised by a model's ``check_consistency()``; :func:`hetctl.files.yamlio.load_model`
+    turns it into a ConfigError with the file and line.
+    """
+
+    def __init__(self, loc: tuple[Any, ...], msg: str, hint: str | None = None) -> None:
+        super().__init__(msg)
+        self.loc, self.msg, self.hint = tuple(loc), msg, hint
 
 
 def node_name_problem(name: str) -> str | None:

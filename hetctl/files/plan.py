@@ -3,11 +3,26 @@
 Contract between ``plan`` (writes), ``launch``/``resume`` (read) and the
 reference trainer (reads the JSON copy the agent puts on each node, via
 ``HETCTL_PLAN``). Layer ranges are half-open ``[start, end)``.
+
+A plan may be edited by hand, so :meth:`Plan.check_consistency` (run on every
+load by :func:`hetctl.files.yamlio.load_model`) refuses one that cannot run: layers
+that overlap, leave gaps or miss the model's end, and a rank table that does not
+match the stages (ranks not 0..N-1, a rank on a chip or node its stage lacks,
+two ranks on one chip). Sizes are bounded so that a typo cannot make the
+planner or the trainer allocate without end.
 """
 
 from __future__ import annotations
 
+from collections import Counter
+from typing import Annotated
+
 from pydantic import BaseModel, ConfigDict, Field
+
+from hetctl.files.fields import Amount, Invalid, NodeName, Text
+
+Count = Annotated[int, Field(ge=1, le=1_000_000)]
+MAX_SEQ_LEN = 16_777_216
 
 
 class _Strict(BaseModel):
@@ -17,53 +32,53 @@ class _Strict(BaseModel):
 class ModelSpec(_Strict):
     """A decoder-only transformer, in Megatron's names."""
 
-    name: str
-    num_layers: int = Field(gt=0)
-    hidden_size: int = Field(gt=0)
-    ffn_hidden_size: int = Field(gt=0)
-    num_attention_heads: int = Field(gt=0)
-    num_query_groups: int | None = None
-    vocab_size: int = Field(gt=0)
-    seq_len: int = Field(default=2048, gt=0)
+    name: Text
+    num_layers: int = Field(gt=0, le=10_000)
+    hidden_size: int = Field(gt=0, le=1_000_000)
+    ffn_hidden_size: int = Field(gt=0, le=10_000_000)
+    num_attention_heads: int = Field(gt=0, le=100_000)
+    num_query_groups: int | None = Field(default=None, gt=0, le=100_000)
+    vocab_size: int = Field(gt=0, le=100_000_000)
+    seq_len: int = Field(default=2048, gt=0, le=MAX_SEQ_LEN)
     swiglu: bool = Field(default=False, description="gated MLP (three matrices), Megatron's --swiglu")
     source: str | None = None
 
 
 class Parallel(_Strict):
-    pp: int
-    dp: int
-    tp: int = Field(default=1, description="largest TP degree of any stage; per-stage TP is in stages[]")
-    micro_batch: int
-    micro_batches: int
-    global_batch: int
+    pp: Count
+    dp: Count
+    tp: Count = Field(default=1, description="largest TP degree of any stage; per-stage TP is in stages[]")
+    micro_batch: Count
+    micro_batches: Count
+    global_batch: int = Field(ge=1, le=16_777_216)
 
 
 class Stage(_Strict):
-    replica: int
-    stage: int
-    node: str
-    vendor: str
-    model: str = "unknown"
-    chips: list[int]
-    tp: int
+    replica: int = Field(ge=0)
+    stage: int = Field(ge=0)
+    node: NodeName
+    vendor: Text
+    model: Text = "unknown"
+    chips: list[Annotated[int, Field(ge=0, le=65535)]]
+    tp: Count
     layers: tuple[int, int]
-    precision: str = "bf16"
+    precision: Text = "bf16"
     backend: str = Field(default="gloo", description="comm library inside the stage (TP, DP of this stage)")
     backend_next: str | None = Field(default=None, description="comm library to the next stage; None on the last")
     device_type: str = "cpu"
     visible_devices_env: str | None = None
-    est_ms: float = 0.0
-    memory_gb: float = 0.0
-    memory_limit_gb: float | None = None
+    est_ms: Amount = 0.0
+    memory_gb: Amount = 0.0
+    memory_limit_gb: Amount | None = None
 
 
 class Rank(_Strict):
-    rank: int
-    node: str
-    local_rank: int
-    stage: int
-    replica: int
-    chip: int | None = None
+    rank: int = Field(ge=0)
+    node: NodeName
+    local_rank: int = Field(ge=0)
+    stage: int = Field(ge=0)
+    replica: int = Field(ge=0)
+    chip: int | None = Field(default=None, ge=0)
 
 
 class Estimate(_Strict):
@@ -88,7 +103,7 @@ class Plan(_Strict):
     framework: str = "hetctl"
     cluster: str | None = Field(default=None, description="path of the cluster file planned on")
     inventory: str | None = Field(default=None, description="path of the inventory, for launch")
-    nodes: list[str] = Field(default_factory=list, description="nodes used, in rank order")
+    nodes: list[NodeName] = Field(default_factory=list, description="nodes used, in rank order")
     stages: list[Stage]
     ranks: list[Rank]
     estimate: Estimate
@@ -102,3 +117,109 @@ class Plan(_Strict):
 
     def ranks_on(self, node: str) -> list[Rank]:
         return [r for r in self.ranks if r.node == node]
+
+    def check_consistency(self) -> None:
+        """Raise :class:`~hetctl.files.fields.Invalid` (with the key path) for a plan that cannot run as written.
+
+        Checks the stage grid (replicas ``0..dp-1``, stages ``0..pp-1``), each
+        replica's layers (contiguous from 0 to ``num_layers``), the batch
+        arithmetic, and the rank table against the stages.
+        """
+        _check_stages(self)
+        _check_ranks(self)
+
+
+def _check_stages(plan: Plan) -> None:
+    par, layers = plan.parallel, plan.model.num_layers
+    if not plan.stages:
+        raise Invalid(("stages",), "no stages", "re-plan with `hetctl plan`")
+    grid: dict[int, list[tuple[int, Stage]]] = {}
+    for i, st in enumerate(plan.stages):
+        grid.setdefault(st.replica, []).append((i, st))
+    if sorted(grid) != list(range(par.dp)):
+        raise Invalid(("parallel", "dp"), f"dp is {par.dp} but the stages name replicas {sorted(grid)}",
+                      "replicas must be numbered 0..dp-1")
+    if par.micro_batch * par.micro_batches * par.dp != par.global_batch:
+        raise Invalid(("parallel", "global_batch"),
+                      f"{par.global_batch} is not micro_batch × micro_batches × dp "
+                      f"({par.micro_batch} × {par.micro_batches} × {par.dp})")
+    chip_owner: dict[tuple[str, int], int] = {}
+    for r, items in sorted(grid.items()):
+        items.sort(key=lambda it: it[1].stage)
+        numbers = [st.stage for _, st in items]
+        if numbers != list(range(par.pp)):
+            raise Invalid(("stages", items[-1][0], "stage"),
+                          f"replica {r} has stages {numbers}, the plan says pp {par.pp}",
+                          "each replica needs stages 0..pp-1, once each")
+        start = 0
+        for i, st in items:
+            a, b = st.layers
+            where = ("stages", i, "layers")
+            if not a < b:
+                raise Invalid(where, f"[{a}, {b}) holds no layer: the start must be below the end")
+            if a != start:
+                what = ("must start at layer 0, being the first" if st.stage == 0
+                        else f"overlaps the previous stage (which ends at {start})" if a < start
+                        else f"leaves layers {start}..{a - 1} in no stage")
+                raise Invalid(where, f"replica {r} stage {st.stage}: [{a}, {b}) {what}",
+                              "each replica's stages must cover the layers in order, without gaps")
+            start = b
+        if start != layers:
+            raise Invalid(("stages", items[-1][0], "layers"),
+                          f"replica {r} ends at layer {start}, but the model has {layers}",
+                          f"the last stage of each replica must end at {layers}")
+    if par.tp != max(st.tp for st in plan.stages):
+        raise Invalid(("parallel", "tp"), f"{par.tp}, but the largest stage tp is {max(st.tp for st in plan.stages)}")
+    for i, st in enumerate(plan.stages):
+        if st.chips and len(st.chips) != st.tp:
+            raise Invalid(("stages", i, "chips"), f"{len(st.chips)} chip(s) for tp {st.tp}", "give tp chips")
+        for chip in st.chips:
+            key = (st.node, chip)
+            if key in chip_owner:
+                raise Invalid(("stages", i, "chips"),
+                              f"chip {chip} of node {st.node} is also in stages[{chip_owner[key]}]",
+                              "a chip runs one rank")
+            chip_owner[key] = i
+
+
+def _check_ranks(plan: Plan) -> None:
+    stages = {(st.replica, st.stage): st for st in plan.stages}
+    numbers = Counter(r.rank for r in plan.ranks)
+    world = sum(max(1, len(st.chips)) for st in plan.stages)
+    if sorted(numbers) != list(range(len(plan.ranks))):
+        first = next(i for i, r in enumerate(plan.ranks) if numbers[r.rank] > 1 or r.rank >= len(plan.ranks))
+        raise Invalid(("ranks", first, "rank"), f"ranks must be numbered 0..{len(plan.ranks) - 1}, once each")
+    if len(plan.ranks) != world:
+        raise Invalid(("ranks",), f"{len(plan.ranks)} ranks, but the stages hold {world} chips (the world size)")
+    per_stage: dict[tuple[int, int], int] = {}
+    used: dict[tuple[str, int], int] = {}
+    local: dict[str, list[int]] = {}
+    for j, r in enumerate(plan.ranks):
+        st = stages.get((r.replica, r.stage))
+        if st is None:
+            raise Invalid(("ranks", j, "stage"), f"rank {r.rank}: replica {r.replica} has no stage {r.stage}")
+        if r.node != st.node:
+            raise Invalid(("ranks", j, "node"), f"rank {r.rank} is on {r.node}, but its stage runs on {st.node}")
+        if r.chip is not None and r.chip not in st.chips:
+            raise Invalid(("ranks", j, "chip"),
+                          f"rank {r.rank}: chip {r.chip} is not one of its stage's chips {st.chips}")
+        if r.chip is not None:  # None: the device is not chosen by index (CPU ranks)
+            if (r.node, r.chip) in used:
+                raise Invalid(("ranks", j, "chip"), f"rank {r.rank} shares chip {r.chip} of {r.node} with rank "
+                              f"{used[(r.node, r.chip)]}", "one rank per chip")
+            used[(r.node, r.chip)] = r.rank
+        per_stage[(r.replica, r.stage)] = per_stage.get((r.replica, r.stage), 0) + 1
+        local.setdefault(r.node, []).append(r.local_rank)
+    for (rep, num), st in stages.items():
+        if per_stage.get((rep, num), 0) != max(1, len(st.chips)):
+            i = plan.stages.index(st)
+            raise Invalid(("stages", i), f"replica {rep} stage {num} has {per_stage.get((rep, num), 0)} rank(s) "
+                          f"for {max(1, len(st.chips))} chip(s)")
+    for node, lrs in local.items():
+        if sorted(lrs) != list(range(len(lrs))):
+            j = next(j for j, r in enumerate(plan.ranks) if r.node == node)
+            raise Invalid(("ranks", j, "local_rank"),
+                          f"node {node}: local ranks {sorted(lrs)} are not 0..{len(lrs) - 1}")
+    if (plan.nodes and sorted(set(plan.nodes)) != sorted(local)) or len(set(plan.nodes)) != len(plan.nodes):
+        raise Invalid(("nodes",), f"lists {plan.nodes}, but the ranks run on {list(local)}",
+                      "list each node of the rank table once")

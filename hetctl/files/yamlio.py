@@ -35,6 +35,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from hetctl.errors import ConfigError
+from hetctl.files.fields import Invalid
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -52,14 +53,6 @@ class _Loader(_BaseLoader):  # type: ignore[misc, valid-type]
         first: [(tag, rx) for tag, rx in entries if tag != "tag:yaml.org,2002:timestamp"]
         for first, entries in _BaseLoader.yaml_implicit_resolvers.items()
     }
-
-
-class Invalid(Exception):
-    """A rule across fields is broken at ``loc`` (a key path); :func:`load_model` adds file and line."""
-
-    def __init__(self, loc: tuple[Any, ...], msg: str, hint: str | None = None) -> None:
-        super().__init__(msg)
-        self.loc, self.msg, self.hint = tuple(loc), msg, hint
 
 
 class _At(Exception):

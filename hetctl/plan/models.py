@@ -25,7 +25,7 @@ import yaml
 from pydantic import ValidationError
 
 from hetctl.errors import ConfigError
-from hetctl.files.plan import ModelSpec
+from hetctl.files.plan import MAX_SEQ_LEN, ModelSpec
 
 
 @dataclass(frozen=True)
@@ -82,8 +82,8 @@ def load_model(name_or_path: str, seq_len: int | None = None) -> ModelSpec:
             )
         spec = _model_file(path)
     if seq_len is not None:
-        if seq_len <= 0:
-            raise ConfigError(f"--seq-len {seq_len}: must be positive")
+        if not 0 < seq_len <= MAX_SEQ_LEN:
+            raise ConfigError(f"--seq-len {seq_len}: must be between 1 and {MAX_SEQ_LEN:,}")
         spec = spec.model_copy(update={"seq_len": seq_len})
     _check_shape(spec)
     return spec
@@ -99,7 +99,7 @@ def _model_file(path: Path) -> ModelSpec:
     try:
         return ModelSpec.model_validate(data)
     except ValidationError as e:
-        raise validation_error(path, e, root) from None
+        raise validation_error(path, e, root, ModelSpec) from None
 
 
 def _check_shape(spec: ModelSpec) -> None:

@@ -111,14 +111,26 @@ def plan_cluster(
     return plan
 
 
+# Bounds on the options, so that a typo (--global-batch 1000000000000000) is an error, not
+# a MemoryError: the 1F1B simulation keeps a row per micro-batch.
+MAX_GLOBAL_BATCH = 16_777_216
+MAX_MICRO_BATCHES = 65_536
+
+
 def _check_options(gb: int, mb: int, pins: Pins, spec: ModelSpec) -> None:
     if mb < 1 or gb < 1:
         raise ConfigError(f"--micro-batch {mb} / --global-batch {gb}: both must be at least 1")
+    if gb > MAX_GLOBAL_BATCH:
+        raise ConfigError(f"--global-batch {gb}: more than {MAX_GLOBAL_BATCH:,} sequences per step",
+                          "the global batch counts sequences, not tokens")
+    if gb // mb > MAX_MICRO_BATCHES:
+        raise ConfigError(f"--global-batch {gb} / --micro-batch {mb}: more than {MAX_MICRO_BATCHES:,} micro-batches "
+                          "per step", "raise --micro-batch")
     if gb % mb:
         raise ConfigError(f"--global-batch {gb} is not a multiple of --micro-batch {mb}")
     for name, value in (("pp", pins.pp), ("dp", pins.dp), ("tp", pins.tp)):
-        if value is not None and value < 1:
-            raise ConfigError(f"--{name} {value}: must be at least 1")
+        if value is not None and not 1 <= value <= MAX_MICRO_BATCHES:
+            raise ConfigError(f"--{name} {value}: must be between 1 and {MAX_MICRO_BATCHES:,}")
     if pins.dp is not None and gb % (pins.dp * mb):
         raise ConfigError(
             f"--dp {pins.dp}: global batch {gb} is not divisible by dp × micro-batch ({pins.dp} × {mb})",
