@@ -15,8 +15,9 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, Field
 
 NODE_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._:-]{0,252}")
-# Hostnames, IPv4 and IPv6 literals (with a %zone): what ssh is given to dial.
-HOST_RE = re.compile(r"[A-Za-z0-9_.:%-]{1,253}")
+# Hostnames, IPv4 and IPv6 literals (with a %zone): what ssh is given to dial. Never a
+# leading '-', which ssh would read as an option (-oProxyCommand=…).
+HOST_RE = re.compile(r"[A-Za-z0-9_:][A-Za-z0-9_.:%-]{0,252}")
 TFLOPS_MAX = 1e6  # a chip a thousand times today's largest is a typo, not a chip
 
 
@@ -44,7 +45,8 @@ def host_problem(host: str) -> str | None:
     """Why ``host`` cannot be dialled as written, or None when it can."""
     if HOST_RE.fullmatch(host):
         return None
-    return f"host {host!r} may hold only letters, digits and '.', '_', ':', '%', '-' (a hostname or an address)"
+    return (f"host {host!r} may hold only letters, digits and '.', '_', ':', '%', '-', not starting with '.', '%' "
+            "or '-' (a hostname or an address)")
 
 
 def _node_name(value: str) -> str:
