@@ -58,7 +58,7 @@ class Stage(_Strict):
     stage: int = Field(ge=0)
     node: NodeName
     vendor: Text
-    model: Text = "unknown"
+    model: str = "unknown"  # as the node reported it: rendering must quote it (issue 17, item 1), not refuse it here
     chips: list[Annotated[int, Field(ge=0, le=65535)]]
     tp: Count
     layers: tuple[int, int]

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Protocol, Sequence
 
+from pydantic import ValidationError
+
 from hetctl.files.cluster import Chip, Cpu, Nic, NodeFacts, Software, Tflops
 from hetctl.vendors import VENDOR_TABLE
 
@@ -146,7 +148,11 @@ def apply_bench(facts: NodeFacts, report: Mapping[str, Any] | None, reason: str 
             continue
         values = entry.get("tflops") or {}
         if values:
-            by_index[targets[ordinal].index] = Tflops(**{k: values.get(k) for k in ("bf16", "fp16", "fp32")})
+            try:
+                by_index[targets[ordinal].index] = Tflops(**{k: values.get(k) for k in ("bf16", "fp16", "fp32")})
+            except ValidationError:  # inf, 0 or a negative figure from the node: not a measurement
+                notes.append(f"chip {targets[ordinal].index}: unusable figures {values}")
+                continue
         errors = entry.get("errors") or {}
         if errors and not values:
             notes.append(f"chip {targets[ordinal].index}: " + "; ".join(f"{k}: {v}" for k, v in errors.items()))
