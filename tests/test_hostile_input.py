@@ -584,3 +584,10 @@ def test_unusable_bench_figures_from_a_node_are_left_out_not_a_crash(figure):
     out = assemble.apply_bench(facts, report)
     assert out.chips[0].measured_tflops is None
     assert out.bench_error.startswith("chip 0: unusable figures")
+
+
+@pytest.mark.parametrize("snippet, key", [("port: true", "nodes[0].port"), ("tflops: true", "nodes[0].tflops"),
+                                          ("port: '22'", "nodes[0].port")])
+def test_booleans_and_strings_are_not_numbers(tmp_path, snippet, key):
+    p = write(tmp_path, f"nodes:\n  - host: a\n    {snippet}\n", "inventory.yaml")
+    assert error_of("inventory", p).message.startswith(f"{p}:3: {key}: Input should be a valid")

@@ -80,6 +80,7 @@ HostName = Annotated[str, AfterValidator(_host)]
 Text = Annotated[str, AfterValidator(_printable)]
 NoNul = Annotated[str, AfterValidator(_no_nul)]
 # Per-chip TFLOPS: positive, finite and below TFLOPS_MAX (inf, NaN, 0 and negatives refused).
-Tflops = Annotated[float, Field(gt=0, le=TFLOPS_MAX, allow_inf_nan=False)]
+# strict: `true` is not 1.0.
+Tflops = Annotated[float, Field(gt=0, le=TFLOPS_MAX, allow_inf_nan=False, strict=True)]
 # A size or speed: zero or more, finite.
 Amount = Annotated[float, Field(ge=0, allow_inf_nan=False)]

@@ -89,20 +89,21 @@ class SshSettings(_Strict):
         description="StrictHostKeyChecking yes / accept-new (unset: ssh_config, else strict). Changed keys are always refused.",
     )
     connect_timeout: float | None = Field(
-        default=None, gt=0, le=3600, allow_inf_nan=False, description="ConnectTimeout in seconds (unset: ssh_config, else 10)"
+        default=None, gt=0, le=3600, allow_inf_nan=False, strict=True,
+        description="ConnectTimeout in seconds (unset: ssh_config, else 10)",
     )
     keepalive: float | None = Field(
-        default=None, ge=0, le=3600, allow_inf_nan=False,
+        default=None, ge=0, le=3600, allow_inf_nan=False, strict=True,
         description="ServerAliveInterval in seconds, 0 off (unset: ssh_config, else 5)",
     )
-    fanout: int = Field(default=64, ge=1, le=4096, description="how many nodes are contacted at once")
+    fanout: int = Field(default=64, ge=1, le=4096, strict=True, description="how many nodes are contacted at once")
 
 
 class NodeDefaults(_Strict):
     """Keys allowed under ``defaults:`` and on every node (where the node's value wins)."""
 
     user: Text | None = None
-    port: int | None = Field(default=None, ge=1, le=65535)
+    port: int | None = Field(default=None, ge=1, le=65535, strict=True)  # strict: `port: true` is not port 1
     identity_file: Text | None = None
     proxy_jump: Text | None = Field(default=None, description="like ssh -J; 'none' disables the ssh config's ProxyJump")
     python: Text | None = None
