@@ -28,7 +28,8 @@ from typer.testing import CliRunner
 from hetctl.cli import app
 from hetctl.errors import HetctlError
 from hetctl.files.cluster import Cluster
-from hetctl.files.inventory import MAX_NODES, count_hostlist, load_inventory
+from hetctl.files.hostrange import MAX_NODES, count_hostlist
+from hetctl.files.inventory import load_inventory
 from hetctl.files.plan import Plan
 from hetctl.files.yamlio import dump_yaml, load_model
 from hetctl.plan.models import load_model as load_spec

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import getpass
 import os
-import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -46,13 +45,11 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstr
 
 from hetctl.errors import ConfigError
 from hetctl.files.fields import NoNul, Text, Tflops, host_problem, node_name_problem
+from hetctl.files.hostrange import MAX_NODES, count_hostlist
 from hetctl.files.yamlio import _line_of, format_loc, located_error, read_yaml, validation_error
 
 DEFAULT_WORKDIR = "~/.hetctl"
 DEFAULT_SSH_CONFIG = "~/.ssh/config"  # kept as written: ssh reads it (and the system file) itself
-# All ranges of a file together: checked before anything is expanded, so that
-# `gpu-[1-99999],cpu-[1-99999],…` costs nothing to refuse.
-MAX_NODES = 100_000
 
 
 def _scalar_to_str(value: Any) -> Any:
@@ -241,43 +238,6 @@ def _node_workdir(value: str, transport: str, base: Path, loc: tuple[Any, ...]) 
     if value.startswith("~") or value.startswith("/"):
         return value
     return "~/" + value
-
-
-def count_hostlist(pattern: str) -> int:
-    """How many names ``pattern`` expands to at most, without expanding it.
-
-    Follows python-hostlist's syntax (top-level commas, ``[lo-hi,n,…]`` groups
-    multiplied within one item); a malformed part counts as one name and is left
-    for :func:`_expand` to report. A bound with more than 18 digits counts as
-    more than :data:`MAX_NODES`.
-    """
-    total, depth, part = 0, 0, ""
-    for c in pattern + ",":
-        if c == "," and depth == 0:
-            total += _count_item(part)
-            part = ""
-            continue
-        part += c
-        depth += {"[": 1, "]": -1}.get(c, 0)
-    return total + (_count_item(part) if part else 0)
-
-
-def _count_item(item: str) -> int:
-    if not item:
-        return 0
-    n = 1
-    for group in re.findall(r"\[([^\]]*)\]", item):
-        size = 0
-        for r in group.split(","):
-            m = re.fullmatch(r"([0-9]+)-([0-9]+)", r)
-            if m is None:
-                size += 1
-            elif max(len(m[1]), len(m[2])) > 18:
-                size += MAX_NODES + 1
-            else:
-                size += max(1, int(m[2]) - int(m[1]) + 1)
-        n *= size
-    return n
 
 
 def _expand(pattern: str, loc: tuple[Any, ...]) -> list[str]:
