@@ -73,8 +73,8 @@ class Software(_Strict):
 class NodeFacts(_Strict):
     """Everything probe learned about one node, or why it could not."""
 
-    name: fields.NodeName
-    host: fields.HostName
+    name: str  # hostname-like on load: Cluster.check_consistency
+    host: str
     reachable: bool = True
     error: str | None = None
     labels: dict[str, str] = Field(default_factory=dict)
@@ -115,12 +115,16 @@ class Cluster(_Strict):
         return [n for n in self.nodes if n.reachable]
 
     def check_consistency(self) -> None:
-        """Raise :class:`~hetctl.files.fields.Invalid` for a node name, or a node's chip (vendor and index), listed twice.
+        """Raise :class:`~hetctl.files.fields.Invalid` for a name or host that is not hostname-like, and for a
+        node name, or a node's chip (vendor and index), listed twice.
 
         Called by :func:`hetctl.files.yamlio.load_model` on every cluster file read.
         """
         seen: dict[str, int] = {}
         for i, node in enumerate(self.nodes):
+            for key, problem in (("name", fields.node_name_problem(node.name)), ("host", fields.host_problem(node.host))):
+                if problem:
+                    raise Invalid(("nodes", i, key), problem, "node names and hosts must be hostnames or addresses")
             if node.name in seen:
                 raise Invalid(("nodes", i, "name"),
                               f"node {node.name!r} is listed twice (also nodes[{seen[node.name]}])",
