@@ -263,19 +263,21 @@ def test_non_utf8_inventory_names_file_and_line(tmp_path):
     assert r.exit_code == 2 and "not UTF-8" in r.output
 
 
-def test_bad_port_in_the_ssh_config_names_its_file_and_line(tmp_path):
-    cfg = write(tmp_path, "Host *\n  User me\n  Port abc\n", "ssh_config")
+@pytest.mark.parametrize("port", ["abc", "70000", "-1"])
+def test_bad_port_in_the_ssh_config_names_its_file_and_line(tmp_path, port):
+    """ssh reads the ssh config itself (issue 8): its own refusal, naming file and line, is one line and no traceback."""
+    from hetctl.remote.sshconfig import effective_settings
+
+    cfg = write(tmp_path, f"Host *\n  User me\n  Port {port}\n", "ssh_config")
     p = write(tmp_path, f"ssh:\n  config: {cfg}\nnodes:\n  - host: gpu-1\n", "inventory.yaml")
-    e = error_of("inventory", p) if False else None  # the error names the ssh config, checked below
+    inv = load_inventory(p)
     with pytest.raises(HetctlError) as info:
-        load_inventory(p)
+        effective_settings(inv.nodes[0], inv.ssh)
     e = info.value
-    assert e.message == f"{cfg}:3: Port: 'abc' (for host gpu-1) is not a port number 1-65535"
-    assert e.exit_code == 2 and "\n" not in str(e)
-    cfg.write_text("Host *\n  Port 70000\n")
-    with pytest.raises(HetctlError, match=r"ssh_config:2: Port: '70000'"):
-        load_inventory(p)
-    assert cli("probe", "-i", str(p)).exit_code == 2
+    assert e.exit_code == 2 and str(e).splitlines() == [str(e)]
+    assert e.message.startswith(f"gpu-1: ssh cannot use its configuration: {cfg} line 3: ")
+    r = cli("probe", "-i", str(p), "--json")
+    assert r.exit_code == 1 and f"{cfg} line 3: " in r.output  # the node's row says why; the others would answer
 
 
 @pytest.mark.parametrize("value", [".inf", "-.inf", ".nan", "-1", "0", "1e400", "2000000"])
