@@ -224,7 +224,7 @@ def test_kill9_rank_restarts_same_plan_and_matches_bit_for_bit(cluster, site, re
     assert len(restart) == 1 and restart[0]["resume_step"] >= EVERY * 2 and "SIGKILL" in restart[0]["reason"]
     assert plan_of(run.run, 1) == plan_of(run.run, 0)  # same plan
     assert not psutil.pid_exists(victim.pid) or psutil.Process(victim.pid).status() == psutil.STATUS_ZOMBIE
-    assert cluster.wait_no_session_processes(10) == []
+    assert cluster.wait_no_session_processes(30) == []
 
 
 @e2e
@@ -240,7 +240,7 @@ def test_sigstopped_rank_is_a_hang_and_the_restart_matches(cluster, site, refere
     stopped = [e for e in failed if "SIGSTOP" in e["reason"]]
     assert stopped and stopped[0]["rank"] == 0  # the stopped rank is named, not its waiting peer
     assert run.events("restart")[0]["resume_step"] >= EVERY * 2
-    assert cluster.wait_no_session_processes(10) == []
+    assert cluster.wait_no_session_processes(30) == []
 
 
 @e2e
@@ -260,7 +260,7 @@ def test_corrupted_newest_checkpoint_is_skipped_and_the_previous_used(cluster, s
     skipped = run.events("checkpoint_skipped")
     assert skipped and skipped[0]["step"] == newest and "sha256 mismatch" in skipped[0]["problems"][0]
     assert run.events("restart")[0]["resume_step"] == newest - EVERY
-    assert cluster.wait_no_session_processes(10) == []
+    assert cluster.wait_no_session_processes(30) == []
 
 
 @e2e
@@ -286,7 +286,7 @@ def test_sigkilled_controller_then_resume_finishes_with_the_same_loss(cluster, s
     again = hetctl(site, "resume", str(run.run))
     assert again.returncode == 2 and "already has a checkpoint at step 24 of 24" in again.stderr
     assert "Traceback" not in again.stderr
-    assert cluster.wait_no_session_processes(10) == []
+    assert cluster.wait_no_session_processes(30) == []
 
 
 @e2e
@@ -299,7 +299,7 @@ def test_resume_refuses_while_a_rank_of_the_run_is_alive(cluster, site):
     assert f"already being run by a live controller (pid {run.proc.pid} on " in r.stderr, r.stderr
     run.proc.send_signal(signal.SIGTERM)
     run.proc.communicate(timeout=60)
-    assert cluster.wait_no_session_processes(10) == []
+    assert cluster.wait_no_session_processes(30) == []
 
 
 @e2e
@@ -353,7 +353,7 @@ def test_restarts_used_up_fail_cleanly_and_resume_finishes_the_run(cluster, site
     assert "SIGKILL" in summary["reason"]
     assert f"hetctl resume {run.run.resolve()}" in " ".join(err.split())
     assert [e["kind"] for e in run.events() if e["kind"] in ("gave_up", "failed")] == ["gave_up", "failed"]
-    assert cluster.wait_no_session_processes(10) == []
+    assert cluster.wait_no_session_processes(30) == []
     r = hetctl(site, "resume", str(run.run), "--json", *FAST)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["final_loss"] == reference["final_loss"], run.story()
@@ -365,15 +365,24 @@ CPU_CGROUP = Path("/sys/fs/cgroup/cpu")
 @e2e
 @pytest.mark.skipif(not (CPU_CGROUP / "cgroup.procs").exists(), reason="needs the cgroup v1 cpu controller")
 def test_slow_node_is_reported_as_straggler_and_rebalanced(cluster, site, reference):
-    """node-2 gets a quarter of one CPU (a cgroup on its sshd, inherited by all it starts): a real slow node."""
+    """node-2 gets a quarter of one CPU: its python joins a cgroup before it runs anything (the agent and its
+    ranks inherit it), so node-2 is really slower, whatever the other suites on the machine do."""
     group = CPU_CGROUP / f"hetctl-test-{cluster.id}"
     group.mkdir()
+    wrapper = site / "python-in-slow-cgroup"
+    wrapper.write_text(f"#!/bin/sh\necho $$ > {group / 'cgroup.procs'}\nexec {sys.executable} \"$@\"\n")
+    wrapper.chmod(0o755)
+    inv = yaml.safe_load((site / "inventory.yaml").read_text())
+    for n in inv["nodes"]:
+        if n["name"] == "node-2":
+            n["python"] = str(wrapper)
+    (site / "inventory-slow.yaml").write_text(yaml.safe_dump(inv, sort_keys=False))
     try:
         (group / "cpu.cfs_period_us").write_text("100000")
         (group / "cpu.cfs_quota_us").write_text("25000")
-        (group / "cgroup.procs").write_text(str(cluster["node-2"].proc.pid))
-        run = Launch(site, "slow", "--rebalance")
+        run = Launch(site, "slow", "--rebalance", "-i", "inventory-slow.yaml")
         summary = run.finish()
+        throttled = dict(line.split() for line in (group / "cpu.stat").read_text().splitlines())
     finally:
         for pid in (group / "cgroup.procs").read_text().split():
             try:
@@ -381,6 +390,7 @@ def test_slow_node_is_reported_as_straggler_and_rebalanced(cluster, site, refere
             except OSError:
                 pass
         group.rmdir()
+    assert int(throttled["nr_throttled"]) > 0  # the quota really bit
     stragglers = run.events("straggler")
     assert stragglers and stragglers[0]["node"] == "node-2" and stragglers[0]["slowdown"] > 1.25, run.story()
     replan = run.events("replan")
