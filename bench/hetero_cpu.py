@@ -1,8 +1,10 @@
 """Benchmark: a real mixed-speed cluster on this machine, the plan's split against uniform and proportional, measured.
 
 Three local nodes, each in a cgroup v1 ``cpu`` group of its own with a CFS quota
-in the ratio ``--quotas`` (default 4:2:1, the largest a full CPU), one torch
-thread per rank: really different speeds, not declared ones. The model is
+in the ratio ``--quotas`` (default 4:2:1; the largest ``--top-cpu`` of one CPU,
+default 0.5, so that the three together stay well under this machine's two
+cores and do not compete), one torch thread per rank: really different speeds,
+not declared ones. The model is
 ``--layers`` transformer layers of the reference trainer's blocks. In one run:
 
 1. probe the nodes with equal declared speeds and launch the **uniform** split
@@ -53,7 +55,7 @@ from hetctl.plan.search import Pins  # noqa: E402
 
 CPU = Path("/sys/fs/cgroup/cpu")
 NODES = ("node-a", "node-b", "node-c")
-PERIOD_US = 100_000
+PERIOD_US = 10_000  # a short CFS period: throttling close to a uniformly slower CPU, not long stalls
 
 
 def cli(d: Path, *args: str, timeout: float = 1800) -> subprocess.CompletedProcess:
@@ -64,15 +66,15 @@ def cli(d: Path, *args: str, timeout: float = 1800) -> subprocess.CompletedProce
     return r
 
 
-def make_groups(tag: str, quotas: list[int]) -> dict[str, Path]:
-    """One cgroup per node; the largest quota is one full CPU."""
+def make_groups(tag: str, quotas: list[int], top_cpu: float) -> dict[str, Path]:
+    """One cgroup per node; the largest quota is ``top_cpu`` of one CPU."""
     top = max(quotas)
     groups = {}
     for node, q in zip(NODES, quotas):
         g = CPU / f"hetctl-bench-{tag}-{node}"
         g.mkdir()
         (g / "cpu.cfs_period_us").write_text(str(PERIOD_US))
-        (g / "cpu.cfs_quota_us").write_text(str(int(PERIOD_US * q / top)))
+        (g / "cpu.cfs_quota_us").write_text(str(int(PERIOD_US * top_cpu * q / top)))
         groups[node] = g
     return groups
 
@@ -129,7 +131,10 @@ def launch(d: Path, name: str, plan, steps: int) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quotas", default="4:2:1", help="CPU quotas of node-a:node-b:node-c (the largest = one CPU)")
+    ap.add_argument("--quotas", default="4:2:1", help="CPU quotas of node-a:node-b:node-c, relative")
+    ap.add_argument("--top-cpu", type=float, default=0.5,
+                    help="share of one CPU the largest quota gets; keep the sum of all quotas well under the "
+                         "machine's cores, so that the nodes are as independent as separate machines")
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--global-batch", type=int, default=64)
@@ -139,7 +144,7 @@ def main() -> int:
         print("needs root and the cgroup v1 cpu controller at /sys/fs/cgroup/cpu", file=sys.stderr)
         return 2
     quotas = [int(q) for q in args.quotas.split(":")]
-    groups = make_groups(uuid.uuid4().hex[:6], quotas)
+    groups = make_groups(uuid.uuid4().hex[:6], quotas, args.top_cpu)
     try:
         with tempfile.TemporaryDirectory(prefix="hetctl-hetero-") as tmp:
             d = Path(tmp)
@@ -147,7 +152,8 @@ def main() -> int:
             facts = load_model(d / "cluster.yaml", Cluster)
             spec = load_spec(str(d / "model.yaml"))
             shape = {"global_batch": args.global_batch, "micro_batch": args.micro_batch}
-            print(f"cluster: {len(NODES)} CPU nodes, quotas {args.quotas}, one thread per rank; model {args.layers} "
+            print(f"cluster: {len(NODES)} CPU nodes, quotas {args.quotas} (largest {args.top_cpu:g} CPU), one thread "
+                  f"per rank, {os.cpu_count()} cores; model {args.layers} "
                   f"layers; global batch {args.global_batch}, micro-batch {args.micro_batch}; {args.steps} steps")
             base = plan_cluster(facts, spec, pins=Pins(pp=len(NODES), dp=1), cluster_path=d / "cluster.yaml", **shape)
             per = args.layers // len(NODES)
