@@ -52,3 +52,37 @@ def test_demo_never_overwrites_a_users_inventory(tmp_path):
     assert mine.read_text() == "nodes: [{host: gpu-01}]\n"
     fresh = tmp_path / "demo"
     assert write_inventory(fresh) == write_inventory(fresh)  # an earlier demo's folder is fine
+
+
+def test_plan_keeps_a_users_own_scripts_in_the_nodes_folder(tmp_path):
+    from hetctl.files.cluster import Chip, Cluster, NodeFacts
+    from hetctl.plan.models import load_model
+    from hetctl.plan.planner import plan_cluster
+    from hetctl.plan.render import write_plan_dir
+
+    cl = Cluster(nodes=[NodeFacts(name=n, host=n, tflops_override=1.0, memory_gb=16.0,
+                                  chips=[Chip(index=0, vendor="cpu", memory_gb=16.0)]) for n in ("a", "b", "zz")])
+    mine = tmp_path / "plan" / "nodes" / "my-helper.sh"
+    mine.parent.mkdir(parents=True)
+    mine.write_text("#!/bin/sh\necho mine\n")
+    write_plan_dir(plan_cluster(cl, load_model("tiny")), tmp_path / "plan")
+    first = sorted(p.name for p in mine.parent.glob("*.sh"))
+    two = Cluster(nodes=cl.nodes[:2])
+    write_plan_dir(plan_cluster(two, load_model("tiny")), tmp_path / "plan")  # zz's old script goes, mine stays
+    assert "zz.sh" in first and sorted(p.name for p in mine.parent.glob("*.sh")) == ["a.sh", "b.sh", "my-helper.sh"]
+    assert mine.read_text() == "#!/bin/sh\necho mine\n"
+
+
+def test_a_planted_link_in_the_checkpoint_folder_is_never_followed(tmp_path):
+    from hetctl.node import manifest
+
+    ck = tmp_path / "ck"
+    real = tmp_path / "elsewhere" / "step-9"
+    real.mkdir(parents=True)
+    (real / "w.pt").write_bytes(b"x")
+    manifest.write_manifest(real, 9, "digest")
+    ck.mkdir()
+    (ck / "step-9").symlink_to(real)
+    skipped = []
+    assert manifest.latest_valid(ck, "digest", on_skip=skipped.append) is None
+    assert "symbolic link" in skipped[0].problems[0]

@@ -202,6 +202,11 @@ def validate(directory: str | Path, model_digest: str | None = None, hash_files:
     listed size and (unless ``hash_files`` is False) sha256.
     """
     d = Path(directory)
+    if d.is_symlink():
+        return ["a symbolic link, not a step folder the run wrote (planted?); not followed"]
+    planted = [p.name for p in d.iterdir() if p.is_symlink()] if d.is_dir() else []
+    if planted:
+        return [f"{planted[0]}: a symbolic link inside the step folder (planted?); not followed"]
     if not (d / MANIFEST).is_file():
         return ["no manifest.json (the checkpoint was never finished)"]
     try:

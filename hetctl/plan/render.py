@@ -318,6 +318,16 @@ def script_name(node: str) -> str:
     return _SAFE_NAME.sub("_", node) + ".sh"
 
 
+def _rendered_by_hetctl(path: Path) -> bool:
+    """Whether ``path`` is a node script this module wrote (its second line says so), not a user's file."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            head = f.read(400)
+    except OSError:
+        return False
+    return not path.is_symlink() and "rendered by `hetctl plan`" in head
+
+
 def write_plan_dir(plan: Plan, out_dir: str | Path, hosts: dict[str, str] | None = None) -> list[Path]:
     """Write ``plan.yaml`` and ``nodes/<node>.sh`` (executable) under ``out_dir``.
 
@@ -346,8 +356,9 @@ def write_plan_dir(plan: Plan, out_dir: str | Path, hosts: dict[str, str] | None
     written = [save_model(plan_file, plan, header=header)]
     nodes_dir = out / "nodes"
     nodes_dir.mkdir(parents=True, exist_ok=True)
-    for old in nodes_dir.glob("*.sh"):
-        old.unlink()
+    for old in nodes_dir.glob("*.sh"):  # an earlier plan's scripts go; a user's own files stay
+        if _rendered_by_hetctl(old):
+            old.unlink()
     hostfile = out / "hostfile"
     if hostfile.exists():
         hostfile.unlink()
