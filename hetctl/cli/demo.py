@@ -16,19 +16,14 @@ from typing import Any
 
 from hetctl.errors import ConfigError, RemoteError
 from hetctl.files.plan import Plan
-from hetctl.files.yamlio import dump_yaml, save_model
+from hetctl.files.yamlio import dump_yaml, save_model, written_by
 
 DEMO_NODES = (("node-a", 2.0), ("node-b", 1.0), ("node-c", 1.0))
 
 
 def _written_by_demo(path: Path) -> bool:
     """Whether ``path`` is one of the demo's own files (it heads each with a ``hetctl demo`` line)."""
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            head = f.read(300)
-    except OSError:
-        return False
-    return "hetctl demo" in head
+    return written_by(path, "hetctl demo")
 
 
 def write_inventory(directory: str | Path) -> Path:

@@ -351,3 +351,18 @@ def to_json(obj: BaseModel | Any) -> str:
     if isinstance(obj, BaseModel):
         return obj.model_dump_json(indent=2)
     return json.dumps(obj, indent=2, default=str)
+
+
+def written_by(path: str | Path, words: str, head_bytes: int = 400) -> bool:
+    """Whether the file at ``path`` (not a link) says ``words`` in its first lines: one of hetctl's own files.
+
+    Used before replacing a file hetctl writes (a demo inventory, a node script) so a
+    user's own file of the same name is never overwritten.
+    """
+    p = Path(path)
+    try:
+        with open(p, encoding="utf-8", errors="replace") as f:
+            head = f.read(head_bytes)
+    except OSError:
+        return False
+    return not p.is_symlink() and words in head

@@ -37,6 +37,7 @@ from hetctl.errors import ConfigError
 from hetctl.plan.deepspeed_layout import check_deepspeed_split, launcher_files
 from hetctl.plan.rankenv import LAUNCH_TIME, stage_of, static_env
 from hetctl.files.plan import Plan, Rank
+from hetctl.files.yamlio import written_by
 from hetctl.plan.shell import Shell, assignment, check_script, env_name, environment, word
 
 DEFAULT_PORT = 29500
@@ -320,12 +321,7 @@ def script_name(node: str) -> str:
 
 def _rendered_by_hetctl(path: Path) -> bool:
     """Whether ``path`` is a node script this module wrote (its second line says so), not a user's file."""
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            head = f.read(400)
-    except OSError:
-        return False
-    return not path.is_symlink() and "rendered by `hetctl plan`" in head
+    return written_by(path, "rendered by `hetctl plan`")
 
 
 def write_plan_dir(plan: Plan, out_dir: str | Path, hosts: dict[str, str] | None = None) -> list[Path]:
