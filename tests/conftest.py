@@ -69,12 +69,13 @@ def sshd_cluster(tmp_path_factory: pytest.TempPathFactory):
         cluster.stop()
 
 
-@pytest.fixture
-def make_sshd_cluster(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., SshdCluster]:
-    clusters: list[SshdCluster] = []
+def _private_clusters(tmp_path_factory: pytest.TempPathFactory, what: str, build: Callable[..., object]):
+    """A factory of clusters a test may break; each is stopped after the test, which then fails if any
+    process it started is still alive."""
+    clusters: list = []
 
-    def make(n: int = 2, **kwargs: object) -> SshdCluster:
-        cluster = SshdCluster(tmp_path_factory.mktemp("sshd"), n, **kwargs)
+    def make(*args: object, **kwargs: object):
+        cluster = build(tmp_path_factory.mktemp(what), *args, **kwargs)
         clusters.append(cluster)
         return cluster.start()
 
@@ -83,7 +84,12 @@ def make_sshd_cluster(tmp_path_factory: pytest.TempPathFactory) -> Callable[...,
     for cluster in clusters:
         cluster.stop()
         left += cluster.leftovers()
-    assert not left, f"processes left behind by the sshd fixture: {left}"
+    assert not left, f"processes left behind by the {what} fixture: {left}"
+
+
+@pytest.fixture
+def make_sshd_cluster(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., SshdCluster]:
+    yield from _private_clusters(tmp_path_factory, "sshd", lambda root, n=2, **kw: SshdCluster(root, n, **kw))
 
 
 @pytest.fixture
@@ -109,16 +115,4 @@ def make_slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Callable[...
     reason = slurm_skip_reason()
     if reason:
         pytest.skip(reason)
-    clusters: list[SlurmCluster] = []
-
-    def make(**kwargs: object) -> SlurmCluster:
-        cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"), **kwargs)
-        clusters.append(cluster)
-        return cluster.start()
-
-    yield make
-    left = []
-    for cluster in clusters:
-        cluster.stop()
-        left += cluster.leftovers()
-    assert not left, f"processes left behind by the slurm fixture: {left}"
+    yield from _private_clusters(tmp_path_factory, "slurm", SlurmCluster)

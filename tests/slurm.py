@@ -42,7 +42,7 @@ from pathlib import Path
 
 import psutil
 
-from tests.sshd import SshdHost
+from tests.sshd import Members, SshdHost
 
 MARKER_ENV = "HETCTL_TEST_SLURM"
 BINARIES = ("slurmctld", "slurmd", "srun", "salloc", "scontrol", "munged", "unshare")
@@ -208,7 +208,7 @@ class SlurmNode:
             time.sleep(0.05)
 
 
-class SlurmCluster:
+class SlurmCluster(Members):
     """munged + slurmctld + one slurmd per node under ``root``; a context manager, or call start/stop.
 
     Args:
@@ -232,20 +232,9 @@ class SlurmCluster:
         self.munged_pid: int | None = None
         self.env = {"SLURM_CONF": str(self.conf)}
 
-    def __getitem__(self, key: int | str) -> SlurmNode:
-        return self.nodes[key] if isinstance(key, int) else next(n for n in self.nodes if n.name == key)
-
-    def __iter__(self):
-        return iter(self.nodes)
-
-    def __len__(self) -> int:
-        return len(self.nodes)
-
-    def __enter__(self) -> SlurmCluster:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+    @property
+    def members(self) -> list[SlurmNode]:
+        return self.nodes
 
     @property
     def names(self) -> list[str]:

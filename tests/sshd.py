@@ -376,7 +376,31 @@ def _marked(marker: str, config: Path | None = None) -> list[psutil.Process]:
     return out
 
 
-class SshdCluster:
+class Members:
+    """A test cluster's hosts by index or name, iterable, and a context manager that starts and stops it.
+
+    Subclasses set ``members`` and define ``start`` and ``stop``.
+    """
+
+    members: list
+
+    def __getitem__(self, key: int | str):
+        return self.members[key] if isinstance(key, int) else next(m for m in self.members if m.name == key)
+
+    def __iter__(self):
+        return iter(self.members)
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class SshdCluster(Members):
     """``n`` real sshd hosts under ``root``; use as a context manager or call start/stop.
 
     Args:
@@ -422,20 +446,9 @@ class SshdCluster:
         self.authorized_keys = self.root / "authorized_keys"
         self.known_hosts = self.root / "known_hosts"
 
-    def __getitem__(self, key: int | str) -> SshdHost:
-        return self.hosts[key] if isinstance(key, int) else next(h for h in self.hosts if h.name == key)
-
-    def __iter__(self):
-        return iter(self.hosts)
-
-    def __len__(self) -> int:
-        return len(self.hosts)
-
-    def __enter__(self) -> SshdCluster:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+    @property
+    def members(self) -> list[SshdHost]:
+        return self.hosts
 
     def start(self) -> SshdCluster:
         """Make keys, write configs and start every sshd in parallel; return when all listen."""

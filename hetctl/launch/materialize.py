@@ -268,7 +268,9 @@ def agent_zipapp_digest() -> str:
 
 def node_source(name: str) -> str:
     """Source of a stdlib-only program in ``hetctl/node/`` that runs on a node as ``python -c``."""
-    return resources.files("hetctl.node").joinpath(name).read_text()
+    from hetctl.node import source
+
+    return source(name)
 
 
 def preflight_argv(python: str, workdir: str, want_port: bool, modules: Sequence[str]) -> list[str]:

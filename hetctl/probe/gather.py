@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import time
 from functools import lru_cache
-from importlib import resources
 from typing import Any, Callable
 
 from hetctl.errors import HetctlError, RemoteError
@@ -30,7 +29,9 @@ OnDone = Callable[[str, NodeFacts], None]
 @lru_cache(maxsize=None)
 def node_script(name: str) -> bytes:
     """Source of a node-side script shipped on stdin (``collector.py``, ``bench.py``)."""
-    return resources.files("hetctl.node").joinpath(name).read_bytes()
+    from hetctl.node import source
+
+    return source(name).encode()
 
 
 def collector_args(tool_timeout: float = TOOL_TIMEOUT_S) -> str:

@@ -69,9 +69,9 @@ def env_on_stdin(python: str, argv: Sequence[str], env: Mapping[str, str] | None
     """
     if not env:
         return list(argv), b""
-    from importlib import resources
+    from hetctl.node import source
 
-    loader = resources.files("hetctl.node").joinpath("envexec.py").read_text()
+    loader = source("envexec.py")
     line = json.dumps({str(k): str(v) for k, v in env.items()}, separators=(",", ":")) + "\n"
     return [python, "-c", loader, *argv], line.encode()
 

@@ -25,16 +25,12 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from hetctl.errors import Unreachable
+from hetctl.node import source
 from hetctl.remote.base import Result
-
-
-def _source(name: str) -> str:
-    return resources.files("hetctl.node").joinpath(name).read_text()
 
 
 @dataclass
@@ -215,7 +211,7 @@ class FakeTransport:
     def run(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: str | None = None,
             input: bytes | None = None, timeout: float | None = None, check: bool = True) -> Result:
         self.fleet.runs.setdefault(self.node, []).append(list(argv))
-        if len(argv) >= 6 and argv[1] == "-c" and argv[2] == _source("preflight.py"):
+        if len(argv) >= 6 and argv[1] == "-c" and argv[2] == source("preflight.py"):
             answer = {"python": "3.11.7", "executable": argv[0], "workdir": argv[3], "writable": True,
                       "modules": {m: True for m in argv[5].split(",") if m}}
             if argv[4] == "1":
