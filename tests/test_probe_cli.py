@@ -343,12 +343,33 @@ def cpu_cgroup():
     group.rmdir()
 
 
+def _slowed_python(cgroup: Path, log: Path) -> str:
+    """A ``python`` for one host: joins ``cgroup`` (or fails loudly), runs Python, and logs each run.
+
+    Each line of ``log``: the arguments, the run's cpu cgroup, and the cgroup's
+    throttled time (ns) before and after the run, so a test can tell whether the
+    quota bit during the benchmark itself and not only during the collector.
+    """
+    q = {k: shlex.quote(str(v)) for k, v in
+         {"procs": cgroup / "cgroup.procs", "stat": cgroup / "cpu.stat", "log": log, "py": sys.executable}.items()}
+    return f"""#!/bin/sh
+echo $$ > {q['procs']} || {{ echo "python-slowed: cannot join the cpu cgroup" >&2; exit 97; }}
+before=$(sed -n 's/^throttled_time //p' {q['stat']})
+{q['py']} "$@"
+rc=$?
+after=$(sed -n 's/^throttled_time //p' {q['stat']})
+group=$(grep -E '^[0-9]+:([a-z,]*,)?cpu(,[a-z,]*)?:' /proc/$$/cgroup)
+printf '%s\t%s\t%s\t%s\n' "$*" "$group" "$before" "$after" >> {q['log']}
+exit $rc
+"""
+
+
 @pytest.mark.e2e
 def test_bench_flags_the_chip_slowed_by_a_cgroup(make_sshd_cluster, cpu_cgroup, tmp_path):
     """Three CPU-only hosts; on one, the node's Python (collector and benchmark) runs in a cgroup with 10% of a CPU."""
     c = make_sshd_cluster(names=["cpu-1", "cpu-2", "cpu-3"])
-    procs = shlex.quote(str(cpu_cgroup / "cgroup.procs"))
-    c["cpu-2"].install_script("python-slowed", f"#!/bin/sh\necho $$ > {procs}\nexec {shlex.quote(sys.executable)} \"$@\"\n")
+    runs = tmp_path / "python-slowed.log"
+    c["cpu-2"].install_script("python-slowed", _slowed_python(cpu_cgroup, runs))
     data = c.inventory()
     # One node at a time: the two unslowed hosts must not share this machine's cores while they measure.
     data.setdefault("ssh", {})["fanout"] = 1
@@ -362,10 +383,15 @@ def test_bench_flags_the_chip_slowed_by_a_cgroup(make_sshd_cluster, cpu_cgroup, 
     assert proc.returncode == 0, proc.stderr
     cluster = load_model(out, Cluster)
     assert all(n.chips[0].measured_tflops is not None for n in cluster.nodes), [n.bench_error for n in cluster.nodes]
-    throttled = dict(line.split() for line in (cpu_cgroup / "cpu.stat").read_text().splitlines())
-    assert int(throttled["nr_throttled"]) > 0  # the quota did bite
+    # The benchmark on cpu-2 ran inside the group, and the quota bit while it ran.
+    lines = [ln.split("\t") for ln in runs.read_text().splitlines()]
+    bench = [ln for ln in lines if '"device_type"' in ln[0]]
+    assert len(bench) == 1, lines
+    _, group, before, after = bench[0]
+    assert group.endswith("/" + cpu_cgroup.name), (group, lines)
+    assert int(after) > int(before), ("the kernel did not throttle the benchmark", lines)
     fp32 = {n.name: n.chips[0].measured_tflops.fp32 for n in cluster.nodes}
-    assert min(fp32, key=fp32.get) == "cpu-2", fp32
+    assert min(fp32, key=fp32.get) == "cpu-2", (fp32, lines)
     # The slowed host is flagged. The two others may be too: on this shared test machine
     # back-to-back CPU matmul runs differ by several times, and the 10% rule reports that.
     slow = {f.nodes: f.message for f in cluster.findings if f.kind == "slow_chip"}

@@ -18,7 +18,7 @@ the device runs them, bf16 and fp16, and prints one JSON object::
 
 The matrix size grows from a small start until one multiply takes about a
 twentieth of the time budget, then the multiply repeats for ``budget_s`` in a
-few timed chunks, the best of which counts; a CPU node stays near one second
+few timed chunks, the median of which counts; a CPU node stays near one second
 in total. A dtype that fails (no kernel, no
 support) is listed under ``errors`` and left out of ``tflops``: nothing is ever
 estimated or filled in. When torch or the device plugin is missing, ``error``
@@ -73,10 +73,14 @@ def _timed(dev, a, b, c, count):
 def measure(dev, dtype, budget_s, chunks=5):
     """Return (TFLOPS, size) of square matmul of ``dtype`` on ``dev``.
 
-    The budget is spent in ``chunks`` timed runs and the best one counts: a
-    node's capability, not the moment another process took the CPU (threads of
-    a CPU matmul that lose their core stall each other far beyond the share of
-    time they lost).
+    The size grows while the fastest of three single multiplies stays under a
+    twentieth of the budget, and again when the timed chunks then run far faster
+    than those multiplies foretold (all three were stalled). The budget is spent
+    in ``chunks`` timed runs and the median one counts. Not the best: under a CPU quota (a container's limit,
+    a cgroup) a short chunk can fall inside one period's allowance and run at full
+    speed while the node as a whole runs at a tenth of it. Not the mean either: a
+    CPU matmul whose threads lose their core stalls far beyond the time lost, and
+    one such chunk would dominate.
     """
     torch = dev.torch
     n, n_max = SIZES.get(dev.type, DEFAULT_SIZES)
@@ -84,15 +88,20 @@ def measure(dev, dtype, budget_s, chunks=5):
         a = torch.randn(n, n, device=dev.name).to(dtype)
         b = torch.randn(n, n, device=dev.name).to(dtype)
         c = torch.matmul(a, b)  # warm-up: kernel selection, allocation
-        one = max(min(_timed(dev, a, b, c, 1) for _ in range(2)), 1e-9)
-        if one * 20 >= budget_s or n >= n_max:
-            break
+        one = max(min(_timed(dev, a, b, c, 1) for _ in range(3)), 1e-9)
+        if one * 20 < budget_s and n < n_max:
+            n *= 2
+            continue
+        # Fewer chunks when one multiply is already long, so the budget holds.
+        count = max(1, min(chunks, int(budget_s / one)))
+        per_chunk = max(1, int(budget_s / count / one))
+        times = sorted(_timed(dev, a, b, c, per_chunk) for _ in range(count))
+        median = times[len(times) // 2]
+        # A chunk far shorter than its single multiplies foretold: those were
+        # stalled, and a chunk this small fits in a quota's allowance. Grow.
+        if median * 4 >= per_chunk * one or n >= n_max:
+            return 2.0 * n ** 3 * per_chunk / median / 1e12, n
         n *= 2
-    # Fewer chunks when one multiply is already long, so the budget holds.
-    chunks = max(1, min(chunks, int(budget_s / one)))
-    per_chunk = max(1, int(budget_s / chunks / one))
-    best = min(_timed(dev, a, b, c, per_chunk) for _ in range(chunks))
-    return 2.0 * n ** 3 * per_chunk / best / 1e12, n
 
 
 def bench(args):
