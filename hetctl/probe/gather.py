@@ -102,7 +102,7 @@ def probe_node(node: Any, ssh: Any, *, bench: bool = False, args: str | None = N
     from hetctl.remote import connect
 
     try:
-        transport = connect(node, ssh)
+        transport = connect(node, ssh, lazy=True)  # the collector's run makes the connection
     except HetctlError as e:
         return unreachable(node, e.message)
     try:

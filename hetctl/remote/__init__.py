@@ -16,12 +16,14 @@ from hetctl.remote.sshconfig import EffectiveSsh, effective_settings
 TRANSPORTS: dict[str, type] = {"ssh": SshTransport, "local": LocalTransport, "slurm": SlurmTransport}
 
 
-def connect(node, ssh=None) -> Transport:
+def connect(node, ssh=None, *, lazy: bool = False) -> Transport:
     """Open the transport for ``node`` (ssh connects now and raises on failure).
 
     Args:
         node: a resolved :class:`hetctl.files.inventory.Node`.
         ssh: the inventory's :class:`hetctl.files.inventory.SshSettings` (defaults when None).
+        lazy: ssh connects on the first command instead (its failure raises there):
+            for one-shot work such as probing, one ssh process per node fewer.
 
     Raises:
         Unreachable, AuthFailed, HostKeyMismatch: for ssh nodes that cannot be reached.
@@ -32,6 +34,8 @@ def connect(node, ssh=None) -> Transport:
         from hetctl.files.inventory import SshSettings
 
         ssh = SshSettings()
+    if node.transport == "ssh":
+        return SshTransport(node, ssh, lazy=lazy)
     return TRANSPORTS[node.transport](node, ssh)
 
 
