@@ -124,7 +124,7 @@ def test_zipapp_is_deterministic_and_self_contained():
     assert "manifest.py" in shipped  # a --entry script on a bare node can write checkpoints resume accepts
     assert {"__main__.py", "hetctl/__init__.py", "hetctl/errors.py", "hetctl/vendors.py", "hetctl/runtime.py"} <= set(names)
     mat.agent_zipapp.cache_clear()
-    mat.agent_zipapp_digest.cache_clear()
+    mat.agent_zipapp_sha256.cache_clear()
     assert mat.agent_zipapp() == data
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from hetctl.errors import RemoteError
+from hetctl.files.events import read_events
 from hetctl.files.inventory import load_inventory
 from hetctl.remote import connect, fanout
 from tests.sites import hetctl, probed_site
@@ -92,3 +93,31 @@ def test_probe_and_launch_on_a_shared_workdir_without_sftp(make_sshd_cluster, tm
     assert len([p for p in workdir.iterdir() if p.name.endswith(".pyz")]) == 1  # one agent file serves both nodes
     assert not [p for p in workdir.rglob(".*.tmp")]  # no temp file left behind
     assert cluster.wait_no_session_processes(10) == []
+    # The files went to the folder once: to the first node; the second only checked.
+    assert launched(d, summary["run_id"])["shipped"] == {"node-1": ["agent", "plan"], "node-2": []}
+    again = hetctl(d, "launch", "plan", "--steps", "2", "--json")
+    assert again.returncode == 0, again.stderr
+    # The agent file is content-addressed and already there: only the new attempt's plan travels.
+    assert launched(d, json.loads(again.stdout)["run_id"])["shipped"] == {"node-1": ["plan"], "node-2": []}
+
+
+def launched(site: Path, run_id: str) -> dict:
+    return next(e for e in read_events(site / "runs" / run_id / "events.jsonl") if e["kind"] == "launched")
+
+
+def test_a_copied_share_id_without_a_shared_folder_still_gets_every_file(make_sshd_cluster, tmp_path):
+    """Two hosts with their own homes whose workdirs carry the same share id (a cloned disk image)."""
+    cluster = make_sshd_cluster(2, sftp=False)
+    assert len({h.home for h in cluster}) == 2
+    d = probed_site(cluster, tmp_path / "site", {"node-1": 1.0, "node-2": 1.0})
+    for h in cluster:
+        h.workdir.mkdir(parents=True, exist_ok=True)
+        (h.workdir / ".hetctl-share-id").write_text("0123456789abcdef\n")
+    r = hetctl(d, "plan", "-c", "cluster.yaml", "--model", "tiny", "--pp", "2", "--dp", "1", "-o", "plan")
+    assert r.returncode == 0, r.stderr
+    r = hetctl(d, "launch", "plan", "--steps", "2", "--json")
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    assert summary["state"] == "succeeded"
+    # node-2 claimed to share node-1's folder, checked, and found the files missing: it got its own.
+    assert launched(d, summary["run_id"])["shipped"] == {"node-1": ["agent", "plan"], "node-2": ["agent", "plan"]}

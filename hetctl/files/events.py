@@ -49,6 +49,9 @@ class Launched(Event):
     master_addr: str
     master_port: int
     resume_step: int = 0
+    # node → the files written to it (``agent``, ``plan``); a node that shares its
+    # workdir with an earlier one, or already had the agent, lists fewer or none.
+    shipped: dict[str, list[str]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

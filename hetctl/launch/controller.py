@@ -40,6 +40,7 @@ from typing import Any, Callable, Mapping
 from hetctl.errors import HetctlError, StartFailed
 from hetctl.files.plan import Plan
 from hetctl.launch import materialize as mat
+from hetctl.launch.ship import ship as ship_files
 from hetctl.files.events import EventLog, Launched
 from hetctl.launch.monitor import Monitor, OnProgress, OnUpdate
 from hetctl.launch.outcome import AttemptOutcome, FailureRecord, FaultKind, RunState
@@ -216,6 +217,7 @@ class AttemptController:
         self.nodes = {n.name: n for n in inventory.nodes}
         self.plan_nodes = [self.nodes[n] for n in dict.fromkeys(r.node for r in req.plan.ranks) if n in self.nodes]
         self.transports: dict[str, Any] = {}
+        self.shipped: dict[str, list[str]] = {}  # node → files written to it this attempt
         self.agents: dict[str, _Agent] = {}
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.spec: mat.LaunchSpec | None = None
@@ -246,6 +248,7 @@ class AttemptController:
                 attempt=self.req.attempt, nodes=[n.node for n in self.spec.nodes],
                 ranks=sum(len(n.ranks) for n in self.spec.nodes), master_addr=self.spec.master_addr,
                 master_port=int(self.spec.master_port), resume_step=self.req.resume_step,
+                shipped=self.shipped,
             ))
             state = monitor.watch(self.inbox, self.stop_flag)
             self._stop_all(monitor)
@@ -307,16 +310,10 @@ class AttemptController:
             pythonpath=pythonpath, entry=self.req.entry, progress=self.req.progress,
         )
         by_name = {n.node: n for n in self.spec.nodes}
-        zipapp, plan_bytes = mat.agent_zipapp(), mat.plan_json(plan)
-
-        def ship(node: Any) -> None:
-            nl = by_name[node.name]
-            t = self.transports[node.name]
-            t.put(zipapp, nl.agent_argv[1], mode=0o644)
-            t.put(plan_bytes, nl.plan_path, mode=0o644)
-
-        shipped = _fanout(self.plan_nodes, self._guard(ship, "shipping the agent failed: "), self._width())
-        return [_start_failure(n, str(v)) for n, v in shipped.items() if isinstance(v, BaseException)]
+        failed, self.shipped = ship_files(
+            self.plan_nodes, self.transports, by_name, results, mat.plan_json(plan),
+            lambda nodes, fn: _fanout(nodes, self._guard(fn, "shipping the agent failed: "), self._width()))
+        return [_start_failure(n, str(v)) for n, v in failed.items()]
 
     def _start_agents(self) -> list[FailureRecord]:
         by_name = {n.node: n for n in self.spec.nodes}

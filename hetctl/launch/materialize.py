@@ -260,8 +260,13 @@ def agent_zipapp() -> bytes:
 
 
 @lru_cache(maxsize=1)
+def agent_zipapp_sha256() -> str:
+    return hashlib.sha256(agent_zipapp()).hexdigest()
+
+
 def agent_zipapp_digest() -> str:
-    return hashlib.sha256(agent_zipapp()).hexdigest()[:12]
+    """The short digest in the agent file's name."""
+    return agent_zipapp_sha256()[:12]
 
 
 
@@ -274,8 +279,16 @@ def node_source(name: str) -> str:
 
 
 def preflight_argv(python: str, workdir: str, want_port: bool, modules: Sequence[str]) -> list[str]:
-    """``python -c <hetctl/node/preflight.py> WORKDIR WANT_PORT MODULES`` (prints one JSON line)."""
-    return [python, "-c", node_source("preflight.py"), workdir, "1" if want_port else "0", ",".join(modules)]
+    """``python -c <hetctl/node/preflight.py> WORKDIR WANT_PORT MODULES AGENT SHA256`` (prints one JSON line)."""
+    agent = agent_path("").lstrip("/")
+    return [python, "-c", node_source("preflight.py"), workdir, "1" if want_port else "0", ",".join(modules),
+            agent, agent_zipapp_sha256()]
+
+
+def have_argv(python: str, files: Mapping[str, str]) -> list[str]:
+    """``python -c <preflight.py> --have PATH SHA256 …``: prints ``{"missing": [paths]}``."""
+    pairs = [x for item in files.items() for x in item]
+    return [python, "-c", node_source("preflight.py"), "--have", *pairs]
 
 
 def parse_preflight(stdout: str) -> dict[str, Any] | None:

@@ -1,12 +1,22 @@
 """Pre-flight of one node before an attempt starts: runs there as ``python -c`` (stdlib only).
 
-Arguments: ``WORKDIR WANT_PORT MODULES`` (MODULES comma-separated). Prints one JSON
-line: the python version and executable, the workdir as the node expands it and
-whether it is writable (proved by creating a file), which modules are importable
-(found, not imported: cheap) and their installed versions, and with WANT_PORT=1 a free TCP port for the
-rendezvous.
+Arguments: ``WORKDIR WANT_PORT MODULES [AGENT SHA256]`` (MODULES comma-separated).
+Prints one JSON line: the python version and executable, the workdir as the node
+expands it and whether it is writable (proved by creating a file), which modules
+are importable (found, not imported: cheap) and their installed versions, with
+WANT_PORT=1 a free TCP port for the rendezvous, the workdir's share id, and with
+AGENT whether that file (in the workdir) already has the digest SHA256.
+
+The share id is a random token kept in ``WORKDIR/.hetctl-share-id``, made by the
+first node to look (written under a temp name and hard-linked into place, so one
+node wins and the others read its whole token): nodes that report the same id and
+the same path see one folder (an NFS home), and the controller ships each file
+there once. A copied folder (a cloned disk image) carries the token too, so the
+controller still checks, on every node, that the shipped files are there.
 """
 
+import binascii
+import hashlib
 import importlib.util
 import json
 import os
@@ -31,6 +41,51 @@ def unsafe(wd: str):
     return None
 
 
+def share_id(wd: str):
+    """The workdir's share token, made now when absent; None when the folder cannot hold it."""
+    path = os.path.join(wd, ".hetctl-share-id")
+    for _ in range(2):
+        try:
+            with open(path) as f:
+                token = f.read().strip()
+            if token:
+                return token
+        except OSError:
+            pass
+        try:
+            fd, tmp = tempfile.mkstemp(dir=wd, prefix=".hetctl-share-id.")
+        except OSError:
+            return None
+        try:
+            os.write(fd, binascii.hexlify(os.urandom(8)) + b"\n")
+            os.fsync(fd)
+            os.close(fd)
+            try:
+                os.link(tmp, path)  # atomic: the first node's token stays
+            except FileExistsError:
+                pass
+        except OSError:
+            return None
+        finally:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+    return None
+
+
+def has_digest(path: str, sha256: str) -> bool:
+    """Whether ``path`` is a file whose SHA-256 is ``sha256``."""
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    except OSError:
+        return False
+    return h.hexdigest() == sha256
+
+
 def main(argv: list) -> dict:
     wd = os.path.abspath(os.path.expanduser(argv[0]))
     r = {"python": sys.version.split()[0], "executable": sys.executable, "workdir": wd, "writable": False}
@@ -43,6 +98,9 @@ def main(argv: list) -> dict:
     except OSError as e:
         r["error"] = "%s: %s" % (e.filename or wd, e.strerror)
     r["unsafe"] = unsafe(wd)
+    r["share_id"] = share_id(wd) if r["writable"] else None
+    if len(argv) >= 5:
+        r["agent_ok"] = has_digest(os.path.join(wd, argv[3]), argv[4])
     mods = {}
     for m in filter(None, argv[2].split(",")):
         try:
@@ -67,5 +125,13 @@ def main(argv: list) -> dict:
     return r
 
 
+def missing(pairs: list) -> list:
+    """``--have PATH SHA256 …``: the paths that are not there with that digest."""
+    return [p for p, d in zip(pairs[0::2], pairs[1::2]) if not has_digest(os.path.expanduser(p), d)]
+
+
 if __name__ == "__main__":
-    print(json.dumps(main(sys.argv[1:])))
+    if sys.argv[1:2] == ["--have"]:
+        print(json.dumps({"missing": missing(sys.argv[2:])}))
+    else:
+        print(json.dumps(main(sys.argv[1:])))
