@@ -14,6 +14,12 @@ def probe_cmd(
     output: str | None = typer.Option(None, "-o", "--output", help="Write the cluster file (YAML) here."),
     json_out: bool = typer.Option(False, "--json", help="Print the cluster facts as JSON on stdout, no table."),
     bench: bool = typer.Option(False, "--bench", help="Measure matmul TFLOPS per chip on nodes that have torch."),
+    model: str | None = typer.Option(None, "--model", "-m", help="With --bench: also time the reference trainer's "
+                                     "layer at this model's shape (a preset name or a model YAML); plans of that "
+                                     "shape then use the measured layer times."),
+    micro_batch: int = typer.Option(1, "--micro-batch", min=1, help="With --model: the micro-batch to profile at "
+                                    "(the plan must use the same one for the profile to count)."),
+    seq_len: int | None = typer.Option(None, "--seq-len", min=1, help="With --model: override its sequence length."),
 ) -> None:
     """Find out what every node has: chips, memory, NICs, software.
 
@@ -26,6 +32,14 @@ def probe_cmd(
 
     if inventory is None:
         raise ConfigError("no inventory given", "pass -i inventory.yaml (inventories/local.yaml is an example)")
+    shape = None
+    if model is not None:
+        if not bench:
+            raise ConfigError("--model profiles a layer, which is part of the benchmark", "add --bench")
+        from hetctl.plan.models import load_model
+        from hetctl.probe.assemble import ProfileShape
+
+        shape = ProfileShape(spec=load_model(model, seq_len).model_dump(), micro_batch=micro_batch)
     from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -46,7 +60,7 @@ def probe_cmd(
             progress.update(task, advance=1, description=escape(f"{name}{mark}"))
 
         with interrupts_end_commands():
-            cluster = probe(inv, bench=bench, on_done=done)
+            cluster = probe(inv, bench=bench, on_done=done, profile=shape)
     if output:
         save_model(output, cluster, header=f"hetctl probe -i {inventory}\nnodes: {len(cluster.nodes)}")
     if json_out:
@@ -107,7 +121,12 @@ def _print_probe(cluster, *, bench: bool) -> None:
                 f"{mem:g} GB" if mem is not None else "?", tf, nic if i == 0 else "",
             )))
         if bench and node.bench_error:
-            notes.append(f"{node.name}: not measured: {node.bench_error}")
+            lead = "" if node.bench_error.startswith("layer profile:") else "not measured: "
+            notes.append(f"{node.name}: {lead}{node.bench_error}")
+        prof = next((c.profile for c in node.chips if c.profile is not None), None)
+        if prof is not None:
+            notes.append(f"{node.name}: layer profile ({prof.model}, micro-batch {prof.micro_batch}, seq {prof.seq_len}, "
+                         f"{prof.precision}): forward {prof.layer_fwd_ms:g} ms, backward {prof.layer_bwd_ms:g} ms per layer")
     out.print(table)
     for note in notes:
         out.print(text((note, "dim")), highlight=False)

@@ -9,7 +9,7 @@ into two ranks on one chip: a node listed twice, a chip index listed twice.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -35,6 +35,39 @@ class Tflops(_Strict):
     fp32: fields.Tflops | None = None
 
 
+class LayerProfile(_Strict):
+    """The reference trainer's own units timed on this chip at one model shape (``probe --bench --model``).
+
+    Milliseconds are the median of repeated runs of one micro-batch, measured on
+    the node's first chip of this model; the shape fields say what was measured,
+    and the planner uses the profile only for a plan of that same shape.
+    """
+
+    model: str
+    hidden_size: int = Field(gt=0)
+    ffn_hidden_size: int = Field(gt=0)
+    num_attention_heads: int = Field(gt=0)
+    num_query_groups: int | None = None
+    vocab_size: int = Field(gt=0)
+    seq_len: int = Field(gt=0)
+    micro_batch: int = Field(gt=0)
+    precision: Literal["bf16", "fp16", "fp32"]
+    layer_fwd_ms: float = Field(gt=0, allow_inf_nan=False)
+    layer_bwd_ms: float = Field(ge=0, allow_inf_nan=False)
+    edges_fwd_bwd_ms: float | None = Field(default=None, ge=0, allow_inf_nan=False,
+                                           description="embedding and head (with its loss), forward and backward")
+    optimizer_ns_per_param: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    peak_memory_gb: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+
+    def matches(self, spec: Any, micro_batch: int, precision: str) -> bool:
+        """Whether this profile was measured at the plan's shape (a :class:`hetctl.files.plan.ModelSpec`)."""
+        return (self.hidden_size, self.ffn_hidden_size, self.num_attention_heads,
+                self.num_query_groups or self.num_attention_heads, self.vocab_size, self.seq_len,
+                self.micro_batch, self.precision) == (
+            spec.hidden_size, spec.ffn_hidden_size, spec.num_attention_heads,
+            spec.num_query_groups or spec.num_attention_heads, spec.vocab_size, spec.seq_len, micro_batch, precision)
+
+
 class Chip(_Strict):
     """One accelerator as its management tool lists it (a GCD, a die, a partition)."""
 
@@ -44,6 +77,7 @@ class Chip(_Strict):
     memory_gb: fields.Amount | None = None
     tflops: Tflops = Field(default_factory=Tflops)
     measured_tflops: Tflops | None = None
+    profile: LayerProfile | None = None
     pci_bus_id: str | None = None
     source: str | None = Field(default=None, description="which tool or file the chip was read from")
     spec: str | None = Field(

@@ -9,15 +9,17 @@ data-parallel group of a stage is normally one vendor and one library; where
 the search mixes kinds at a stage position, that position runs at its
 slowest member's pace (and synchronises over gloo across vendors).
 
-Per chip TFLOPS, for the chosen precision: the measured figure (``probe
---bench``) when there is one, else the node's ``tflops_override`` from the
-inventory, else the spec table's peak. The precision is bf16 where the chip has
+Per chip TFLOPS, for the chosen precision: the node's ``tflops_override`` from
+the inventory when set, else the rate of a layer profile measured at the plan's
+shape (``probe --bench --model``), else the matmul figure (``probe --bench``),
+else the spec table's peak. The precision is bf16 where the chip has
 it, else fp16, else fp32 (CPUs train in fp32).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from hetctl.errors import ConfigError
 from hetctl.files.cluster import Chip, Cluster, NodeFacts
@@ -111,6 +113,26 @@ class Devices:
         return sum(g.tflops * 1e12 * len(g.chips) for k in self.kinds for g in k.groups)
 
 
+@dataclass(frozen=True)
+class ProfileUse:
+    """The plan's shape, so that a chip's layer profile measured at that shape counts.
+
+    Attributes:
+        spec: the :class:`hetctl.files.plan.ModelSpec` being planned.
+        micro_batch: the plan's micro-batch.
+        layer_flops: analytic forward FLOPs of one layer per token (the cost model's).
+    """
+
+    spec: Any
+    micro_batch: int
+    layer_flops: float
+
+
+def chip_precision(chip: Chip) -> str:
+    """The precision a chip trains in: bf16 where it has it, else fp16, else fp32 (CPUs train in fp32)."""
+    return _precision(chip)
+
+
 def _precision(chip: Chip) -> str:
     info = vendor_info(chip.vendor)
     if info.default_precision == "fp32":
@@ -124,17 +146,27 @@ def _precision(chip: Chip) -> str:
     return info.default_precision if info.bf16 else "fp16"
 
 
-def chip_rate(node: NodeFacts, chip: Chip) -> tuple[float, str, str]:
+def chip_rate(node: NodeFacts, chip: Chip, use: ProfileUse | None = None) -> tuple[float, str, str]:
     """Per chip TFLOPS, precision and where the figure came from.
+
+    With ``use``, a layer profile measured at the plan's shape (``probe --bench
+    --model``) gives the rate this chip sustains on this model's layer: the
+    analytic FLOPs of one micro-batch's forward and backward over the measured
+    seconds, so the planner's layer times are the measured ones.
 
     Raises:
         ConfigError: no figure at all for this chip.
     """
     prec = _precision(chip)
-    # The user's explicit figure wins over everything we found, then a
-    # measurement wins over the datasheet peak.
+    # The user's explicit figure wins over everything we found, then the layer
+    # profile at this shape, then the matmul measurement, then the datasheet peak.
     if node.tflops_override:
         return float(node.tflops_override), prec, "inventory tflops"
+    prof = chip.profile
+    if use is not None and prof is not None and prof.matches(use.spec, use.micro_batch, prec):
+        tokens = use.micro_batch * use.spec.seq_len
+        seconds = (prof.layer_fwd_ms + prof.layer_bwd_ms) / 1000.0
+        return 3.0 * tokens * use.layer_flops / seconds / 1e12, prec, "layer profile"
     measured = getattr(chip.measured_tflops, prec, None) if chip.measured_tflops else None
     if measured:
         return float(measured), prec, "measured"
@@ -165,8 +197,8 @@ def node_chips(node: NodeFacts) -> list[Chip]:
 _node_chips = node_chips  # the name hetctl.elastic.replan imports
 
 
-def node_groups(node: NodeFacts) -> list[Group]:
-    """Group one reachable node's chips by vendor and model.
+def node_groups(node: NodeFacts, use: ProfileUse | None = None) -> list[Group]:
+    """Group one reachable node's chips by vendor and model (``use``: see :func:`chip_rate`).
 
     Raises:
         ConfigError: a chip has no TFLOPS figure, or its memory is unknown.
@@ -178,7 +210,7 @@ def node_groups(node: NodeFacts) -> list[Group]:
     for (vendor, model), chips in by_key.items():
         rates, mems, sources, precs = [], [], set(), set()
         for c in chips:
-            rate, prec, src = chip_rate(node, c)
+            rate, prec, src = chip_rate(node, c, use)
             mem = c.memory_gb
             if mem is None and vendor == "cpu" and node.memory_gb:
                 mem = node.memory_gb / len(chips)
@@ -202,8 +234,8 @@ def node_groups(node: NodeFacts) -> list[Group]:
     return groups
 
 
-def collect(cluster: Cluster) -> Devices:
-    """Turn cluster facts into kinds of interchangeable chip groups.
+def collect(cluster: Cluster, use: ProfileUse | None = None) -> Devices:
+    """Turn cluster facts into kinds of interchangeable chip groups (``use``: see :func:`chip_rate`).
 
     Unreachable nodes are left out with a note. Kinds are numbered in a
     deterministic order (vendor, model, then speed).
@@ -214,7 +246,7 @@ def collect(cluster: Cluster) -> Devices:
         if not node.reachable:
             notes.append(f"node {node.name} left out: unreachable ({node.error or 'no reason recorded'})")
             continue
-        groups.extend(node_groups(node))
+        groups.extend(node_groups(node, use))
     return Devices(kinds=make_kinds(groups), notes=notes)
 
 

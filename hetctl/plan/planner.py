@@ -23,7 +23,7 @@ from pathlib import Path
 
 from hetctl.errors import ConfigError, PlanInfeasible
 from hetctl.plan.costmodel import Workload
-from hetctl.plan.devices import Devices, collect, subset
+from hetctl.plan.devices import Devices, ProfileUse, collect, subset
 from hetctl.plan.models import default_global_batch, model_cost
 from hetctl.plan.partition import proportional_split, ranges, uniform_split
 from hetctl.files.plan import Baseline, Estimate, ModelSpec, Parallel, Plan, Rank, Stage
@@ -78,13 +78,14 @@ def plan_cluster(
             f"--tp {pins.tp}: the reference trainer (--framework hetctl) has no tensor parallelism",
             "drop --tp, or plan for a framework that has it (--framework flagscale, megatron…)",
         )
-    devices = collect(cluster)
+    cost = model_cost(spec)
+    devices = collect(cluster, ProfileUse(spec=spec, micro_batch=micro_batch, layer_flops=cost.layer_flops))
     if not devices.kinds:
         raise PlanInfeasible(
             "no usable chips: " + ("; ".join(devices.notes) if devices.notes else "the cluster file lists no nodes"),
             "probe the cluster again once nodes are reachable",
         )
-    work = Workload(cost=model_cost(spec), micro_batch=micro_batch, global_batch=gb)
+    work = Workload(cost=cost, micro_batch=micro_batch, global_batch=gb)
     found = Searcher(devices.kinds, spec, work, framework, pins).run()
     if found.best is None:
         raise _infeasible(found, pins, work, spec, devices)

@@ -10,11 +10,12 @@ from the one vendor table, :mod:`hetctl.vendors`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Mapping, Protocol, Sequence
 
 from pydantic import ValidationError
 
-from hetctl.files.cluster import Chip, Cpu, Nic, NodeFacts, Software, Tflops
+from hetctl.files.cluster import Chip, Cpu, LayerProfile, Nic, NodeFacts, Software, Tflops
 from hetctl.vendors import VENDOR_TABLE
 
 # Vendor → the torch plugin distribution that provides its device type (from the vendor table).
@@ -162,3 +163,57 @@ def apply_bench(facts: NodeFacts, report: Mapping[str, Any] | None, reason: str 
     if not by_index:
         update["bench_error"] = notes[0] if notes else "benchmark returned no result"
     return facts.model_copy(update=update)
+
+
+@dataclass(frozen=True)
+class ProfileShape:
+    """What ``probe --bench --model`` profiles: a model spec (a dict of ModelSpec's fields) and a micro-batch."""
+
+    spec: Mapping[str, Any]
+    micro_batch: int = 1
+
+
+def profile_precision(vendor: str, chip: Chip) -> str:
+    """The precision the planner will train this chip in (as :mod:`hetctl.plan.devices` picks it)."""
+    from hetctl.plan.devices import chip_precision
+
+    return chip_precision(chip)
+
+
+def profile_request(facts: NodeFacts, shape: ProfileShape) -> dict[str, Any] | None:
+    """The layer profile's arguments for a node (its main vendor's first chip), or None when it cannot run one."""
+    bench = bench_request(facts)
+    if bench is None:
+        return None
+    vendor = main_vendor(facts.chips)
+    first = min((c for c in facts.chips if c.vendor == vendor), key=lambda c: c.index, default=None)
+    precision = profile_precision(vendor, first) if first is not None else "fp32"
+    return {"device_type": bench["device_type"], "plugin": bench.get("plugin"), "precision": precision,
+            "budget_s": 2.0, "micro_batch": shape.micro_batch, "spec": dict(shape.spec)}
+
+
+def apply_profile(facts: NodeFacts, request: Mapping[str, Any], report: Mapping[str, Any] | None) -> NodeFacts:
+    """Record a layer profile on every chip of the node's main vendor and model, or why there is none."""
+    figures = (report or {}).get("profile")
+    if not figures:
+        why = " ".join(str((report or {}).get("error") or "layer profile returned nothing").split())
+        return facts.model_copy(update={"bench_error": f"layer profile: {why}"})
+    spec = request["spec"]
+    try:
+        prof = LayerProfile(
+            model=str(spec["name"]), hidden_size=spec["hidden_size"], ffn_hidden_size=spec["ffn_hidden_size"],
+            num_attention_heads=spec["num_attention_heads"], num_query_groups=spec.get("num_query_groups"),
+            vocab_size=spec["vocab_size"], seq_len=spec["seq_len"], micro_batch=request["micro_batch"],
+            precision=request["precision"],
+            **{k: figures.get(k) for k in ("layer_fwd_ms", "layer_bwd_ms", "edges_fwd_bwd_ms",
+                                           "optimizer_ns_per_param", "peak_memory_gb")},
+        )
+    except ValidationError:
+        return facts.model_copy(update={"bench_error": f"layer profile: unusable figures {dict(figures)}"})
+    vendor = main_vendor(facts.chips)
+    first = min((c for c in facts.chips if c.vendor == vendor), key=lambda c: c.index, default=None)
+    if first is None:  # a CPU-only node: the CPU is its one chip
+        return facts
+    chips = [c.model_copy(update={"profile": prof}) if (c.vendor, c.model) == (first.vendor, first.model) else c
+             for c in facts.chips]
+    return facts.model_copy(update={"chips": chips})

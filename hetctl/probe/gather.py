@@ -15,7 +15,8 @@ from functools import lru_cache
 from typing import Any, Callable
 
 from hetctl.errors import HetctlError, RemoteError
-from hetctl.probe.assemble import apply_bench, bench_request, node_facts, unreachable
+from hetctl.probe.assemble import (ProfileShape, apply_bench, apply_profile, bench_request, node_facts,
+                                   profile_request, unreachable)
 from hetctl.files.cluster import Cluster, NodeFacts
 from hetctl.remote.base import Result
 
@@ -87,7 +88,8 @@ def _run_script(transport: Any, node: Any, script: str, args: str, timeout: floa
     return decode_output(result, python, what)
 
 
-def probe_node(node: Any, ssh: Any, *, bench: bool = False, args: str | None = None) -> NodeFacts:
+def probe_node(node: Any, ssh: Any, *, bench: bool = False, args: str | None = None,
+               profile: ProfileShape | None = None) -> NodeFacts:
     """Probe one inventory node; never raises for a node-side failure.
 
     Args:
@@ -95,6 +97,7 @@ def probe_node(node: Any, ssh: Any, *, bench: bool = False, args: str | None = N
         ssh: the inventory's ssh settings (host keys, timeouts).
         bench: also run the matmul benchmark when the node has torch.
         args: the collector's JSON argument (computed once for all nodes).
+        profile: with ``bench``, also time the reference trainer's layer at this shape.
 
     Returns:
         The node's facts, or an unreachable row carrying the reason.
@@ -110,6 +113,8 @@ def probe_node(node: Any, ssh: Any, *, bench: bool = False, args: str | None = N
         facts = node_facts(node, raw)
         if bench:
             facts = _bench(transport, node, facts)
+        if bench and profile is not None:
+            facts = _profile(transport, node, facts, profile)
         return facts
     except HetctlError as e:
         return unreachable(node, e.message)
@@ -131,12 +136,25 @@ def _bench(transport: Any, node: Any, facts: NodeFacts) -> NodeFacts:
     return apply_bench(facts, report)
 
 
-def probe(inventory: Any, *, bench: bool = False, on_done: OnDone | None = None) -> Cluster:
+def _profile(transport: Any, node: Any, facts: NodeFacts, shape: ProfileShape) -> NodeFacts:
+    request = profile_request(facts, shape)
+    if request is None or not facts.software.torch:
+        return facts  # the benchmark's row already says why nothing was measured
+    try:
+        report = _run_script(transport, node, "layerprof.py", json.dumps(request), BENCH_TIMEOUT_S, "layer profile")
+    except RemoteError as e:
+        report = {"error": e.message}
+    return apply_profile(facts, request, report)
+
+
+def probe(inventory: Any, *, bench: bool = False, on_done: OnDone | None = None,
+          profile: ProfileShape | None = None) -> Cluster:
     """Probe every node of ``inventory`` in parallel (``ssh.fanout`` at a time).
 
     Args:
         inventory: a loaded :class:`hetctl.files.inventory.Inventory`.
         bench: run the matmul benchmark on nodes with torch.
+        profile: with ``bench``, time the reference trainer's layer at this shape too.
         on_done: called as ``on_done(node_name, facts)`` when a node finishes,
             from worker threads (for a progress bar).
 
@@ -150,7 +168,7 @@ def probe(inventory: Any, *, bench: bool = False, on_done: OnDone | None = None)
     by_name = {n.name: n for n in nodes}
 
     def work(node: Any) -> NodeFacts:
-        return probe_node(node, inventory.ssh, bench=bench, args=args)
+        return probe_node(node, inventory.ssh, bench=bench, args=args, profile=profile)
 
     def done(name: str, value: Any) -> None:
         if on_done is not None:

@@ -1,0 +1,119 @@
+"""Layer profiles (``probe --bench --model``): the record, the planner's use of it, and a real probe.
+
+The pure tests read profiles recorded with ``hetctl/node/layerprof.py`` on this
+machine (``tests/fixtures/profiles/cpu-tiny.json`` says how); the e2e test runs
+the profile on local nodes for real.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hetctl.files.cluster import Chip, Cluster, Nic, NodeFacts, Software, Tflops
+from hetctl.files.yamlio import load_model as load_file
+from hetctl.plan.devices import ProfileUse, chip_rate
+from hetctl.plan.models import load_model, model_cost
+from hetctl.plan.planner import plan_cluster
+from hetctl.probe.assemble import ProfileShape, apply_profile, profile_request
+
+RECORDED = json.loads((Path(__file__).parent / "fixtures/profiles/cpu-tiny.json").read_text())
+TINY = load_model("tiny")
+
+
+def cpu_node(name: str, run: str | None, matmul_fp32: float = 0.02) -> NodeFacts:
+    """A CPU node as probe --bench writes it; ``run`` picks a recorded profile (or none)."""
+    facts = NodeFacts(
+        name=name, host=name, memory_gb=16.0, software=Software(python="3.11.7", torch="2.13.0+cpu"),
+        chips=[Chip(index=0, vendor="cpu", model="AMD EPYC", memory_gb=16.0, measured_tflops=Tflops(fp32=matmul_fp32),
+                    source="cpu")],
+        nics=[Nic(name="eth0", kind="ethernet", speed_gbps=10.0)],
+    )
+    if run is None:
+        return facts
+    request = profile_request(facts, ProfileShape(spec=RECORDED["args"]["spec"], micro_batch=1))
+    return apply_profile(facts, request, RECORDED["runs"][run])
+
+
+def test_recorded_profile_is_kept_with_the_shape_it_was_measured_at():
+    facts = cpu_node("a", "full")
+    prof = facts.chips[0].profile
+    assert prof is not None and facts.bench_error is None
+    assert (prof.model, prof.micro_batch, prof.seq_len, prof.precision) == ("tiny", 1, TINY.seq_len, "fp32")
+    assert prof.layer_fwd_ms == RECORDED["runs"]["full"]["profile"]["layer_fwd_ms"]
+    assert prof.matches(TINY, 1, "fp32")
+    assert not prof.matches(TINY, 2, "fp32")  # another micro-batch is another measurement
+    assert not prof.matches(TINY.model_copy(update={"seq_len": 64}), 1, "fp32")
+    assert not prof.matches(TINY, 1, "bf16")
+
+
+def test_a_failed_profile_says_why_and_keeps_the_matmul_figure():
+    facts = cpu_node("a", None)
+    request = profile_request(facts, ProfileShape(spec=RECORDED["args"]["spec"]))
+    out = apply_profile(facts, request, {"error": "torch.cuda is not available (torch 2.13.0+cpu)", "profile": None})
+    assert out.bench_error == "layer profile: torch.cuda is not available (torch 2.13.0+cpu)"
+    assert out.chips[0].measured_tflops == facts.chips[0].measured_tflops and out.chips[0].profile is None
+    bad = apply_profile(facts, request, {"error": None, "profile": {"layer_fwd_ms": float("nan"), "layer_bwd_ms": 1}})
+    assert bad.bench_error.startswith("layer profile: unusable figures")
+
+
+def test_the_rate_comes_from_the_profile_only_at_its_shape():
+    node = cpu_node("a", "full")
+    use = ProfileUse(spec=TINY, micro_batch=1, layer_flops=model_cost(TINY).layer_flops)
+    rate, prec, src = chip_rate(node, node.chips[0], use)
+    prof = RECORDED["runs"]["full"]["profile"]
+    expected = 3 * TINY.seq_len * model_cost(TINY).layer_flops / ((prof["layer_fwd_ms"] + prof["layer_bwd_ms"]) / 1e3)
+    assert (src, prec) == ("layer profile", "fp32") and rate == pytest.approx(expected / 1e12)
+    assert chip_rate(node, node.chips[0], ProfileUse(TINY, 2, use.layer_flops))[2] == "measured"
+    assert chip_rate(node, node.chips[0])[2] == "measured"  # no plan shape given
+    pinned = node.model_copy(update={"tflops_override": 5.0})
+    assert chip_rate(pinned, pinned.chips[0], use)[2] == "inventory tflops"  # the user's figure still wins
+
+
+def test_plan_splits_by_the_measured_layer_times_where_the_matmul_sees_no_difference():
+    """Three nodes with the same matmul figure; one was profiled inside a 25% CPU quota."""
+    nodes = [cpu_node("n1", "full"), cpu_node("n2", "full"), cpu_node("n3", "cgroup-25pct")]
+    plain = plan_cluster(Cluster(nodes=[cpu_node(n.name, None) for n in nodes]), TINY, global_batch=4,
+                         pins=_pp3())
+    profiled = plan_cluster(Cluster(nodes=nodes), TINY, global_batch=4, pins=_pp3())
+    layers = {s.node: s.layers[1] - s.layers[0] for s in profiled.stages}
+    assert sorted(s.layers[1] - s.layers[0] for s in plain.stages) == [2, 3, 3]
+    assert layers["n3"] < min(layers["n1"], layers["n2"]), layers
+    assert "layer profile" in " ".join(profiled.notes)
+    # Micro-batch 2 was never profiled: the matmul figure counts again.
+    other = plan_cluster(Cluster(nodes=nodes), TINY, global_batch=4, micro_batch=2, pins=_pp3())
+    assert "layer profile" not in " ".join(other.notes)
+
+
+def _pp3():
+    from hetctl.plan.search import Pins
+
+    return Pins(pp=3, dp=1)
+
+
+@pytest.mark.e2e
+def test_probe_bench_model_profiles_each_node_and_plan_uses_it(tmp_path):
+    pytest.importorskip("torch")
+    from tests.sites import local_cli
+
+    inv = {"defaults": {"transport": "local", "python": sys.executable, "env": {"OMP_NUM_THREADS": "1"}},
+           "nodes": [{"name": f"node-{c}", "host": "localhost", "workdir": str(tmp_path / c)} for c in "ab"]}
+    (tmp_path / "inventory.yaml").write_text(yaml.safe_dump(inv))
+    r = local_cli(tmp_path, "probe", "-i", "inventory.yaml", "--bench", "--model", "tiny", "-o", "cluster.yaml")
+    assert r.returncode == 0, r.stderr
+    cluster = load_file(tmp_path / "cluster.yaml", Cluster)
+    for n in cluster.nodes:
+        prof = n.chips[0].profile
+        assert prof is not None, n.bench_error
+        assert prof.layer_fwd_ms > 0 and prof.layer_bwd_ms > 0 and prof.micro_batch == 1
+        assert prof.optimizer_ns_per_param and prof.optimizer_ns_per_param > 0
+    assert "layer profile (tiny, micro-batch 1" in r.stdout
+    r = local_cli(tmp_path, "plan", "-c", "cluster.yaml", "-m", "tiny", "-o", "plan", "--explain")
+    assert r.returncode == 0, r.stderr
+    assert "(layer profile)" in r.stdout
+    refused = local_cli(tmp_path, "probe", "-i", "inventory.yaml", "--model", "tiny")
+    assert refused.returncode == 2 and "add --bench" in refused.stderr and "Traceback" not in refused.stderr
