@@ -1,0 +1,259 @@
+"""Hetero data parallelism: replicas of different shape and micro-batch count.
+
+A uniform layout (:mod:`hetctl.plan.search`) gives every replica the same
+stages, so on a mixed cluster each replica is a deep pipeline through every
+chip kind and the 1F1B bubble grows with that depth. Here the chip kinds are
+split into *parts*; each part is searched on its own as a uniform layout (a
+vendor-pure pipeline, or a mixed one for kinds that cannot hold the model
+alone) and the parts train side by side as data-parallel replicas of the same
+model. Every replica takes its own number of micro-batches, in proportion to its
+speed, so that they all finish together; the micro-batches of all replicas add
+up to the uniform plan's, so the global batch and the update are the same
+(gradients summed over every replica, then divided by the global batch).
+
+Costs, and what is assumed:
+
+- A part's step is its own simulated 1F1B step (:func:`simulate_1f1b`) at the
+  most micro-batches one of its replicas takes, plus its own gradient
+  reduce-scatter and all-gather inside the part (the stage syncs of
+  :mod:`hetctl.plan.costmodel`, over the vendor library).
+- Between parts, the gradients are all-reduced once more (:func:`cross_allreduce`):
+  fp32, the whole model (4 B/param), a ring over the ``G`` parts
+  (``2(G−1)/G`` of the bytes through the slowest part). Across vendors this is
+  the CPU path: each chip copies its shard of the gradient to host memory and
+  back over PCIe (an assumed :data:`PCIE_GBS` per chip) and the hosts run gloo
+  over TCP on their declared or probed NICs, at :data:`~hetctl.vendors.GLOO_EFFICIENCY`
+  of line rate, with a 100 µs latency per ring step. Parts of one vendor reduce
+  over the vendor library at line rate, without the host copy.
+- The cross-part all-reduce starts after every part's last backward and is not
+  overlapped with the backward pass: no framework in
+  :data:`hetctl.plan.frameworks.CAPABILITIES` overlaps a cross-vendor (gloo)
+  reduction with compute. It is charged in full, after the slowest part.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+
+from hetctl.plan.costmodel import GB, Workload
+from hetctl.plan.devices import Kind
+from hetctl.plan.frameworks import capability
+from hetctl.plan.layout import Layout
+from hetctl.plan.search import Pins, Searcher
+from hetctl.plan.simulate import simulate_1f1b
+from hetctl.files.plan import ModelSpec
+from hetctl.vendors import GLOO_EFFICIENCY
+
+PCIE_GBS = 16.0  # assumed device↔host copy rate per chip, GB/s (PCIe 4.0 x16 at ~half its peak)
+RING_LATENCY_S = 1e-4  # per ring step across parts (TCP)
+
+
+@dataclass
+class Part:
+    """Some chip kinds, searched alone, running ``lay.dp`` replicas of ``lay.pp`` stages.
+
+    Attributes:
+        kinds: indexes into the searcher's kind list.
+        lay: the part's placed layout (``lay.m`` is what it was searched for).
+        micro: micro-batches of each of the part's replicas.
+        steps: simulated step seconds of one replica by its micro-batch count.
+    """
+
+    kinds: tuple[int, ...]
+    lay: Layout
+    micro: list[int] = field(default_factory=list)
+    steps: dict[int, float] = field(default_factory=dict)
+    sims: dict[int, object] = field(default_factory=dict)
+
+    def step_at(self, m: int) -> float:
+        """Simulated step of one replica running ``m`` micro-batches (pipeline, then its syncs)."""
+        if m not in self.steps:
+            sim = simulate_1f1b(self.lay.fwd, self.lay.bwd, m)
+            self.sims[m] = sim
+            self.steps[m] = max(e + s for e, s in zip(sim.ends, self.lay.syncs))
+        return self.steps[m]
+
+    def linear(self, m: int) -> float:
+        """The quick estimate used while sharing out micro-batches: ``Σ per + (m − 1)·max per`` + syncs."""
+        per = [f + b for f, b in zip(self.lay.fwd, self.lay.bwd)]
+        return sum(per) + (m - 1) * max(per) + max(self.lay.syncs, default=0.0)
+
+    @property
+    def step(self) -> float:
+        return max(self.step_at(m) for m in set(self.micro))
+
+    @property
+    def vendors(self) -> set[str]:
+        return {v for st in self.lay.types for v in st.kind.vendors}
+
+
+@dataclass
+class HeteroLayout:
+    """Parts side by side; the step ends when the cross-part all-reduce does."""
+
+    parts: list[Part]
+    cross: float
+
+    @property
+    def step(self) -> float:
+        return max(p.step for p in self.parts) + self.cross
+
+    @property
+    def replicas(self) -> int:
+        return sum(p.lay.dp for p in self.parts)
+
+    @property
+    def makespan(self) -> float:
+        return max(p.step for p in self.parts)
+
+    @property
+    def bubble(self) -> float:
+        """Idle share of every replica's stages over the slowest part's pipeline phase."""
+        span = max(p.sims[m].makespan for p in self.parts for m in set(p.micro))
+        busy = total = 0.0
+        for p in self.parts:
+            per = sum(f + b for f, b in zip(p.lay.fwd, p.lay.bwd))
+            for m in p.micro:
+                busy += m * per
+                total += p.lay.pp * span
+        return max(0.0, 1.0 - busy / total) if total else 0.0
+
+
+def cross_allreduce(parts: list[Part], work: Workload) -> float:
+    """Seconds of the gradient all-reduce across parts (see the module docstring for the assumptions)."""
+    g = len(parts)
+    if g < 2:
+        return 0.0
+    nbytes = 4.0 * work.cost.total_params()
+    across = len(set().union(*(p.vendors for p in parts))) > 1
+    worst = 0.0
+    for p in parts:
+        nodes = {grp.node: grp.nic_gbs for row in p.lay.placement for grp, _ in row}
+        bw = sum(nodes.values()) * GB * (GLOO_EFFICIENCY if across else 1.0)
+        secs = 2 * (g - 1) / g * nbytes / bw
+        if across:
+            chips = sum(len(c) for row in p.lay.placement for _, c in row)
+            secs += 2 * nbytes / (chips * PCIE_GBS * GB)  # each chip's shard down to the host and back
+        worst = max(worst, secs)
+    return 2 * (g - 1) * RING_LATENCY_S + worst
+
+
+def share(parts: list[Part], total: int) -> bool:
+    """Give out ``total`` micro-batches over every replica of every part so the slowest finishes first.
+
+    Greedy on the linear estimate (optimal for a min–max of non-decreasing
+    costs): every replica starts with one; each further micro-batch goes to the
+    part whose busiest replica would then finish earliest. Sets ``part.micro``.
+    Returns False when there are more replicas than micro-batches.
+    """
+    dp = [p.lay.dp for p in parts]
+    if sum(dp) > total:
+        return False
+    given = list(dp)
+    heap = [(p.linear(-(-(n + 1) // d)), i) for i, (p, n, d) in enumerate(zip(parts, given, dp))]
+    heapq.heapify(heap)
+    for _ in range(total - sum(given)):
+        _, i = heapq.heappop(heap)
+        given[i] += 1
+        heapq.heappush(heap, (parts[i].linear(-(-(given[i] + 1) // dp[i])), i))
+    for p, n, d in zip(parts, given, dp):
+        q, r = divmod(n, d)
+        p.micro = [q + 1] * r + [q] * (d - r)
+    return True
+
+
+def partitions(kinds: list[Kind], alone: dict[int, bool]) -> list[list[tuple[int, ...]]]:
+    """Ways to split the kinds into parts, each able to hold the model.
+
+    Every kind alone (vendor-pure pipelines), the kinds of one vendor together,
+    and (up to three kinds) the fastest kind alone beside one mixed pipeline of
+    the rest. Kinds that
+    cannot hold the model alone join one mixed part; when that part still cannot
+    (it is searched later), the partition is dropped there.
+    """
+    idx = list(range(len(kinds)))
+    weak = tuple(i for i in idx if not alone[i])
+    out: list[list[tuple[int, ...]]] = []
+
+    def add(parts: list[tuple[int, ...]]) -> None:
+        parts = [p for p in parts if p]
+        if len(parts) > 1:
+            out.append(sorted(tuple(sorted(p)) for p in parts))
+
+    add([(i,) for i in idx if alone[i]] + [weak])
+    by_vendor: dict[str, list[int]] = {}
+    for i in idx:
+        by_vendor.setdefault(kinds[i].vendor, []).append(i)
+    add([tuple(v) for v in by_vendor.values()])
+    fast = max((i for i in idx if alone[i]), key=lambda i: (kinds[i].tflops * kinds[i].chips(), -i), default=None)
+    if fast is not None and len(idx) <= 3:  # a mixed part of many kinds costs a full search of its own
+        add([(fast,), tuple(i for i in idx if i != fast)])
+    uniq: list[list[tuple[int, ...]]] = []
+    for p in out:
+        if p not in uniq:
+            uniq.append(p)
+    return uniq
+
+
+class HeteroSearch:
+    """Searches hetero data-parallel layouts for one cluster, model and framework."""
+
+    def __init__(self, kinds: list[Kind], spec: ModelSpec, work: Workload, framework: str):
+        self.kinds, self.spec, self.work, self.framework = kinds, spec, work, framework
+        self.total = work.global_batch // work.micro_batch
+        self._parts: dict[tuple[tuple[int, ...], int], Part | None] = {}
+        self.considered = 0
+
+    def part(self, kinds: tuple[int, ...], micro: int) -> Part | None:
+        """The best uniform layout of ``kinds`` alone for about ``micro`` micro-batches (cached)."""
+        key = (kinds, micro)
+        if key not in self._parts:
+            work = Workload(cost=self.work.cost, micro_batch=self.work.micro_batch,
+                            global_batch=micro * self.work.micro_batch)
+            s = Searcher([self.kinds[i] for i in kinds], self.spec, work, self.framework, Pins(), keep=1, uneven=True)
+            found = s.run(finish=False)
+            self.considered += s.considered
+            self._parts[key] = None if found.best is None else Part(kinds=kinds, lay=found.best)
+        return self._parts[key]
+
+    def shares(self, parts_kinds: list[tuple[int, ...]]) -> list[int]:
+        """Micro-batches of each part in proportion to its FLOP/s (the first guess)."""
+        flops = [sum(self.kinds[i].tflops * self.kinds[i].chips() for i in p) for p in parts_kinds]
+        return [max(1, round(self.total * f / sum(flops))) for f in flops]
+
+    def evaluate(self, parts_kinds: list[tuple[int, ...]]) -> HeteroLayout | None:
+        """Search each part at its share of the batch, share the micro-batches out, search again, simulate."""
+        micro = self.shares(parts_kinds)
+        parts: list[Part] = []
+        for _ in range(2):  # once at the compute share, once more at the share the first round found
+            parts = []
+            for p, m in zip(parts_kinds, micro):
+                part = self.part(p, m)
+                if part is None:
+                    return None
+                parts.append(Part(kinds=part.kinds, lay=part.lay, steps=part.steps, sims=part.sims))
+            if not share(parts, self.total):
+                return None
+            new = [sum(p.micro) for p in parts]
+            if all(abs(a - b) <= 0.1 * b for a, b in zip(new, micro)):
+                break
+            micro = new
+        return HeteroLayout(parts=parts, cross=cross_allreduce(parts, self.work))
+
+    def run(self) -> HeteroLayout | None:
+        """The fastest hetero layout found, or None (one kind, or no partition holds the model)."""
+        if len(self.kinds) < 2 or not capability(self.framework).uneven_dp:
+            return None
+        alone = {i: self.part((i,), m) is not None for i, m in enumerate(self.shares([(i,) for i in range(len(self.kinds))]))}
+        best: HeteroLayout | None = None
+        for parts in partitions(self.kinds, alone):
+            lay = self.evaluate(parts)
+            if lay is not None and (best is None or lay.step < best.step):
+                best = lay
+        return best
+
+
+def tokens_per_s(step: float, work: Workload) -> float:
+    return work.global_batch * work.cost.seq_len / step if step > 0 and math.isfinite(step) else 0.0
