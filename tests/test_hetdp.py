@@ -160,3 +160,20 @@ def test_never_slower_than_one_shape_for_every_replica(seed, gb):
         check_hetero(plan)
     else:
         plan.check_consistency()
+
+
+def test_scripts_render_for_torchrun_and_refuse_a_framework_that_cannot_run_it(tmp_path):
+    from hetctl.plan.render import render_node_scripts
+
+    plan = plan_cluster(mixed(), SMALL, global_batch=1024, framework="torchrun")
+    scripts = render_node_scripts(plan, {})
+    assert sorted(scripts) == sorted(plan.nodes)
+    for row in plan.replicas:
+        for node_name in row.nodes:
+            assert f"HETCTL_MICRO_BATCHES={row.micro_batches} " in scripts[node_name]
+    try:
+        render_node_scripts(plan.model_copy(update={"framework": "flagscale"}), {})
+    except ConfigError as e:
+        assert "flagscale cannot run" in str(e)
+    else:
+        raise AssertionError("a FlagScale script was rendered for replicas of different shape")
