@@ -16,10 +16,12 @@ Columns:
   divided by the global batch). Only where the job that hetctl renders can
   really run it:
 
-  * ``hetctl`` (the reference trainer): no — every rank takes ``pp`` and
-    ``micro_batches`` from ``parallel`` and builds one data-parallel group per
-    stage position, so replicas of different depth cannot meet in one
-    all-reduce yet.
+  * ``hetctl`` (the reference trainer): yes — each rank reads its replica's
+    depth and micro-batch count from the plan's ``replicas`` table, takes its
+    rows of the global batch by micro-batch number over every replica, scales
+    each micro-batch's loss by 1 / (the step's micro-batches) and all-reduces
+    gradients unit by unit over the ranks holding that unit in every replica
+    (``tests/test_train_hetdp.py`` matches a single-rank run).
   * ``megatron`` / ``deepspeed``: no — one ``--pipeline-model-parallel-size``
     and one gradient-accumulation count for the whole job.
   * ``flagscale``: no — the rendered process meshes are pipeline stages shared
@@ -50,7 +52,7 @@ class Capability:
 
 
 CAPABILITIES: dict[str, Capability] = {
-    "hetctl": Capability(tp="none"),
+    "hetctl": Capability(tp="none", uneven_dp=True),
     "megatron": Capability(tp="uniform"),
     "deepspeed": Capability(tp="uniform"),
     "flagscale": Capability(tp="any", one_type_per_position=True),
