@@ -132,6 +132,13 @@ class Plan(_Strict):
     plan_time_s: float = 0.0
     notes: list[str] = Field(default_factory=list, description="--explain lines and warnings")
 
+    def micro_batches_of(self, replica: int) -> int:
+        """Micro-batches ``replica`` runs per step (its ``replicas`` row when replicas differ)."""
+        rows = self.replicas
+        if rows and replica < len(rows) and rows[replica].replica == replica:
+            return rows[replica].micro_batches
+        return self.parallel.micro_batches
+
     def stages_of(self, replica: int) -> list[Stage]:
         return sorted((s for s in self.stages if s.replica == replica), key=lambda s: s.stage)
 

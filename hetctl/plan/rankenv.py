@@ -42,14 +42,6 @@ def stage_of(plan: Plan, rank: Rank) -> Stage:
     return _lookup(plan)["stages"][(rank.replica, rank.stage)]
 
 
-def micro_batches(plan: Plan, replica: int) -> int:
-    """Micro-batches ``replica`` runs per step (its row of ``plan.replicas`` when replicas differ)."""
-    rows = plan.replicas
-    if rows and replica < len(rows) and rows[replica].replica == replica:
-        return rows[replica].micro_batches
-    return plan.parallel.micro_batches
-
-
 def static_env(plan: Plan, rank: Rank | int, visible: Literal["rank", "node"] = "rank") -> dict[str, str]:
     """The part of a rank's environment that the plan alone decides.
 
@@ -82,7 +74,7 @@ def static_env(plan: Plan, rank: Rank | int, visible: Literal["rank", "node"] = 
         "HETCTL_STAGE": str(r.stage),
         "HETCTL_REPLICA": str(r.replica),
         "HETCTL_LAYERS": f"{stage.layers[0]}:{stage.layers[1]}",
-        "HETCTL_MICRO_BATCHES": str(micro_batches(plan, r.replica)),
+        "HETCTL_MICRO_BATCHES": str(plan.micro_batches_of(r.replica)),
         "HETCTL_DEVICE_TYPE": stage.device_type,
         "HETCTL_BACKEND": stage.backend,
     })
