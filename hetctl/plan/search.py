@@ -319,7 +319,7 @@ class Searcher:
         """
         found: list[tuple[float, int, Layout, tuple]] = []
         kept: list[float] = []  # negated steps of the best `lead` candidates so far (a max-heap)
-        lead = max(self.keep, 12)
+        lead = max(self.keep, 4 if self.uneven else 12)  # a hetero part is one of many searches: prune harder
 
         def add(lay: Layout | None, key: tuple) -> None:
             if lay is None:
