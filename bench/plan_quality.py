@@ -194,6 +194,9 @@ def run_case(case: Case, batch: int | None) -> None:
         cross = est.cross_vendor_sync_s / est.step_time_s
         print(f"          {framework}: bubble {100 * est.bubble:.1f}%, cross-vendor all-reduce {100 * cross:.1f}% "
               f"of the step" + (" (replicas of different shape)" if plan.replicas else ""))
+        for note in plan.notes:
+            if note.startswith("replicas of different shape"):
+                print(f"          {framework}: {note}")
         if framework == case.framework:
             for name, b in plan.baselines.items():
                 if b.infeasible:

@@ -13,22 +13,26 @@ up to the uniform plan's, so the global batch and the update are the same
 
 Costs, and what is assumed:
 
-- A part's step is its own simulated 1F1B step (:func:`simulate_1f1b`) at the
-  most micro-batches one of its replicas takes, plus its own gradient
-  reduce-scatter and all-gather inside the part (the stage syncs of
-  :mod:`hetctl.plan.costmodel`, over the vendor library).
-- Between parts, the gradients are all-reduced once more (:func:`cross_allreduce`):
-  fp32, the whole model (4 B/param), a ring over the ``G`` parts
-  (``2(G−1)/G`` of the bytes through the slowest part). Across vendors this is
-  the CPU path: each chip copies its shard of the gradient to host memory and
-  back over PCIe (an assumed :data:`PCIE_GBS` per chip) and the hosts run gloo
-  over TCP on their declared or probed NICs, at :data:`~hetctl.vendors.GLOO_EFFICIENCY`
-  of line rate, with a 100 µs latency per ring step. Parts of one vendor reduce
-  over the vendor library at line rate, without the host copy.
-- The cross-part all-reduce starts after every part's last backward and is not
-  overlapped with the backward pass: no framework in
-  :data:`hetctl.plan.frameworks.CAPABILITIES` overlaps a cross-vendor (gloo)
-  reduction with compute. It is charged in full, after the slowest part.
+- A part's pipeline phase is its own simulated 1F1B step (:func:`simulate_1f1b`)
+  at the micro-batches its busiest replica takes.
+- The gradient all-reduce is what the reference trainer does
+  (:meth:`hetctl.train.pipeline.Comm.all_reduce_grads`) and what a DDP-style
+  script does: one flat all-reduce over *every* replica, unit by unit (each
+  layer, the embedding, the head, over the ranks holding it), fp32 gradients
+  (4 B/param), ring-style (``2(d−1)/d`` of a chip's bytes through its share of
+  the node's NIC), no hierarchy between parts and no sharded optimizer
+  (:func:`dp_allreduce`). Across vendors it is the CPU path: every chip copies
+  its gradients to host memory and back over PCIe (an assumed :data:`PCIE_GBS`
+  per chip) and gloo runs over TCP on the declared or probed NICs at
+  :data:`~hetctl.vendors.GLOO_EFFICIENCY` of line rate; within one vendor the
+  vendor library at line rate. Each unit's all-reduce has a latency of
+  :data:`STEP_LATENCY_S` per replica (as the stage syncs of
+  :mod:`hetctl.plan.costmodel`). The slowest chip — most bytes over the least
+  bandwidth — sets the time.
+- The all-reduce of a unit needs every replica's gradient of it, so it starts
+  after the slowest part's last backward and is not overlapped with the
+  backward pass: no framework in :data:`hetctl.plan.frameworks.CAPABILITIES`
+  overlaps a cross-vendor (gloo) reduction with compute. It is charged in full.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ from hetctl.files.plan import ModelSpec
 from hetctl.vendors import GLOO_EFFICIENCY
 
 PCIE_GBS = 16.0  # assumed device↔host copy rate per chip, GB/s (PCIe 4.0 x16 at ~half its peak)
-RING_LATENCY_S = 1e-4  # per ring step across parts (TCP)
+STEP_LATENCY_S = 3e-5  # per unit all-reduce and replica (the cost model's sync_fixed)
 
 
 @dataclass
@@ -68,17 +72,17 @@ class Part:
     sims: dict[int, object] = field(default_factory=dict)
 
     def step_at(self, m: int) -> float:
-        """Simulated step of one replica running ``m`` micro-batches (pipeline, then its syncs)."""
+        """Simulated pipeline phase of one replica running ``m`` micro-batches (the all-reduce comes after)."""
         if m not in self.steps:
             sim = simulate_1f1b(self.lay.fwd, self.lay.bwd, m)
             self.sims[m] = sim
-            self.steps[m] = max(e + s for e, s in zip(sim.ends, self.lay.syncs))
+            self.steps[m] = sim.makespan
         return self.steps[m]
 
     def linear(self, m: int) -> float:
-        """The quick estimate used while sharing out micro-batches: ``Σ per + (m − 1)·max per`` + syncs."""
+        """The quick estimate used while sharing out micro-batches: ``Σ per + (m − 1)·max per``."""
         per = [f + b for f, b in zip(self.lay.fwd, self.lay.bwd)]
-        return sum(per) + (m - 1) * max(per) + max(self.lay.syncs, default=0.0)
+        return sum(per) + (m - 1) * max(per)
 
     @property
     def step(self) -> float:
@@ -91,7 +95,10 @@ class Part:
 
 @dataclass
 class HeteroLayout:
-    """Parts side by side; the step ends when the cross-part all-reduce does."""
+    """Parts side by side; the step ends when the gradient all-reduce over every replica does.
+
+    ``cross`` is that all-reduce's seconds (over gloo, the CPU path, when the parts span vendors).
+    """
 
     parts: list[Part]
     cross: float
@@ -121,23 +128,26 @@ class HeteroLayout:
         return max(0.0, 1.0 - busy / total) if total else 0.0
 
 
-def cross_allreduce(parts: list[Part], work: Workload) -> float:
-    """Seconds of the gradient all-reduce across parts (see the module docstring for the assumptions)."""
-    g = len(parts)
-    if g < 2:
+def dp_allreduce(parts: list[Part], work: Workload) -> float:
+    """Seconds of the flat gradient all-reduce over every replica (see the module docstring)."""
+    d = sum(p.lay.dp for p in parts)
+    if d < 2:
         return 0.0
-    nbytes = 4.0 * work.cost.total_params()
+    c = work.cost
     across = len(set().union(*(p.vendors for p in parts))) > 1
     worst = 0.0
     for p in parts:
-        nodes = {grp.node: grp.nic_gbs for row in p.lay.placement for grp, _ in row}
-        bw = sum(nodes.values()) * GB * (GLOO_EFFICIENCY if across else 1.0)
-        secs = 2 * (g - 1) / g * nbytes / bw
-        if across:
-            chips = sum(len(c) for row in p.lay.placement for _, c in row)
-            secs += 2 * nbytes / (chips * PCIE_GBS * GB)  # each chip's shard down to the host and back
-        worst = max(worst, secs)
-    return 2 * (g - 1) * RING_LATENCY_S + worst
+        last = p.lay.pp - 1
+        for s, (st, n) in enumerate(zip(p.lay.types, p.lay.counts)):
+            params = n * c.layer_params + (c.embed_params if s == 0 else 0.0) + (c.head_params if s == last else 0.0)
+            nbytes = 4.0 * params / st.tp  # fp32 gradients of this chip's share of the stage
+            bw = st.kind.nic_gbs * GB / st.kind.max_group() * (GLOO_EFFICIENCY if across else 1.0)
+            secs = 2 * (d - 1) / d * nbytes / bw
+            if across:
+                secs += 2 * nbytes / (PCIE_GBS * GB)  # down to the host and back
+            units = n + (s == 0) + (s == last)
+            worst = max(worst, secs + units * STEP_LATENCY_S * d)
+    return worst
 
 
 def share(parts: list[Part], total: int) -> bool:
@@ -240,7 +250,7 @@ class HeteroSearch:
             if all(abs(a - b) <= 0.1 * b for a, b in zip(new, micro)):
                 break
             micro = new
-        return HeteroLayout(parts=parts, cross=cross_allreduce(parts, self.work))
+        return HeteroLayout(parts=parts, cross=dp_allreduce(parts, self.work))
 
     def run(self) -> HeteroLayout | None:
         """The fastest hetero layout found, or None (one kind, or no partition holds the model)."""

@@ -44,7 +44,8 @@ def build_hetero(hl: HeteroLayout, uniform: Plan, work: Workload, devices: Devic
     estimate = Estimate(
         step_time_s=round(step, 6), bubble=round(hl.bubble, 4),
         utilization=round(flops / (step * devices.total_flops()), 4), utilization_vs_homogeneous=vs_h,
-        tokens_per_s=round(tokens / step, 2), cross_vendor_sync_s=round(hl.cross, 6),
+        tokens_per_s=round(tokens / step, 2),
+        cross_vendor_sync_s=round(hl.cross, 6) if len({v for p in hl.parts for v in p.vendors}) > 1 else 0.0,
     )
     par = uniform.parallel
     plan = uniform.model_copy(update={
@@ -85,11 +86,14 @@ def explain_hetero(plan: Plan, hl: HeteroLayout, uniform: Plan, devices: Devices
             f"{len(nodes)} node(s) ({nodes[0]}…{nodes[-1]}); step {part.step:.4g} s"
         )
         first += part.lay.dp
+    across = len({s.vendor for s in plan.stages}) > 1
     lines.append(
-        f"cross-vendor gradient all-reduce between the parts: {1e3 * hl.cross:.4g} ms "
-        f"({100 * hl.cross / est.step_time_s:.1f}% of the step) — fp32 gradients of the whole model, a ring over "
-        f"the parts through host memory (gloo over each part's nodes' NICs, PCIe copies at an assumed "
-        f"{PCIE_GBS:g} GB/s per chip), after every part's last backward and not overlapped with it"
+        f"gradient all-reduce over all {par.dp} replicas: {1e3 * hl.cross:.4g} ms "
+        f"({100 * hl.cross / est.step_time_s:.1f}% of the step) — fp32, unit by unit over the ranks holding each "
+        "layer, as the reference trainer does; "
+        + (f"across vendors through host memory (PCIe copies at an assumed {PCIE_GBS:g} GB/s per chip, gloo over "
+           "the NICs at half line rate)" if across else "over the vendor library")
+        + "; after the slowest part's last backward, not overlapped with it"
     )
     lines.append(f"bubble {100 * est.bubble:.1f}% of the replicas' stage time under 1F1B")
     lines.extend(_idle(plan, devices))

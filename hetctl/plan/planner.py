@@ -129,7 +129,7 @@ def _hetero(plan: Plan, lay: Layout, spec: ModelSpec, work: Workload, devices: D
         return build_hetero(hl, plan, work, devices, homog, search.considered)
     plan.notes.append(f"replicas of different shape ({hl.replicas} replicas in {len(hl.parts)} parts, micro-batches "
                       f"by speed) would take {hl.step:.4g} s/step, {100 * (hl.step / lay.step - 1):.1f}% slower "
-                      f"(of which {1e3 * hl.cross:.3g} ms cross-vendor gradient all-reduce)")
+                      f"(of which {1e3 * hl.cross:,.0f} ms gradient all-reduce over every replica)")
     return plan
 
 
