@@ -38,7 +38,6 @@ Costs, and what is assumed:
 from __future__ import annotations
 
 import heapq
-import math
 from dataclasses import dataclass, field
 
 from hetctl.plan.costmodel import GB, Workload
@@ -62,21 +61,18 @@ class Part:
         kinds: indexes into the searcher's kind list.
         lay: the part's placed layout (``lay.m`` is what it was searched for).
         micro: micro-batches of each of the part's replicas.
-        steps: simulated step seconds of one replica by its micro-batch count.
+        steps: simulated pipeline seconds of one replica by its micro-batch count (cached).
     """
 
     kinds: tuple[int, ...]
     lay: Layout
     micro: list[int] = field(default_factory=list)
     steps: dict[int, float] = field(default_factory=dict)
-    sims: dict[int, object] = field(default_factory=dict)
 
     def step_at(self, m: int) -> float:
         """Simulated pipeline phase of one replica running ``m`` micro-batches (the all-reduce comes after)."""
         if m not in self.steps:
-            sim = simulate_1f1b(self.lay.fwd, self.lay.bwd, m)
-            self.sims[m] = sim
-            self.steps[m] = sim.makespan
+            self.steps[m] = simulate_1f1b(self.lay.fwd, self.lay.bwd, m).makespan
         return self.steps[m]
 
     def linear(self, m: int) -> float:
@@ -118,7 +114,7 @@ class HeteroLayout:
     @property
     def bubble(self) -> float:
         """Idle share of every replica's stages over the slowest part's pipeline phase."""
-        span = max(p.sims[m].makespan for p in self.parts for m in set(p.micro))
+        span = max(p.step_at(m) for p in self.parts for m in set(p.micro))
         busy = total = 0.0
         for p in self.parts:
             per = sum(f + b for f, b in zip(p.lay.fwd, p.lay.bwd))
@@ -243,7 +239,7 @@ class HeteroSearch:
                 part = self.part(p, m)
                 if part is None:
                     return None
-                parts.append(Part(kinds=part.kinds, lay=part.lay, steps=part.steps, sims=part.sims))
+                parts.append(Part(kinds=part.kinds, lay=part.lay, steps=part.steps))
             if not share(parts, self.total):
                 return None
             new = [sum(p.micro) for p in parts]
@@ -264,6 +260,3 @@ class HeteroSearch:
                 best = lay
         return best
 
-
-def tokens_per_s(step: float, work: Workload) -> float:
-    return work.global_batch * work.cost.seq_len / step if step > 0 and math.isfinite(step) else 0.0
