@@ -16,6 +16,15 @@ Cases (issue 3):
 - ``six-vendors-4096`` — 4096 accelerators of six vendors, Llama-2-70B.
 - ``memory-tight`` — the fast chips have little memory.
 
+Each case and batch is planned twice: for the case's framework (FlagScale, whose
+rendered job gives every replica one shape) and for ``torchrun`` (a user's own
+script, which can run replicas of different shape and micro-batch count, so the
+planner may choose hetero data parallelism there; :mod:`hetctl.plan.frameworks`).
+Each row also shows the 1F1B bubble and the share of the step spent in the
+cross-vendor gradient all-reduce; the run ends with one
+``plan_quality: case=… batch=… vs_homogeneous=… plan_s=… framework=…`` line per
+case, batch and framework, for scripts.
+
 Goals: never worse than either baseline; ≥ 97.6 % of the homogeneous sum
 where the batch allows; 4096 chips planned in under 1 s on a 2-core machine.
 
@@ -44,7 +53,6 @@ from hetctl.plan.models import load_model  # noqa: E402
 from hetctl.plan.planner import plan_cluster  # noqa: E402
 from hetctl.files.plan import ModelSpec  # noqa: E402
 from hetctl.files.cluster import Cluster  # noqa: E402
-from hetctl.files.yamlio import load_model as load_yaml  # noqa: E402
 
 CLUSTERS = Path(__file__).resolve().parent / "clusters"
 
@@ -137,25 +145,41 @@ def write_clusters() -> None:
            ])
 
 
+# The framework whose rendered job can run replicas of different shape (hetero data
+# parallelism, hetctl.plan.frameworks); the cases' own framework cannot.
+HETERO_FRAMEWORK = "torchrun"
+SUMMARY: list[str] = []
+
+
+def _shape(plan) -> str:
+    par = plan.parallel
+    tps = "/".join(map(str, sorted({s.tp for s in plan.stages})))
+    if plan.replicas:
+        depths = sorted({r.stages for r in plan.replicas})
+        return f"{len({r.part for r in plan.replicas})} parts pp{depths[0]}-{depths[-1]} dp{par.dp} tp{tps}"
+    return f"pp{par.pp}×dp{par.dp} tp{tps} m{par.micro_batches}"
+
+
 def run_case(case: Case, batch: int | None) -> None:
     path = CLUSTERS / f"{case.name}.yaml"
     t0 = time.perf_counter()
-    cluster = load_yaml(path, Cluster, "cluster file")
+    # The bench's own files use YAML anchors to stay small, which hetctl's loader refuses
+    # for user files (hostile-input rule), so they are read with PyYAML directly.
+    cluster = Cluster.model_validate(yaml.safe_load(path.read_text()))
     load_s = time.perf_counter() - t0
     spec = case.model if isinstance(case.model, ModelSpec) else load_model(case.model)
     chips = sum(len(n.chips) for n in cluster.nodes if n.reachable)
     batches = (batch,) if batch else case.batches
     print(f"\n== {case.name}: {chips} chips, {spec.name}, framework {case.framework}\n   {case.about}")
     print(f"   cluster file loaded in {load_s:.2f} s (YAML parsing, not planning)")
-    print(f"   {'batch':>6} {'layout':<28} {'hetctl tok/s':>13} {'uniform':>11} {'proport.':>11} {'ideal':>11} "
+    print(f"   {'batch':>6} {'framework':<9} {'layout':<28} {'hetctl tok/s':>13} {'uniform':>11} {'proport.':>11} {'ideal':>11} "
           f"{'/unif':>6} {'/prop':>6} {'/ideal':>7} {'vs homog':>9} {'plan s':>7} {'cpu s':>6}")
-    for gb in batches:
+    for gb, framework in ((gb, fw) for gb in batches for fw in (case.framework, HETERO_FRAMEWORK)):
         w0, c0 = time.perf_counter(), time.process_time()
-        plan = plan_cluster(cluster, spec, global_batch=gb, framework=case.framework, cluster_path=path)
+        plan = plan_cluster(cluster, spec, global_batch=gb, framework=framework, cluster_path=path)
         wall, cpu = time.perf_counter() - w0, time.process_time() - c0
-        est, par = plan.estimate, plan.parallel
-        tps = sorted({s.tp for s in plan.stages})
-        shape = f"pp{par.pp}×dp{par.dp} tp{'/'.join(map(str, tps))} m{par.micro_batches}"
+        est = plan.estimate
+        shape = _shape(plan)
 
         def base(name: str) -> tuple[str, str]:
             b = plan.baselines[name]
@@ -165,11 +189,21 @@ def run_case(case: Case, batch: int | None) -> None:
 
         (u, ur), (p, pr) = base("uniform"), base("proportional")
         vs_h = f"{100 * est.utilization_vs_homogeneous:.1f}%" if est.utilization_vs_homogeneous else "-"
-        print(f"   {gb:>6} {shape:<28} {est.tokens_per_s:>13,.0f} {u:>11} {p:>11} {plan.ideal_tokens_per_s:>11,.0f} "
+        print(f"   {gb:>6} {framework:<9} {shape:<28} {est.tokens_per_s:>13,.0f} {u:>11} {p:>11} {plan.ideal_tokens_per_s:>11,.0f} "
               f"{ur:>6} {pr:>6} {est.tokens_per_s / plan.ideal_tokens_per_s:>7.3f} {vs_h:>9} {wall:>7.3f} {cpu:>6.3f}")
-        for name, b in plan.baselines.items():
-            if b.infeasible:
-                print(f"          {name}: infeasible — {b.infeasible}")
+        cross = est.cross_vendor_sync_s / est.step_time_s
+        print(f"          {framework}: bubble {100 * est.bubble:.1f}%, cross-vendor all-reduce {100 * cross:.1f}% "
+              f"of the step" + (" (replicas of different shape)" if plan.replicas else ""))
+        for note in plan.notes:
+            if note.startswith("replicas of different shape"):
+                print(f"          {framework}: {note}")
+        if framework == case.framework:
+            for name, b in plan.baselines.items():
+                if b.infeasible:
+                    print(f"          {name}: infeasible — {b.infeasible}")
+        SUMMARY.append(f"plan_quality: case={case.name} batch={gb} vs_homogeneous={vs_h.rstrip('%')} "
+                       f"plan_s={wall:.3f} framework={framework} bubble={100 * est.bubble:.1f} "
+                       f"cross_allreduce={100 * cross:.1f}")
 
 
 def main() -> None:
@@ -186,6 +220,7 @@ def main() -> None:
         if not args.case or case.name in args.case:
             run_case(case, args.global_batch)
     print(f"\nload average after: {os.getloadavg()[0]:.2f}")
+    print("\n".join(SUMMARY))
 
 
 if __name__ == "__main__":

@@ -160,7 +160,8 @@ class Ranks:
                          for r, p in sorted(self.procs.items()))
 
     def last_rank(self, replica: int = 0) -> int:
-        pp = self.plan["parallel"]["pp"]
+        rows = self.plan.get("replicas") or []
+        pp = rows[replica]["stages"] if rows else self.plan["parallel"]["pp"]
         return next(r["rank"] for r in self.plan["ranks"] if r["replica"] == replica and r["stage"] == pp - 1)
 
     def losses(self, replica: int = 0) -> dict[int, str]:

@@ -68,22 +68,27 @@ SMALL = ModelSpec(name="small", num_layers=24, hidden_size=2048, ffn_hidden_size
 
 def check_invariants(plan: Plan, cluster: Cluster) -> None:
     par, L = plan.parallel, plan.model.num_layers
-    assert par.global_batch == par.micro_batch * par.micro_batches * par.dp
+    # Replicas of different shape (plan.replicas, tests/test_hetdp.py) have their own depth and micro-batches.
+    depth = {r.replica: r.stages for r in plan.replicas} or {r: par.pp for r in range(par.dp)}
+    micro = sum(r.micro_batches for r in plan.replicas) or par.micro_batches * par.dp
+    assert par.global_batch == par.micro_batch * micro
     gone = {n.name for n in cluster.nodes if not n.reachable}
     first = plan.stages_of(0)
-    assert len(first) == par.pp and len(plan.stages) == par.pp * par.dp
+    assert len(first) == depth[0] and len(plan.stages) == sum(depth.values())
     for r in range(par.dp):
         stages = plan.stages_of(r)
-        assert [s.stage for s in stages] == list(range(par.pp))
+        assert [s.stage for s in stages] == list(range(depth[r]))
         covered = []
-        for s, ref in zip(stages, first):
+        for s in stages:
             assert s.layers[0] < s.layers[1], "every stage holds a layer"
             covered.extend(range(*s.layers))
-            assert (s.layers, s.tp) == (ref.layers, ref.tp), "replicas share layers and TP per stage"
+            if not plan.replicas:
+                ref = first[s.stage]
+                assert (s.layers, s.tp) == (ref.layers, ref.tp), "replicas share layers and TP per stage"
             assert len(s.chips) == s.tp
             assert s.memory_gb <= s.memory_limit_gb, f"stage {s.stage} on {s.node} exceeds memory"
             assert s.node not in gone
-            assert (s.backend_next is None) == (s.stage == par.pp - 1)
+            assert (s.backend_next is None) == (s.stage == depth[r] - 1)
         assert covered == list(range(L)), "every layer exactly once per replica, contiguous"
     used = [(s.node, c) for s in plan.stages for c in s.chips]
     assert len(used) == len(set(used)), "a chip runs at most one stage"

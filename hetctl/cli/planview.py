@@ -21,6 +21,10 @@ def stage_table(plan: Plan) -> Table:
     par = plan.parallel
     title = (f"{plan.model.name}: pp {par.pp} × dp {par.dp} ({len(plan.ranks)} ranks, {len(plan.nodes)} nodes), "
              f"{par.micro_batches} micro-batches of {par.micro_batch}, global batch {par.global_batch}")
+    if plan.replicas:
+        title = (f"{plan.model.name}: {par.dp} replicas of different shape ({len(plan.ranks)} ranks, "
+                 f"{len(plan.nodes)} nodes), {plan.micro_batches_of(0)} micro-batches of {par.micro_batch} in "
+                 f"replica 0, global batch {par.global_batch}")
     table = Table(title=title, title_justify="left")
     for col, just in (("stage", "right"), ("node", "left"), ("chips", "left"), ("tp", "right"),
                       ("layers", "left"), ("prec", "left"), ("est ms", "right"), ("memory GB", "right"),
@@ -35,7 +39,11 @@ def stage_table(plan: Plan) -> Table:
             f"[{s.layers[0]}, {s.layers[1]}) {s.layers[1] - s.layers[0]}", s.precision, f"{s.est_ms:.4g}",
             f"{s.memory_gb:g} / {limit}", s.backend_next or "-",
         )))
-    if par.dp > 1:
+    if plan.replicas:  # replicas of different shape: say how many share replica 0's, and where the rest are
+        same = sum(1 for r in plan.replicas if r.part == plan.replicas[0].part)
+        table.caption = (f"replica 0 (and {same - 1} more of its part); the other {par.dp - same} replica(s) differ "
+                         "in depth and micro-batches: see --explain and plan.yaml replicas[]")
+    elif par.dp > 1:
         table.caption = f"replicas 1-{par.dp - 1} repeat this layout on other nodes (see plan.yaml)"
     return table
 

@@ -53,11 +53,10 @@ def compare(plan: Plan, outcome: AttemptOutcome, attempt: int) -> Measured | Non
     """
     if not outcome.stage_step_ms:
         return None
-    m = plan.parallel.micro_batches
     stages = []
     for s in plan.stages:
         got = outcome.stage_step_ms.get((s.replica, s.stage))
-        want = s.est_ms * m
+        want = s.est_ms * plan.micro_batches_of(s.replica)
         if got is None or want <= 0:
             continue
         stages.append(StageMeasured(replica=s.replica, stage=s.stage, node=s.node, predicted_ms=round(want, 4),

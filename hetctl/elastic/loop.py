@@ -319,7 +319,8 @@ class ElasticRun:
         return self._cluster.model_copy(update={"nodes": [n for n in self._cluster.nodes if n.name in names]})
 
     def _measured_plan(self, old: Plan, means: Any, reason: str) -> tuple[Plan, dict[str, float]]:
-        planned = {(s.replica, s.stage): s.est_ms for s in old.stages}
+        m = old.parallel.micro_batches  # weighted by each replica's micro-batches, when replicas differ
+        planned = {(s.replica, s.stage): s.est_ms * (old.micro_batches_of(s.replica) / m) for s in old.stages}
         where = {(s.replica, s.stage): s.node for s in old.stages}
         factors = speed_factors(means, planned, where)
         return replan(old, self._survivors(), drop=self.tally.dropped, factors=factors, reason=reason), factors

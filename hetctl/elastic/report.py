@@ -90,7 +90,7 @@ def render(run_dir: str | Path) -> str:
     attempt = measured.attempt if measured else attempts[-1]
     plan = run.load_plan(attempt)
     fwd, bwd, scale = _stage_times(plan, measured)
-    m = plan.parallel.micro_batches
+    m = plan.micro_batches_of(0)
     names = [f"{s.stage}: {s.node} [{s.layers[0]},{s.layers[1]})" for s in plan.stages_of(0)]
     body = [f"<h1>run {E(run.run_id)}</h1>", _summary(info)]
     body.append(_timeline_svg(timeline_1f1b(fwd, bwd, m), names, f"planned (attempt {attempt})"))
@@ -134,7 +134,7 @@ def _stage_table(plan: Plan, measured: Measured | None) -> str:
         x = got.get((s.replica, s.stage))
         rows.append("<tr>" + "".join(f"<td>{E(str(c))}</td>" for c in (
             s.replica, s.stage, s.node, s.vendor, f"{s.layers[0]}:{s.layers[1]}",
-            f"{s.est_ms * plan.parallel.micro_batches:.4g}", f"{x.measured_ms:.4g}" if x else "-",
+            f"{s.est_ms * plan.micro_batches_of(s.replica):.4g}", f"{x.measured_ms:.4g}" if x else "-",
             f"{x.ratio:.3g}×" if x else "-")) + "</tr>")
     head = "".join(f"<th>{h}</th>" for h in ("replica", "stage", "node", "vendor", "layers", "planned ms/step",
                                              "measured ms/step", "measured ÷ planned"))

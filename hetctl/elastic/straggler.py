@@ -116,7 +116,9 @@ class StragglerWatch:
     @classmethod
     def from_plan(cls, plan, **kwargs) -> "StragglerWatch":
         """Build from a :class:`hetctl.files.plan.Plan`'s stages."""
-        planned = {(s.replica, s.stage): s.est_ms for s in plan.stages}
+        # Weighted by the replica's micro-batches (replicas of different shape run different counts).
+        m = plan.parallel.micro_batches
+        planned = {(s.replica, s.stage): s.est_ms * (plan.micro_batches_of(s.replica) / m) for s in plan.stages}
         nodes = {(s.replica, s.stage): s.node for s in plan.stages}
         return cls(planned, nodes, **kwargs)
 

@@ -45,11 +45,11 @@ class ModelSpec(_Strict):
 
 
 class Parallel(_Strict):
-    pp: Count
+    pp: Count = Field(description="pipeline depth (the largest, when replicas differ: see replicas[])")
     dp: Count
     tp: Count = Field(default=1, description="largest TP degree of any stage; per-stage TP is in stages[]")
     micro_batch: Count
-    micro_batches: Count
+    micro_batches: Count = Field(description="per replica (the largest, when replicas differ)")
     global_batch: int = Field(ge=1, le=16_777_216)
 
 
@@ -81,6 +81,21 @@ class Rank(_Strict):
     chip: int | None = Field(default=None, ge=0)
 
 
+class Replica(_Strict):
+    """What one data-parallel replica does, when replicas differ (hetero data parallelism).
+
+    Absent from a plan whose replicas all share ``parallel.pp`` stages and
+    ``parallel.micro_batches``; present (one row per replica) when they differ.
+    """
+
+    replica: int = Field(ge=0)
+    stages: Count = Field(description="pipeline depth of this replica")
+    micro_batches: Count = Field(description="micro-batches this replica runs per step")
+    nodes: list[NodeName] = Field(default_factory=list, description="nodes its stages run on, in stage order")
+    chips: str = Field(default="", description="its stages' chip kinds and TP, in order")
+    part: int = Field(default=0, ge=0, description="replicas of one part share one shape and were searched together")
+
+
 class Estimate(_Strict):
     step_time_s: float
     bubble: float
@@ -88,6 +103,9 @@ class Estimate(_Strict):
     utilization_vs_homogeneous: float | None = None
     tokens_per_s: float
     stage_busy_s: list[float] = Field(default_factory=list)
+    cross_vendor_sync_s: float = Field(default=0.0, description="seconds of the gradient all-reduce across "
+                                       "vendors (the CPU path): between replicas of different shape, or at a stage "
+                                       "position whose replicas span vendors")
 
 
 class Baseline(_Strict):
@@ -106,11 +124,20 @@ class Plan(_Strict):
     nodes: list[NodeName] = Field(default_factory=list, description="nodes used, in rank order")
     stages: list[Stage]
     ranks: list[Rank]
+    replicas: list[Replica] = Field(default_factory=list, description="per replica depth and micro-batches, "
+                                    "when replicas differ (else every replica has parallel.pp and micro_batches)")
     estimate: Estimate
     baselines: dict[str, Baseline] = Field(default_factory=dict)
     ideal_tokens_per_s: float | None = None
     plan_time_s: float = 0.0
     notes: list[str] = Field(default_factory=list, description="--explain lines and warnings")
+
+    def micro_batches_of(self, replica: int) -> int:
+        """Micro-batches ``replica`` runs per step (its ``replicas`` row when replicas differ)."""
+        rows = self.replicas
+        if rows and replica < len(rows) and rows[replica].replica == replica:
+            return rows[replica].micro_batches
+        return self.parallel.micro_batches
 
     def stages_of(self, replica: int) -> list[Stage]:
         return sorted((s for s in self.stages if s.replica == replica), key=lambda s: s.stage)
@@ -139,7 +166,10 @@ def _check_stages(plan: Plan) -> None:
     if sorted(grid) != list(range(par.dp)):
         raise Invalid(("parallel", "dp"), f"dp is {par.dp} but the stages name replicas {sorted(grid)}",
                       "replicas must be numbered 0..dp-1")
-    if par.micro_batch * par.micro_batches * par.dp != par.global_batch:
+    depth = {r: par.pp for r in grid}
+    if plan.replicas:
+        depth = _check_replicas(plan)
+    elif par.micro_batch * par.micro_batches * par.dp != par.global_batch:
         raise Invalid(("parallel", "global_batch"),
                       f"{par.global_batch} is not micro_batch × micro_batches × dp "
                       f"({par.micro_batch} × {par.micro_batches} × {par.dp})")
@@ -147,9 +177,9 @@ def _check_stages(plan: Plan) -> None:
     for r, items in sorted(grid.items()):
         items.sort(key=lambda it: it[1].stage)
         numbers = [st.stage for _, st in items]
-        if numbers != list(range(par.pp)):
+        if numbers != list(range(depth[r])):
             raise Invalid(("stages", items[-1][0], "stage"),
-                          f"replica {r} has stages {numbers}, the plan says pp {par.pp}",
+                          f"replica {r} has stages {numbers}, the plan says pp {depth[r]}",
                           "each replica needs stages 0..pp-1, once each")
         start = 0
         for i, st in items:
@@ -180,6 +210,23 @@ def _check_stages(plan: Plan) -> None:
                               f"chip {chip} of node {st.node} is also in stages[{chip_owner[key]}]",
                               "a chip runs one rank")
             chip_owner[key] = i
+
+
+def _check_replicas(plan: Plan) -> dict[int, int]:
+    """The replicas table against ``parallel``: numbered 0..dp-1, micro-batches adding up to the batch."""
+    par, rows = plan.parallel, plan.replicas
+    if [r.replica for r in rows] != list(range(par.dp)):
+        raise Invalid(("replicas",), f"rows name replicas {[r.replica for r in rows][:8]}…, dp is {par.dp}",
+                      "one row per replica, in order 0..dp-1")
+    total = sum(r.micro_batches for r in rows)
+    if par.micro_batch * total != par.global_batch:
+        raise Invalid(("parallel", "global_batch"),
+                      f"{par.global_batch} is not micro_batch × the replicas' micro-batches "
+                      f"({par.micro_batch} × {total})", "the replicas' micro-batches must add up to the global batch")
+    if par.pp != max(r.stages for r in rows) or par.micro_batches != max(r.micro_batches for r in rows):
+        raise Invalid(("parallel",), f"pp {par.pp} and micro_batches {par.micro_batches} must be the largest "
+                      "of the replicas table's")
+    return {r.replica: r.stages for r in rows}
 
 
 def _check_ranks(plan: Plan) -> None:

@@ -38,6 +38,8 @@ TRAIN_ENV: dict[str, str] = {
     "HETCTL_STAGE": "pipeline stage index of this rank",
     "HETCTL_REPLICA": "data-parallel replica index of this rank",
     "HETCTL_LAYERS": "transformer layers of this stage, 'start:end' half-open",
+    "HETCTL_MICRO_BATCHES": "micro-batches this rank's replica runs per step (replicas may differ: the plan's "
+    "replicas table); sum gradients over every replica and divide by the global batch",
     "HETCTL_DEVICE_TYPE": "torch device type: cuda, npu, musa, mlu, gcu, supa, hpu or cpu",
     "HETCTL_BACKEND": "comm library inside the stage (nccl, hccl, gloo, …)",
     "HETCTL_HEARTBEAT_FILE": "JSON file the rank rewrites every step (step, time, loss, step_ms, compute_ms; "

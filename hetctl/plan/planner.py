@@ -29,6 +29,9 @@ from hetctl.plan.partition import proportional_split, ranges, uniform_split
 from hetctl.files.plan import Baseline, Estimate, ModelSpec, Parallel, Plan, Rank, Stage
 from hetctl.plan.layout import Found, Layout, memory_needed
 from hetctl.plan.search import Pins, Searcher
+from hetctl.plan.frameworks import capability
+from hetctl.plan.hetdp import HeteroSearch
+from hetctl.plan.hetplan import build_hetero
 from hetctl.files.cluster import Cluster
 from hetctl.vendors import link_backend, stage_backend, vendor_info
 
@@ -108,7 +111,26 @@ def plan_cluster(
                      "type:), so the plan keeps that split; --framework flagscale or torchrun can split by speed")
     homog = _homogeneous(devices, spec, work, framework, free) if homogeneous else None
     plan = _build(lay, spec, work, devices, framework, cluster, cluster_path, homog, notes, found)
+    if not pins.any():
+        plan = _hetero(plan, lay, spec, work, devices, framework, homog)
     plan.plan_time_s = round(time.perf_counter() - t0, 4)
+    return plan
+
+
+def _hetero(plan: Plan, lay: Layout, spec: ModelSpec, work: Workload, devices: Devices, framework: str,
+            homog) -> Plan:
+    """Replicas of different shape, where the framework can run them and they are faster than ``plan``."""
+    if not capability(framework).uneven_dp:
+        return plan
+    search = HeteroSearch(devices.kinds, spec, work, framework)
+    hl = search.run()
+    if hl is None:
+        return plan
+    if hl.step < lay.step * (1 - 1e-9):
+        return build_hetero(hl, plan, work, devices, homog, search.considered)
+    plan.notes.append(f"replicas of different shape ({hl.replicas} replicas in {len(hl.parts)} parts, micro-batches "
+                      f"by speed) would take {hl.step:.4g} s/step, {100 * (hl.step / lay.step - 1):.1f}% slower "
+                      f"(of which {1e3 * hl.cross:,.0f} ms gradient all-reduce over every replica)")
     return plan
 
 
@@ -218,6 +240,9 @@ def _estimate(lay: Layout, work: Workload, spec: ModelSpec, total_flops: float, 
         utilization_vs_homogeneous=vs_h,
         tokens_per_s=round(tokens / step, 2),
         stage_busy_s=[round(b, 6) for b in (lay.sim.busy if lay.sim else ())],
+        # Stage positions whose replicas span vendors sync over gloo (the CPU path).
+        cross_vendor_sync_s=round(max((x for st, x in zip(lay.types, lay.syncs) if len(st.kind.vendors) > 1),
+                                      default=0.0), 6),
     )
 
 
@@ -244,13 +269,11 @@ def _baselines(lay: Layout, work, spec, total_flops, search: Searcher) -> dict[s
     return out
 
 
-def _build(lay: Layout, spec, work, devices: Devices, framework, cluster: Cluster, cluster_path,
-           homog, notes: list[str], found: Found) -> Plan:
-    total = devices.total_flops()
+def stage_rows(lay: Layout, stages: list[Stage], ranks: list[Rank], local: dict[str, int], first: int = 0) -> None:
+    """Append the stages and ranks of ``lay``'s replicas, numbered from replica ``first``."""
     mem = memory_needed(lay)
-    stages, ranks, local = [], [], {}
     spans = ranges(lay.counts)
-    for r, row in enumerate(lay.placement):
+    for r, row in enumerate(lay.placement, start=first):
         for s, (group, chips) in enumerate(row):
             st = lay.types[s]
             info = vendor_info(group.vendor)
@@ -269,6 +292,14 @@ def _build(lay: Layout, spec, work, devices: Devices, framework, cluster: Cluste
                 local[group.node] = lr + 1
                 ranks.append(Rank(rank=len(ranks), node=group.node, local_rank=lr, stage=s, replica=r,
                                   chip=None if info.visible_devices_env is None else chip))
+
+
+def _build(lay: Layout, spec, work, devices: Devices, framework, cluster: Cluster, cluster_path,
+           homog, notes: list[str], found: Found) -> Plan:
+    total = devices.total_flops()
+    stages: list[Stage] = []
+    ranks: list[Rank] = []
+    stage_rows(lay, stages, ranks, {})
     search = Searcher(devices.kinds, spec, work, framework, Pins())
     inventory = cluster.inventory
     if inventory and cluster_path and not Path(inventory).is_absolute():

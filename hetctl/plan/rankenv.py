@@ -74,6 +74,7 @@ def static_env(plan: Plan, rank: Rank | int, visible: Literal["rank", "node"] = 
         "HETCTL_STAGE": str(r.stage),
         "HETCTL_REPLICA": str(r.replica),
         "HETCTL_LAYERS": f"{stage.layers[0]}:{stage.layers[1]}",
+        "HETCTL_MICRO_BATCHES": str(plan.micro_batches_of(r.replica)),
         "HETCTL_DEVICE_TYPE": stage.device_type,
         "HETCTL_BACKEND": stage.backend,
     })

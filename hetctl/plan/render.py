@@ -35,6 +35,7 @@ from pathlib import Path
 
 from hetctl.errors import ConfigError
 from hetctl.plan.deepspeed_layout import check_deepspeed_split, launcher_files
+from hetctl.plan.frameworks import capability
 from hetctl.plan.rankenv import LAUNCH_TIME, stage_of, static_env
 from hetctl.files.plan import Plan, Rank
 from hetctl.files.yamlio import written_by
@@ -252,7 +253,11 @@ def render_node_scripts(plan: Plan, hosts: dict[str, str] | None = None, plan_pa
         template = env.get_template(f"{fw}.sh.j2")
     except Exception as e:  # jinja2.TemplateNotFound
         raise ConfigError(f"--framework {fw}: no launch template", "use hetctl, megatron, flagscale, deepspeed or torchrun") from e
-    mesh_list = meshes(plan, by_type=fw == "flagscale")
+    if plan.replicas and not capability(fw).uneven_dp:
+        raise ConfigError(f"plan: its replicas differ in shape or micro-batches, which --framework {fw} cannot run",
+                          "plan again for this framework (hetctl plan keeps one shape there)")
+    # Replicas of different shape have no common process meshes; each rank's label is its own chip type.
+    mesh_list = [] if plan.replicas else meshes(plan, by_type=fw == "flagscale")
     first = min(plan.ranks, key=lambda r: r.rank)
     visible = "rank" if fw == "hetctl" else "node"
     reorder = fw in ("megatron", "flagscale", "deepspeed")
@@ -280,7 +285,8 @@ def render_node_scripts(plan: Plan, hosts: dict[str, str] | None = None, plan_pa
                 e["RANK"] = str(framework_rank(plan, r, mesh_list))
             e.update({k: "" for k in LAUNCH_TIME})
             e["HETCTL_HEARTBEAT_FILE"] = f"rank-{e['RANK']}.json"
-            label = next(m.label for m in mesh_list if m.first <= r.stage < m.first + m.stages)
+            label = next((m.label for m in mesh_list if m.first <= r.stage < m.first + m.stages),
+                         _device_label(stage.vendor, stage.model))
             ranks.append({
                 "rank": int(e["RANK"]), "plan_rank": r.rank, "local_rank": int(e["LOCAL_RANK"]),
                 "env": _env_words(e), "device_label": label, "replica": r.replica, "stage": r.stage,

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 from hetctl.plan.costmodel import StageType, Workload, kind_link, link, stage_type
 from hetctl.plan.deepspeed_layout import deepspeed_split
+from hetctl.plan.frameworks import CAPABILITIES
 from hetctl.plan.devices import Kind, merge
 from hetctl.plan.layout import (
     Columns, Found, Layout, Miss, cut_columns, pairs, split_terms, stage_times, sync_times,
@@ -47,14 +48,11 @@ from hetctl.plan.partition import minmax_split, proportional_split, uniform_spli
 from hetctl.files.plan import ModelSpec
 from hetctl.plan.simulate import estimate_1f1b, simulate_1f1b
 
-# How each framework can split a stage across chips: the reference trainer has
-# no tensor parallelism; Megatron-LM and DeepSpeed need one degree everywhere;
-# FlagScale (process meshes) and a user's own script may differ per stage.
-TP_MODE = {"hetctl": "none", "megatron": "uniform", "deepspeed": "uniform", "flagscale": "any", "torchrun": "any"}
+# How each framework can split a stage across chips, and whether a stage
+# position may mix chip models across replicas (hetctl.plan.frameworks).
+TP_MODE = {name: cap.tp for name, cap in CAPABILITIES.items()}
 KEEP = 4  # candidates placed and simulated
-# FlagScale gives every process mesh one device type, so a stage position may
-# not mix chip models across replicas there.
-ONE_TYPE_PER_POSITION = {"flagscale"}
+ONE_TYPE_PER_POSITION = {name for name, cap in CAPABILITIES.items() if cap.one_type_per_position}
 
 @dataclass(frozen=True)
 class Pins:
@@ -72,9 +70,15 @@ class Searcher:
     """Enumerates and scores layouts for one set of kinds and one workload."""
 
     def __init__(self, kinds: list[Kind], spec: ModelSpec, work: Workload, framework: str, pins: Pins,
-                 keep: int = KEEP):
+                 keep: int = KEEP, uneven: bool = False):
+        """Args:
+            uneven: replicas may take different micro-batch counts (one group of a
+                hetero data-parallel layout, :mod:`hetctl.plan.hetdp`): ``dp`` need
+                not divide the micro-batches; each layout is costed at the most a
+                replica takes, ``ceil(micro-batches / dp)``.
+        """
         self.kinds, self.spec, self.work, self.framework, self.pins = kinds, spec, work, framework, pins
-        self.keep = keep
+        self.keep, self.uneven = keep, uneven
         self.L = spec.num_layers
         self._types: dict[tuple, StageType | None] = {}
         self._links: dict[tuple, float] = {}
@@ -153,9 +157,20 @@ class Searcher:
 
     def dp_choices(self, max_slots: int) -> list[int]:
         gb, mb = self.work.global_batch, self.work.micro_batch
+        if self.uneven:
+            # Depth k uses every slot with slots // k replicas; no more replicas than micro-batches.
+            # Every depth up to 16, then about 12 % apart and the divisors of the layer count.
+            total = gb // mb
+            depths = {k for k in range(1, min(self.L, max_slots) + 1)
+                      if k <= 16 or self.L % k == 0 or k == int(16 * 1.12 ** round(math.log(k / 16, 1.12)))}
+            return sorted({d for d in (max_slots // k for k in depths) if 1 <= d <= total})
         if self.pins.dp is not None:
             return [self.pins.dp] if gb % (self.pins.dp * mb) == 0 else []
         return [d for d in range(1, max_slots + 1) if gb % (d * mb) == 0]
+
+    def micro_batches(self, dp: int) -> int:
+        """Micro-batches of the busiest replica when ``dp`` replicas share the batch."""
+        return -(-self.work.global_batch // (dp * self.work.micro_batch))
 
     def _target(self, total: int) -> int:
         return self.pins.pp if self.pins.pp is not None else min(total, self.L)
@@ -252,7 +267,7 @@ class Searcher:
         at least ``L / Σ_s 1/a_s`` per micro-batch (per-layer times ``a_s``)
         and runs ``m − 1`` of them after the first has crossed every stage.
         """
-        m = self.work.global_batch // (dp * self.work.micro_batch)
+        m = self.micro_batches(dp)
         types = []
         for col in cols:
             st = self.ctype(col, tps, dp)
@@ -304,7 +319,7 @@ class Searcher:
         """
         found: list[tuple[float, int, Layout, tuple]] = []
         kept: list[float] = []  # negated steps of the best `lead` candidates so far (a max-heap)
-        lead = max(self.keep, 12)
+        lead = max(self.keep, 4 if self.uneven else 12)  # a hetero part is one of many searches: prune harder
 
         def add(lay: Layout | None, key: tuple) -> None:
             if lay is None:
@@ -361,7 +376,8 @@ class Searcher:
         if exact is None:
             return None
         exact.placement = placement
-        exact.sim = simulate_1f1b(exact.fwd, exact.bwd, exact.m)
+        if not self.uneven:  # a hetero part is simulated at the micro-batch counts it is finally given
+            exact.sim = simulate_1f1b(exact.fwd, exact.bwd, exact.m)
         return exact
 
     def finish(self, lay: Layout) -> Layout:

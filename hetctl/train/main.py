@@ -127,14 +127,17 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
     try:
         # Collectives on Python objects (checkpoint hashes) need a CPU group.
         ctrl = None if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
-        dp_group = None
+        groups: dict[str, tuple] = {}  # unit → (its data-parallel group, comm library), for this rank's units
         if topo.dp > 1:
-            # Every rank creates every group, in stage order; the backend only matters to the members,
-            # whose HETCTL_BACKEND is their stage's.
-            for st, members in enumerate(topo.dp_groups):
-                g = dist.new_group(list(members), timeout=timeout, backend="gloo" if topo.backend == "gloo" else None)
-                if st == topo.stage:
-                    dp_group = g
+            # Every rank creates every group, in unit order (one per distinct set of holders: one per stage
+            # position when every replica has one shape); the backend only matters to the members.
+            made: dict[tuple[int, ...], object] = {}
+            for name, members, lib in topo.unit_groups:
+                if members not in made:
+                    made[members] = dist.new_group(list(members), timeout=timeout,
+                                                   backend="gloo" if lib == "gloo" else None)
+                if topo.rank in members:
+                    groups[name] = (made[members], lib)
 
         units = build_units(spec, topo.layers, topo.is_first, topo.is_last, args.seed)
         units.to(device)
@@ -148,7 +151,7 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
             ckpt.load(blobs, units, optimizer)
             del blobs
 
-        comm = pipeline.Comm(topo, device, dp_group)
+        comm = pipeline.Comm(topo, device, groups)
         amp = functools.partial(pipeline.autocast, device, topo.precision)
         seq, vocab = int(spec["seq_len"]), int(spec["vocab_size"])
         role = {"stage": topo.stage, "replica": topo.replica}
@@ -160,8 +163,9 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
 
             @functools.lru_cache(maxsize=None)
             def batch(m: int, step: int = step) -> tuple:
-                x, y = data.micro_batch(args.seed, step, topo.replica, m, topo.micro_batch, topo.micro_batches,
-                                        seq, vocab)
+                # Rows of the global batch by micro-batch number over every replica (replicas may differ).
+                x, y = data.micro_batch(args.seed, step, 0, topo.first_micro + m, topo.micro_batch,
+                                        topo.micro_batches, seq, vocab)
                 return x.to(device), y.to(device)
 
             comm.take_wait()

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -47,10 +47,15 @@ def schedule_1f1b(stage: int, stages: int, micro_batches: int) -> list[Op]:
 class Comm:
     """Point-to-point and all-reduce for one rank, moving tensors to the CPU where the link is gloo."""
 
-    def __init__(self, topo: Topology, device: torch.device, dp_group: dist.ProcessGroup | None) -> None:
+    def __init__(self, topo: Topology, device: torch.device,
+                 groups: Mapping[str, tuple[dist.ProcessGroup, str]] | None = None) -> None:
+        """Args:
+            groups: per unit of this stage, its data-parallel group and that group's comm library
+                (empty without data parallelism).
+        """
         self.topo = topo
         self.device = device
-        self.dp_group = dp_group
+        self.groups = dict(groups or {})
         self.wait_s = 0.0
         """Seconds spent blocked on communication since the last :meth:`take_wait`."""
         self._pending: list[tuple[dist.Work, torch.Tensor]] = []
@@ -95,14 +100,19 @@ class Comm:
         return wait
 
     def all_reduce_grads(self, units: nn.ModuleDict) -> None:
-        """Sum gradients over the stage's data-parallel group, one unit per call, in unit order."""
-        if self.dp_group is None:
+        """Sum gradients over each unit's data-parallel group (its holders in every replica), in unit order.
+
+        Unit order is one total order on every rank, so replicas of different shape, whose units sit at
+        different stages, cannot deadlock: each group's members reach its all-reduces in the same order.
+        """
+        if not self.groups:
             return
         t0 = time.perf_counter()
-        for unit in units.values():
+        for name, unit in units.items():
+            group, lib = self.groups[name]
             grads = [p.grad for p in unit.parameters()]
-            flat = self._wire(self.topo.backend, torch.cat([g.reshape(-1) for g in grads]))
-            dist.all_reduce(flat, group=self.dp_group)
+            flat = self._wire(lib, torch.cat([g.reshape(-1) for g in grads]))
+            dist.all_reduce(flat, group=group)
             flat = flat.to(self.device)
             offset = 0
             for g in grads:
@@ -112,11 +122,12 @@ class Comm:
 
     def all_reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Sum the last stages' loss shares over the replicas (a no-op without data parallelism)."""
-        if self.dp_group is None:
+        if "head" not in self.groups:
             return loss
         t0 = time.perf_counter()
-        wire = self._wire(self.topo.backend, loss)
-        dist.all_reduce(wire, group=self.dp_group)
+        group, lib = self.groups["head"]
+        wire = self._wire(lib, loss)
+        dist.all_reduce(wire, group=group)
         self.wait_s += time.perf_counter() - t0
         return wire
 
@@ -150,11 +161,12 @@ def train_step(
 
     Returns:
         On the last stage, this replica's share of the step's mean loss (each
-        micro-batch's mean cross-entropy divided by micro-batches × replicas);
+        micro-batch's mean cross-entropy divided by the step's micro-batches over every replica);
         None elsewhere.
     """
     shape = (topo.micro_batch, seq_len, hidden)
-    scale = 1.0 / (topo.micro_batches * topo.dp)
+    # Every micro-batch of the step weighs the same, whichever replica runs it (replicas may run different counts).
+    scale = 1.0 / (topo.total_micro or topo.micro_batches * topo.dp)
     inputs: dict[int, torch.Tensor] = {}
     outputs: dict[int, torch.Tensor] = {}
     loss_sum = torch.zeros((), dtype=torch.float32, device=comm.device) if topo.is_last else None

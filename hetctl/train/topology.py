@@ -15,6 +15,7 @@ from typing import Any, Mapping
 
 from hetctl.errors import ConfigError
 from hetctl.node.runtime import RankContext
+from hetctl.train.units import layer_name, unit_names
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,14 @@ class Topology:
     """Comm library on the link to the next stage (None on the last)."""
     precision: str
     chip: int | None
+    first_micro: int = 0
+    """Micro-batches of the replicas before this one (where its rows of the global batch start)."""
+    total_micro: int = 0
+    """Micro-batches of the whole step over every replica (global batch ÷ micro-batch)."""
+    unit_groups: tuple[tuple[str, tuple[int, ...], str], ...] = ()
+    """Per checkpoint unit, in unit order: the ranks holding it, one per replica, and the comm library of
+    their gradient all-reduce (gloo when they span vendors). Replicas of different shape hold a unit at
+    different stages, so the all-reduce goes unit by unit, never stage by stage."""
 
     @property
     def is_first(self) -> bool:
@@ -92,10 +101,7 @@ def topology(plan: Mapping[str, Any], ctx: RankContext) -> Topology:
             f"but HETCTL_REPLICA={ctx.replica} HETCTL_STAGE={ctx.stage}",
             "the node has a stale plan copy; relaunch",
         )
-    if gb != mb * micro * dp:
-        raise ConfigError(
-            f"{where}: parallel.global_batch={gb} is not micro_batch×micro_batches×dp = {mb}×{micro}×{dp}"
-        )
+    depth, micro_of = _replicas(plan, where, pp, dp, mb, micro, gb)
 
     cell: dict[tuple[int, int], int] = {}
     for r in ranks.values():
@@ -110,7 +116,7 @@ def topology(plan: Mapping[str, Any], ctx: RankContext) -> Topology:
 
     for rep in range(dp):
         nxt = 0
-        for st in range(pp):
+        for st in range(depth[rep]):
             s = stages.get((rep, st))
             if s is None or (rep, st) not in cell:
                 raise ConfigError(f"{where}: replica {rep} stage {st} is missing from stages[] or ranks[]")
@@ -136,24 +142,71 @@ def topology(plan: Mapping[str, Any], ctx: RankContext) -> Topology:
             "the node has a stale plan copy; relaunch",
         )
     prev = stages.get((ctx.replica, ctx.stage - 1))
+    mine_pp = depth[ctx.replica]
+    uniform = not plan.get("replicas")
     return Topology(
         rank=ctx.rank,
         stage=ctx.stage,
         replica=ctx.replica,
-        pp=pp,
+        pp=mine_pp,
         dp=dp,
         layers=layers,  # type: ignore[arg-type]
         num_layers=num_layers,
         prev_rank=cell.get((ctx.replica, ctx.stage - 1)),
         next_rank=cell.get((ctx.replica, ctx.stage + 1)),
-        dp_groups=tuple(tuple(cell[(rep, st)] for rep in range(dp)) for st in range(pp)),
+        dp_groups=tuple(tuple(cell[(rep, st)] for rep in range(dp)) for st in range(pp)) if uniform else (),
         micro_batch=mb,
-        micro_batches=micro,
+        micro_batches=micro_of[ctx.replica],
         global_batch=gb,
         device_type=ctx.device_type,
         backend=ctx.backend,
         backend_prev=(prev.get("backend_next") or "gloo") if prev is not None else None,
-        backend_next=(mine.get("backend_next") or "gloo") if ctx.stage < pp - 1 else None,
+        backend_next=(mine.get("backend_next") or "gloo") if ctx.stage < mine_pp - 1 else None,
         precision=str(mine.get("precision", "fp32")),
         chip=me.get("chip"),
+        first_micro=sum(micro_of[r] for r in range(ctx.replica)),
+        total_micro=sum(micro_of.values()),
+        unit_groups=_unit_groups(stages, cell, depth, num_layers),
     )
+
+
+def _replicas(plan: Mapping[str, Any], where: str, pp: int, dp: int, mb: int, micro: int, gb: int):
+    """Depth and micro-batches per replica: the plan's ``replicas`` table, or ``parallel`` for every replica."""
+    rows = plan.get("replicas") or []
+    if not rows:
+        if gb != mb * micro * dp:
+            raise ConfigError(
+                f"{where}: parallel.global_batch={gb} is not micro_batch×micro_batches×dp = {mb}×{micro}×{dp}"
+            )
+        return {r: pp for r in range(dp)}, {r: micro for r in range(dp)}
+    try:
+        depth = {int(r["replica"]): int(r["stages"]) for r in rows}
+        micro_of = {int(r["replica"]): int(r["micro_batches"]) for r in rows}
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"{where}: replicas[] is not a hetctl replicas table (missing or bad {e})") from None
+    if sorted(depth) != list(range(dp)) or min(micro_of.values()) < 1:
+        raise ConfigError(f"{where}: replicas[] must list replicas 0..{dp - 1}, each with micro_batches ≥ 1")
+    if gb != mb * sum(micro_of.values()):
+        raise ConfigError(f"{where}: parallel.global_batch={gb} is not micro_batch × the replicas' micro-batches "
+                          f"= {mb}×{sum(micro_of.values())}")
+    return depth, micro_of
+
+
+def _unit_groups(stages, cell, depth: dict[int, int], num_layers: int):
+    """Per unit (embedding, each layer, head): the rank holding it in each replica, and their comm library."""
+    holders: dict[str, list[tuple[int, Mapping[str, Any]]]] = {}
+    for rep, n in sorted(depth.items()):
+        for st in range(n):
+            s = stages[(rep, st)]
+            a, b = (int(x) for x in s["layers"])
+            for name in unit_names((a, b), st == 0, st == n - 1):
+                holders.setdefault(name, []).append((cell[(rep, st)], s))
+    order = ["embedding"] + [layer_name(i) for i in range(num_layers)] + ["head"]
+    out = []
+    for name in order:
+        members = holders[name]
+        libs = {str(s.get("backend", "gloo")) for _, s in members}
+        vendors = {str(s.get("vendor", "cpu")) for _, s in members}
+        lib = libs.pop() if len(libs) == 1 and len(vendors) == 1 else "gloo"
+        out.append((name, tuple(r for r, _ in members), lib))
+    return tuple(out)

@@ -1,0 +1,65 @@
+"""What each launch framework can run, in one place: the planner emits only that.
+
+The search reads these figures instead of special-casing framework names, so a
+framework that learns a new layout changes one row here (and its renderer).
+
+Columns:
+
+- ``tp`` — how a stage may be split across chips: ``none`` (no tensor
+  parallelism: the reference trainer), ``uniform`` (one degree for every stage:
+  Megatron-LM, DeepSpeed), ``any`` (per stage: FlagScale process meshes, a
+  user's own script).
+- ``one_type_per_position`` — a stage position may not mix chip models across
+  replicas (FlagScale gives every process mesh one device type).
+- ``uneven_dp`` — replicas may differ in depth, composition and micro-batch
+  count (hetero data parallelism: gradients summed over every replica, then
+  divided by the global batch). Only where the job that hetctl renders can
+  really run it:
+
+  * ``hetctl`` (the reference trainer): yes — each rank reads its replica's
+    depth and micro-batch count from the plan's ``replicas`` table, takes its
+    rows of the global batch by micro-batch number over every replica, scales
+    each micro-batch's loss by 1 / (the step's micro-batches) and all-reduces
+    gradients unit by unit over the ranks holding that unit in every replica
+    (``tests/test_train_hetdp.py`` matches a single-rank run).
+  * ``megatron`` / ``deepspeed``: no — one ``--pipeline-model-parallel-size``
+    and one gradient-accumulation count for the whole job.
+  * ``flagscale``: no — the rendered process meshes are pipeline stages shared
+    by every replica; hetctl renders no per-replica batch split for it.
+  * ``torchrun`` (the user's own script): yes — the plan's ``replicas`` table
+    (and ``HETCTL_MICRO_BATCHES`` in the rank environment) tells each rank its
+    replica's depth and micro-batch count; the script must sum gradients over
+    every replica and divide by the global batch (the rank contract says so).
+- ``overlap_cross_vendor_dp`` — the framework overlaps the cross-vendor
+  gradient all-reduce (gloo through host memory) with the backward pass. No
+  framework here does: it runs after the pipeline flush, and the simulator
+  charges it in full.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Capability:
+    """What one framework can run (see the module docstring for each column)."""
+
+    tp: str
+    one_type_per_position: bool = False
+    uneven_dp: bool = False
+    overlap_cross_vendor_dp: bool = False
+
+
+CAPABILITIES: dict[str, Capability] = {
+    "hetctl": Capability(tp="none", uneven_dp=True),
+    "megatron": Capability(tp="uniform"),
+    "deepspeed": Capability(tp="uniform"),
+    "flagscale": Capability(tp="any", one_type_per_position=True),
+    "torchrun": Capability(tp="any", uneven_dp=True),
+}
+
+
+def capability(framework: str) -> Capability:
+    """The row of ``framework`` (an unknown name gets the most permissive TP and nothing else)."""
+    return CAPABILITIES.get(framework, Capability(tp="any"))

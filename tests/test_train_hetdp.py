@@ -1,0 +1,84 @@
+"""The reference trainer runs replicas of different shape and micro-batch count (hetero data parallelism).
+
+Real processes over gloo on loopback: a plan whose replica 0 is one stage of all
+six layers running three micro-batches and whose replica 1 is two stages of
+three layers running one, against a single-rank run of the same model, data and
+global batch (8 sequences). The gradients are summed over both replicas and
+divided by the global batch, so the losses agree within float32 rounding; the
+tolerance (relative 1e-4, absolute 1e-5 over 20 AdamW steps) is the one the
+uniform data-parallel run is held to in tests/test_train.py.
+"""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from hetctl.files.plan import Estimate, Parallel, Plan, Rank, Replica, Stage
+from hetctl.node import manifest as checkpoint
+from tests.rankrunner import TINY, Ranks, run_plan, tiny_plan
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.e2e  # real torch training processes over gloo
+
+STEPS = 20
+
+
+def uneven_plan(shapes: list[tuple[list[int], int]], micro_batch: int = 2) -> dict:
+    """One replica per ``(layer split, micro-batches)``; ranks replica-major, one node per rank."""
+    spec = Plan.model_fields["model"].annotation(**TINY)
+    stages, ranks, rows = [], [], []
+    for rep, (split, micro) in enumerate(shapes):
+        start = 0
+        for st, n in enumerate(split):
+            node = f"n{len(ranks)}"
+            stages.append(Stage(replica=rep, stage=st, node=node, vendor="cpu", chips=[], tp=1,
+                                layers=(start, start + n), precision="fp32", backend="gloo",
+                                backend_next="gloo" if st < len(split) - 1 else None, device_type="cpu"))
+            ranks.append(Rank(rank=len(ranks), node=node, local_rank=0, stage=st, replica=rep))
+            start += n
+        rows.append(Replica(replica=rep, stages=len(split), micro_batches=micro, nodes=[f"n{len(ranks) - 1}"]))
+    plan = Plan(model=spec, parallel=Parallel(pp=max(len(s) for s, _ in shapes), dp=len(shapes), tp=1,
+                                              micro_batch=micro_batch, micro_batches=max(m for _, m in shapes),
+                                              global_batch=micro_batch * sum(m for _, m in shapes)),
+                nodes=[r.node for r in ranks], stages=stages, ranks=ranks, replicas=rows,
+                estimate=Estimate(step_time_s=0.0, bubble=0.0, utilization=0.0, tokens_per_s=0.0))
+    plan.check_consistency()
+    return plan.model_dump(mode="json")
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    """One rank, all six layers, four micro-batches of two: the reference."""
+    return run_plan(tiny_plan([6]), tmp_path_factory.mktemp("single"), steps=STEPS)
+
+
+SHAPES = [([6], 3), ([3, 3], 1)]  # replica 0: one stage, 3 micro-batches; replica 1: two stages, 1
+
+
+def test_replicas_of_different_shape_match_a_single_rank(single, tmp_path):
+    run = run_plan(uneven_plan(SHAPES), tmp_path, steps=STEPS, ckpt_every=10)
+    ours, ref = run.losses(0), single.losses()
+    assert sorted(ref) == list(range(1, STEPS + 1))
+    assert run.losses(1) == ours  # both replicas' last stages report the all-reduced loss
+    for s in range(1, STEPS + 1):
+        assert float(ours[s]) == pytest.approx(float(ref[s]), rel=1e-4, abs=1e-5), s
+    # Replica 0 holds every layer, so the checkpoint is complete and loads under a plain split.
+    assert checkpoint.validate(run.ckpt_dir / "step-20", checkpoint.model_digest(TINY)) == []
+    again = run_plan(tiny_plan([2, 4]), tmp_path / "replan", steps=STEPS + 2, resume_step=20, ckpt_dir=run.ckpt_dir)
+    assert sorted(again.losses()) == [21, 22]
+
+
+def test_uneven_run_killed_and_resumed_is_bit_identical(tmp_path):
+    plan = uneven_plan(SHAPES)
+    calm = run_plan(plan, tmp_path / "calm", steps=STEPS, ckpt_every=5)
+    with Ranks(plan, tmp_path / "crash", steps=STEPS, ckpt_every=5) as crashed:
+        crashed.start()
+        crashed.wait_for_step(2, 12)
+        crashed.kill(2, signal.SIGKILL)  # replica 1's last stage dies mid-run
+        crashed.stop_all()
+    found = checkpoint.latest_valid(crashed.ckpt_dir, checkpoint.model_digest(TINY))
+    assert found is not None and found[0] < STEPS
+    resumed = run_plan(plan, tmp_path / "crash", steps=STEPS, ckpt_every=5, attempt=2, resume_step=found[0])
+    assert resumed.losses() == {s: calm.losses()[s] for s in range(found[0] + 1, STEPS + 1)}
