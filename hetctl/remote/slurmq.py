@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import subprocess
+import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -187,6 +188,54 @@ def node_state(name: str) -> SlurmNode | None:
     except HetctlError:
         return None
     return nodes[0] if nodes else None
+
+
+def lost_words(node: SlurmNode) -> str:
+    """What Slurm says of a node, for an event's reason: ``slurm: node c2 is DOWN (Not responding)``."""
+    parts = [p for p in re.split(r"[+*]", node.state.upper()) if p]
+    flags = [p for p in parts if p in LOST_STATES]
+    if node.state.endswith("*") and "NOT_RESPONDING" not in flags:
+        flags.append("NOT_RESPONDING")
+    what = "+".join(flags or parts) or "in no state"
+    return f"slurm: node {node.name} is {what}" + (f" ({node.reason})" if node.reason else "")
+
+
+def slurmd_timeout(default: float = 300.0) -> float:
+    """slurmctld's ``SlurmdTimeout`` in seconds (how long a silent node may stay up), ``default`` when unknown."""
+    try:
+        r = _run(["scontrol", "show", "config"], "reading the Slurm configuration")
+    except HetctlError:
+        return default
+    m = re.search(r"^SlurmdTimeout\s*=\s*(\d+)", r.stdout or "", re.M)
+    return float(m.group(1)) if m else default
+
+
+def confirm_lost(names: Sequence[str], within_s: float, poll_s: float = 0.5, *, show=None, clock=time.monotonic,
+                 sleep=time.sleep) -> dict[str, SlurmNode | None]:
+    """Ask slurmctld about ``names`` until each is in a lost state or ``within_s`` passed.
+
+    slurmctld marks a node that stops answering NOT_RESPONDING at its next ping and
+    DOWN after ``SlurmdTimeout``, so a node that died a moment ago still reads
+    healthy: the answer is polled, never taken once. Returns name → the node as
+    Slurm last described it (``.lost`` says the verdict); None when Slurm could not
+    be asked at all (then the caller keeps what it saw itself).
+    """
+    show = show or show_nodes
+    names = list(dict.fromkeys(names))
+    seen: dict[str, SlurmNode | None] = {n: None for n in names}
+    deadline = clock() + within_s
+    while True:
+        pending = [n for n in names if seen[n] is None or not seen[n].lost]
+        if not pending:
+            return seen
+        try:
+            for node in show(pending):
+                seen[node.name] = node
+        except HetctlError:
+            pass
+        if all(seen[n] is not None and seen[n].lost for n in pending) or clock() >= deadline:
+            return seen
+        sleep(poll_s)
 
 
 def check_plan_fits(plan_nodes: Sequence[str], inventory) -> None:
