@@ -70,6 +70,10 @@ def launch_cmd(
 
             data = spec.to_dict()
             data["ssh"] = {n: (e if isinstance(e, str) else e.to_dict()) for n, e in ssh.items()}
+            if any(n.transport == "slurm" for n in spec.nodes):  # the step each agent runs in, argv exactly
+                from hetctl.remote.slurm import dry_run_step
+
+                data["srun"] = {n.node: dry_run_step(inv.node(n.node), n) for n in spec.nodes if n.transport == "slurm"}
             print_json(json.dumps(data, indent=2))
         else:
             _print_dry_run(spec, inv, ssh)
