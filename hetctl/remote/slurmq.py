@@ -114,6 +114,11 @@ def _client(tool: str) -> str:
     return path
 
 
+def client(tool: str) -> str:
+    """The path of a Slurm client command (``salloc``, ``scancel`` …), or a one-line error saying what to install."""
+    return _client(tool)
+
+
 def _run(argv: Sequence[str], what: str, timeout: float = QUERY_TIMEOUT_S) -> subprocess.CompletedProcess:
     try:
         return subprocess.run([_client(argv[0]), *argv[1:]], stdin=subprocess.DEVNULL, capture_output=True, text=True,
@@ -277,13 +282,18 @@ def allocation_nodes(s) -> tuple[str, list[SlurmNode]]:
     """
     job = s.job or current_job()
     if not job:
+        from hetctl.remote.slurmalloc import granted
+
+        job = granted(s)  # hetctl's own allocation, where the command may ask for one (launch, resume)
+    if not job:
         if s.partition or s.features or s.gres:
             check_partition(s)  # say now when no allocation could ever match
         want = " ".join(filter(None, [f"-p {s.partition}" if s.partition else "", f"-N {s.nodes}" if s.nodes else "",
                                       f"-C {'&'.join(s.features)}" if s.features else "",
                                       f"--gres={s.gres}" if s.gres else ""]))
         raise AllocationError((), "no Slurm allocation: SLURM_JOB_ID is not set and slurm.job is not given",
-                              f"run hetctl inside one (salloc {want + ' ' if want else ''}hetctl …) or set slurm.job")
+                              f"run hetctl inside one (salloc {want + ' ' if want else ''}hetctl …) or set slurm.job"
+                              + ("; `hetctl launch` and `hetctl resume` ask for one themselves" if want else ""))
     found = job_nodes(job)
     lacking = [(n.name, ft) for n in found for ft in s.features if ft not in n.features]
     if lacking:
@@ -331,5 +341,6 @@ def check_partition(s) -> None:
         raise AllocationError(("features" if s.features else "gres",), f"{where} has no node with {asked}",
                               f"its nodes offer features {','.join(feats) or 'none'}; pick another partition or relax slurm:")
     if s.nodes is not None and len(fit) < s.nodes:
-        raise AllocationError(("nodes",), f"{where} has {len(fit)} node(s) with {asked}, the inventory asks for {s.nodes}",
+        with_ = f" with {asked}" if asked else ""
+        raise AllocationError(("nodes",), f"{where} has {len(fit)} node(s){with_}, the inventory asks for {s.nodes}",
                               "lower slurm.nodes or pick another partition")
