@@ -23,6 +23,40 @@ from tests.test_slurm import (CPU_NODES, EVERY, FAST, Launch, allocate, allocati
 e2e = pytest.mark.e2e
 
 
+# --- without a cluster ---------------------------------------------------------------------
+
+
+def test_salloc_argv_is_a_list_with_every_asked_constraint():
+    from hetctl.files.inventory import SlurmSettings
+    from hetctl.remote.slurmalloc import salloc_argv
+
+    s = SlurmSettings(partition="gpu; rm -rf ~", features=["nvidia", "h200"], gres="gpu:8", nodes=2)
+    assert salloc_argv(s, ["c1", "c2", "c3"]) == [
+        "salloc", "--no-shell", "--no-kill", "--job-name=hetctl", "-p", "gpu; rm -rf ~", "-N", "3", "-w", "c1,c2,c3",
+        "-C", "nvidia&h200", "--gres=gpu:8"]  # one word each, never pasted into a shell
+    assert salloc_argv(SlurmSettings(nodes=4), count=2) == ["salloc", "--no-shell", "--no-kill", "--job-name=hetctl",
+                                                            "-N", "4"]
+
+
+def test_only_a_command_that_allows_it_asks_for_an_allocation():
+    from hetctl.files.inventory import SlurmSettings
+    from hetctl.remote.slurmalloc import Allocator, allowed, granted
+
+    asked = []
+
+    class Fake(Allocator):
+        def __call__(self, s):
+            asked.append(s.partition)
+            return "77"
+
+    s = SlurmSettings(partition="all")
+    assert granted(s) is None  # plan, status, probe, --dry-run: nothing is asked
+    with allowed(Fake()):
+        assert granted(SlurmSettings()) is None  # `slurm: {}` names no request: inside a job only
+        assert granted(s) == "77"
+    assert granted(s) is None and asked == ["all"]
+
+
 def job_state(c, job: str) -> str:
     r = c.client("scontrol", "show", "job", "-o", job, check=False)
     m = re.search(r"JobState=(\S+)", r.stdout)
@@ -113,3 +147,26 @@ def test_what_hetctl_cannot_allocate_is_one_line_and_leaves_no_job(outside_site,
     err = one_line_error(hetctl(d, {**outside, "PATH": str(nobin)}, "launch", "plan", "-i", "ask.yaml", "--steps", "2"))
     assert "salloc not found on PATH" in err and "slurm-client" in err
     assert hetctl_jobs(c) == []  # nothing was allocated by any of them
+
+
+@e2e
+def test_a_stopped_run_releases_its_job_and_resume_reuses_one_still_running(outside_site):
+    c, d, outside, plan_nodes = outside_site
+    stopped = Launch(d, outside, "stop", "-i", "ask.yaml")
+    stopped.wait_checkpoint(EVERY)
+    job = yaml.safe_load((stopped.run / "run.yaml").read_text())["inputs"]["slurm_allocation"]
+    stopped.proc.send_signal(signal.SIGINT)  # Ctrl-C: a clean stop
+    _, err = stopped.proc.communicate(timeout=120)
+    assert stopped.proc.returncode == 130 and f"slurm: released job {job}" in err
+    assert job_state(c, job) == "CANCELLED" and hetctl_jobs(c) == []
+
+    killed = Launch(d, outside, "kill", "-i", "ask.yaml")
+    killed.wait_checkpoint(EVERY)
+    job = yaml.safe_load((killed.run / "run.yaml").read_text())["inputs"]["slurm_allocation"]
+    killed.proc.send_signal(signal.SIGKILL)
+    killed.proc.wait()
+    r = hetctl(d, outside, "resume", str(killed.run), "--json", *FAST)
+    assert r.returncode == 0, r.stderr
+    assert f"slurm: using job {job} again" in r.stderr and "slurm: asking for an allocation" not in r.stderr
+    assert json.loads(r.stdout)["state"] == "succeeded"
+    assert job_state(c, job) == "CANCELLED" and hetctl_jobs(c) == []
