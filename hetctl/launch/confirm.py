@@ -25,8 +25,11 @@ from hetctl.files.events import AgentLost, NodeLost
 from hetctl.launch.outcome import FailureRecord, FaultKind
 
 # Slack past SlurmdTimeout for slurmctld's ping to mark a node that died (it pings every SlurmdTimeout/3).
+# Capped: with Slurm's default SlurmdTimeout (300 s) a dead node may read healthy for minutes; past the cap
+# the attempt counts as a crash, and the restart's pre-flight finds no step possible there (then the node
+# is dropped with Slurm's state in the reason), so the cap bounds the wait, not the outcome.
 CONFIRM_SLACK_S = 20.0
-MAX_CONFIRM_S = 330.0
+MAX_CONFIRM_S = 90.0
 
 Ask = Callable[[list[str]], Mapping[str, Any]]
 
