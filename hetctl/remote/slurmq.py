@@ -274,7 +274,8 @@ class AllocationError(HetctlError):
 
 
 def allocation_nodes(s) -> tuple[str, list[SlurmNode]]:
-    """The job the ``slurm:`` block names (``slurm.job``, else ``SLURM_JOB_ID``) and its nodes, checked against it.
+    """The job the ``slurm:`` block names (``slurm.job``, else ``SLURM_JOB_ID``, else the one hetctl asks for
+    itself where the command allows it: :mod:`hetctl.remote.slurmalloc`) and its nodes, checked against it.
 
     Raises:
         AllocationError: no allocation, a node without an asked feature, fewer nodes than asked.
