@@ -232,6 +232,81 @@ def test_silent_or_vanished_agent_is_a_lost_node_listed_first(plan, spec, tmp_pa
     assert {e["node"] for e in read_events(run.events_path, "node_lost")} == {"n1", "n3"}
 
 
+def _slurm_monitor(plan, spec, tmp_path):
+    clock = Clock()
+    mon, run = make_monitor(plan, spec, tmp_path, clock)
+    mon.confirm_nodes = set(plan.nodes)  # every node is a Slurm node: its loss waits for Slurm's word
+    start_all(mon, clock, plan)
+    return mon, run, clock
+
+
+def test_slurm_confirms_a_lost_node_before_the_event_and_names_its_state(plan, spec, tmp_path):
+    from hetctl.launch.confirm import settle
+    from hetctl.remote.slurmq import SlurmNode, parse_nodes
+
+    mon, run, clock = _slurm_monitor(plan, spec, tmp_path)
+    feed(mon, clock, "n0", "exited", 1.0, rank=0, code=1, signal=None)  # a peer's rank crashes first
+    feed(mon, clock, "n1", None, 0.1)  # n1's stream ends: suspected, no event yet
+    assert not read_events(run.events_path, "node_lost") and mon.suspects == {"n1": "the agent's stream ended"}
+    down = parse_nodes("NodeName=n1 NodeAddr=10.0.0.2 CPUTot=2 State=DOWN+NOT_RESPONDING Reason=Not responding "
+                       "[slurm@2026-12-01T13:40:00]\n")[0]
+    asked = []
+
+    def ask(names):
+        asked.append(names)
+        return {"n1": down, "n2": SlurmNode("n2", "10.0.0.3", state="ALLOCATED")}
+
+    settle(mon, ["n2"], ask)  # n2's agent did not answer stop, but Slurm calls n2 healthy
+    assert asked == [["n1", "n2"]]
+    (ev,) = read_events(run.events_path, "node_lost")
+    assert ev["node"] == "n1" and ev["reason"] == ("slurm: node n1 is DOWN+NOT_RESPONDING (Not responding "
+                                                   "[slurm@2026-12-01T13:40:00]); the agent's stream ended")
+    out = mon.outcome(RunState.FAILED)
+    assert [(f.kind, f.node) for f in out.failures] == [(FaultKind.NODE_LOST, "n1"), (FaultKind.CRASH, "n0")]
+
+
+def test_slurm_calling_the_node_healthy_keeps_it_and_the_attempt_is_a_crash(plan, spec, tmp_path):
+    from hetctl.launch.confirm import settle
+    from hetctl.remote.slurmq import SlurmNode
+
+    mon, run, clock = _slurm_monitor(plan, spec, tmp_path)
+    feed(mon, clock, "n2", None, 0.1)
+    settle(mon, [], lambda names: {n: SlurmNode(n, n, state="MIXED") for n in names})
+    assert not read_events(run.events_path, "node_lost")
+    (ev,) = read_events(run.events_path, "agent_lost")
+    assert ev["node"] == "n2" and "but Slurm reports n2 MIXED: not dropped" in ev["reason"]
+    assert [(f.kind, f.node) for f in mon.outcome(RunState.FAILED).failures] == [(FaultKind.CRASH, "n2")]
+
+
+def test_slurm_blames_a_node_whose_agent_did_not_answer_when_slurm_says_it_is_down(plan, spec, tmp_path):
+    from hetctl.launch.confirm import settle
+    from hetctl.remote.slurmq import SlurmNode
+
+    mon, run, clock = _slurm_monitor(plan, spec, tmp_path)
+    feed(mon, clock, "n0", "exited", 1.0, rank=0, code=None, signal=6)
+    settle(mon, ["n2"], lambda names: {"n2": SlurmNode("n2", "n2", state="IDLE*", reason="Not responding")})
+    (ev,) = read_events(run.events_path, "node_lost")
+    assert ev["reason"] == "slurm: node n2 is NOT_RESPONDING (Not responding); its agent did not answer stop"
+    assert [(f.kind, f.node) for f in mon.outcome(RunState.FAILED).failures] == [(FaultKind.NODE_LOST, "n2"),
+                                                                                (FaultKind.CRASH, "n0")]
+
+
+def test_slurm_confirm_polls_until_the_node_reads_lost():
+    from hetctl.remote.slurmq import SlurmNode, confirm_lost
+
+    answers = iter(["ALLOCATED", "ALLOCATED", "ALLOCATED*"])
+    clock = Clock()
+
+    def show(names):
+        return [SlurmNode(n, n, state=next(answers)) for n in names]
+
+    got = confirm_lost(["c2"], 30, 1.0, show=show, clock=clock, sleep=lambda s: setattr(clock, "t", clock.t + s))
+    assert got["c2"].state == "ALLOCATED*" and got["c2"].lost and clock.t == 1002.0
+    healthy = confirm_lost(["c2"], 3, 1.0, show=lambda ns: [SlurmNode("c2", "c2", state="IDLE")], clock=clock,
+                           sleep=lambda s: setattr(clock, "t", clock.t + s))
+    assert not healthy["c2"].lost  # the bound passed: Slurm's last word stands
+
+
 def test_success_outcome_carries_losses_speed_and_stage_times(plan, spec, tmp_path):
     clock = Clock()
     mon, run = make_monitor(plan, spec, tmp_path, clock)

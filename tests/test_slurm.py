@@ -431,10 +431,14 @@ def test_dry_run_names_the_slurm_nodes(cpu_site):
     lines = [ln.strip() for ln in r.stdout.splitlines() if ln.strip().startswith("srun: ")]
     assert len(lines) == len(used)
     for node, line in zip(used, lines):
-        words = shlex.split(line.removeprefix("srun: "))
-        assert words[:9] == ["srun", f"--jobid={job}", "--nodes=1", "--ntasks=1", "-w", node, "--overlap", "--quiet",
+        words = shlex.split(line.split("  (stdin first:")[0].removeprefix("srun: "))
+        assert words[:9] == [shutil.which("srun"), f"--jobid={job}", "--nodes=1", "--ntasks=1", "-w", node, "--overlap", "--quiet",
                              "--job-name=hetctl-<id>"]
         assert words[9:11] == ["/bin/sh", "-c"] and "hetctl-agent-" in words[11] and sys.executable in words[11]
+        assert "<hetctl/node/envexec.py>" in words[11] and line.endswith("(stdin first: OMP_NUM_THREADS)")
+    srun = json.loads(hetctl(d, env, "launch", "plan", "--dry-run", "--json").stdout)["srun"]
+    assert sorted(srun) == sorted(used) and all(s["env_on_stdin"] == ["OMP_NUM_THREADS"] for s in srun.values())
+    assert all(s["argv"][:9] == words[:5] + [n] + words[6:9] for n, s in srun.items())
     assert not hetctl_steps(c, job)
 
 
@@ -448,6 +452,7 @@ def test_kill9_rank_restarts_and_matches_bit_for_bit(cpu_site, slurm_reference):
     assert summary["state"] == "succeeded" and summary["attempts"] == 2 and summary["restarts"] == 1
     assert summary["final_loss"] == slurm_reference["final_loss"]
     assert [(e["rank"], e["signal"]) for e in run.events("rank_failed")] == [(1, 9)]
+    assert not run.events("node_lost") and not run.events("agent_lost")  # Slurm calls the node healthy: a crash
     assert not hetctl_steps(c, job) and rank_procs(run.run_id) == []
 
 
@@ -457,6 +462,22 @@ def test_sigkilled_controller_leaves_no_step_and_resume_finishes(cpu_site, slurm
     run = Launch(d, env, "ctl")
     run.wait_checkpoint(EVERY * 2)
     assert len(hetctl_steps(c, job)) == 2  # one agent step per node of the plan
+    # the dry run's srun argv is the one started, word for word (but the run id and the step's random name)
+    dry = json.loads(hetctl(d, env, "launch", "plan", "--dry-run", "--json").stdout)
+    started = {p.cmdline()[5]: p.cmdline() for p in psutil.Process(run.proc.pid).children(recursive=True)
+               if p.name() == "srun" and "hetctl-agent-" in p.cmdline()[-1]}
+
+    def same(argv: list[str], run_id: str) -> list[str]:
+        """argv with the shell line split in words; the run id, the step's random name and ~ made alike
+        (the dry run keeps ~ in workdirs: only the node resolves it)."""
+        words = [*argv[:-1], *shlex.split(argv[-1])]
+        home = str(d / "home")
+        return [re.sub(r"^--job-name=hetctl-\w+$", "--job-name=hetctl-<id>", w).replace(run_id, "<run>")
+                .replace(f"{home}/", "~/").replace("$HOME/", "~/") for w in words]
+
+    assert sorted(started) == sorted(dry["srun"])
+    for node, argv in started.items():
+        assert same(argv, run.run_id) == same(dry["srun"][node]["argv"], dry["run_id"]), node
     run.proc.kill()  # no cleanup at all: srun's stdin closes, the agent sees EOF
     run.proc.wait()
     assert wait_for(lambda: not hetctl_steps(c, job) and not rank_procs(run.run_id), 15, "end of every step")
@@ -555,16 +576,18 @@ def test_lost_node_replans_on_the_survivors_of_the_allocation(make_slurm_cluster
     assert summary["state"] == "succeeded" and summary["steps"] == STEPS
     assert summary["final_loss"] == slurm_reference["final_loss"]  # same layers, same DP width: bit for bit
     story = "\n".join(json.dumps(e) for e in run.events() if e["kind"] != "progress")
-    # Seen first either as the node's silence (node_lost) or as the survivor's rank losing its peer
-    # (rank_failed, then the restart's pre-flight finds no step possible there): either way it is dropped.
-    assert run.events("node_lost") or run.events("rank_failed"), story
-    assert all(e["node"] == lost for e in run.events("node_lost")), story
+    # Seen first either as the node's end or silence, or as the survivor's rank losing its peer (its agent
+    # then never answers stop): either way the node is blamed only once Slurm says so, in Slurm's words.
+    # slurmctld calls a silent node NOT_RESPONDING first and DOWN about 25 s later: either is its word.
+    (ev,) = run.events("node_lost")
+    assert ev["node"] == lost and ev["attempt"] == 0, story
+    assert re.match(rf"slurm: node {lost} is \S*(DOWN|NOT_RESPONDING)\S*( \(Not responding.*\))?; ", ev["reason"]), story
+    assert not run.events("agent_lost"), story
     replan = run.events("replan")
-    assert len(replan) == 1 and replan[0]["dropped"] == [lost], story
-    if not run.events("node_lost"):  # dropped at a pre-flight: the reason carries Slurm's own word on the node
-        # slurmctld calls a silent node NOT_RESPONDING first and DOWN about 25 s later: either is its word
-        assert re.search(rf"Slurm reports {lost} \S*(DOWN|NOT_RESPONDING)", replan[0]["reason"]), story
-    last = run.events("launched")[-1]["attempt"]  # a crash first means a restart (same plan) before the re-plan
+    assert len(replan) == 1 and replan[0]["dropped"] == [lost] and replan[0]["attempt"] == 1, story
+    assert f"{lost} lost: node {lost} lost: slurm: node {lost} is " in replan[0]["reason"], story
+    assert not run.events("restart"), story  # the survivor's crash is explained by the loss: no restart first
+    last = run.events("launched")[-1]["attempt"]
     final = load_model(run.run / "attempts" / str(last) / "plan.yaml", Plan)
     assert lost not in {r_.node for r_ in final.ranks} and lost not in run.events("launched")[-1]["nodes"]
     # slurmctld keeps listing the dead node's step (its slurmd never confirms the end): no step runs elsewhere

@@ -162,6 +162,7 @@ _LINES = {
     "progress": _progress,
     "rank_failed": lambda ev: f"attempt {ev['attempt']}: rank {ev['rank']} on {ev['node']} failed: {ev['reason']}",
     "node_lost": lambda ev: f"attempt {ev['attempt']}: node {ev['node']} lost: {ev['reason']}",
+    "agent_lost": lambda ev: f"attempt {ev['attempt']}: node {ev['node']} kept: {ev['reason']}",
     "processes_left": lambda ev: (f"attempt {ev['attempt']}: on {ev['node']}, processes of the run survived the "
                                   f"stop: pids {', '.join(map(str, ev['pids']))}; kill them before `hetctl resume`"),
     "node_abnormal": lambda ev: (f"{ev['node']} marked abnormal after {ev.get('failures', '?')} failures; "

@@ -56,10 +56,21 @@ def launch_cmd(
 ) -> None:
     """Start every rank of a plan through a per-node agent, show it live, keep it alive through faults."""
     from hetctl.elastic import start as launcher
-    from hetctl.launch.controller import Thresholds
 
     words = launcher.parse_entry(entry)
     progress = launcher.parse_progress(progress)
+    if not dry_run:  # a dry run asks Slurm for nothing
+        alloc = _allocator(nodelist=_plan_nodes(plan_dir))
+        try:
+            with _allowed(alloc):
+                plan, inv, pf = launcher.load_plan_and_inventory(plan_dir, inventory, entry=words)
+            _launch(plan, inv, pf, alloc, run_dir=run_dir, steps=steps, checkpoint_every=checkpoint_every,
+                    entry=words, max_restarts=max_restarts, max_node_failures=max_node_failures, rebalance=rebalance,
+                    grace=grace, hang_timeout=hang_timeout, node_timeout=node_timeout,
+                    allow_mixed_software=allow_mixed_software, progress=progress, json_out=json_out)
+        finally:
+            alloc.release()
+        return
     plan, inv, pf = launcher.load_plan_and_inventory(plan_dir, inventory, entry=words)
     if dry_run:
         ssh = launcher.ssh_settings(plan, inv)
@@ -70,20 +81,61 @@ def launch_cmd(
 
             data = spec.to_dict()
             data["ssh"] = {n: (e if isinstance(e, str) else e.to_dict()) for n, e in ssh.items()}
+            if any(n.transport == "slurm" for n in spec.nodes):  # the step each agent runs in, argv exactly
+                from hetctl.remote.slurm import dry_run_step
+
+                data["srun"] = {n.node: dry_run_step(inv.node(n.node), n) for n in spec.nodes if n.transport == "slurm"}
             print_json(json.dumps(data, indent=2))
         else:
             _print_dry_run(spec, inv, ssh)
-        return
+
+
+def _launch(plan, inv, pf, alloc, *, run_dir, steps, checkpoint_every, entry, max_restarts, max_node_failures,
+            rebalance, grace, hang_timeout, node_timeout, allow_mixed_software, progress, json_out) -> None:
+    """Prepare the run folder and run it live (``alloc``: hetctl's own Slurm job, recorded in run.yaml)."""
+    from hetctl.elastic import start as launcher
+    from hetctl.launch.controller import Thresholds
+
     warning = launcher.checkpoint_warning(inv, plan)
     if warning:
         err.print(text(("warning:", "yellow"), " ", warning), highlight=False, soft_wrap=True)
     prepared = launcher.prepare_launch(
-        plan, inv, run_root=run_dir, plan_path=pf, steps=steps, checkpoint_every=checkpoint_every, entry=words,
+        plan, inv, run_root=run_dir, plan_path=pf, steps=steps, checkpoint_every=checkpoint_every, entry=entry,
         policy=_policy(max_restarts, max_node_failures, rebalance),
         thresholds=Thresholds(grace_s=grace, hang_timeout=hang_timeout, node_timeout=node_timeout),
         allow_mixed_software=allow_mixed_software, progress=progress,
     )
+    if alloc.job:
+        prepared.info.inputs.slurm_allocation = alloc.job
+        prepared.run.save_info(prepared.info)
     _finish_launch(_run_live(prepared), json_out)
+
+
+def _allocator(nodelist=(), count: int = 0, reuse: str | None = None):
+    """hetctl's own Slurm allocation for this command, should the inventory ask for one (progress on stderr)."""
+    from hetctl.remote.slurmalloc import Allocator
+
+    return Allocator(nodelist, count, reuse, progress=lambda line: err.print(text(line), highlight=False,
+                                                                             soft_wrap=True))
+
+
+def _allowed(alloc):
+    from hetctl.remote.slurmalloc import allowed
+
+    return allowed(alloc)
+
+
+def _plan_nodes(plan_dir: str) -> list[str]:
+    """The nodes a plan runs on (empty when it cannot be read: loading it says why)."""
+    from hetctl.elastic.start import plan_file
+    from hetctl.errors import HetctlError
+    from hetctl.files.plan import Plan
+    from hetctl.files.yamlio import load_model
+
+    try:
+        return list(dict.fromkeys(r.node for r in load_model(plan_file(plan_dir), Plan).ranks))
+    except (HetctlError, OSError, ValueError):
+        return []
 
 
 @app.command("demo")
@@ -230,14 +282,39 @@ def resume_cmd(
     rebalance: bool = REBALANCE_OPT,
 ) -> None:
     """Continue a stopped, killed or failed run from its newest valid checkpoint, on a fresh plan."""
-    from hetctl.elastic.resume import begin, prepare
+    from hetctl.elastic.resume import prepare
     from hetctl.launch.controller import Thresholds
 
     err.print(text(("resume", "bold"), f" {run_dir}: checking for live ranks, checkpoints, re-probing"),
               highlight=False)
-    prep = prepare(run_dir, inventory=inventory, steps=steps, wait_s=grace + 10.0,
-                   policy=_policy(max_restarts, max_node_failures, rebalance),
-                   thresholds=Thresholds(grace_s=grace, hang_timeout=hang_timeout, node_timeout=node_timeout))
+    alloc = _resume_allocator(run_dir)
+    try:
+        with _allowed(alloc):
+            prep = prepare(run_dir, inventory=inventory, steps=steps, wait_s=grace + 10.0,
+                           policy=_policy(max_restarts, max_node_failures, rebalance),
+                           thresholds=Thresholds(grace_s=grace, hang_timeout=hang_timeout, node_timeout=node_timeout))
+        _resume(prep, alloc, json_out)
+    finally:
+        alloc.release()
+
+
+def _resume_allocator(run_dir: str):
+    """The run's own Slurm job again while it runs, else a new one as large as the last plan."""
+    from hetctl.errors import HetctlError
+    from hetctl.files.run import RunDir
+
+    try:
+        run = RunDir.open(run_dir)
+        info, done = run.load_info(), run.attempts()
+        count = len({r.node for r in run.load_plan(done[-1]).ranks}) if done else 0
+        return _allocator(count=count, reuse=info.inputs.slurm_allocation)
+    except (HetctlError, OSError, ValueError, IndexError):
+        return _allocator()  # prepare() says what is wrong with the run folder
+
+
+def _resume(prep, alloc, json_out: bool) -> None:
+    from hetctl.elastic.resume import begin
+
     for s in prep.checkpoint.skipped:
         err.print(text(("warning:", "yellow"), f" checkpoint step {s.step} skipped: {'; '.join(s.problems)}"),
                   highlight=False, soft_wrap=True)
@@ -247,5 +324,9 @@ def resume_cmd(
     nodes = ", ".join(dict.fromkeys(r.node for r in prep.plan.ranks))
     err.print(text(f"  attempt {prep.first_attempt} from step {prep.resume_step} to {prep.info.inputs.steps} "
                    f"on {nodes}"), highlight=False, soft_wrap=True)
+    if alloc.job:
+        prep.info.inputs.slurm_allocation = alloc.job
     begin(prep)
+    if alloc.job:
+        prep.run.save_info(prep.info)
     _finish_launch(_run_live(prep), json_out)

@@ -7,7 +7,7 @@ fields they do not know. :class:`EventLog` is thread-safe, accepts only typed
 events, and fans them out to listeners (the live view) as the dicts it wrote.
 
 Written by one attempt (``hetctl.launch``): ``launched``, ``progress``,
-``rank_failed``, ``node_lost``, ``processes_left``. By the elastic loop (``hetctl.elastic``):
+``rank_failed``, ``node_lost``, ``agent_lost``, ``processes_left``. By the elastic loop (``hetctl.elastic``):
 ``straggler``, ``restart``, ``replan``, ``replan_layout``, ``rebalanced``,
 ``node_abnormal``, ``checkpoint_skipped``, ``checkpoint_unseen``, ``resumed``,
 ``gave_up``, ``measured`` (predicted against measured), and the closing ``finished`` / ``stopped`` / ``failed``.
@@ -92,6 +92,19 @@ class NodeLost(Event):
     """A node's agent stream ended or went silent."""
 
     kind: ClassVar[str] = "node_lost"
+    attempt: int
+    node: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class AgentLost(Event):
+    """A node's agent stream ended or went silent, but its scheduler (Slurm) calls the node healthy.
+
+    The node is not blamed: the attempt counts as a crash (same plan restarted), not a node loss.
+    """
+
+    kind: ClassVar[str] = "agent_lost"
     attempt: int
     node: str
     reason: str
@@ -293,7 +306,7 @@ class Failed(Event):
 
 
 EVENT_TYPES: dict[str, type[Event]] = {
-    cls.kind: cls for cls in (Launched, Progress, RankFailed, NodeLost, ProcessesLeft, StragglerFound, Restart, Replan,
+    cls.kind: cls for cls in (Launched, Progress, RankFailed, NodeLost, AgentLost, ProcessesLeft, StragglerFound, Restart, Replan,
                               ReplanLayout, Rebalanced, NodeAbnormal, CheckpointSkipped, CheckpointUnseen,
                               Resumed, GaveUp, Measured, Finished, Stopped, Failed)
 }

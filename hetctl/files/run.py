@@ -46,6 +46,8 @@ class RunInputs(_Strict):
                              description="what each rank runs after the node's python")
     allow_mixed_software: bool = Field(False, description="launch even when the nodes' torch major.minor differ")
     progress: str | None = Field(None, description="preset or pattern the agents read steps from in rank output")
+    slurm_allocation: str | None = Field(None, description="the Slurm job hetctl asked for itself (salloc --no-shell); "
+                                                           "cancelled when the run ends or is stopped")
 
 
 class RunSummary(_Strict):

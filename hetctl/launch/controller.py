@@ -200,6 +200,7 @@ class AttemptController:
         stop: threading.Event | None = None,
         connect: Callable[[Any], Any] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        confirm_ask: Callable[[list[str]], Mapping[str, Any]] | None = None,
     ) -> None:
         self.req = req
         self.inventory = inventory
@@ -214,6 +215,7 @@ class AttemptController:
         self.stop_flag = stop or threading.Event()
         self.connect = connect or _connector(inventory)
         self.clock = clock
+        self.confirm_ask = confirm_ask  # the scheduler's word on suspected nodes (default: Slurm's)
         self.nodes = {n.name: n for n in inventory.nodes}
         self.plan_nodes = [self.nodes[n] for n in dict.fromkeys(r.node for r in req.plan.ranks) if n in self.nodes]
         self.transports: dict[str, Any] = {}
@@ -240,6 +242,7 @@ class AttemptController:
             monitor = Monitor(
                 self.req.plan, self.spec, self.run_dir, self.events, self.th, attempt=self.req.attempt,
                 clock=self.clock, on_progress=self.on_progress, on_update=self.on_update,
+                confirm=[n.name for n in self.plan_nodes if n.transport == "slurm"],
             )
             if failures:
                 self._stop_all(monitor)
@@ -251,7 +254,11 @@ class AttemptController:
                 shipped=self.shipped,
             ))
             state = monitor.watch(self.inbox, self.stop_flag)
-            self._stop_all(monitor)
+            unanswered = self._stop_all(monitor)
+            if state == RunState.FAILED and monitor.confirm_nodes:
+                from hetctl.launch.confirm import settle, slurm_ask
+
+                settle(monitor, unanswered, self.confirm_ask or slurm_ask)
             return monitor.outcome(state)
         finally:
             self._teardown()
@@ -329,14 +336,18 @@ class AttemptController:
         started = _fanout(self.plan_nodes, self._guard(start, "cannot start the agent: "), self._width())
         return [_start_failure(n, str(v)) for n, v in started.items() if isinstance(v, BaseException)]
 
-    def _stop_all(self, monitor: Monitor) -> None:
-        """Tell every agent to stop its ranks; wait for ``stopped`` or EOF; then cut the links."""
+    def _stop_all(self, monitor: Monitor) -> list[str]:
+        """Tell every agent to stop its ranks; wait for ``stopped`` or EOF; then cut the links.
+
+        Returns the nodes whose agent neither said ``stopped`` nor hung up in time.
+        """
         for agent in self.agents.values():
             if not agent.eof.is_set():
                 agent.send({"cmd": "stop"})
         deadline = self.clock() + self.th.grace_s + 5.0
         live = {n for n, a in self.agents.items() if not a.eof.is_set()}  # a lost node will not answer
         monitor.drain(self.inbox, live, deadline, lost_tail=lambda n: self.agents[n].tail())
+        unanswered = [n for n in live if n not in monitor.stopped_nodes and not self.agents[n].eof.is_set()]
         for agent in self.agents.values():
             try:
                 agent.proc.close_stdin()
@@ -344,6 +355,7 @@ class AttemptController:
                 pass
             if not agent.eof.wait(timeout=0.5):
                 agent.proc.kill()
+        return unanswered
 
     def _teardown(self) -> None:
         for t in self.transports.values():

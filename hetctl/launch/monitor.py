@@ -100,7 +100,7 @@ class Monitor:
 
     def __init__(self, plan: Any, spec: Any, run: RunDir, events: EventLog, th: Any, *, attempt: int,
                  clock: Callable[[], float] = time.monotonic, on_progress: OnProgress | None = None,
-                 on_update: OnUpdate | None = None) -> None:
+                 on_update: OnUpdate | None = None, confirm: Iterable[str] = ()) -> None:
         self.plan, self.spec, self.run_dir, self.events, self.th = plan, spec, run, events, th
         self.attempt = attempt
         self.clock = clock
@@ -116,6 +116,9 @@ class Monitor:
         self.node_state: dict[str, str] = {n: "starting" for n in dict.fromkeys(r.node for r in plan.ranks)}
         self.last_seen: dict[str, float] = {}
         self.stopped_nodes: set[str] = set()
+        # Nodes whose loss their scheduler must confirm before the node_lost event (hetctl.launch.confirm).
+        self.confirm_nodes: set[str] = set(confirm)
+        self.suspects: dict[str, str] = {}  # node → what hetctl saw, awaiting that word
         self.failures: list[FailureRecord] = []
         self.started_at = clock()
         self._stopping = False
@@ -320,7 +323,10 @@ class Monitor:
         if any(f.kind == FaultKind.NODE_LOST and f.node == node for f in self.failures):
             return
         self.node_state[node] = "lost"
-        self.events.emit(NodeLost(attempt=self.attempt, node=node, reason=reason))
+        if node in self.confirm_nodes:
+            self.suspects[node] = reason  # the event waits for the scheduler's word on the node
+        else:
+            self.events.emit(NodeLost(attempt=self.attempt, node=node, reason=reason))
         self._fail(FailureRecord(FaultKind.NODE_LOST, node, time.time(), reason=reason))
 
     def _fail(self, f: FailureRecord) -> None:

@@ -277,10 +277,27 @@ class SlurmTransport:
         """Nothing to release: each command owns its step."""
 
 
-def dry_run_srun(node, launch) -> str:
-    """The srun line the node's agent would be started with, for ``hetctl launch --dry-run``."""
+def dry_run_step(node, launch) -> dict:
+    """The exact srun argv the node's agent is started with, for ``hetctl launch --dry-run``.
+
+    ``argv`` is what :meth:`SlurmTransport.start` runs, word for word, except the step
+    name's random part (``hetctl-<id>``); ``env_on_stdin`` names the variables that
+    travel on the step's stdin (their values never appear on a command line).
+    """
     job = str(getattr(node, "slurm_job", None) or os.environ.get("SLURM_JOB_ID", "") or "<job>")
-    bare = node.model_copy(update={"env": {}})  # shown without the env wrapper; the values go on stdin
-    line, _ = srun_argv(bare, list(launch.agent_argv), None, launch.workdir, job=job, step_name="hetctl-<id>")
-    has_env = bool(node.env or launch.env)
-    return shlex.join(line) + ("  (its environment goes on stdin, never on a command line)" if has_env else "")
+    env = command_env(node, launch.env or None)
+    line, _ = srun_argv(node, list(launch.agent_argv), launch.env or None, launch.workdir, job=job,
+                        step_name="hetctl-<id>", srun=shutil.which("srun") or "srun")
+    return {"argv": line, "env_on_stdin": sorted(env)}
+
+
+def dry_run_srun(node, launch) -> str:
+    """:func:`dry_run_step`'s argv as one shell line, the env loader's source shown as ``<hetctl/node/envexec.py>``."""
+    from hetctl.node import source
+
+    step = dry_run_step(node, launch)
+    *head, line = step["argv"]
+    text = shlex.join([*head, line.replace(shlex.quote(source("envexec.py")), "<hetctl/node/envexec.py>")])
+    if step["env_on_stdin"]:
+        text += f"  (stdin first: {', '.join(step['env_on_stdin'])})"
+    return text

@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import subprocess
+import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -113,6 +114,11 @@ def _client(tool: str) -> str:
     return path
 
 
+def client(tool: str) -> str:
+    """The path of a Slurm client command (``salloc``, ``scancel`` …), or a one-line error saying what to install."""
+    return _client(tool)
+
+
 def _run(argv: Sequence[str], what: str, timeout: float = QUERY_TIMEOUT_S) -> subprocess.CompletedProcess:
     try:
         return subprocess.run([_client(argv[0]), *argv[1:]], stdin=subprocess.DEVNULL, capture_output=True, text=True,
@@ -189,6 +195,54 @@ def node_state(name: str) -> SlurmNode | None:
     return nodes[0] if nodes else None
 
 
+def lost_words(node: SlurmNode) -> str:
+    """What Slurm says of a node, for an event's reason: ``slurm: node c2 is DOWN (Not responding)``."""
+    parts = [p for p in re.split(r"[+*]", node.state.upper()) if p]
+    flags = [p for p in parts if p in LOST_STATES]
+    if node.state.endswith("*") and "NOT_RESPONDING" not in flags:
+        flags.append("NOT_RESPONDING")
+    what = "+".join(flags or parts) or "in no state"
+    return f"slurm: node {node.name} is {what}" + (f" ({node.reason})" if node.reason else "")
+
+
+def slurmd_timeout(default: float = 300.0) -> float:
+    """slurmctld's ``SlurmdTimeout`` in seconds (how long a silent node may stay up), ``default`` when unknown."""
+    try:
+        r = _run(["scontrol", "show", "config"], "reading the Slurm configuration")
+    except HetctlError:
+        return default
+    m = re.search(r"^SlurmdTimeout\s*=\s*(\d+)", r.stdout or "", re.M)
+    return float(m.group(1)) if m else default
+
+
+def confirm_lost(names: Sequence[str], within_s: float, poll_s: float = 0.5, *, show=None, clock=time.monotonic,
+                 sleep=time.sleep) -> dict[str, SlurmNode | None]:
+    """Ask slurmctld about ``names`` until each is in a lost state or ``within_s`` passed.
+
+    slurmctld marks a node that stops answering NOT_RESPONDING at its next ping and
+    DOWN after ``SlurmdTimeout``, so a node that died a moment ago still reads
+    healthy: the answer is polled, never taken once. Returns name → the node as
+    Slurm last described it (``.lost`` says the verdict); None when Slurm could not
+    be asked at all (then the caller keeps what it saw itself).
+    """
+    show = show or show_nodes
+    names = list(dict.fromkeys(names))
+    seen: dict[str, SlurmNode | None] = {n: None for n in names}
+    deadline = clock() + within_s
+    while True:
+        pending = [n for n in names if seen[n] is None or not seen[n].lost]
+        if not pending:
+            return seen
+        try:
+            for node in show(pending):
+                seen[node.name] = node
+        except HetctlError:
+            pass
+        if all(seen[n] is not None and seen[n].lost for n in pending) or clock() >= deadline:
+            return seen
+        sleep(poll_s)
+
+
 def check_plan_fits(plan_nodes: Sequence[str], inventory) -> None:
     """A one-line error when a plan needs nodes the Slurm allocation does not hold.
 
@@ -220,7 +274,8 @@ class AllocationError(HetctlError):
 
 
 def allocation_nodes(s) -> tuple[str, list[SlurmNode]]:
-    """The job the ``slurm:`` block names (``slurm.job``, else ``SLURM_JOB_ID``) and its nodes, checked against it.
+    """The job the ``slurm:`` block names (``slurm.job``, else ``SLURM_JOB_ID``, else the one hetctl asks for
+    itself where the command allows it: :mod:`hetctl.remote.slurmalloc`) and its nodes, checked against it.
 
     Raises:
         AllocationError: no allocation, a node without an asked feature, fewer nodes than asked.
@@ -228,13 +283,18 @@ def allocation_nodes(s) -> tuple[str, list[SlurmNode]]:
     """
     job = s.job or current_job()
     if not job:
+        from hetctl.remote.slurmalloc import granted
+
+        job = granted(s)  # hetctl's own allocation, where the command may ask for one (launch, resume)
+    if not job:
         if s.partition or s.features or s.gres:
             check_partition(s)  # say now when no allocation could ever match
         want = " ".join(filter(None, [f"-p {s.partition}" if s.partition else "", f"-N {s.nodes}" if s.nodes else "",
                                       f"-C {'&'.join(s.features)}" if s.features else "",
                                       f"--gres={s.gres}" if s.gres else ""]))
         raise AllocationError((), "no Slurm allocation: SLURM_JOB_ID is not set and slurm.job is not given",
-                              f"run hetctl inside one (salloc {want + ' ' if want else ''}hetctl …) or set slurm.job")
+                              f"run hetctl inside one (salloc {want + ' ' if want else ''}hetctl …) or set slurm.job"
+                              + ("; `hetctl launch` and `hetctl resume` ask for one themselves" if want else ""))
     found = job_nodes(job)
     lacking = [(n.name, ft) for n in found for ft in s.features if ft not in n.features]
     if lacking:
@@ -282,5 +342,6 @@ def check_partition(s) -> None:
         raise AllocationError(("features" if s.features else "gres",), f"{where} has no node with {asked}",
                               f"its nodes offer features {','.join(feats) or 'none'}; pick another partition or relax slurm:")
     if s.nodes is not None and len(fit) < s.nodes:
-        raise AllocationError(("nodes",), f"{where} has {len(fit)} node(s) with {asked}, the inventory asks for {s.nodes}",
+        with_ = f" with {asked}" if asked else ""
+        raise AllocationError(("nodes",), f"{where} has {len(fit)} node(s){with_}, the inventory asks for {s.nodes}",
                               "lower slurm.nodes or pick another partition")

@@ -1,0 +1,197 @@
+"""hetctl's own Slurm allocation, for a ``slurm:`` inventory used outside one.
+
+Inside an allocation (``SLURM_JOB_ID`` set, or ``slurm.job``) hetctl uses that job
+and never asks for another. Outside one, an inventory whose ``slurm:`` names what
+it wants (``partition``, ``features``, ``gres``, ``nodes``) lets ``hetctl launch``
+and ``hetctl resume`` ask Slurm themselves::
+
+    salloc --no-shell --no-kill --job-name=hetctl -p P -N N [-w NODES] -C a&b --gres=G
+
+(an argument list, never a shell line). ``--no-shell``: salloc returns once the
+job is granted and the job stays until cancelled, so hetctl's srun steps run in
+it; ``--no-kill``: a node that fails is dropped from the job instead of ending
+it, so the run can be re-planned on the survivors. ``launch`` names the plan's
+nodes (``-w``) so that the plan fits the allocation it gets; ``resume`` asks for
+as many nodes as the last plan used and re-plans on what it gets.
+
+The job id is recorded in ``run.yaml`` (``inputs.slurm_allocation``); the job is
+cancelled (``scancel``) when the run ends or is stopped. A controller killed
+outside its control leaves it running: ``hetctl resume`` uses it again while it
+runs, and asks for a new one once it is gone.
+
+Loading the inventory does the asking (:func:`granted`, called by
+:func:`hetctl.remote.slurmq.allocation_nodes`) only inside :func:`allowed`, so
+``plan``, ``status`` and ``--dry-run`` never allocate anything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import queue
+import re
+import subprocess
+import threading
+import time
+from typing import Callable, Iterator, Sequence
+
+from hetctl.errors import HetctlError
+
+Progress = Callable[[str], None]
+WAIT_NOTE_EVERY_S = 10.0  # how often "still waiting" is said while the job is pending
+_JOB = re.compile(r"(?:Pending job allocation|Granted job allocation|job) (\d+)")
+_ACTIVE: contextvars.ContextVar["Allocator | None"] = contextvars.ContextVar("hetctl_slurm_allocator", default=None)
+
+
+def wants_allocation(s) -> bool:
+    """True when a ``slurm:`` block says what to ask for (so hetctl may ask itself)."""
+    return bool(s is not None and (s.partition or s.features or s.gres or s.nodes))
+
+
+def salloc_argv(s, nodelist: Sequence[str] = (), count: int = 0, name: str = "hetctl") -> list[str]:
+    """The salloc command line for the ``slurm:`` block ``s`` (with ``nodelist`` as ``-w``, ``count`` nodes at least)."""
+    n = max(s.nodes or 0, len(nodelist), count, 1)
+    argv = ["salloc", "--no-shell", "--no-kill", f"--job-name={name}"]
+    if s.partition:
+        argv += ["-p", s.partition]
+    argv += ["-N", str(n)]
+    if nodelist:
+        argv += ["-w", ",".join(nodelist)]
+    if s.features:
+        argv += ["-C", "&".join(s.features)]
+    if s.gres:
+        argv += [f"--gres={s.gres}"]
+    return argv
+
+
+def _lines(stream, out: queue.SimpleQueue) -> None:
+    for line in iter(stream.readline, ""):
+        out.put(line.rstrip("\n"))
+    out.put(None)
+
+
+def allocate(s, nodelist: Sequence[str] = (), count: int = 0, progress: Progress = lambda line: None,
+             clock: Callable[[], float] = time.monotonic) -> str:
+    """Ask Slurm for an allocation and wait for it (saying so); the job id.
+
+    The partition is checked first (``sinfo``: no such partition, no node with the
+    features or Gres, too few nodes), so a request that can never be met is a
+    one-line error, not a job pending forever. Interrupted (Ctrl-C), the pending
+    job is cancelled.
+
+    Raises:
+        HetctlError: salloc/sinfo missing, the request refused, or salloc failed.
+    """
+    from hetctl.remote import slurmq
+
+    slurmq.check_partition(s)
+    salloc = slurmq.client("salloc")
+    argv = salloc_argv(s, nodelist, count)
+    progress("slurm: asking for an allocation: " + " ".join(argv))
+    try:
+        proc = subprocess.Popen([salloc, *argv[1:]], stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    except OSError as e:
+        raise HetctlError(f"cannot run salloc: {e.strerror}") from None
+    lines: queue.SimpleQueue = queue.SimpleQueue()
+    threading.Thread(target=_lines, args=(proc.stdout, lines), daemon=True, name="salloc").start()
+    job, said, errors = None, [], []
+    t0 = note = clock()
+    try:
+        while True:
+            try:
+                line = lines.get(timeout=1.0)
+            except queue.Empty:
+                if clock() - note >= WAIT_NOTE_EVERY_S:
+                    note = clock()
+                    progress(f"slurm: still waiting for job {job or '?'} ({clock() - t0:.0f} s); Ctrl-C cancels it")
+                continue
+            if line is None:
+                break
+            said.append(line)
+            m = _JOB.search(line)
+            job = job or (m.group(1) if m else None)
+            if line.startswith("salloc: error:"):
+                errors.append(line.removeprefix("salloc: error:").strip())
+            elif line.strip():
+                progress(line.replace("salloc: ", "slurm: ", 1))
+        code = proc.wait()
+    except BaseException:
+        proc.terminate()  # salloc revokes its pending request on SIGTERM
+        if job:
+            release(job)
+        raise
+    if code != 0 or job is None or not any("Granted job allocation" in ln for ln in said):
+        why = errors[-1] if errors else (said[-1] if said else f"exit code {code}")
+        if job:
+            release(job)
+        raise HetctlError(f"salloc could not allocate ({' '.join(argv[1:])}): {why}",
+                          "check the request against `sinfo -s` or relax slurm: in the inventory")
+    progress(f"slurm: granted job {job} after {clock() - t0:.1f} s")
+    return job
+
+
+def alive(job: str) -> bool:
+    """True while ``job`` is RUNNING."""
+    from hetctl.remote import slurmq
+
+    try:
+        slurmq.show_job(job)
+        return True
+    except HetctlError:
+        return False
+
+
+def release(job: str) -> None:
+    """Cancel ``job`` (``scancel JOB``); best effort, bounded."""
+    from hetctl.remote import slurmq
+
+    try:
+        subprocess.run([slurmq.client("scancel"), job], stdin=subprocess.DEVNULL, capture_output=True, timeout=30)
+    except (HetctlError, OSError, subprocess.TimeoutExpired):
+        pass
+
+
+class Allocator:
+    """The allocation of one command: asked once (or ``reuse``'s job while it runs), released by :meth:`release`."""
+
+    def __init__(self, nodelist: Sequence[str] = (), count: int = 0, reuse: str | None = None,
+                 progress: Progress = lambda line: None) -> None:
+        self.nodelist, self.count, self.reuse, self.progress = list(nodelist), count, reuse, progress
+        self.job: str | None = None
+
+    def __call__(self, s) -> str:
+        if self.job is None:
+            if self.reuse and alive(self.reuse):
+                self.progress(f"slurm: using job {self.reuse} again (hetctl asked for it before; it still runs)")
+                self.job = self.reuse
+            else:
+                if self.reuse:
+                    self.progress(f"slurm: job {self.reuse} is gone; asking for a new allocation")
+                self.job = allocate(s, self.nodelist, self.count, self.progress)
+        return self.job
+
+    def release(self) -> None:
+        """Cancel the job hetctl asked for (nothing when it asked for none)."""
+        if self.job is not None:
+            release(self.job)
+            self.progress(f"slurm: released job {self.job}")
+            self.job = None
+
+
+@contextlib.contextmanager
+def allowed(allocator: Allocator) -> Iterator[Allocator]:
+    """Within this block, loading a ``slurm:`` inventory outside an allocation asks ``allocator`` for one."""
+    token = _ACTIVE.set(allocator)
+    try:
+        yield allocator
+    finally:
+        _ACTIVE.reset(token)
+
+
+def granted(s) -> str | None:
+    """The job hetctl asked for itself for ``s``; None when no command allows it here or ``s`` asks for nothing."""
+    allocator = _ACTIVE.get()
+    if allocator is None or not wants_allocation(s):
+        return None
+    return allocator(s)
