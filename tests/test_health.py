@@ -8,14 +8,24 @@ is what the collector reads from the host's fake sysfs (hardware we do not have)
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import yaml
 
-from hetctl.files.cluster import Cluster
+from hetctl.errors import StartFailed
+from hetctl.files.cluster import Cluster, Link
+from hetctl.files.events import read_events
+from hetctl.files.plan import Plan
 from hetctl.files.yamlio import load_model
+from hetctl.elastic.health import gate
+from hetctl.elastic.policy import Tally
+from hetctl.probe.health import HealthReport
+from tests import sites
 from tests.sshd import ShapedNetNs
 from tests.test_collector import make_sysfs
-from tests.test_probe_cli import hetctl
+from tests.test_probe_cli import _slowed_python, cpu_cgroup, hetctl  # noqa: F401 - cpu_cgroup is a fixture
 
 NAMES = ["cpu-1", "cpu-2", "cpu-3"]
 ONE_GBE = [{"name": "eth0", "speed": "1000"}]
@@ -72,3 +82,125 @@ def test_bench_on_unslowed_hosts_measures_every_link_and_flags_none(make_sshd_cl
         ("cpu-1", "cpu-2", c["cpu-2"].addr), ("cpu-2", "cpu-3", c["cpu-3"].addr), ("cpu-3", "cpu-1", c["cpu-1"].addr)]
     assert all(lk.measured_gbps and lk.error is None for lk in cluster.links), cluster.links
     assert [f.message for f in cluster.findings if f.kind == "slow_link"] == []
+
+
+class _Plan:
+    """What :func:`gate` reads of a plan: its ranks' nodes."""
+
+    def __init__(self, *nodes: str) -> None:
+        self.ranks = [type("Rank", (), {"node": n})() for n in nodes]
+
+
+def _report(flagged: dict[str, list[str]]) -> HealthReport:
+    links = [Link(src="a", dst="b", address="b", measured_gbps=0.05, declared_gbps=1.0)]
+    return HealthReport(Cluster(nodes=[{"name": "a", "host": "a"}], links=links), flagged, 1.5)
+
+
+def test_gate_passes_refuses_or_drops_by_policy() -> None:
+    events: list = []
+    plan = _Plan("a", "b", "a", "c")
+    checked: list = []
+
+    def check(inv, names):
+        checked.append(names)
+        return _report({})
+
+    assert gate(plan, None, "refuse", tally=Tally(), emit=events.append, replan=None, check=check) is plan
+    assert checked == [["a", "b", "c"]]  # each node once, in plan order
+    assert [(e.kind, e.action, e.flagged) for e in events] == [("health_check", "passed", {})]
+
+    events.clear()
+    slow = {"b": ["b chip 0 (CPU) measured 0.001 TFLOPS fp32, 90% below the median 0.01 of its 2 peers"]}
+    with pytest.raises(StartFailed) as refused:
+        gate(plan, None, "refuse", tally=Tally(), emit=events.append, replan=None, check=lambda i, n: _report(slow))
+    assert refused.value.message == f"health check flagged b: {slow['b'][0]}; nothing started"
+    assert "--health-check drop" in refused.value.hint
+    assert [(e.kind, e.action) for e in events] == [("health_check", "refused")]
+    assert events[0].links == [{"src": "a", "dst": "b", "measured_gbps": 0.05, "declared_gbps": 1.0, "error": None}]
+
+    events.clear()
+    tally, asked = Tally(), []
+
+    def replan(old, decision, outcome, t):
+        asked.append((old, decision.drop, list(t.dropped)))
+        return "the new plan"
+
+    assert gate(plan, None, "drop", tally=tally, emit=events.append, replan=replan, attempt=0,
+                check=lambda i, n: _report(slow)) == "the new plan"
+    assert asked == [(plan, ("b",), ["b"])] and tally.dropped == ["b"] and tally.membership_changes == 1
+    assert [(e.kind, getattr(e, "action", None)) for e in events] == [("health_check", "dropped"), ("replan", None)]
+    assert events[1].dropped == ["b"] and events[1].reason == "health check flagged b"
+
+
+def _slowed_site(make_sshd_cluster, cgroup: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """Three real sshd hosts, one (cpu-2) whose Python runs in a cgroup with 10% of a CPU; probed and planned."""
+    c = make_sshd_cluster(names=NAMES)
+    log = tmp_path / "python-slowed.log"
+    c["cpu-2"].install_script("python-slowed", _slowed_python(cgroup, log))
+    d = sites.probed_site(c, tmp_path / "site", {n: 1.0 for n in NAMES})
+    inv = yaml.safe_load((d / "inventory.yaml").read_text())
+    inv["ssh"]["fanout"] = 1  # one benchmark at a time: the unslowed hosts must not share the cores
+    for n in inv["nodes"]:
+        if n["name"] == "cpu-2":
+            n["python"] = "python-slowed"
+    (d / "inventory.yaml").write_text(yaml.safe_dump(inv, sort_keys=False))
+    r = sites.hetctl(d, "plan", "-c", "cluster.yaml", "--model", "tiny", "--pp", "3", "-o", "plan")
+    assert r.returncode == 0, r.stderr
+    assert {s.node for s in load_model(d / "plan" / "plan.yaml", Plan).stages} == set(NAMES)
+    return d, log
+
+
+def _events(d: Path, run_dir: str = "runs") -> list[dict]:
+    (run,) = (d / run_dir).iterdir()
+    return read_events(run / "events.jsonl")
+
+
+@pytest.mark.e2e
+def test_launch_health_check_drops_the_slowed_node_and_trains_on_the_rest(make_sshd_cluster, cpu_cgroup, tmp_path):  # noqa: F811
+    d, log = _slowed_site(make_sshd_cluster, cpu_cgroup, tmp_path)
+    r = sites.hetctl(d, "launch", "plan", "--health-check", "drop", "--steps", "4", "--checkpoint-every", "2",
+                     "--json", timeout=600)
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    assert summary["state"] == "succeeded" and summary["steps"] == 4
+    events = _events(d)
+    kinds = [e["kind"] for e in events]
+    assert kinds[:3] == ["health_check", "replan_layout", "replan"] and kinds[3] == "launched", kinds
+    check = events[0]
+    assert check["policy"] == "drop" and check["action"] == "dropped" and check["nodes"] == NAMES
+    assert "cpu-2" in check["flagged"], check
+    assert any(m.startswith("cpu-2 chip 0 (") for m in check["flagged"]["cpu-2"]), check
+    assert [(lk["src"], lk["dst"]) for lk in check["links"]] == [("cpu-1", "cpu-2"), ("cpu-2", "cpu-3"),
+                                                                 ("cpu-3", "cpu-1")]
+    assert all(lk["measured_gbps"] for lk in check["links"]), check["links"]
+    assert set(check["tflops"]) == set(NAMES) and all(v[0] for v in check["tflops"].values())
+    assert events[2]["dropped"] == sorted(check["flagged"]) or set(events[2]["dropped"]) == set(check["flagged"])
+    assert "cpu-2" not in events[3]["nodes"] and events[3]["nodes"]
+    attempt0 = load_model(Path(summary["run_dir"]) / "attempts" / "0" / "plan.yaml", Plan)
+    assert "cpu-2" not in {s.node for s in attempt0.stages}
+    # The benchmark's own run (not the envexec wrapper that starts it, which also logs): once, in the cgroup.
+    bench = [ln.split("\t") for ln in log.read_text().splitlines() if ln.startswith('- {"device_type"')]
+    assert len(bench) == 1 and bench[0][1].endswith("/" + cpu_cgroup.name), bench
+    assert "health check of 3 nodes" in r.stderr and "dropped" in r.stderr
+
+
+@pytest.mark.e2e
+def test_launch_health_check_refuses_with_one_line_naming_the_node(make_sshd_cluster, cpu_cgroup, tmp_path):  # noqa: F811
+    d, _ = _slowed_site(make_sshd_cluster, cpu_cgroup, tmp_path)
+    r = sites.hetctl(d, "launch", "plan", "--health-check", "refuse", "--steps", "4", timeout=600)
+    assert r.returncode == 3, r.stderr
+    assert "Traceback" not in r.stderr
+    line = next(ln for ln in r.stderr.splitlines() if ln.startswith("error: "))
+    assert line.startswith("error: health check flagged ") and "cpu-2" in line and line.endswith("nothing started")
+    assert "--health-check drop" in r.stderr
+    events = _events(d)
+    assert [e["kind"] for e in events] == ["health_check", "failed"]
+    assert events[0]["action"] == "refused" and "cpu-2" in events[0]["flagged"]
+    (run,) = (d / "runs").iterdir()
+    assert yaml.safe_load((run / "run.yaml").read_text())["state"] == "failed"
+
+
+def test_health_check_policy_is_checked(tmp_path) -> None:
+    r = hetctl("launch", str(tmp_path), "--health-check", "maybe")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.splitlines()[0] == "error: --health-check 'maybe': not a policy"

@@ -53,6 +53,11 @@ def launch_cmd(
     allow_mixed_software: bool = typer.Option(False, "--allow-mixed-software",
                                               help="Launch even when the nodes' torch major.minor versions differ "
                                                    "(the pre-flight reads them on every node)."),
+    health_check: str | None = typer.Option(None, "--health-check", metavar="drop|refuse",
+                                            help="Before starting ranks, run probe --bench's quick check on the "
+                                                 "plan's nodes (each chip against its same-model peers, a ring of "
+                                                 "links against their NIC speed): drop the flagged nodes and "
+                                                 "re-plan on the rest, or refuse to launch."),
 ) -> None:
     """Start every rank of a plan through a per-node agent, show it live, keep it alive through faults."""
     from hetctl.elastic import start as launcher
@@ -60,6 +65,10 @@ def launch_cmd(
 
     words = launcher.parse_entry(entry)
     progress = launcher.parse_progress(progress)
+    if health_check is not None and health_check not in ("drop", "refuse"):
+        from hetctl.errors import ConfigError
+
+        raise ConfigError(f"--health-check {health_check!r}: not a policy", "use --health-check drop or refuse")
     plan, inv, pf = launcher.load_plan_and_inventory(plan_dir, inventory, entry=words)
     if dry_run:
         ssh = launcher.ssh_settings(plan, inv)
@@ -81,7 +90,7 @@ def launch_cmd(
         plan, inv, run_root=run_dir, plan_path=pf, steps=steps, checkpoint_every=checkpoint_every, entry=words,
         policy=_policy(max_restarts, max_node_failures, rebalance),
         thresholds=Thresholds(grace_s=grace, hang_timeout=hang_timeout, node_timeout=node_timeout),
-        allow_mixed_software=allow_mixed_software, progress=progress,
+        allow_mixed_software=allow_mixed_software, progress=progress, health_check=health_check,
     )
     _finish_launch(_run_live(prepared), json_out)
 
