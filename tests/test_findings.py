@@ -195,10 +195,11 @@ def test_a_slower_nic_is_not_a_slow_link() -> None:
     assert link_findings(links(("a", "b", 80.0, 100.0), ("b", "c", 8.0, 10.0), ("c", "a", 8.5, 10.0))) == []
 
 
-def test_without_declared_speeds_links_are_compared_with_each_other() -> None:
-    found = link_findings(links(("a", "b", 9.0, None), ("b", "c", 0.5, None), ("c", "a", 0.4, None)))
-    assert [f.nodes for f in found] == ["c"] and "the other links" in found[0].message
-    assert link_findings(links(("a", "b", 0.5, None), ("b", "a", 0.5, None))) == []  # nothing to compare with
+def test_without_a_declared_speed_a_link_is_recorded_but_never_flagged() -> None:
+    """Bare figures vary too much from run to run on a busy machine to blame a node on them alone."""
+    assert link_findings(links(("a", "b", 9.0, None), ("b", "c", 0.5, None), ("c", "a", 0.4, None))) == []
+    assert [f.nodes for f in link_findings(links(("a", "b", 9.0, None), ("b", "c", 0.5, 10.0),
+                                                 ("c", "a", 0.4, 10.0)))] == ["c"]
 
 
 def test_two_nodes_far_below_their_declared_speed() -> None:
