@@ -204,3 +204,19 @@ def test_health_check_policy_is_checked(tmp_path) -> None:
     r = hetctl("launch", str(tmp_path), "--health-check", "maybe")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.splitlines()[0] == "error: --health-check 'maybe': not a policy"
+
+
+def test_measure_links_streams_between_local_nodes_in_a_ring_of_the_reachable_ones() -> None:
+    """Real linkbench processes on this machine (local transport); the unreachable node is left out of the ring."""
+    from hetctl.files.cluster import Nic, NodeFacts
+    from hetctl.files.inventory import load_inventory
+    from hetctl.probe.links import measure_links
+
+    inv = load_inventory(Path(__file__).parent.parent / "inventories" / "local.yaml")
+    facts = {n.name: NodeFacts(name=n.name, host=n.host, nics=[Nic(name="eth0", speed_gbps=speed)])
+             for n, speed in zip(inv.nodes, (1.0, 10.0, 1.0))}
+    facts["node-c"] = facts["node-c"].model_copy(update={"reachable": False, "error": "connection refused"})
+    found = measure_links(inv.nodes, facts, inv.ssh, seconds=0.2, streams=2)
+    assert [(lk.src, lk.dst, lk.address, lk.streams, lk.declared_gbps) for lk in found] == [
+        ("node-a", "node-b", "127.0.0.1", 2, 1.0), ("node-b", "node-a", "127.0.0.1", 2, 1.0)]
+    assert all(lk.error is None and lk.measured_gbps > 0 and lk.seconds > 0 and lk.rtt_ms > 0 for lk in found), found
