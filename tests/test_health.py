@@ -220,3 +220,29 @@ def test_measure_links_streams_between_local_nodes_in_a_ring_of_the_reachable_on
     assert [(lk.src, lk.dst, lk.address, lk.streams, lk.declared_gbps) for lk in found] == [
         ("node-a", "node-b", "127.0.0.1", 2, 1.0), ("node-b", "node-a", "127.0.0.1", 2, 1.0)]
     assert all(lk.error is None and lk.measured_gbps > 0 and lk.seconds > 0 and lk.rtt_ms > 0 for lk in found), found
+
+
+def test_check_flags_silent_nodes_and_the_findings_nodes_and_the_live_line_says_so() -> None:
+    from hetctl.cli.live import event_line
+    from hetctl.files.cluster import Finding
+    from hetctl.files.inventory import load_inventory
+    from hetctl.probe.health import check
+
+    inv = load_inventory(Path(__file__).parent.parent / "inventories" / "local.yaml")
+    asked = []
+
+    def probe(subset, bench):
+        asked.append(([n.name for n in subset.nodes], bench))
+        return Cluster(nodes=[{"name": "node-a", "host": "localhost"},
+                              {"name": "node-c", "host": "localhost", "reachable": False, "error": "timed out"}],
+                       findings=[Finding(kind="slow_link", key="bandwidth", nodes="node-a", message="node-a: slow"),
+                                 Finding(kind="software", key="torch", nodes="node-a", message="not a health finding")])
+
+    report = check(inv, ["node-c", "node-a"], probe=probe)
+    assert asked == [(["node-a", "node-c"], True)]  # only the asked nodes, benchmarked
+    assert report.flagged == {"node-c": ["did not answer the health check: timed out"], "node-a": ["node-a: slow"]}
+    ev = {"kind": "health_check", "policy": "drop", "nodes": ["node-a", "node-c"], "flagged": report.flagged,
+          "action": "dropped", "check_s": 12.34}
+    assert event_line(ev) == ("health check of 2 nodes (12.3 s): node-c, node-a flagged (did not answer the health "
+                              "check: timed out; node-a: slow); dropped")
+    assert event_line({**ev, "flagged": {}, "action": "passed"}) == "health check of 2 nodes (12.3 s): passed"
