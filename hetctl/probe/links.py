@@ -3,9 +3,10 @@
 The nodes form a ring in inventory order: each node sends to the next for a
 fixed short time (:data:`LINK_SECONDS`, over :data:`LINK_STREAMS` parallel TCP
 streams of :mod:`hetctl.node.linkbench`) and receives from the one before. So
-the cost is one link per node, O(nodes), and every link can run at once: each
-NIC carries one stream out and one in (full duplex), and the whole ring takes
-about one measurement period. Every node is on two links, so a node whose
+the cost is one link per node, O(nodes), and links run side by side (up to
+``ssh.fanout`` at once, each with its own two connections): each NIC carries
+at most one stream out and one in (full duplex), so a ring within the fan-out
+takes about one measurement period. Every node is on two links, so a node whose
 both links are slow can be told from a bad path between two nodes (one link
 slow), see :func:`hetctl.probe.findings.link_findings`.
 
@@ -148,7 +149,8 @@ def measure_links(nodes: Sequence[Any], facts: dict[str, NodeFacts], ssh: Any, *
         facts: node name → probed facts (for the declared NIC speeds).
         ssh: the inventory's ssh settings.
         connect: ``connect(node, ssh) -> Transport`` (default :func:`hetctl.remote.connect`).
-        max_workers: links measured at once (the inventory's ``ssh.fanout``).
+        max_workers: links measured at once (the inventory's ``ssh.fanout``); each link opens its own two
+            connections, so a large cluster never holds one per node at once.
     """
     from hetctl.remote.fanout import fanout
 
@@ -159,33 +161,33 @@ def measure_links(nodes: Sequence[Any], facts: dict[str, NodeFacts], ssh: Any, *
     if not pairs:
         return []
     by_name = {n.name: n for n in live}
-    opened = fanout(live, lambda n: connect(n, ssh), max_workers=max_workers)
-    transports = {n.name: opened[n.name] for n in live}
-    try:
-        def one(pair: tuple[str, str]) -> Link:
-            s, d = pair
-            declared = [x for x in (declared_gbps(facts[s]), declared_gbps(facts[d])) if x is not None]
-            base = Link(src=s, dst=d, address=by_name[d].host, streams=streams,
-                        declared_gbps=min(declared) if declared else None)
-            for end in (s, d):
-                if isinstance(transports[end], BaseException):
-                    err = transports[end]
-                    why = err.message if isinstance(err, HetctlError) else f"{type(err).__name__}: {err}"
-                    return base.model_copy(update={"error": f"{end}: {why}"})
-            return measure_link((by_name[s], transports[s]), (by_name[d], transports[d]),
-                                declared=base.declared_gbps, seconds=seconds, streams=streams)
 
-        keys = [f"{s} {d}" for s, d in pairs]  # node names hold no spaces
-        group = fanout(keys, lambda k: one(tuple(k.split(" "))), max_workers=max(1, max_workers))
-        out = []
-        for key, (s, d) in zip(keys, pairs):
-            value = group[key]
-            if isinstance(value, BaseException):
-                value = Link(src=s, dst=d, address=by_name[d].host, streams=streams,
-                             error=f"internal error: {type(value).__name__}: {value}")
-            out.append(value)
-        return out
-    finally:
-        for t in transports.values():
-            if not isinstance(t, BaseException):
+    def one(pair: tuple[str, str]) -> Link:
+        """Connect both ends, measure, close: at most 2 × ``max_workers`` connections are open at once."""
+        s, d = pair
+        declared = [x for x in (declared_gbps(facts[s]), declared_gbps(facts[d])) if x is not None]
+        base = Link(src=s, dst=d, address=by_name[d].host, streams=streams,
+                    declared_gbps=min(declared) if declared else None)
+        opened: dict[str, Any] = {}
+        try:
+            for end in (s, d):
+                try:
+                    opened[end] = connect(by_name[end], ssh)
+                except HetctlError as e:
+                    return base.model_copy(update={"error": f"{end}: {e.message}"})
+            return measure_link((by_name[s], opened[s]), (by_name[d], opened[d]),
+                                declared=base.declared_gbps, seconds=seconds, streams=streams)
+        finally:
+            for t in opened.values():
                 t.close()
+
+    keys = [f"{s} {d}" for s, d in pairs]  # node names hold no spaces
+    group = fanout(keys, lambda k: one(tuple(k.split(" "))), max_workers=max(1, max_workers))
+    out = []
+    for key, (s, d) in zip(keys, pairs):
+        value = group[key]
+        if isinstance(value, BaseException):
+            value = Link(src=s, dst=d, address=by_name[d].host, streams=streams,
+                         error=f"internal error: {type(value).__name__}: {value}")
+        out.append(value)
+    return out
