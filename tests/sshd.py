@@ -120,6 +120,56 @@ class NetNs:
         self.proc.stdout.close()
 
 
+class ShapedNetNs(NetNs):
+    """A :class:`NetNs` joined to this namespace by a veth pair whose two ends are rate-limited (``tc`` tbf).
+
+    A host placed in it (``SshdCluster(netns={name: (ns, ns)}, addrs={name: ns.inner})``)
+    reaches the hosts at :meth:`outer` addresses, and is reached by them and by the
+    test process, only through the veth: a real slow link, both ways. Addresses are
+    in 198.18.0.0/15 (RFC 2544's benchmarking range), one random /24 per instance.
+    Needs root, ``ip`` and ``tc``.
+    """
+
+    def __init__(self, rate: str = "50mbit") -> None:
+        import random
+
+        super().__init__()
+        used = subprocess.run(["ip", "-4", "-o", "addr", "show"], capture_output=True, text=True).stdout
+        free = [i for i in range(256) if f" 198.18.{i}." not in used]
+        self.net = f"198.18.{random.choice(free)}"
+        tag = f"{os.getpid() % 100000}{random.randrange(100)}"
+        self.dev, peer = f"hxr{tag}"[:15], f"hxn{tag}"[:15]
+        self.inner = f"{self.net}.2"
+        self._outer = 10
+        inside = self.enter
+        try:
+            for argv in (
+                ["ip", "link", "add", self.dev, "type", "veth", "peer", "name", peer, "netns", str(self.proc.pid)],
+                ["ip", "addr", "add", f"{self.net}.1/24", "dev", self.dev],
+                ["ip", "link", "set", self.dev, "up"],
+                [*inside, "ip", "addr", "add", f"{self.inner}/24", "dev", peer],
+                [*inside, "ip", "link", "set", peer, "up"],
+                ["tc", "qdisc", "add", "dev", self.dev, "root", "tbf", "rate", rate, "burst", "32kbit", "latency", "100ms"],
+                [*inside, "tc", "qdisc", "add", "dev", peer, "root", "tbf", "rate", rate, "burst", "32kbit",
+                 "latency", "100ms"],
+            ):
+                subprocess.run(argv, check=True, capture_output=True)
+        except subprocess.CalledProcessError as e:
+            self.stop()
+            raise RuntimeError(f"cannot make the shaped link: {shlex.join(e.cmd)}: {e.stderr.decode().strip()}") from None
+
+    def outer(self) -> str:
+        """A new address on this namespace's end of the veth: a host listening there is reached through the link."""
+        self._outer += 1
+        addr = f"{self.net}.{self._outer}"
+        subprocess.run(["ip", "addr", "add", f"{addr}/32", "dev", self.dev], check=True, capture_output=True)
+        return addr
+
+    def stop(self) -> None:
+        subprocess.run(["ip", "link", "del", self.dev], capture_output=True)  # gone already when never made
+        super().stop()
+
+
 def _wait_all(jobs: list[subprocess.Popen]) -> None:
     for j in jobs:
         if j.wait() != 0:
@@ -226,7 +276,10 @@ LogLevel INFO
         )
 
     def _spawn(self) -> None:
-        self.port = _free_port(self.addr)
+        try:
+            self.port = _free_port(self.addr)
+        except OSError:  # an address only another network namespace has
+            self.port = _free_port("127.0.0.1")
         self._write_config(self.cluster.extra_env.get(self.name, {}))
         listen_ns, session_ns = self.cluster.netns.get(self.name, (None, None))
         sshd = [SSHD, "-D", "-e", "-f", str(self.config)]
@@ -416,6 +469,8 @@ class SshdCluster(Members):
         netns: per host name, ``(listen_in, sessions_in)`` :class:`NetNs` (None: this
             namespace). Different values make a gateway: it listens in the first, and
             each connection's sshd (and so its TCP forwarding) runs in the second.
+        addrs: per host name, the address it listens on instead of ``127.0.0.<N>``
+            (a :class:`ShapedNetNs` address).
     """
 
     def __init__(
@@ -431,6 +486,7 @@ class SshdCluster(Members):
         host_ca: bool = False,
         user_ca: bool = False,
         netns: Mapping[str, tuple[NetNs | None, NetNs | None]] | None = None,
+        addrs: Mapping[str, str] | None = None,
     ) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
@@ -441,7 +497,8 @@ class SshdCluster(Members):
         self.id = uuid.uuid4().hex[:12]
         self.extra_env = {k: dict(v) for k, v in (extra_env or {}).items()}
         names = names or [f"node-{i + 1}" for i in range(n)]
-        self.hosts = [SshdHost(self, i, nm, f"127.0.0.{first_octet + i}") for i, nm in enumerate(names)]
+        addrs = dict(addrs or {})
+        self.hosts = [SshdHost(self, i, nm, addrs.get(nm, f"127.0.0.{first_octet + i}")) for i, nm in enumerate(names)]
         self.client_key = self.root / "id_ed25519"
         self.authorized_keys = self.root / "authorized_keys"
         self.known_hosts = self.root / "known_hosts"

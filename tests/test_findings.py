@@ -7,8 +7,9 @@ from typing import Any
 import pytest
 
 from hetctl.errors import ConfigError
-from hetctl.files.cluster import Cluster
-from hetctl.probe.findings import check_uniform_torch, find, major_minor, ranges
+from hetctl.files.cluster import Cluster, Link
+from hetctl.probe.findings import check_uniform_torch, find, flagged_nodes, link_findings, major_minor, ranges
+from hetctl.probe.links import ring
 
 
 def node(name: str, *, chips: int = 8, model: str = "NVIDIA H100 80GB HBM3", vendor: str = "nvidia",
@@ -154,3 +155,68 @@ def test_cpus_are_compared_in_fp32_not_their_emulated_bf16() -> None:
     assert find(same_fp32) == []
     slow_fp32 = cluster(cpu("c-1", 1.0, 0.9), cpu("c-2", 0.5, 0.9), cpu("c-3", 1.0, 0.9))
     assert [(f.nodes, "TFLOPS fp32" in f.message) for f in find(slow_fp32)] == [("c-2", True)]
+
+
+def links(*rows: tuple[str, str, float | None, float | None]) -> list[Link]:
+    """Hand-made measured links: (src, dst, measured Gb/s or None for a failure, declared Gb/s)."""
+    return [Link(src=s, dst=d, address=d, measured_gbps=m, declared_gbps=dec,
+                 error=None if m is not None else "cannot reach: ConnectionRefusedError") for s, d, m, dec in rows]
+
+
+def test_ring_pairs_are_one_link_per_node() -> None:
+    assert ring(["a"]) == []
+    assert ring(["a", "b"]) == [("a", "b"), ("b", "a")]
+    assert ring(["a", "b", "c", "d"]) == [("a", "b"), ("b", "c"), ("c", "d"), ("d", "a")]
+
+
+def test_a_node_whose_every_link_is_slow_is_named_alone() -> None:
+    found = link_findings(links(("n1", "n2", 90.0, 100.0), ("n2", "n3", 4.0, 100.0), ("n3", "n4", 3.0, 100.0),
+                                ("n4", "n1", 88.0, 100.0)))
+    assert [(f.kind, f.key, f.nodes) for f in found] == [("slow_link", "bandwidth", "n3")]
+    assert found[0].message == ("n3: every link far below the declared 100 Gb/s: n2 → n3 4 Gb/s, n3 → n4 3 Gb/s; "
+                                "the other links 89 Gb/s")
+    assert flagged_nodes(found) == {"n3": [found[0].message]}
+
+
+def test_one_slow_link_between_healthy_nodes_names_the_pair() -> None:
+    found = link_findings(links(("n1", "n2", 90.0, 100.0), ("n2", "n3", 9.0, 100.0), ("n3", "n1", 85.0, 100.0)))
+    assert [f.nodes for f in found] == ["n[2-3]"]
+    assert "the path between n2 and n3" in found[0].message
+    assert set(flagged_nodes(found)) == {"n2", "n3"}
+
+
+def test_a_ceiling_every_link_shares_is_not_a_fault() -> None:
+    """A few TCP streams fill 40 of 400 Gb/s on every link: no link is below the others."""
+    assert link_findings(links(("a", "b", 41.0, 400.0), ("b", "c", 38.0, 400.0), ("c", "a", 44.0, 400.0))) == []
+
+
+def test_a_slower_nic_is_not_a_slow_link() -> None:
+    """c has a 10 Gb/s NIC and its links measure 8 Gb/s: slower than the others, yet near what it declares."""
+    assert link_findings(links(("a", "b", 80.0, 100.0), ("b", "c", 8.0, 10.0), ("c", "a", 8.5, 10.0))) == []
+
+
+def test_without_a_declared_speed_a_link_is_recorded_but_never_flagged() -> None:
+    """Bare figures vary too much from run to run on a busy machine to blame a node on them alone."""
+    assert link_findings(links(("a", "b", 9.0, None), ("b", "c", 0.5, None), ("c", "a", 0.4, None))) == []
+    assert [f.nodes for f in link_findings(links(("a", "b", 9.0, None), ("b", "c", 0.5, 10.0),
+                                                 ("c", "a", 0.4, 10.0)))] == ["c"]
+
+
+def test_two_nodes_far_below_their_declared_speed() -> None:
+    found = link_findings(links(("a", "b", 0.05, 1.0), ("b", "a", 0.05, 1.0)))
+    assert {f.nodes for f in found} == {"a", "b"}
+
+
+def test_a_link_that_could_not_be_measured_names_both_ends() -> None:
+    found = link_findings(links(("a", "b", 5.0, 10.0), ("b", "c", None, 10.0), ("c", "a", 5.0, 10.0)))
+    assert [(f.key, f.nodes) for f in found] == [("unreachable", "b,c")]
+    assert found[0].message == "link b → c (c) not measured: cannot reach: ConnectionRefusedError"
+
+
+def test_links_round_trip_and_feed_find() -> None:
+    c = cluster(node("gpu-01"), node("gpu-02"), node("gpu-03"))
+    c = c.model_copy(update={"links": links(("gpu-01", "gpu-02", 190.0, 200.0), ("gpu-02", "gpu-03", 20.0, 200.0),
+                                            ("gpu-03", "gpu-01", 21.0, 200.0))})
+    again = Cluster.model_validate_json(c.model_dump_json())
+    assert again.links == c.links
+    assert [f.nodes for f in find(again) if f.kind == "slow_link"] == ["gpu-03"]

@@ -154,6 +154,16 @@ def _measured(ev: dict) -> str:
     return " ".join(parts[:1]) + " " + "; ".join(parts[1:])
 
 
+def _health(ev: dict) -> str:
+    """``health check of 3 nodes (12.1 s): cpu-2 flagged: …; dropped``."""
+    flagged = ev.get("flagged") or {}
+    line = f"health check of {len(ev.get('nodes') or [])} nodes ({ev.get('check_s', 0):.3g} s)"
+    if not flagged:
+        return line + ": passed"
+    reasons = "; ".join(str(r[0]) if isinstance(r, list) and r else str(n) for n, r in flagged.items())
+    return line + f": {', '.join(flagged)} flagged ({reasons}); {ev.get('action')}"
+
+
 _LINES = {
     "launched": lambda ev: (
         f"attempt {ev['attempt']}: launched {ev['ranks']} ranks on {len(ev['nodes'])} nodes "
@@ -179,11 +189,12 @@ _LINES = {
     "finished": lambda ev: f"finished at step {ev['steps']}",
     "gave_up": _gave_up,
     "measured": _measured,
+    "health_check": _health,
     # "failed" and "stopped" close the run: the summary that follows says it.
 }
 
 _STYLE = {"rank_failed": "red", "node_lost": "red", "processes_left": "red", "node_abnormal": "red", "failed": "red", "gave_up": "red",
-          "straggler": "yellow", "checkpoint_skipped": "yellow", "checkpoint_unseen": "yellow"}
+          "health_check": "yellow", "straggler": "yellow", "checkpoint_skipped": "yellow", "checkpoint_unseen": "yellow"}
 
 
 def event_line(ev: dict) -> str | None:

@@ -13,7 +13,8 @@ def probe_cmd(
     inventory: str | None = typer.Option(None, "-i", "--inventory", help="Inventory YAML naming the nodes."),
     output: str | None = typer.Option(None, "-o", "--output", help="Write the cluster file (YAML) here."),
     json_out: bool = typer.Option(False, "--json", help="Print the cluster facts as JSON on stdout, no table."),
-    bench: bool = typer.Option(False, "--bench", help="Measure matmul TFLOPS per chip on nodes that have torch."),
+    bench: bool = typer.Option(False, "--bench", help="Measure matmul TFLOPS per chip on nodes that have torch, "
+                               "and the TCP bandwidth of a ring of links (each node sends to the next for 1 s)."),
     model: str | None = typer.Option(None, "--model", "-m", help="With --bench: also time the reference trainer's "
                                      "layer at this model's shape (a preset name or a model YAML); plans of that "
                                      "shape then use the measured layer times."),
@@ -128,5 +129,20 @@ def _print_probe(cluster, *, bench: bool) -> None:
             notes.append(f"{node.name}: layer profile ({prof.model}, micro-batch {prof.micro_batch}, seq {prof.seq_len}, "
                          f"{prof.precision}): forward {prof.layer_fwd_ms:g} ms, backward {prof.layer_bwd_ms:g} ms per layer")
     out.print(table)
+    if bench and cluster.links:
+        out.print(text(_links_line(cluster.links)), highlight=False, soft_wrap=True)
     for note in notes:
         out.print(text((note, "dim")), highlight=False)
+
+
+def _links_line(links) -> str:
+    """One line on the measured ring: how many links, their median, the slowest."""
+    import statistics
+
+    measured = [lk for lk in links if lk.measured_gbps is not None]
+    line = f"links: {len(measured)}/{len(links)} measured (a ring, TCP)"
+    if measured:
+        slowest = min(measured, key=lambda lk: lk.measured_gbps)
+        line += (f", median {statistics.median(lk.measured_gbps for lk in measured):.3g} Gb/s, slowest "
+                 f"{slowest.src} → {slowest.dst} {slowest.measured_gbps:.3g} Gb/s")
+    return line

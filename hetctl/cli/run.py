@@ -53,12 +53,21 @@ def launch_cmd(
     allow_mixed_software: bool = typer.Option(False, "--allow-mixed-software",
                                               help="Launch even when the nodes' torch major.minor versions differ "
                                                    "(the pre-flight reads them on every node)."),
+    health_check: str | None = typer.Option(None, "--health-check", metavar="drop|refuse",
+                                            help="Before starting ranks, run probe --bench's quick check on the "
+                                                 "plan's nodes (each chip against its same-model peers, a ring of "
+                                                 "links against their NIC speed): drop the flagged nodes and "
+                                                 "re-plan on the rest, or refuse to launch."),
 ) -> None:
     """Start every rank of a plan through a per-node agent, show it live, keep it alive through faults."""
     from hetctl.elastic import start as launcher
 
     words = launcher.parse_entry(entry)
     progress = launcher.parse_progress(progress)
+    if health_check is not None and health_check not in ("drop", "refuse"):
+        from hetctl.errors import ConfigError
+
+        raise ConfigError(f"--health-check {health_check!r}: not a policy", "use --health-check drop or refuse")
     if not dry_run:  # a dry run asks Slurm for nothing
         alloc = _allocator(nodelist=_plan_nodes(plan_dir))
         try:
@@ -67,7 +76,8 @@ def launch_cmd(
             _launch(plan, inv, pf, alloc, run_dir=run_dir, steps=steps, checkpoint_every=checkpoint_every,
                     entry=words, max_restarts=max_restarts, max_node_failures=max_node_failures, rebalance=rebalance,
                     grace=grace, hang_timeout=hang_timeout, node_timeout=node_timeout,
-                    allow_mixed_software=allow_mixed_software, progress=progress, json_out=json_out)
+                    allow_mixed_software=allow_mixed_software, progress=progress, json_out=json_out,
+                    health_check=health_check)
         finally:
             alloc.release()
         return
@@ -91,7 +101,8 @@ def launch_cmd(
 
 
 def _launch(plan, inv, pf, alloc, *, run_dir, steps, checkpoint_every, entry, max_restarts, max_node_failures,
-            rebalance, grace, hang_timeout, node_timeout, allow_mixed_software, progress, json_out) -> None:
+            rebalance, grace, hang_timeout, node_timeout, allow_mixed_software, progress, json_out,
+            health_check=None) -> None:
     """Prepare the run folder and run it live (``alloc``: hetctl's own Slurm job, recorded in run.yaml)."""
     from hetctl.elastic import start as launcher
     from hetctl.launch.controller import Thresholds
@@ -103,7 +114,7 @@ def _launch(plan, inv, pf, alloc, *, run_dir, steps, checkpoint_every, entry, ma
         plan, inv, run_root=run_dir, plan_path=pf, steps=steps, checkpoint_every=checkpoint_every, entry=entry,
         policy=_policy(max_restarts, max_node_failures, rebalance),
         thresholds=Thresholds(grace_s=grace, hang_timeout=hang_timeout, node_timeout=node_timeout),
-        allow_mixed_software=allow_mixed_software, progress=progress,
+        allow_mixed_software=allow_mixed_software, progress=progress, health_check=health_check,
     )
     if alloc.job:
         prepared.info.inputs.slurm_allocation = alloc.job

@@ -76,6 +76,8 @@ class Prepared:
             from, nodes it could not check for live ranks, the re-probed cluster).
         lock: the run's controller lock (:class:`~hetctl.files.run.RunLock`): one
             controller per run; ``ElasticRun.run`` releases it when the run ends.
+        health_check: ``drop`` or ``refuse`` to check the plan's nodes before the first
+            attempt (:mod:`hetctl.elastic.health`); None: no check.
     """
 
     run: RunDir
@@ -92,6 +94,7 @@ class Prepared:
     unchecked: list[str] = field(default_factory=list)
     cluster: Any = None
     lock: Any = None  # the run's RunLock, held from preparation to the end of ElasticRun.run
+    health_check: str | None = None
 
 
 @dataclass
@@ -208,8 +211,14 @@ class ElasticRun:
             for ev in p.opening:
                 events.emit(ev)
             try:
+                plan = p.plan
+                if p.health_check:  # before any rank starts: drop the flagged nodes, or refuse
+                    from hetctl.elastic.health import gate
+
+                    plan = gate(plan, p.inventory, p.health_check, tally=self.tally, emit=events.emit,
+                                replan=self._replan, attempt=p.first_attempt)
                 result = run_loop(
-                    p.plan, run_attempt=self._attempt, replan=self._replan, latest_step=self._latest_step,
+                    plan, run_attempt=self._attempt, replan=self._replan, latest_step=self._latest_step,
                     emit=events.emit, config=p.policy, tally=self.tally, first_attempt=p.first_attempt,
                     resume_step=p.resume_step or None,
                 )

@@ -231,10 +231,15 @@ def new_run(plan: Plan, inventory: Any, *, run_root: str | Path, plan_path: Path
 def prepare_launch(plan: Plan, inventory: Any, *, run_root: str | Path, plan_path: Path | None, steps: int,
                    checkpoint_every: int, entry: tuple[str, ...] = mat.REFERENCE_TRAINER,
                    policy: PolicyConfig | None = None, thresholds: Thresholds | None = None,
-                   allow_mixed_software: bool = False, progress: str | None = None) -> Prepared:
-    """A new run folder and the :class:`Prepared` run of ``hetctl launch`` (nothing started)."""
+                   allow_mixed_software: bool = False, progress: str | None = None,
+                   health_check: str | None = None) -> Prepared:
+    """A new run folder and the :class:`Prepared` run of ``hetctl launch`` (nothing started).
+
+    ``health_check`` (``drop``/``refuse``): check the plan's nodes first (:mod:`hetctl.elastic.health`).
+    """
     run, info = new_run(plan, inventory, run_root=run_root, plan_path=plan_path, steps=steps,
                         checkpoint_every=checkpoint_every, entry=entry, allow_mixed_software=allow_mixed_software,
                         progress=progress)
     return Prepared(run=run, info=info, inventory=inventory, plan=plan, policy=policy or PolicyConfig(),
-                    thresholds=thresholds or Thresholds(), plan_file=plan_path, lock=run.lock())
+                    thresholds=thresholds or Thresholds(), plan_file=plan_path, lock=run.lock(),
+                    health_check=health_check)

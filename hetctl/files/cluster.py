@@ -128,10 +128,31 @@ class NodeFacts(_Strict):
 class Finding(_Strict):
     """Something that differs between nodes that should match (see :mod:`hetctl.probe.findings`)."""
 
-    kind: Literal["software", "chip_count", "network", "interface", "slow_chip"]
+    kind: Literal["software", "chip_count", "network", "interface", "slow_chip", "slow_link"]
     key: str = Field(description="what differs: torch, driver, a chip model, nic, NCCL_SOCKET_IFNAME…")
     message: str = Field(description="one line, node ranges in hostlist form")
     nodes: str = Field(description="the odd nodes, as a hostlist expression")
+
+
+class Link(_Strict):
+    """One measured node-to-node link: ``src`` sent to ``dst`` (``probe --bench``, ``launch --health-check``).
+
+    Generic on purpose, so that other measurements (a collective library's own
+    test) can be recorded beside the stdlib TCP stream and the planner can read
+    either: ``method`` says which.
+    """
+
+    src: str = Field(description="the sending node")
+    dst: str = Field(description="the receiving node")
+    address: str = Field(description="what src dialled: dst's address as ranks reach it (MASTER_ADDR's rule)")
+    method: str = Field(default="tcp", description="tcp: parallel stdlib TCP streams for a fixed short time")
+    streams: int = Field(default=1, ge=0, le=1024)
+    seconds: float | None = Field(default=None, ge=0, description="how long the measured bytes took to arrive")
+    measured_gbps: fields.Amount | None = Field(default=None, description="what arrived at dst, Gb/s")
+    rtt_ms: fields.Amount | None = Field(default=None, description="median one-byte round trip")
+    declared_gbps: fields.Amount | None = Field(
+        default=None, description="the slower end's fastest NIC as the collector read it; null when unknown")
+    error: str | None = Field(default=None, description="why nothing was measured (refused, unreachable, timed out)")
 
 
 class Cluster(_Strict):
@@ -143,6 +164,10 @@ class Cluster(_Strict):
     nodes: list[NodeFacts] = Field(max_length=100_000)
     findings: list[Finding] = Field(
         default_factory=list, description="consistency findings across the nodes, written by probe",
+    )
+    links: list[Link] = Field(
+        default_factory=list, max_length=1_000_000,
+        description="node-to-node links measured by `probe --bench` (a ring: each node sends once, receives once)",
     )
 
     def reachable_nodes(self) -> list[NodeFacts]:

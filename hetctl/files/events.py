@@ -10,7 +10,8 @@ Written by one attempt (``hetctl.launch``): ``launched``, ``progress``,
 ``rank_failed``, ``node_lost``, ``agent_lost``, ``processes_left``. By the elastic loop (``hetctl.elastic``):
 ``straggler``, ``restart``, ``replan``, ``replan_layout``, ``rebalanced``,
 ``node_abnormal``, ``checkpoint_skipped``, ``checkpoint_unseen``, ``resumed``,
-``gave_up``, ``measured`` (predicted against measured), and the closing ``finished`` / ``stopped`` / ``failed``.
+``gave_up``, ``measured`` (predicted against measured), ``health_check`` (``launch --health-check``, before
+the first attempt), and the closing ``finished`` / ``stopped`` / ``failed``.
 """
 
 from __future__ import annotations
@@ -277,6 +278,26 @@ class Measured(Event):
 
 
 @dataclass(frozen=True)
+class HealthChecked(Event):
+    """``launch --health-check``: the plan's nodes measured (chips and a ring of links) before any rank started.
+
+    ``flagged``: node → why (a slow chip, a slow or failed link, no answer); ``action``:
+    ``passed``, ``dropped`` (re-planned without them) or ``refused`` (nothing started).
+    ``links``: per link ``src``, ``dst``, ``measured_gbps``, ``declared_gbps``, ``error``;
+    ``tflops``: node → each chip's measured TFLOPS (its fastest dtype; null: not measured).
+    """
+
+    kind: ClassVar[str] = "health_check"
+    policy: str
+    nodes: list[str]
+    flagged: dict[str, list[str]]
+    action: str
+    check_s: float
+    links: list[dict] = field(default_factory=list)
+    tflops: dict[str, list[float | None]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class Finished(Event):
     """The run succeeded."""
 
@@ -308,7 +329,7 @@ class Failed(Event):
 EVENT_TYPES: dict[str, type[Event]] = {
     cls.kind: cls for cls in (Launched, Progress, RankFailed, NodeLost, AgentLost, ProcessesLeft, StragglerFound, Restart, Replan,
                               ReplanLayout, Rebalanced, NodeAbnormal, CheckpointSkipped, CheckpointUnseen,
-                              Resumed, GaveUp, Measured, Finished, Stopped, Failed)
+                              Resumed, GaveUp, Measured, HealthChecked, Finished, Stopped, Failed)
 }
 
 

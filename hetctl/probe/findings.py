@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import hostlist
 
 from hetctl.errors import ConfigError
-from hetctl.files.cluster import Cluster, Finding, NodeFacts, Tflops
+from hetctl.files.cluster import Cluster, Finding, Link, NodeFacts, Tflops
 from hetctl.vendors import VENDOR_TABLE
 
 SOCKET_VARS: tuple[str, ...] = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
@@ -32,6 +32,9 @@ SLOW_NIC_RATIO = 0.5
 
 SLOW_CHIP_RATIO = 0.9
 """A chip measured below this fraction of its same-model peers' median is reported (more than 10% slower)."""
+
+SLOW_LINK_RATIO = 0.5
+"""A link measured below this fraction of its declared speed, and of what the other links reach, is reported."""
 
 _SPEEDY_KINDS = ("ib", "roce", "ethernet")
 
@@ -243,6 +246,75 @@ def slow_chip_findings(nodes: Sequence[NodeFacts]) -> list[Finding]:
     return out
 
 
+def _slow(link: Link, others: Sequence[Link]) -> bool:
+    """Whether ``link`` is far below its declared speed and far below what the other links reach.
+
+    Both, because a few stdlib TCP streams cannot fill a 400 Gb/s NIC: a ceiling every
+    link shares is not a fault. Efficiency (measured ÷ declared) is compared, so a
+    node with a slower NIC is not blamed for it; with fewer than two other links only
+    the declared speed counts. Without a declared speed there is nothing to fall short
+    of: link speeds on a busy machine differ by two or three times from run to run, so
+    comparing bare figures would flag healthy nodes.
+    """
+    if link.measured_gbps is None or not link.declared_gbps:
+        return False
+    eff = link.measured_gbps / link.declared_gbps
+    peers = [o.measured_gbps / o.declared_gbps for o in others if o.declared_gbps and o.measured_gbps is not None]
+    return eff < SLOW_LINK_RATIO and (len(peers) < 2 or eff < SLOW_LINK_RATIO * statistics.median(peers))
+
+
+def _fmt_link(link: Link) -> str:
+    return f"{link.src} → {link.dst} {link.measured_gbps:.3g} Gb/s"
+
+
+def link_findings(links: Sequence[Link]) -> list[Finding]:
+    """Links measured far below their declared speed (:func:`_slow`), and links that could not be measured.
+
+    A node all of whose (two or more) measured links are slow is the finding
+    (``nodes`` = that node); a slow link neither of whose ends is slow elsewhere
+    names both ends: the path between them is what to check, and a health check
+    cannot tell which end to blame, so it flags both.
+    """
+    measured = [lk for lk in links if lk.measured_gbps is not None]
+    slow = [lk for lk in measured if _slow(lk, [o for o in measured if o is not lk])]
+    fast = [lk for lk in measured if lk not in slow]
+    ends: dict[str, list[Link]] = {}
+    for lk in measured:
+        for end in (lk.src, lk.dst):
+            ends.setdefault(end, []).append(lk)
+    blamed = [n for n, mine in ends.items() if len(mine) >= 2 and all(lk in slow for lk in mine)]
+    out = []
+    rest = f"; the other links {statistics.median(o.measured_gbps for o in fast):.3g} Gb/s" if fast else ""
+    for node in blamed:
+        mine = ends[node]
+        than = f"the declared {min(lk.declared_gbps for lk in mine if lk.declared_gbps):g} Gb/s"
+        out.append(Finding(kind="slow_link", key="bandwidth", nodes=node,
+                           message=f"{node}: every link far below {than}: "
+                                   f"{', '.join(_fmt_link(lk) for lk in mine)}{rest}"))
+    for lk in slow:
+        if lk.src in blamed or lk.dst in blamed:
+            continue
+        than = f"its declared {lk.declared_gbps:g} Gb/s"
+        out.append(Finding(kind="slow_link", key="bandwidth", nodes=ranges([lk.src, lk.dst]),
+                           message=f"link {_fmt_link(lk)}, far below {than}{rest}; "
+                                   f"the path between {lk.src} and {lk.dst} is what to check"))
+    for lk in links:
+        if lk.measured_gbps is None:
+            out.append(Finding(kind="slow_link", key="unreachable", nodes=ranges([lk.src, lk.dst]),
+                               message=f"link {lk.src} → {lk.dst} ({lk.address}) not measured: {lk.error}"))
+    return out
+
+
+def flagged_nodes(findings: Sequence[Finding]) -> dict[str, list[str]]:
+    """Node → the messages of the health findings (slow chip, slow or failed link) that name it."""
+    out: dict[str, list[str]] = {}
+    for f in findings:
+        if f.kind in ("slow_chip", "slow_link"):
+            for name in hostlist.expand_hostlist(f.nodes):
+                out.setdefault(name, []).append(f.message)
+    return out
+
+
 def find(cluster: Cluster, env: Mapping[str, Mapping[str, str]] | None = None) -> list[Finding]:
     """Every consistency finding over the reachable nodes of ``cluster``, most fundamental first.
 
@@ -252,7 +324,7 @@ def find(cluster: Cluster, env: Mapping[str, Mapping[str, str]] | None = None) -
     """
     nodes = cluster.reachable_nodes()
     return (software_findings(nodes) + chip_count_findings(nodes) + network_findings(nodes)
-            + interface_findings(nodes, env or {}) + slow_chip_findings(nodes))
+            + interface_findings(nodes, env or {}) + slow_chip_findings(nodes) + link_findings(cluster.links))
 
 
 def check_uniform_torch(cluster: Cluster, *, allow_mixed: bool = False, where: str = "cluster file") -> str | None:

@@ -2,7 +2,9 @@
 
 Each node gets one connection (its inventory transport), one run of the
 stdlib collector with its source on stdin, and, with ``--bench`` and torch on
-the node, one run of the matmul benchmark on the same connection. A node that
+the node, one run of the matmul benchmark on the same connection. With
+``--bench``, once every node is done, the links between the reachable nodes
+are measured too, in a ring (:mod:`hetctl.probe.links`). A node that
 cannot be reached or whose collector fails becomes a row with
 ``reachable: false`` and a one-line reason; it never stops the other nodes.
 """
@@ -177,8 +179,14 @@ def probe(inventory: Any, *, bench: bool = False, on_done: OnDone | None = None,
     fanout_workers = getattr(inventory.ssh, "fanout", None) or 64
     group = fanout(nodes, work, max_workers=fanout_workers, on_done=done)
     results = [_as_facts(n, group[n.name]) for n in nodes]
+    links = []
+    if bench:  # after every chip benchmark, so that no node measures both at once
+        from hetctl.probe.links import measure_links
+
+        links = measure_links(nodes, {f.name: f for f in results}, inventory.ssh, max_workers=fanout_workers)
     source = getattr(inventory, "source", None)
-    cluster = Cluster(inventory=str(source) if source else None, probed_at=round(time.time(), 3), nodes=results)
+    cluster = Cluster(inventory=str(source) if source else None, probed_at=round(time.time(), 3), nodes=results,
+                      links=links)
     return with_findings(cluster, {n.name: dict(getattr(n, "env", None) or {}) for n in nodes})
 
 
