@@ -115,5 +115,11 @@ def test_probe_bench_model_profiles_each_node_and_plan_uses_it(tmp_path):
     r = local_cli(tmp_path, "plan", "-c", "cluster.yaml", "-m", "tiny", "-o", "plan", "--explain")
     assert r.returncode == 0, r.stderr
     assert "(layer profile)" in r.stdout
-    refused = local_cli(tmp_path, "probe", "-i", "inventory.yaml", "--model", "tiny")
-    assert refused.returncode == 2 and "add --bench" in refused.stderr and "Traceback" not in refused.stderr
+    # The profile alone, without the matmul benchmark and the links.
+    r = local_cli(tmp_path, "probe", "-i", "inventory.yaml", "--model", "tiny", "-o", "profiled.yaml")
+    assert r.returncode == 0, r.stderr
+    alone = load_file(tmp_path / "profiled.yaml", Cluster)
+    assert all(n.chips[0].profile is not None and n.chips[0].measured_tflops is None for n in alone.nodes)
+    assert alone.links == []
+    bad = local_cli(tmp_path, "probe", "-i", "inventory.yaml", "--model", "no-such-model")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr and "no-such-model" in bad.stderr

@@ -15,9 +15,9 @@ def probe_cmd(
     json_out: bool = typer.Option(False, "--json", help="Print the cluster facts as JSON on stdout, no table."),
     bench: bool = typer.Option(False, "--bench", help="Measure matmul TFLOPS per chip on nodes that have torch, "
                                "and the TCP bandwidth of a ring of links (each node sends to the next for 1 s)."),
-    model: str | None = typer.Option(None, "--model", "-m", help="With --bench: also time the reference trainer's "
-                                     "layer at this model's shape (a preset name or a model YAML); plans of that "
-                                     "shape then use the measured layer times."),
+    model: str | None = typer.Option(None, "--model", "-m", help="Also time the reference trainer's layer at this "
+                                     "model's shape (a preset name or a model YAML; with or without --bench); plans "
+                                     "of that shape then use the measured layer times."),
     micro_batch: int = typer.Option(1, "--micro-batch", min=1, help="With --model: the micro-batch to profile at "
                                     "(the plan must use the same one for the profile to count)."),
     seq_len: int | None = typer.Option(None, "--seq-len", min=1, help="With --model: override its sequence length."),
@@ -35,8 +35,6 @@ def probe_cmd(
         raise ConfigError("no inventory given", "pass -i inventory.yaml (inventories/local.yaml is an example)")
     shape = None
     if model is not None:
-        if not bench:
-            raise ConfigError("--model profiles a layer, which is part of the benchmark", "add --bench")
         from hetctl.plan.models import load_model
         from hetctl.probe.assemble import ProfileShape
 

@@ -99,7 +99,7 @@ def probe_node(node: Any, ssh: Any, *, bench: bool = False, args: str | None = N
         ssh: the inventory's ssh settings (host keys, timeouts).
         bench: also run the matmul benchmark when the node has torch.
         args: the collector's JSON argument (computed once for all nodes).
-        profile: with ``bench``, also time the reference trainer's layer at this shape.
+        profile: also time the reference trainer's layer at this shape (with or without ``bench``).
 
     Returns:
         The node's facts, or an unreachable row carrying the reason.
@@ -115,7 +115,7 @@ def probe_node(node: Any, ssh: Any, *, bench: bool = False, args: str | None = N
         facts = node_facts(node, raw)
         if bench:
             facts = _bench(transport, node, facts)
-        if bench and profile is not None:
+        if profile is not None:
             facts = _profile(transport, node, facts, profile)
         return facts
     except HetctlError as e:
@@ -156,7 +156,7 @@ def probe(inventory: Any, *, bench: bool = False, on_done: OnDone | None = None,
     Args:
         inventory: a loaded :class:`hetctl.files.inventory.Inventory`.
         bench: run the matmul benchmark on nodes with torch.
-        profile: with ``bench``, time the reference trainer's layer at this shape too.
+        profile: time the reference trainer's layer at this shape too (with or without ``bench``).
         on_done: called as ``on_done(node_name, facts)`` when a node finishes,
             from worker threads (for a progress bar).
 
