@@ -123,3 +123,33 @@ def test_probe_bench_model_profiles_each_node_and_plan_uses_it(tmp_path):
     assert alone.links == []
     bad = local_cli(tmp_path, "probe", "-i", "inventory.yaml", "--model", "no-such-model")
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and "no-such-model" in bad.stderr
+
+
+def with_links(nodes: list[NodeFacts], gbps: dict[tuple[str, str], float]) -> Cluster:
+    """A cluster whose ``links:`` are a measured ring (as probe --bench writes them)."""
+    from hetctl.files.cluster import Link
+
+    links = [Link(src=a, dst=b, address=b, streams=4, seconds=1.0, measured_gbps=g, rtt_ms=0.05, declared_gbps=10.0)
+             for (a, b), g in gbps.items()]
+    return Cluster(nodes=nodes, links=links)
+
+
+def test_gloo_hops_are_costed_at_the_measured_tcp_rate():
+    """Two CPU nodes (gloo between them): a measured 0.05 Gb/s ring makes the pipeline's hop dear."""
+    nodes = [cpu_node("n1", None), cpu_node("n2", None)]
+    spec = load_model("tiny")
+    pins = __import__("hetctl.plan.search", fromlist=["Pins"]).Pins(pp=2, dp=1)
+    declared = plan_cluster(Cluster(nodes=nodes), spec, global_batch=4, pins=pins)
+    fast = plan_cluster(with_links(nodes, {("n1", "n2"): 8.0, ("n2", "n1"): 8.0}), spec, global_batch=4, pins=pins)
+    slow = plan_cluster(with_links(nodes, {("n1", "n2"): 0.05, ("n2", "n1"): 8.0}), spec, global_batch=4, pins=pins)
+    # Activations of one micro-batch: tokens × hidden × 4 bytes; at 0.05 Gb/s each hop costs that over 6.25 MB/s.
+    hop = TINY.seq_len * TINY.hidden_size * 4 / (0.05e9 / 8)
+    assert slow.estimate.step_time_s - fast.estimate.step_time_s > hop, (slow.estimate, fast.estimate)
+    assert declared.estimate.step_time_s != fast.estimate.step_time_s  # the measured figure replaced the declared one
+    assert any("measured by probe --bench" in n and "n1 0.05 Gb/s" in n for n in slow.notes), slow.notes
+    # An NCCL-class link (same accelerator vendor across nodes) keeps its NIC figure: a TCP stream is not its path.
+    from hetctl.plan.costmodel import link_seconds
+
+    assert link_seconds(1e6, "nvidia", "nvidia", False, 50.0, tcp_gbs=0.01) == link_seconds(1e6, "nvidia", "nvidia",
+                                                                                           False, 50.0)
+    assert link_seconds(1e6, "nvidia", "ascend", False, 50.0, tcp_gbs=0.01) > 1e6 / (0.01 * 1e9)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from hetctl.plan.devices import Group, Kind
 from hetctl.plan.models import ModelCost
-from hetctl.vendors import GLOO_EFFICIENCY, VENDOR_TABLE, link_backend, vendor_info
+from hetctl.vendors import GLOO_EFFICIENCY, VENDOR_TABLE, link_backend, stage_backend, vendor_info
 
 GB = 1e9
 
@@ -139,6 +139,8 @@ def stage_type(kind: Kind, tp: int, work: Workload, dp: int) -> StageType:
     else:
         state, sync_bytes = 2.0 + 4.0 + 12.0 / dp, (dp - 1) / dp * 6.0
     sync_bw = kind.nic_gbs * GB / kind.max_group() * (GLOO_EFFICIENCY if len(vendors) > 1 else 1.0)
+    if kind.tcp_gbs and (len(vendors) > 1 or stage_backend(vendors[0]) == "gloo"):
+        sync_bw = kind.tcp_gbs * GB / kind.max_group()  # gloo's TCP path, as measured (see link_seconds)
     per_param = sync_bytes / sync_bw / tp  # seconds per parameter of the stage
     limit = kind.memory_gb * GB
     return StageType(
@@ -157,18 +159,26 @@ def stage_type(kind: Kind, tp: int, work: Workload, dp: int) -> StageType:
 
 
 def link_seconds(nbytes: float, vendor_a: str, vendor_b: str, same_node: bool,
-                 nic_gbs: float, cross_switch: bool = False) -> float:
+                 nic_gbs: float, cross_switch: bool = False, tcp_gbs: float | None = None) -> float:
     """Seconds to move ``nbytes`` of activations between two stages.
 
     Same node and vendor: the vendor's chip-to-chip link. Same vendor across
     nodes: the slower node's network (halved across two labelled switches).
-    Across vendors: gloo through host memory (same node) or TCP.
+    Across vendors: gloo through host memory (same node) or TCP. A hop that
+    runs over gloo across nodes (across vendors, or between CPU nodes) takes
+    the measured TCP rate of its two nodes (``tcp_gbs``, GB/s, from ``probe
+    --bench``'s link ring) when there is one, in place of the NIC's line rate
+    times gloo's assumed efficiency; the vendor libraries' RDMA paths are not
+    what a TCP stream measures, so those keep the NIC figure.
     """
     if same_node:
         if vendor_a == vendor_b:
             return 1e-5 + nbytes / (vendor_info(vendor_a).intra_node_gbs * GB)
         return 5e-5 + nbytes / (VENDOR_TABLE["cpu"].intra_node_gbs * GB)
     bw = nic_gbs * GB * (0.5 if cross_switch else 1.0)
+    gloo = link_backend(vendor_a, vendor_b) == "gloo"
+    if gloo and tcp_gbs:
+        return (1e-4 if vendor_a != vendor_b else 3e-5) + nbytes / (tcp_gbs * GB)
     if vendor_a != vendor_b:
         return 1e-4 + nbytes / (bw * GLOO_EFFICIENCY)
     return 3e-5 + nbytes / bw
@@ -178,11 +188,14 @@ def link(a: Group, b: Group, precision: str, work: Workload) -> tuple[float, str
     """Seconds and torch backend for one micro-batch's activations from a stage on ``a`` to one on ``b``."""
     nbytes = work.tokens * work.cost.hidden * elem_bytes(precision)
     cross = bool(a.switch and b.switch and a.switch != b.switch)
-    secs = link_seconds(nbytes, a.vendor, b.vendor, a.node == b.node, min(a.nic_gbs, b.nic_gbs), cross)
+    tcp = min(a.tcp_gbs, b.tcp_gbs) if a.tcp_gbs and b.tcp_gbs else None
+    secs = link_seconds(nbytes, a.vendor, b.vendor, a.node == b.node, min(a.nic_gbs, b.nic_gbs), cross, tcp)
     return secs, link_backend(a.vendor, b.vendor)
 
 
 def kind_link(a: StageType, b: StageType, same_node: bool, work: Workload) -> float:
     """Link estimate between two stage types before nodes are assigned (for ranking)."""
     nbytes = work.tokens * work.cost.hidden * elem_bytes(a.kind.precision)
-    return link_seconds(nbytes, a.kind.vendor, b.kind.vendor, same_node, min(a.kind.nic_gbs, b.kind.nic_gbs))
+    tcp = min(a.kind.tcp_gbs, b.kind.tcp_gbs) if a.kind.tcp_gbs and b.kind.tcp_gbs else None
+    return link_seconds(nbytes, a.kind.vendor, b.kind.vendor, same_node, min(a.kind.nic_gbs, b.kind.nic_gbs),
+                        tcp_gbs=tcp)

@@ -53,6 +53,7 @@ class Group:
     switch: str = ""
     rack: str = ""
     sources: tuple[str, ...] = ()
+    tcp_gbs: float | None = None  # GB/s: the slowest TCP link measured to or from the node (probe --bench)
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ class Kind:
     memory_gb: float
     nic_gbs: float
     groups: tuple[Group, ...]
+    tcp_gbs: float | None = None  # the slowest measured TCP rate of its groups (None: some were not measured)
 
     @property
     def label(self) -> str:
@@ -197,7 +199,7 @@ def node_chips(node: NodeFacts) -> list[Chip]:
 _node_chips = node_chips  # the name hetctl.elastic.replan imports
 
 
-def node_groups(node: NodeFacts, use: ProfileUse | None = None) -> list[Group]:
+def node_groups(node: NodeFacts, use: ProfileUse | None = None, tcp_gbs: float | None = None) -> list[Group]:
     """Group one reachable node's chips by vendor and model (``use``: see :func:`chip_rate`).
 
     Raises:
@@ -229,9 +231,20 @@ def node_groups(node: NodeFacts, use: ProfileUse | None = None) -> list[Group]:
             chips=tuple(c.index for c in chips), tflops=min(rates), precision=prec,
             memory_gb=min(mems), nic_gbs=_nic_gbs(node),
             switch=str(node.labels.get("switch", "")), rack=str(node.labels.get("rack", "")),
-            sources=tuple(sorted(sources)),
+            sources=tuple(sorted(sources)), tcp_gbs=tcp_gbs,
         ))
     return groups
+
+
+def measured_tcp(cluster: Cluster) -> dict[str, float]:
+    """Node → GB/s of the slowest TCP link measured to or from it (``probe --bench``'s ring)."""
+    out: dict[str, float] = {}
+    for lk in cluster.links:
+        if lk.method != "tcp" or not lk.measured_gbps:
+            continue
+        for name in (lk.src, lk.dst):
+            out[name] = min(out.get(name, float("inf")), float(lk.measured_gbps) / 8.0)
+    return out
 
 
 def collect(cluster: Cluster, use: ProfileUse | None = None) -> Devices:
@@ -242,11 +255,12 @@ def collect(cluster: Cluster, use: ProfileUse | None = None) -> Devices:
     """
     notes: list[str] = []
     groups: list[Group] = []
+    tcp = measured_tcp(cluster)
     for node in cluster.nodes:
         if not node.reachable:
             notes.append(f"node {node.name} left out: unreachable ({node.error or 'no reason recorded'})")
             continue
-        groups.extend(node_groups(node, use))
+        groups.extend(node_groups(node, use, tcp.get(node.name)))
     return Devices(kinds=make_kinds(groups), notes=notes)
 
 
@@ -285,8 +299,13 @@ def _kind(kid: int, groups: list[Group]) -> Kind:
     return Kind(
         id=kid, vendor=first.vendor, model=first.model, precision=first.precision,
         tflops=min(g.tflops for g in groups), memory_gb=min(g.memory_gb for g in groups),
-        nic_gbs=min(g.nic_gbs for g in groups), groups=ordered,
+        nic_gbs=min(g.nic_gbs for g in groups), groups=ordered, tcp_gbs=_min_tcp(groups),
     )
+
+
+def _min_tcp(groups) -> float | None:
+    rates = [g.tcp_gbs for g in groups]
+    return None if any(r is None for r in rates) else min(rates)
 
 
 def merge(kinds: list[Kind]) -> Kind:
@@ -304,6 +323,7 @@ def merge(kinds: list[Kind]) -> Kind:
         precision=max((k.precision for k in kinds), key=order.index),
         tflops=min(k.tflops for k in kinds), memory_gb=min(k.memory_gb for k in kinds),
         nic_gbs=min(k.nic_gbs for k in kinds), groups=tuple(g for k in kinds for g in k.groups),
+        tcp_gbs=_min_tcp(kinds),
     )
 
 

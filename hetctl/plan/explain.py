@@ -84,6 +84,10 @@ def explain(plan: Plan, lay: Layout, devices: Devices, found: Found, homog, toke
                     for s in plan.stages if s.backend_next})
     if links:
         lines.append("links: " + ", ".join(f"{a}→{b} over {be}" for a, b, be in links))
+    tcp = sorted({(g.node, g.tcp_gbs) for st in lay.types for g in st.kind.groups if g.tcp_gbs})
+    if tcp:
+        lines.append("gloo across nodes is costed at the TCP rate measured by probe --bench (slowest link of each "
+                     "node): " + ", ".join(f"{n} {8 * r:.3g} Gb/s" for n, r in tcp))
     mixed = [s for s, st in enumerate(lay.types) if len(st.kind.vendors) > 1 or st.kind.id < 0]
     if mixed:
         lines.append(f"stage position(s) {', '.join(map(str, mixed))} run on different chip kinds in different "

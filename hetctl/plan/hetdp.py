@@ -138,6 +138,8 @@ def dp_allreduce(parts: list[Part], work: Workload) -> float:
             params = n * c.layer_params + (c.embed_params if s == 0 else 0.0) + (c.head_params if s == last else 0.0)
             nbytes = 4.0 * params / st.tp  # fp32 gradients of this chip's share of the stage
             bw = st.kind.nic_gbs * GB / st.kind.max_group() * (GLOO_EFFICIENCY if across else 1.0)
+            if across and st.kind.tcp_gbs:  # gloo's TCP path, as measured (costmodel.link_seconds)
+                bw = st.kind.tcp_gbs * GB / st.kind.max_group()
             secs = 2 * (d - 1) / d * nbytes / bw
             if across:
                 secs += 2 * nbytes / (PCIE_GBS * GB)  # down to the host and back
