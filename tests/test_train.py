@@ -148,7 +148,8 @@ def test_pp3_trains_and_checkpoints(baseline):
     assert sorted(losses) == list(range(1, STEPS + 1))
     first, last = [float(losses[s]) for s in range(1, 6)], [float(losses[s]) for s in range(STEPS - 4, STEPS + 1)]
     assert sum(last) / 5 < 0.8 * sum(first) / 5, (first, last)  # from ln 256 = 5.5 to about 3.5
-    assert baseline.stdout(0) == baseline.stdout(1) == ""  # only the last stage prints
+    notes = lambda r: [ln for ln in baseline.stdout(r).splitlines() if not ln.startswith("checkpoint: ")]  # noqa: E731
+    assert notes(0) == notes(1) == []  # only the last stage prints steps; every rank notes its saves
     final = baseline.heartbeat(2)
     assert final["done"] and final["step"] == STEPS and f"{final['loss']:.9g}" == losses[STEPS]
     assert all(baseline.heartbeat(r)["done"] for r in (0, 1))
