@@ -184,6 +184,27 @@ def test_rank_killed_then_resumed_is_bit_identical(baseline, tmp_path):
     assert [resumed.stderr(r) for r in range(3)] == ["", "", ""]  # same seed, batch and optimizer: no warning
 
 
+def test_async_saves_write_what_blocking_saves_write(baseline, tmp_path, monkeypatch):
+    """Every checkpoint file is byte for byte the blocking save's, though training ran on while it was written."""
+    blocking = run_plan(tiny_plan([2, 2, 2]), tmp_path / "blocking", steps=STEPS, ckpt_every=EVERY,
+                        args=("--save-mode", "blocking"))
+    # Test-only: the background write of step 20 pauses before serializing its snapshot, so the
+    # live weights have moved on by then; a snapshot that were not a copy would write theirs.
+    monkeypatch.setenv("HETCTL_TEST_SAVE_DELAY", "20:1.5")
+    slow = run_plan(tiny_plan([2, 2, 2]), tmp_path / "slow", steps=STEPS, ckpt_every=EVERY)
+    assert blocking.losses() == baseline.losses() == slow.losses()
+    assert blocking.heartbeat(2)["loss"] == slow.heartbeat(2)["loss"] == baseline.heartbeat(2)["loss"]
+    for r in range(3):
+        assert blocking.heartbeat(r)["save_mode"] == "blocking" and blocking.heartbeat(r)["saves"] == STEPS // EVERY
+        assert slow.heartbeat(r)["save_mode"] == baseline.heartbeat(r)["save_mode"] == "async"
+    digest = checkpoint.model_digest(TINY)
+    for step in range(EVERY, STEPS + 1, EVERY):
+        files = [checkpoint.read_manifest(run.ckpt_dir / f"step-{step}")["files"] for run in (blocking, slow, baseline)]
+        assert files[0] == files[1] == files[2], step
+        assert checkpoint.validate(slow.ckpt_dir / f"step-{step}", digest) == []
+    assert "checkpoint: 4 saves (async)" in slow.stdout(0) and "checkpoint: 4 saves (blocking)" in blocking.stdout(0)
+
+
 def test_other_split_same_dp_is_bit_identical(baseline, tmp_path):
     fresh = run_plan(tiny_plan([4, 2]), tmp_path / "fresh", steps=20)
     assert fresh.losses() == {s: baseline.losses()[s] for s in range(1, 21)}

@@ -84,15 +84,18 @@ def write_units(ckpt_dir: Path, step: int, snap: Snapshot, state: Mapping[str, A
     Args:
         snap: this rank's :func:`snapshot` (empty on replicas other than 0).
         state: the step's ``state.json`` record (rank 0 only), else None.
-        delay_s: test-only pause after the files are written and before they are
-            reported (``HETCTL_TEST_SAVE_DELAY``), so a test can kill the job while a
-            save is provably in flight.
+        delay_s: test-only (``HETCTL_TEST_SAVE_DELAY``): pause this long before
+            serializing (training goes on changing the live tensors meanwhile, which
+            the snapshot must not see) and again after the files are written, before
+            they are reported (a test kills the job while the save is provably in flight).
 
     Returns:
         The manifest entries ``{file: {"size", "sha256"}}`` of what was written.
     """
     d = manifest.step_dir(ckpt_dir, step)
     d.mkdir(parents=True, exist_ok=True)
+    if delay_s > 0:
+        time.sleep(delay_s)
     entries: dict[str, dict[str, Any]] = {}
     for name, payload in snap.items():
         buf = io.BytesIO()

@@ -45,6 +45,7 @@ class SaveStats:
     """What the saves of this rank cost; the final heartbeat and the rank log carry them.
 
     Attributes:
+        mode: ``async`` or ``blocking``.
         saves: checkpoints this rank took part in.
         stall_ms: per save, the time the training loop was held (snapshot, plus
             any wait for the previous save; the whole save when blocking).
@@ -52,6 +53,7 @@ class SaveStats:
         waits: saves that found the previous one still in flight.
     """
 
+    mode: str = "async"
     saves: int = 0
     stall_ms: list[float] = field(default_factory=list)
     write_ms: list[float] = field(default_factory=list)
@@ -62,7 +64,7 @@ class SaveStats:
         if not self.saves:
             return {}
         mean = lambda xs: round(sum(xs) / len(xs), 3) if xs else None  # noqa: E731
-        return {"saves": self.saves, "save_stall_ms": mean(self.stall_ms),
+        return {"saves": self.saves, "save_mode": self.mode, "save_stall_ms": mean(self.stall_ms),
                 "save_stall_max_ms": round(max(self.stall_ms), 3), "save_write_ms": mean(self.write_ms),
                 "save_waits": self.waits}
 
@@ -88,7 +90,7 @@ class Saver:
         self.dir, self.mode, self.rank, self.replica = ckpt_dir, mode, rank, replica
         self.num_layers, self.digest, self.group, self.log = num_layers, digest, group, log
         self.test_delay = test_delay
-        self.stats = SaveStats()
+        self.stats = SaveStats(mode)
         self._thread: threading.Thread | None = None
         self._step: int | None = None
         self._error: BaseException | None = None

@@ -55,10 +55,11 @@ def check_state(state: Mapping[str, Any], seed: int, global_batch: int, hyper: M
 def parse_test_delay(raw: str | None) -> tuple[int, float] | None:
     """``HETCTL_TEST_SAVE_DELAY=<step>:<seconds>``, test-only: the save of that step pauses in its writer.
 
-    The pause comes after the step's files are written and before they are reported
-    for the manifest (:func:`hetctl.train.ckpt.write_units`), so a test can kill a
-    job while a save is provably in flight. Unset (always, outside tests) it changes
-    nothing. Raises ValueError when malformed.
+    It pauses twice (:func:`hetctl.train.ckpt.write_units`): before serializing the
+    snapshot, while training goes on, and after the files are written, before the
+    manifest, so a test can check that a save writes the state of its own step and
+    can kill a job while a save is provably in flight. Unset (always, outside
+    tests) it changes nothing. Raises ValueError when malformed.
     """
     if not raw:
         return None
