@@ -132,12 +132,12 @@ class Saver:
         failure: BaseException | None = None
         try:
             part: dict[str, Any] = ckpt.write_units(self.dir, step, snap, state, delay)
-        except Exception as e:  # still join the gather below, so no peer waits for this rank forever
+        except Exception as e:  # noqa: BLE001 - any failure: still join the gather, so no peer waits forever
             failure, part = e, {ckpt.ERROR: f"rank {self.rank}: {e}"}
         try:
             ckpt.gather_and_commit(self.dir, step, part, rank=self.rank, num_layers=self.num_layers,
                                    digest=self.digest, meta=meta, group=self.group)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - handed to the training thread, which raises it
             failure = failure or e
         self.stats.write_ms.append((time.perf_counter() - t0) * 1000.0)
         if failure is not None:
