@@ -77,6 +77,24 @@ def snapshot(units: nn.ModuleDict, optimizer: torch.optim.Optimizer, reuse: Snap
     return out
 
 
+def host_buffers(units: nn.ModuleDict, optimizer: torch.optim.Optimizer) -> Snapshot:
+    """Zeroed host tensors shaped like a :func:`snapshot`, its pages already touched.
+
+    Made in the background before the first save, so that the first snapshot copies
+    into memory that exists instead of faulting in fresh pages while training waits.
+    Reads only shapes, never the values training is changing.
+    """
+    def zeros(v: Any) -> Any:
+        return torch.zeros(v.shape, dtype=v.dtype, device="cpu") if torch.is_tensor(v) else v
+
+    out: Snapshot = {}
+    for name, unit in units.items():
+        optim = {pname: {k: zeros(v) for k, v in optimizer.state[p].items()}
+                 for pname, p in unit.named_parameters() if optimizer.state.get(p)}
+        out[name] = {"params": {k: zeros(v) for k, v in unit.state_dict().items()}, "optim": optim}
+    return out
+
+
 def write_units(ckpt_dir: Path, step: int, snap: Snapshot, state: Mapping[str, Any] | None,
                 delay_s: float = 0.0) -> dict[str, dict[str, Any]]:
     """Serialize and durably write one rank's files of checkpoint ``step`` (each synced, then renamed).

@@ -183,6 +183,8 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
             loss = pipeline.train_step(module, topo, comm, batch, int(spec["hidden_size"]), seq, amp)
             comm.all_reduce_grads(units)
             optimizer.step()
+            if saver is not None and step == start + 1:
+                saver.prepare(units, optimizer)  # host buffers for the snapshots, made in the background
             if loss is not None:
                 loss_value = float(comm.all_reduce_loss(loss).item())
                 first_loss = loss_value if first_loss is None else first_loss

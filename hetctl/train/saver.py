@@ -11,7 +11,9 @@ does not exist (DESIGN §5) and resume takes the previous one.
 
 At most one save is in flight: the next save first waits for the previous one
 (the heartbeat's phase is ``checkpoint_wait`` meanwhile, and the rank log says how
-long it waited); the buffers of the finished snapshot are re-used. The save of
+long it waited); the buffers of the finished snapshot are re-used. One writer
+thread serves every save, started after the first step with the snapshot buffers
+allocated in advance, at a lower CPU priority than training. The save of
 the last step is waited for in :meth:`Saver.close` before the rank reports done.
 A failed background write is raised in the training thread at the next step
 (:meth:`Saver.check`), with its own traceback, so the controller reads a full disk
@@ -24,6 +26,8 @@ the same group, so ranks may even differ in mode.
 
 from __future__ import annotations
 
+import os
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -38,6 +42,20 @@ from hetctl.node import manifest
 from hetctl.train import ckpt
 
 MODES = ("async", "blocking")
+BACKGROUND_NICE = 10  # added to the writer thread's nice value: below training, far from starved
+
+
+def _background() -> None:
+    """Lower the calling thread's CPU priority (Linux: a thread has its own nice value).
+
+    The background write then uses the cores training leaves idle instead of
+    taking them from it; it still gets its share when cores are contended.
+    """
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + BACKGROUND_NICE))
+    except (AttributeError, OSError):
+        pass  # not Linux, or not allowed: the write runs at the rank's priority
 
 
 @dataclass
@@ -91,38 +109,72 @@ class Saver:
         self.num_layers, self.digest, self.group, self.log = num_layers, digest, group, log
         self.test_delay = test_delay
         self.stats = SaveStats(mode)
-        self._thread: threading.Thread | None = None
-        self._step: int | None = None
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._idle = threading.Event()  # set while no job is queued or running
+        self._idle.set()
+        self._worker: threading.Thread | None = None
+        self._step: int | None = None  # the step of the save in flight (None: none, or the buffers being made)
         self._error: BaseException | None = None
         self._spare: ckpt.Snapshot | None = None
+
+    def _submit(self, job: Callable[[], None], step: int | None) -> None:
+        """Queue ``job`` for the one background thread (started, and lowered in priority, on first use)."""
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._work, name="ckpt-writer", daemon=True)
+            self._worker.start()
+        self._idle.clear()
+        self._step = step
+        self._jobs.put(job)
+
+    def _work(self) -> None:
+        _background()
+        while (job := self._jobs.get()) is not None:
+            try:
+                job()
+            except Exception as e:  # noqa: BLE001 - the training thread raises it (check); the thread lives on
+                self._error = self._error or e
+            finally:
+                self._idle.set()
+
+    def prepare(self, units: nn.ModuleDict, optimizer: torch.optim.Optimizer) -> None:
+        """Start the writer thread and let it allocate the snapshot's host buffers (async mode).
+
+        Called after the first step, once AdamW has its state, so that the first save
+        costs a copy like every later one, not also fresh pages and a thread start.
+        """
+        if self.mode != "async" or self._worker is not None:
+            return
+
+        def make() -> None:
+            self._spare = ckpt.host_buffers(units, optimizer) if self.replica == 0 else None
+
+        self._submit(make, None)
 
     def save(self, step: int, units: nn.ModuleDict, optimizer: torch.optim.Optimizer, *,
              state: Mapping[str, Any], meta: Mapping[str, Any], on_wait: Callable[[], None] | None = None) -> None:
         """Take checkpoint ``step`` (collective: every rank calls it at the same step)."""
         t0 = time.perf_counter()
-        if self._thread is not None and self._thread.is_alive():
+        if not self._idle.is_set() and self._step is not None:
             self.stats.waits += 1
             if on_wait is not None:
                 on_wait()
             waited_for = self._step
-            self._join()
+            self._wait()
             self.log(f"checkpoint: step {step} waited {time.perf_counter() - t0:.3f} s for the save of step "
                      f"{waited_for} to finish (one save in flight at most)")
         else:
-            self._join()
+            self._wait()
         if self.rank == 0:
             # A manifest left by an earlier attempt must not vouch for files being rewritten.
             (manifest.step_dir(self.dir, step) / manifest.MANIFEST).unlink(missing_ok=True)
         copy = self.mode == "async"
         snap = ckpt.snapshot(units, optimizer, reuse=self._spare, copy=copy) if self.replica == 0 else {}
         self._spare = None
-        job = (step, snap, dict(state) if self.rank == 0 else None, dict(meta))
+        args = (step, snap, dict(state) if self.rank == 0 else None, dict(meta))
         if self.mode == "blocking":
-            self._write(*job, raise_error=True)
+            self._write(*args, raise_error=True)
         else:
-            self._step = step
-            self._thread = threading.Thread(target=self._write, args=job, name=f"ckpt-save-{step}", daemon=True)
-            self._thread.start()
+            self._submit(lambda: self._write(*args), step)
         self.stats.saves += 1
         self.stats.stall_ms.append((time.perf_counter() - t0) * 1000.0)
 
@@ -147,10 +199,9 @@ class Saver:
         elif not raise_error:
             self._spare = snap  # its buffers are free now: the next snapshot copies into them
 
-    def _join(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+    def _wait(self) -> None:
+        self._idle.wait()
+        self._step = None
         self.check()
 
     def check(self) -> None:
@@ -161,16 +212,20 @@ class Saver:
 
     def close(self, on_wait: Callable[[], None] | None = None) -> dict[str, Any]:
         """Wait for the save in flight (the last step's), then return :meth:`SaveStats.summary`."""
-        if self._thread is not None and self._thread.is_alive():
+        if not self._idle.is_set() and self._step is not None:
             if on_wait is not None:
                 on_wait()
             t0 = time.perf_counter()
             step = self._step
-            self._join()
+            self._wait()
             self.log(f"checkpoint: waited {time.perf_counter() - t0:.3f} s for the save of step {step} "
                      "before finishing")
         else:
-            self._join()
+            self._wait()
+        if self._worker is not None:
+            self._jobs.put(None)
+            self._worker.join()
+            self._worker = None
         s = self.stats.summary()
         if s:
             self.log(f"checkpoint: {s['saves']} saves ({self.mode}), training held {s['save_stall_ms']:.1f} ms "
