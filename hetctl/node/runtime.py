@@ -48,6 +48,8 @@ TRAIN_ENV: dict[str, str] = {
     "HETCTL_RESUME_STEP": "checkpoint step to resume from; empty or 0 starts from scratch",
     "HETCTL_STEPS": "default for the trainer's --steps (total optimizer steps of the run)",
     "HETCTL_CKPT_EVERY": "default for the trainer's --checkpoint-every (0 writes none)",
+    "HETCTL_SAVE_MODE": "default for the trainer's --save-mode: async (training waits only for a copy in host "
+    "memory) or blocking",
 }
 
 
@@ -68,8 +70,9 @@ class Heartbeat:
         step_ms: wall time of the step.
         compute_ms: the step's time minus the time spent waiting on pipeline peers
             (what the straggler check compares against the plan).
-        phase: None while stepping; ``ready`` (before step 1), ``checkpoint`` (writing
-            one), ``finishing`` (after the last step): a new phase counts as liveness.
+        phase: None while stepping; ``ready`` (before step 1), ``checkpoint`` (taking
+            one), ``checkpoint_wait`` (waiting for the previous save still being written),
+            ``finishing`` (after the last step): a new phase counts as liveness.
         stage, replica: the writer's place in the plan.
         first_loss: the run's first loss (final record of the last stage).
         tokens_per_s: the trainer's own throughput over its steady steps (final record).

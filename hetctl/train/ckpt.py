@@ -9,15 +9,19 @@ the data position; the trainer's randomness is counter-based (initial weights
 from ``(seed, unit)``, data from ``(seed, step, sample)``), so seed and step are
 its whole RNG state and no per-rank generator state is needed.
 
-Replica 0 of every stage writes its units; rank 0 gathers every writer's file
-sizes and hashes, checks that all units are there, and writes the manifest
-last (:func:`hetctl.node.manifest.write_manifest`).
+A save has three parts (:mod:`hetctl.train.saver` runs them): :func:`snapshot`
+copies the state to host memory (the only part training waits for when saves are
+asynchronous); :func:`write_units` serializes and writes replica 0's units of
+every stage, each file synced; :func:`gather_and_commit` gathers every writer's
+file sizes and hashes on rank 0, checks that all units are there, and writes the
+manifest last (:func:`hetctl.node.manifest.write_manifest`).
 """
 
 from __future__ import annotations
 
 import io
 import json
+import time
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -29,66 +33,128 @@ from hetctl.errors import HetctlError
 from hetctl.node import manifest
 from hetctl.train.units import STATE, expected_files
 
-
-def _unit_payload(unit: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    optim = {}
-    for pname, p in unit.named_parameters():
-        state = optimizer.state.get(p)
-        if state:
-            optim[pname] = {k: (v.detach().cpu() if torch.is_tensor(v) else v) for k, v in state.items()}
-    return {"params": {k: v.detach().cpu() for k, v in unit.state_dict().items()}, "optim": optim}
+# The key a rank's gathered part carries instead of entries when its write failed.
+ERROR = "__error__"
 
 
-def save(
-    ckpt_dir: Path,
-    step: int,
-    units: nn.ModuleDict,
-    optimizer: torch.optim.Optimizer,
-    *,
-    rank: int,
-    replica: int,
-    num_layers: int,
-    digest: str,
-    state: Mapping[str, Any],
-    meta: Mapping[str, Any],
-    group: dist.ProcessGroup | None,
-) -> Path | None:
-    """Write this rank's part of checkpoint ``step``; rank 0 then writes the manifest.
+Snapshot = dict[str, dict[str, Any]]
 
-    Collective over ``group`` (every rank must call it at the same step).
+
+def _host_copy(v: Any, old: Any, copy: bool = True) -> Any:
+    """``v`` copied to host memory, into ``old`` when it is a host tensor of the same shape (no new pages)."""
+    if not torch.is_tensor(v):
+        return v
+    v = v.detach()
+    if not copy:
+        return v.cpu()
+    if torch.is_tensor(old) and old.shape == v.shape and old.dtype == v.dtype and old.device.type == "cpu":
+        return old.copy_(v)
+    return v.to("cpu", copy=True)
+
+
+def snapshot(units: nn.ModuleDict, optimizer: torch.optim.Optimizer, reuse: Snapshot | None = None,
+             copy: bool = True) -> Snapshot:
+    """A copy of every unit's weights and AdamW state in host memory, ``{unit: {"params", "optim"}}``.
+
+    A copy even for CPU tensors, so that training may go on changing them in place
+    while a background thread writes the copy. ``reuse`` is an earlier snapshot whose
+    write has finished: its buffers are overwritten instead of allocating new ones.
+    ``copy=False`` (a blocking save, written before training resumes) copies only
+    what is not already in host memory.
+    """
+    out: Snapshot = {}
+    for name, unit in units.items():
+        old = (reuse or {}).get(name, {})
+        old_params, old_optim = old.get("params", {}), old.get("optim", {})
+        optim = {}
+        for pname, p in unit.named_parameters():
+            state = optimizer.state.get(p)
+            if state:
+                prev = old_optim.get(pname, {})
+                optim[pname] = {k: _host_copy(v, prev.get(k), copy) for k, v in state.items()}
+        params = {k: _host_copy(v, old_params.get(k), copy) for k, v in unit.state_dict().items()}
+        out[name] = {"params": params, "optim": optim}
+    return out
+
+
+def host_buffers(units: nn.ModuleDict, optimizer: torch.optim.Optimizer) -> Snapshot:
+    """Zeroed host tensors shaped like a :func:`snapshot`, its pages already touched.
+
+    Made in the background before the first save, so that the first snapshot copies
+    into memory that exists instead of faulting in fresh pages while training waits.
+    Reads only shapes, never the values training is changing.
+    """
+    def zeros(v: Any) -> Any:
+        return torch.zeros(v.shape, dtype=v.dtype, device="cpu") if torch.is_tensor(v) else v
+
+    out: Snapshot = {}
+    for name, unit in units.items():
+        optim = {pname: {k: zeros(v) for k, v in optimizer.state[p].items()}
+                 for pname, p in unit.named_parameters() if optimizer.state.get(p)}
+        out[name] = {"params": {k: zeros(v) for k, v in unit.state_dict().items()}, "optim": optim}
+    return out
+
+
+def write_units(ckpt_dir: Path, step: int, snap: Snapshot, state: Mapping[str, Any] | None,
+                delay_s: float = 0.0) -> dict[str, dict[str, Any]]:
+    """Serialize and durably write one rank's files of checkpoint ``step`` (each synced, then renamed).
+
+    Args:
+        snap: this rank's :func:`snapshot` (empty on replicas other than 0).
+        state: the step's ``state.json`` record (rank 0 only), else None.
+        delay_s: test-only (``HETCTL_TEST_SAVE_DELAY``): pause this long before
+            serializing (training goes on changing the live tensors meanwhile, which
+            the snapshot must not see) and again after the files are written, before
+            they are reported (a test kills the job while the save is provably in flight).
 
     Returns:
-        The manifest path on rank 0, None on the other ranks.
+        The manifest entries ``{file: {"size", "sha256"}}`` of what was written.
     """
     d = manifest.step_dir(ckpt_dir, step)
     d.mkdir(parents=True, exist_ok=True)
-    if rank == 0:
-        # A manifest left by an earlier attempt must not vouch for files being rewritten.
-        (d / manifest.MANIFEST).unlink(missing_ok=True)
+    if delay_s > 0:
+        time.sleep(delay_s)
     entries: dict[str, dict[str, Any]] = {}
-    if replica == 0:
-        for name, unit in units.items():
-            buf = io.BytesIO()
-            torch.save(_unit_payload(unit, optimizer), buf)
-            data = buf.getvalue()
-            manifest.write_atomic(d / f"{name}.pt", data)
-            entries[f"{name}.pt"] = manifest.file_entry(data)
-    if rank == 0:
+    for name, payload in snap.items():
+        buf = io.BytesIO()
+        torch.save(payload, buf)
+        data = buf.getvalue()
+        manifest.write_atomic(d / f"{name}.pt", data)
+        entries[f"{name}.pt"] = manifest.file_entry(data)
+    if state is not None:
         data = json.dumps(dict(state), indent=1).encode()
         manifest.write_atomic(d / STATE, data)
         entries[STATE] = manifest.file_entry(data)
-    gathered: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
-    dist.gather_object(entries, gathered, dst=0, group=group)
+    if delay_s > 0:
+        time.sleep(delay_s)
+    return entries
+
+
+def gather_and_commit(ckpt_dir: Path, step: int, part: Mapping[str, Any], *, rank: int, num_layers: int,
+                      digest: str, meta: Mapping[str, Any], group: dist.ProcessGroup | None) -> Path | None:
+    """Collect every rank's entries on rank 0 and write the manifest last, making the step exist.
+
+    Collective over ``group``. ``part`` is a rank's entries, or ``{ERROR: text}`` when its
+    write failed: every rank still takes part, so no peer waits forever, and rank 0
+    then writes no manifest (the step does not exist) and returns None.
+
+    Returns:
+        The manifest path on rank 0 when the step is complete, None otherwise.
+    """
+    gathered: list[Any] | None = [None] * dist.get_world_size(group) if rank == 0 else None
+    dist.gather_object(dict(part), gathered, dst=0, group=group)
     if rank != 0:
         return None
     files: dict[str, dict[str, Any]] = {}
-    for part in gathered or []:
-        files.update(part or {})
+    for part_of_rank in gathered or []:
+        if ERROR in (part_of_rank or {}):
+            return None
+        files.update(part_of_rank or {})
     missing = expected_files(num_layers) - set(files)
     if missing:
         raise HetctlError(f"checkpoint step {step} lacks {', '.join(sorted(missing))}: the plan's stages do not "
                           "cover the model's layers", "re-plan (`hetctl plan`) so that every layer has a stage")
-    return manifest.write_manifest(d, step, digest, files=files, meta=meta)
+    return manifest.write_manifest(manifest.step_dir(ckpt_dir, step), step, digest, files=files, meta=meta)
 
 
 def load(blobs: Mapping[str, bytes], units: nn.ModuleDict, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

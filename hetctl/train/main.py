@@ -24,6 +24,7 @@ import time
 
 from hetctl.errors import HetctlError
 from hetctl.node.runtime import RankContext, load_plan
+from hetctl.train.units import parse_test_delay
 from hetctl.vendors import VENDOR_TABLE
 
 # The torch plugin that registers each device type (the vendor table's), imported only on that vendor's nodes.
@@ -37,6 +38,9 @@ def parse_args(argv: list[str] | None, env: os._Environ | dict) -> argparse.Name
                     help="total optimizer steps of the run (default $HETCTL_STEPS)")
     ap.add_argument("--checkpoint-every", type=int, default=int(env.get("HETCTL_CKPT_EVERY") or 0),
                     help="write a checkpoint every K steps; 0 writes none (default $HETCTL_CKPT_EVERY)")
+    ap.add_argument("--save-mode", choices=("async", "blocking"), default=env.get("HETCTL_SAVE_MODE") or "async",
+                    help="async: training waits only for a host-memory copy, a background thread writes it; "
+                    "blocking: training waits for the whole write (default $HETCTL_SAVE_MODE or async)")
     ap.add_argument("--seed", type=int, default=1234, help="seed of weights and data (default 1234)")
     ap.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
     ap.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0)")
@@ -44,6 +48,10 @@ def parse_args(argv: list[str] | None, env: os._Environ | dict) -> argparse.Name
     ap.add_argument("--comm-timeout", type=float, default=300.0,
                     help="seconds a collective or receive may wait before the rank fails (default 300)")
     args = ap.parse_args(argv)
+    try:
+        args.test_save_delay = parse_test_delay(env.get("HETCTL_TEST_SAVE_DELAY"))
+    except ValueError:
+        ap.error("HETCTL_TEST_SAVE_DELAY (test-only) must be <step>:<seconds>")
     if not args.steps or args.steps < 1:
         ap.error("--steps (or HETCTL_STEPS) must be a positive number of steps")
     if args.checkpoint_every < 0:
@@ -115,6 +123,7 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
     import torch.distributed as dist
 
     from hetctl.train import ckpt, data, pipeline
+    from hetctl.train.saver import Saver
     from hetctl.train.model import StageModule, build_units
 
     torch.set_num_threads(args.threads)
@@ -138,6 +147,8 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
                                                    backend="gloo" if lib == "gloo" else None)
                 if topo.rank in members:
                     groups[name] = (made[members], lib)
+        # The saves gather on a group of their own, so a background save never interleaves with training's.
+        save_group = dist.new_group(backend="gloo", timeout=timeout) if args.checkpoint_every else None
 
         units = build_units(spec, topo.layers, topo.is_first, topo.is_last, args.seed)
         units.to(device)
@@ -151,6 +162,9 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
             ckpt.load(blobs, units, optimizer)
             del blobs
 
+        saver = Saver(ctx.ckpt_dir, args.save_mode, rank=ctx.rank, replica=topo.replica, num_layers=topo.num_layers,
+                      digest=digest, group=save_group, log=lambda line: print(line, flush=True),
+                      test_delay=args.test_save_delay) if args.checkpoint_every else None
         comm = pipeline.Comm(topo, device, groups)
         amp = functools.partial(pipeline.autocast, device, topo.precision)
         seq, vocab = int(spec["seq_len"]), int(spec["vocab_size"])
@@ -173,6 +187,8 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
             loss = pipeline.train_step(module, topo, comm, batch, int(spec["hidden_size"]), seq, amp)
             comm.all_reduce_grads(units)
             optimizer.step()
+            if saver is not None and step == start + 1:
+                saver.prepare(units, optimizer)  # host buffers for the snapshots, made in the background
             if loss is not None:
                 loss_value = float(comm.all_reduce_loss(loss).item())
                 first_loss = loss_value if first_loss is None else first_loss
@@ -183,7 +199,9 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
             if topo.is_last:
                 print(f"step={step} loss={loss_value:.9g} step_ms={ms:.1f}", flush=True)
             ctx.heartbeat(step, **last_metrics, **timing, **role)
-            if args.checkpoint_every and step % args.checkpoint_every == 0:
+            if saver is not None:
+                saver.check()  # a background save that failed ends the rank here, with its own error
+            if saver is not None and step % args.checkpoint_every == 0:
                 ctx.heartbeat(step, phase="checkpoint", **last_metrics, **timing, **role)  # slow disks are not hangs
                 state = {
                     "step": step,
@@ -196,11 +214,15 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
                 }
                 meta = {"seed": args.seed, "run_id": ctx.run_id, "attempt": ctx.attempt,
                         "pp": topo.pp, "dp": topo.dp, "global_batch": topo.global_batch}
-                ckpt.save(ctx.ckpt_dir, step, units, optimizer, rank=ctx.rank, replica=topo.replica,
-                          num_layers=topo.num_layers, digest=digest, state=state, meta=meta, group=ctrl)
+                waiting = functools.partial(ctx.heartbeat, step, phase="checkpoint_wait", **last_metrics, **timing,
+                                            **role)
+                saver.save(step, units, optimizer, state=state, meta=meta, on_wait=waiting)
 
         steady = step_times[1:] or step_times
         final = {"done": True, "steps": args.steps, **role}
+        if saver is not None:  # the last save must be on disk, manifest and all, before the rank reports done
+            final.update(saver.close(on_wait=functools.partial(ctx.heartbeat, args.steps, phase="checkpoint_wait",
+                                                               **role)))
         if steady:
             mean_ms = sum(steady) / len(steady)
             final.update(step_ms=round(mean_ms, 3), tokens_per_s=round(topo.global_batch * seq / (mean_ms / 1000), 1))

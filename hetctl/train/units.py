@@ -50,3 +50,20 @@ def check_state(state: Mapping[str, Any], seed: int, global_batch: int, hyper: M
     if state.get("optimizer") != dict(hyper):
         print(f"warning: checkpoint {where} used optimizer settings {state.get('optimizer')}, "
               f"continuing with {dict(hyper)}", file=sys.stderr)
+
+
+def parse_test_delay(raw: str | None) -> tuple[int, float] | None:
+    """``HETCTL_TEST_SAVE_DELAY=<step>:<seconds>``, test-only: the save of that step pauses in its writer.
+
+    It pauses twice (:func:`hetctl.train.ckpt.write_units`): before serializing the
+    snapshot, while training goes on, and after the files are written, before the
+    manifest, so a test can check that a save writes the state of its own step and
+    can kill a job while a save is provably in flight. Unset (always, outside
+    tests) it changes nothing. Raises ValueError when malformed.
+    """
+    if not raw:
+        return None
+    step, sep, seconds = raw.partition(":")
+    if not sep:
+        raise ValueError(raw)
+    return int(step), float(seconds)
