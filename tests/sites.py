@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import yaml
@@ -55,3 +56,17 @@ def local_site(d: Path) -> Path:
     _, cluster = demo.probe_nodes(inv)
     demo.plan_tiny(d, cluster)
     return d
+
+
+def wait_while_running(proc: subprocess.Popen, fn, what: str, timeout: float):
+    """Poll ``fn()`` until it is truthy and return it; fail when ``proc`` (a launch) ends first or time runs out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = fn()
+        if v:
+            return v
+        if proc.poll() is not None:
+            raise AssertionError(f"launch ended before {what}: {proc.communicate()}")
+        time.sleep(0.05)
+    proc.kill()
+    raise AssertionError(f"no {what} within {timeout} s")

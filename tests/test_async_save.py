@@ -28,7 +28,7 @@ from hetctl.node import manifest
 from hetctl.node.runtime import read_heartbeat
 from hetctl.train.units import expected_files
 from tests.sites import local_cli as cli
-from tests.sites import local_site
+from tests.sites import local_site, wait_while_running
 
 pytestmark = pytest.mark.e2e
 
@@ -90,16 +90,7 @@ class Background:
         self.ckpt = site / "checkpoints" / self.run_id
 
     def wait(self, fn, what: str, timeout: float = 180.0):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            v = fn()
-            if v:
-                return v
-            if self.proc.poll() is not None:
-                raise AssertionError(f"launch ended before {what}: {self.proc.communicate()}")
-            time.sleep(0.05)
-        self.proc.kill()
-        raise AssertionError(f"no {what} within {timeout} s")
+        return wait_while_running(self.proc, fn, what, timeout)
 
     def trained_past(self, step: int) -> bool:
         beats = (read_heartbeat(p) for p in self.site.glob(f"nodes/*/runs/{self.run_id}/0/hb/rank-*.json"))

@@ -108,7 +108,7 @@ from hetctl.files.plan import Plan  # noqa: E402
 from hetctl.files.events import read_events  # noqa: E402
 from hetctl.launch.inject import rank_procs, signal_rank  # noqa: E402
 from hetctl.files.yamlio import load_model  # noqa: E402
-from tests.sites import env_of, hetctl, probed_site  # noqa: E402
+from tests.sites import env_of, hetctl, probed_site, wait_while_running  # noqa: E402
 from tests.sshd import SshdCluster  # noqa: E402
 
 e2e = pytest.mark.sshd
@@ -149,16 +149,7 @@ class Launch:
         self.ckpt = self.d / "shared-ckpt" / self.run_id
 
     def _wait(self, fn, what: str, timeout: float = 120):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            v = fn()
-            if v:
-                return v
-            if self.proc.poll() is not None:
-                raise AssertionError(f"launch ended before {what}: {self.proc.communicate()}")
-            time.sleep(0.05)
-        self.proc.kill()
-        raise AssertionError(f"no {what} within {timeout} s")
+        return wait_while_running(self.proc, fn, what, timeout)
 
     def wait_checkpoint(self, step: int) -> None:
         self._wait(lambda: ckpt.latest_valid(self.ckpt) is not None and ckpt.latest_valid(self.ckpt)[0] >= step,

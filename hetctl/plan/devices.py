@@ -132,10 +132,6 @@ class ProfileUse:
 
 def chip_precision(chip: Chip) -> str:
     """The precision a chip trains in: bf16 where it has it, else fp16, else fp32 (CPUs train in fp32)."""
-    return _precision(chip)
-
-
-def _precision(chip: Chip) -> str:
     info = vendor_info(chip.vendor)
     if info.default_precision == "fp32":
         return "fp32"
@@ -159,7 +155,7 @@ def chip_rate(node: NodeFacts, chip: Chip, use: ProfileUse | None = None) -> tup
     Raises:
         ConfigError: no figure at all for this chip.
     """
-    prec = _precision(chip)
+    prec = chip_precision(chip)
     # The user's explicit figure wins over everything we found, then the layer
     # profile at this shape, then the matmul measurement, then the datasheet peak.
     if node.tflops_override:

@@ -173,11 +173,10 @@ class ProfileShape:
     micro_batch: int = 1
 
 
-def profile_precision(vendor: str, chip: Chip) -> str:
-    """The precision the planner will train this chip in (as :mod:`hetctl.plan.devices` picks it)."""
-    from hetctl.plan.devices import chip_precision
-
-    return chip_precision(chip)
+def _first_main_chip(facts: NodeFacts) -> Chip | None:
+    """The node's first chip of its main vendor (the one the benchmark and the profile run on)."""
+    vendor = main_vendor(facts.chips)
+    return min((c for c in facts.chips if c.vendor == vendor), key=lambda c: c.index, default=None)
 
 
 def profile_request(facts: NodeFacts, shape: ProfileShape) -> dict[str, Any] | None:
@@ -185,9 +184,10 @@ def profile_request(facts: NodeFacts, shape: ProfileShape) -> dict[str, Any] | N
     bench = bench_request(facts)
     if bench is None:
         return None
-    vendor = main_vendor(facts.chips)
-    first = min((c for c in facts.chips if c.vendor == vendor), key=lambda c: c.index, default=None)
-    precision = profile_precision(vendor, first) if first is not None else "fp32"
+    from hetctl.plan.devices import chip_precision  # the precision the planner will train the chip in
+
+    first = _first_main_chip(facts)
+    precision = chip_precision(first) if first is not None else "fp32"
     return {"device_type": bench["device_type"], "plugin": bench.get("plugin"), "precision": precision,
             "budget_s": 2.0, "micro_batch": shape.micro_batch, "spec": dict(shape.spec)}
 
@@ -210,9 +210,8 @@ def apply_profile(facts: NodeFacts, request: Mapping[str, Any], report: Mapping[
         )
     except ValidationError:
         return facts.model_copy(update={"bench_error": f"layer profile: unusable figures {dict(figures)}"})
-    vendor = main_vendor(facts.chips)
-    first = min((c for c in facts.chips if c.vendor == vendor), key=lambda c: c.index, default=None)
-    if first is None:  # a CPU-only node: the CPU is its one chip
+    first = _first_main_chip(facts)
+    if first is None:  # no chip listed: nothing to attach the profile to
         return facts
     chips = [c.model_copy(update={"profile": prof}) if (c.vendor, c.model) == (first.vendor, first.model) else c
              for c in facts.chips]
