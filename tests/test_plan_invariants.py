@@ -210,6 +210,28 @@ def test_model_too_big_names_stage_chip_and_memory():
     assert "--micro-batch" in e.value.hint and e.value.exit_code == 4
 
 
+def _wide(hidden: int) -> ModelSpec:
+    return ModelSpec(name="wide", num_layers=4, hidden_size=hidden, ffn_hidden_size=4 * hidden, num_attention_heads=64,
+                     num_query_groups=8, vocab_size=32000, seq_len=4096, swiglu=True)
+
+
+def test_infeasible_without_tp_names_the_frameworks_and_degrees_that_fit():
+    # One 40 GB chip cannot hold a layer of hidden 12288 with its optimizer state; eight
+    # chips in tensor parallelism can. The reference trainer has no TP, so the error must
+    # say which frameworks fit, at which degrees (the planner's own answer for them).
+    one = Cluster(nodes=[node("a", "nvidia", "NVIDIA A100-SXM4-40GB", 8, 40.0, 312.0, 312.0)])
+    with pytest.raises(PlanInfeasible) as e:
+        plan_cluster(one, _wide(12288), global_batch=16, framework="hetctl")
+    assert "--framework hetctl has no tensor parallelism" in e.value.message
+    mega = plan_cluster(one, _wide(12288), global_batch=16, framework="megatron").parallel
+    assert f"--framework megatron fits it as pp {mega.pp} × dp {mega.dp}, tp {mega.tp}" in e.value.hint
+    assert mega.tp > 1 and "--micro-batch" in e.value.hint
+    # Where no framework fits, nothing is suggested.
+    with pytest.raises(PlanInfeasible) as e:
+        plan_cluster(one, _wide(16384), global_batch=16, framework="hetctl")
+    assert "--framework" not in e.value.hint
+
+
 def test_chip_without_tflops_names_node_and_chip():
     c = Cluster(nodes=[node("mx-1", "metax", "MetaX C550", 2, 64.0, None, None)])
     with pytest.raises(ConfigError) as e:

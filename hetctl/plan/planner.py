@@ -91,7 +91,8 @@ def plan_cluster(
     work = Workload(cost=cost, micro_batch=micro_batch, global_batch=gb)
     found = Searcher(devices.kinds, spec, work, framework, pins).run()
     if found.best is None:
-        raise _infeasible(found, pins, work, spec, devices)
+        raise _with_other_frameworks(_infeasible(found, pins, work, spec, devices), found, devices, spec, work,
+                                     framework, pins)
     lay = found.best
     notes = [WARNING + n for n in devices.notes]
     free = lay
@@ -182,6 +183,38 @@ def _shape(lay: Layout) -> str:
 
 def _pins(pins: Pins) -> str:
     return ", ".join(f"--{k} {v}" for k, v in (("pp", pins.pp), ("dp", pins.dp), ("tp", pins.tp)) if v is not None)
+
+
+def _with_other_frameworks(err: PlanInfeasible, found: Found, devices: Devices, spec: ModelSpec,
+                           work: Workload, framework: str, pins: Pins) -> PlanInfeasible:
+    """Name the frameworks whose parallelism fits where ``framework``'s does not (memory misses only).
+
+    The reference trainer has no tensor parallelism, so a model that fits only when its
+    layers are split across chips is "no plan fits" for it; the user should learn that
+    ``--framework megatron`` (say) holds it, and at which degrees.
+    """
+    if found.miss is None:
+        return err
+    mine = capability(framework).tp
+    fits = []
+    for other in FRAMEWORKS:
+        if other == framework or capability(other).tp == mine or any(capability(f).tp == capability(other).tp
+                                                                     for f, _ in fits):
+            continue
+        best = Searcher(devices.kinds, spec, work, other, pins, keep=1).run(False).best
+        if best is not None:
+            fits.append((other, best))
+    if not fits:
+        return err
+    alt = "; ".join(f"--framework {f} fits it as {_shape(b)}" for f, b in fits)
+    return PlanInfeasible(f"{err.message}; --framework {framework} {_TP_WORDS[mine]}", f"{alt}; or {err.hint}")
+
+
+_TP_WORDS = {
+    "none": "has no tensor parallelism",
+    "uniform": "gives every stage one tensor-parallel degree",
+    "any": "may give each stage its own tensor-parallel degree",
+}
 
 
 def _infeasible(found: Found, pins: Pins, work: Workload, spec: ModelSpec, devices: Devices) -> PlanInfeasible:
