@@ -79,6 +79,8 @@ CASES = (
          about="16 × 8 NVIDIA H800 and 80 × 8 Ascend 910B3, 8 × 200 Gb/s rails per node"),
     Case("six-vendors-4096", "llama2-70b", (1024, 8192),
          about="H100 1024, Ascend 910B2 1024, MetaX C500 512, MTT S4000 512, Hygon K100-AI 512, MLU590 512"),
+    Case("six-vendors-10240", "llama2-70b", (2048,),
+         about="the six-vendor mix at 10,240 chips (2.5x each type): the plan-time case (goal <= 2 s)"),
     Case("memory-tight", "llama2-70b", (256,),
          about="4 × 8 RTX 4090 (165 TF, 24 GB) and 4 × 8 Hygon K100 (100 TF fp16, 64 GB)"),
 )
@@ -137,6 +139,14 @@ def write_clusters() -> None:
         ("mt", 64, "mthreads", "MTT S4000", 48.0, 100.0, 100.0, 200, None),
         ("dcu", 64, "hygon", "K100_AI", 63.98, 196.0, 196.0, 200, None),
         ("mlu", 64, "cambricon", "MLU590", 80.0, 314.0, 314.0, 200, None),
+    ])
+    _write(CLUSTERS / "six-vendors-10240.yaml", "10240 accelerators of six vendors (the 4096 mix, 2.5x).", [
+        ("h100", 320, "nvidia", "NVIDIA H100 80GB HBM3", 79.6, 989.4, 989.4, 200, None),
+        ("npu", 320, "ascend", "910B2", 64.0, 376.0, 376.0, 200, None),
+        ("mx", 160, "metax", "MetaX C500", 64.0, 280.0, 280.0, 200, None),
+        ("mt", 160, "mthreads", "MTT S4000", 48.0, 100.0, 100.0, 200, None),
+        ("dcu", 160, "hygon", "K100_AI", 63.98, 196.0, 196.0, 200, None),
+        ("mlu", 160, "cambricon", "MLU590", 80.0, 314.0, 314.0, 200, None),
     ])
     _write(CLUSTERS / "memory-tight.yaml", "Fast chips with little memory (RTX 4090, 24 GB) beside slower ones "
            "with more (Hygon K100, 64 GB, no bf16).", [
