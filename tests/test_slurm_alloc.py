@@ -170,3 +170,29 @@ def test_a_stopped_run_releases_its_job_and_resume_reuses_one_still_running(outs
     assert f"slurm: using job {job} again" in r.stderr and "slurm: asking for an allocation" not in r.stderr
     assert json.loads(r.stdout)["state"] == "succeeded"
     assert job_state(c, job) == "CANCELLED" and hetctl_jobs(c) == []
+
+
+@e2e
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_a_pending_request_is_revoked_when_hetctl_is_stopped_or_killed(outside_site, sig):
+    # Every node busy, so hetctl's salloc pends; then `kill` (or kill -9) of hetctl. The
+    # request must go with it: a job granted later would hold nodes with nobody to release it.
+    import subprocess
+    import sys
+
+    c, d, outside, plan_nodes = outside_site
+    blocker = allocate(c, "-N3", "--exclusive")
+    proc = subprocess.Popen([sys.executable, "-m", "hetctl", "launch", "plan", "-i", "ask.yaml", "--steps", "2"],
+                            cwd=d, env=outside, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: hetctl_jobs(c), 60, "hetctl's pending request")
+        assert [job_state(c, j) for j in hetctl_jobs(c)] == ["PENDING"]
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+        wait_for(lambda: not hetctl_jobs(c), 30, "the pending request revoked")
+        if sig == signal.SIGTERM:
+            assert proc.returncode == 130 and "Traceback" not in err, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        c.client("scancel", blocker)

@@ -59,8 +59,8 @@ DEFAULT_GRACE_S = 5.0
 PR_SET_PDEATHSIG = 1
 
 
-def _death_signal_hook():
-    """A preexec_fn that makes the child die with this thread (Linux), or None elsewhere.
+def _death_signal_hook(sig: int = int(signal.SIGKILL)):
+    """A preexec_fn that makes the child get ``sig`` when this thread dies (Linux), or None elsewhere.
 
     The libc function is resolved here, before any fork, so the child only makes
     one foreign call between fork and exec. The parent-pid check closes the race
@@ -75,7 +75,6 @@ def _death_signal_hook():
     except (OSError, AttributeError):  # pragma: no cover - non-glibc oddities
         return None
     parent = os.getpid()
-    sig = int(signal.SIGKILL)
 
     def hook() -> None:
         prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)

@@ -30,6 +30,7 @@ import contextlib
 import contextvars
 import queue
 import re
+import signal
 import subprocess
 import threading
 import time
@@ -88,15 +89,20 @@ def allocate(s, nodelist: Sequence[str] = (), count: int = 0, progress: Progress
     salloc = slurmq.client("salloc")
     argv = salloc_argv(s, nodelist, count)
     progress("slurm: asking for an allocation: " + " ".join(argv))
+    from hetctl.node.agent import _death_signal_hook
+
     try:
-        proc = subprocess.Popen([salloc, *argv[1:]], stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        # SIGTERM to salloc when hetctl dies, even by SIGKILL: salloc then revokes its pending request.
+        proc = subprocess.Popen([salloc, *argv[1:]], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True,
+                                preexec_fn=_death_signal_hook(int(signal.SIGTERM)))
     except OSError as e:
         raise HetctlError(f"cannot run salloc: {e.strerror}") from None
     lines: queue.SimpleQueue = queue.SimpleQueue()
     threading.Thread(target=_lines, args=(proc.stdout, lines), daemon=True, name="salloc").start()
     job, said, errors = None, [], []
     t0 = note = clock()
+    restore = _sigterm_interrupts()
     try:
         while True:
             try:
@@ -121,6 +127,8 @@ def allocate(s, nodelist: Sequence[str] = (), count: int = 0, progress: Progress
         if job:
             release(job)
         raise
+    finally:
+        restore()
     if code != 0 or job is None or not any("Granted job allocation" in ln for ln in said):
         why = errors[-1] if errors else (said[-1] if said else f"exit code {code}")
         if job:
@@ -129,6 +137,24 @@ def allocate(s, nodelist: Sequence[str] = (), count: int = 0, progress: Progress
                           "check the request against `sinfo -s` or relax slurm: in the inventory")
     progress(f"slurm: granted job {job} after {clock() - t0:.1f} s")
     return job
+
+
+def _sigterm_interrupts() -> Callable[[], None]:
+    """While salloc waits, SIGTERM to hetctl interrupts the wait like Ctrl-C; returns the undo.
+
+    Without it a ``kill`` of a pending ``hetctl launch`` ends hetctl before anything
+    cancels the request, and the job is granted later with nobody to use or release it.
+    Only in the main thread (elsewhere signal handlers cannot be set; the death signal
+    still covers it).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def handler(signum: int, frame) -> None:
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, handler)
+    return lambda: signal.signal(signal.SIGTERM, old)
 
 
 def alive(job: str) -> bool:
