@@ -30,6 +30,7 @@ in the plain simulation. On equal stages the bubble is the textbook
 from __future__ import annotations
 
 from functools import lru_cache
+from itertools import accumulate
 from typing import Sequence
 
 from hetctl.plan.simulate import BWD, FWD, SimResult
@@ -217,21 +218,24 @@ def peak_in_flight(rank: int, stages: int, chunked: Sequence[int], micro_batches
                    ) -> tuple[float, int]:
     """Most layer-activations ``rank`` holds at once, and most chunk-0 micro-batches (the embedding's).
 
-    Walks the rank's schedule: a forward of a chunk stores its layers'
-    activations until that chunk's backward. In layer units, so a rank's
-    activation memory is ``peak × act_layer``.
+    A forward of a chunk stores its layers' activations until that chunk's
+    backward; in layer units, so a rank's activation memory is ``peak ×
+    act_layer``. The most is held right after a forward: after the warm-up's
+    ``w`` forwards, then after forward ``w + i`` of the steady phase (backwards
+    ``0 … i − 1`` done), computed on prefix sums of :func:`schedule_interleaved`'s order.
     """
-    v = len(chunked)
-    held = peak = 0.0
-    first = first_peak = 0
-    for kind, c, _ in schedule_interleaved(rank, stages, v, micro_batches, group):
-        d = chunked[c] if kind == FWD else -chunked[c]
-        held += d
-        peak = max(peak, held)
-        if c == 0:
-            first += 1 if kind == FWD else -1
-            first_peak = max(first_peak, first)
-    return peak, first_peak
+    v, m = len(chunked), micro_batches
+    n = group if group is not None else stages
+    tab = table(v, m, n if v > 1 else m)
+    w = warmup(rank, stages, v, m, n)
+    f = list(accumulate((chunked[c] for c, _ in tab), initial=0))
+    b = list(accumulate((chunked[v - 1 - c] for c, _ in tab), initial=0))
+    f0 = list(accumulate((1 if c == 0 else 0 for c, _ in tab), initial=0))
+    b0 = list(accumulate((1 if c == v - 1 else 0 for c, _ in tab), initial=0))  # backward chunk 0 = mirrored v−1
+    total = v * m
+    peak = max([f[w]] + [f[w + i + 1] - b[i] for i in range(total - w)])
+    first = max([f0[w]] + [f0[w + i + 1] - b0[i] for i in range(total - w)])
+    return peak, first
 
 
 # -- layouts ------------------------------------------------------------------------

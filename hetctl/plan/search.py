@@ -76,12 +76,13 @@ class Searcher:
     """Enumerates and scores layouts for one set of kinds and one workload."""
 
     def __init__(self, kinds: list[Kind], spec: ModelSpec, work: Workload, framework: str, pins: Pins,
-                 keep: int = KEEP, uneven: bool = False):
+                 keep: int = KEEP, uneven: bool = False, interleave: bool = True):
         """Args:
             uneven: replicas may take different micro-batch counts (one group of a
                 hetero data-parallel layout, :mod:`hetctl.plan.hetdp`): ``dp`` need
                 not divide the micro-batches; each layout is costed at the most a
                 replica takes, ``ceil(micro-batches / dp)``.
+            interleave: consider interleaved 1F1B where the framework runs it (off: plain 1F1B only).
         """
         self.kinds, self.spec, self.work, self.framework, self.pins = kinds, spec, work, framework, pins
         self.keep, self.uneven = keep, uneven
@@ -91,7 +92,7 @@ class Searcher:
         self._slots: dict[tuple[int, int], int] = {}
         self.considered = 0
         self.miss: Miss | None = None
-        self.interleave = (not uneven and CAPABILITIES.get(framework) is not None
+        self.interleave = (interleave and not uneven and CAPABILITIES.get(framework) is not None
                            and CAPABILITIES[framework].interleave)
 
     # -- stage types and links by kind ---------------------------------------------
@@ -368,10 +369,12 @@ class Searcher:
         lead = max(self.keep, 4 if self.uneven else 12)  # a hetero part is one of many searches: prune harder
 
         def add(lay: Layout | None, key: tuple) -> None:
+            # Ranked and pruned by the plain 1F1B estimate, exactly as without interleaving.
             if lay is None:
                 return
-            found.append((lay.step, len(found), lay, key))
-            heapq.heappush(kept, -lay.step)
+            plain = (lay.plain or lay).step
+            found.append((plain, len(found), lay, key))
+            heapq.heappush(kept, -plain)
             if len(kept) > lead:
                 heapq.heappop(kept)
 
@@ -391,8 +394,20 @@ class Searcher:
             exact = self.place(lay, tps, cols)
             if exact is not None:
                 placed.append(exact)
+        plain_best = min(placed, key=lambda lay: lay.step) if placed else None
+        if self.interleave:
+            # The leaders by the interleaved estimate too; the plain leaders stay placed, so the
+            # winner is never slower than the search without interleaving.
+            chosen = {x[1] for x in found[:self.keep]}
+            for _, i, lay, (tps, cols) in sorted(found, key=lambda x: (x[2].step, x[1]))[:self.keep]:
+                exact = self.place(lay, tps, cols) if i not in chosen else None
+                if exact is not None:
+                    placed.append(exact)
         placed.sort(key=lambda lay: lay.step)
         best = (self.finish(placed[0]) if finish else placed[0]) if placed else None
+        if finish and best is not None and plain_best is not None and plain_best is not placed[0]:
+            other = self.finish(plain_best)  # its baseline splits may beat the interleaved winner
+            best = other if other.step < best.step * (1 - 1e-9) else best
         return Found(best=best, ranked=placed, miss=self.miss, considered=self.considered)
 
     def place(self, lay: Layout, tps: tuple[int, ...], cols: Columns) -> Layout | None:
