@@ -327,28 +327,43 @@ class Searcher:
     def interleaved(self, lay: Layout, v: int, group: int, wrap: float, exact: bool) -> Layout | None:
         """``lay`` (plain 1F1B) with ``v`` virtual stages per rank; None when its memory does not hold them.
 
-        ``exact``: simulate and check memory by walking the schedule (placed layouts); else the estimate
-        and a bound on memory (ranking).
+        Two chunk splits are tried: each rank's layers of the plain split cut into ``v``
+        (:func:`~hetctl.plan.interleave.chunk_counts`), and a min-max split in units of ``v``
+        layers, where every chunk of a rank is equal, so each round of chunks is in
+        proportion to speed too (for placed layouts). ``exact``: simulate and check memory by walking the
+        schedule (placed layouts); else the estimate and a bound on memory (ranking).
         """
-        types, counts = lay.types, lay.counts
-        chunked = il.chunk_counts(counts, v)
-        if chunked is None:
-            return None
-        if exact:
-            if any(need > st.limit for need, st in zip(il.memory_interleaved(types, chunked, lay.m, group), types)):
-                return None
-        elif not il.fits_bound(types, counts, v, lay.m, group):
-            return None
-        vfwd, vbwd = il.chunk_times([st.f_layer for st in types], [st.b_layer for st in types], chunked,
-                                    lay.links, wrap, types[-1].f_head, types[-1].b_head)
-        est, ends = il.estimate_interleaved(vfwd, vbwd, lay.m, v)
-        out = Layout(dp=lay.dp, m=lay.m, types=types, counts=list(counts), links=lay.links, est=est, ends=ends,
-                     fwd=[sum(f) for f in vfwd], bwd=[sum(b) for b in vbwd], syncs=lay.syncs, caps=lay.caps,
-                     placement=lay.placement, rule=lay.rule, vp=v, group=group, chunks=chunked, vfwd=vfwd,
-                     vbwd=vbwd, wrap=wrap, plain=lay.plain or lay)
-        if exact:
-            out.sim = il.simulate_interleaved(vfwd, vbwd, lay.m, group)
-        return out
+        types = lay.types
+        options = [lay.counts]
+        if exact and self.L % v == 0:  # placed layouts only: a split per v would slow the ranking
+            slope, offset, caps = split_terms(types, lay.links, lay.m)
+            units = minmax_split(self.L // v, [a * v for a in slope], offset, [c // v for c in caps])
+            if units is not None and [n * v for n in units] != lay.counts:
+                options.append([n * v for n in units])
+        best: Layout | None = None
+        for counts in options:
+            chunked = il.chunk_counts(counts, v)
+            if chunked is None:
+                continue
+            if exact:
+                mem = il.memory_interleaved(types, chunked, lay.m, group)
+                if any(need > st.limit for need, st in zip(mem, types)):
+                    continue
+            elif not il.fits_bound(types, counts, v, lay.m, group):
+                continue
+            vfwd, vbwd = il.chunk_times([st.f_layer for st in types], [st.b_layer for st in types], chunked,
+                                        lay.links, wrap, types[-1].f_head, types[-1].b_head)
+            est, ends = il.estimate_interleaved(vfwd, vbwd, lay.m, v)
+            syncs = lay.syncs if counts is lay.counts else sync_times(types, counts)
+            out = Layout(dp=lay.dp, m=lay.m, types=types, counts=list(counts), links=lay.links, est=est, ends=ends,
+                         fwd=[sum(f) for f in vfwd], bwd=[sum(b) for b in vbwd], syncs=syncs, caps=lay.caps,
+                         placement=lay.placement, rule=lay.rule, vp=v, group=group, chunks=chunked, vfwd=vfwd,
+                         vbwd=vbwd, wrap=wrap, plain=lay.plain or lay)
+            if exact:
+                out.sim = il.simulate_interleaved(vfwd, vbwd, lay.m, group)
+            if best is None or out.step < best.step:
+                best = out
+        return best
 
     def _record_miss(self, types, caps, dp, m) -> None:
         ratio = sum(max(0, c) for c in caps) / self.L if min(caps) >= 1 else min(0.0, *caps) - 1.0
