@@ -214,6 +214,11 @@ def chunk_times(f_layer: Sequence[float], b_layer: Sequence[float], chunked: Seq
     return fwd, bwd
 
 
+@lru_cache(maxsize=65536)
+def _peak(rank: int, stages: int, chunked: tuple[int, ...], micro_batches: int, group: int | None) -> tuple[float, int]:
+    return peak_in_flight(rank, stages, chunked, micro_batches, group)
+
+
 def peak_in_flight(rank: int, stages: int, chunked: Sequence[int], micro_batches: int, group: int | None = None,
                    ) -> tuple[float, int]:
     """Most layer-activations ``rank`` holds at once, and most chunk-0 micro-batches (the embedding's).
@@ -249,15 +254,32 @@ def memory_interleaved(types, chunked: Sequence[Sequence[int]], m: int, group: i
     p = len(types)
     out = []
     for s, (st, row) in enumerate(zip(types, chunked)):
-        peak, first = peak_in_flight(s, p, tuple(row), m, group)
+        peak, first = _peak(s, p, tuple(row), m, group)
         out.append(st.mem_layer * sum(row) + st.act_layer * peak + st.mem_offset(first, s == 0, s == p - 1))
     return out
 
 
-def fits_bound(types, counts: Sequence[int], v: int, m: int, group: int) -> bool:
-    """Cheap memory check for ranking: at most ``warm-up + 1`` chunks in flight, each of ⌈n/v⌉ layers."""
+def fits(types, chunked: Sequence[Sequence[int]], m: int, group: int) -> bool:
+    """Whether every rank's chunks fit its chip: the cheap bound (:func:`fits_bound`) first, the exact walk
+    only for ranks the bound cannot clear, stopping at the first that does not fit."""
     p = len(types)
-    for s, (st, n) in enumerate(zip(types, counts)):
+    for s, (st, row) in enumerate(zip(types, chunked)):
+        if fits_bound([st], [sum(row)], len(row), m, group, rank=s, stages=p):
+            continue
+        peak, first = _peak(s, p, tuple(row), m, group)
+        if st.mem_layer * sum(row) + st.act_layer * peak + st.mem_offset(first, s == 0, s == p - 1) > st.limit:
+            return False
+    return True
+
+
+def fits_bound(types, counts: Sequence[int], v: int, m: int, group: int, rank: int = 0,
+               stages: int | None = None) -> bool:
+    """Cheap memory check for ranking: at most ``warm-up + 1`` chunks in flight, each of ⌈n/v⌉ layers.
+
+    ``types``/``counts`` may be a slice of the pipeline starting at ``rank`` of ``stages``.
+    """
+    p = stages if stages is not None else len(types)
+    for s, (st, n) in enumerate(zip(types, counts), start=rank):
         chunks_held = min(warmup(s, p, v, m, group) + 1, v * m)
         layers_held = min(chunks_held * -(-n // v), m * n)
         need = st.mem_layer * n + st.act_layer * layers_held + st.mem_offset(min(chunks_held, m), s == 0, s == p - 1)

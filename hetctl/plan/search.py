@@ -346,8 +346,7 @@ class Searcher:
             if chunked is None:
                 continue
             if exact:
-                mem = il.memory_interleaved(types, chunked, lay.m, group)
-                if any(need > st.limit for need, st in zip(mem, types)):
+                if not il.fits(types, chunked, lay.m, group):
                     continue
             elif not il.fits_bound(types, counts, v, lay.m, group):
                 continue
