@@ -49,7 +49,11 @@ def _idle(plan: Plan, devices: Devices) -> list[str]:
 def _schedule(lay: Layout, plan: Plan) -> str:
     """Which pipeline schedule, and what interleaving did or would do."""
     if lay.vp == 1:
-        why = ("the framework cannot interleave" if not plan.framework or plan.framework in ("deepspeed", "flagscale")
+        from hetctl.plan.frameworks import capability
+
+        why = ("the framework cannot interleave" if not capability(plan.framework).interleave
+               else "not planned on CPU nodes (gloo's point-to-point shares their compute cores, unmodelled)"
+               if any(s.vendor == "cpu" for s in plan.stages)
                else "interleaving (v 2, 4, 8) was not faster, or the micro-batches, layers per stage or memory "
                "did not allow it")
         return f"schedule: plain 1F1B, v 1 virtual stage per rank — {why}"

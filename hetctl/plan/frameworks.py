@@ -49,6 +49,8 @@ Columns:
   * ``torchrun`` (the user's own script): yes, as for ``uneven_dp`` — the rank
     contract names every chunk (``HETCTL_VIRTUAL_LAYERS``) and the plan records
     the group size; the script must run Megatron's interleaved order.
+  Never on CPU nodes (:class:`hetctl.plan.search.Searcher`: gloo's point-to-point
+  shares their compute cores, which the cost model does not cover).
 - ``overlap_cross_vendor_dp`` — the framework overlaps the cross-vendor
   gradient all-reduce (gloo through host memory) with the backward pass. No
   framework here does: it runs after the pipeline flush, and the simulator

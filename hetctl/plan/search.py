@@ -92,8 +92,11 @@ class Searcher:
         self._slots: dict[tuple[int, int], int] = {}
         self.considered = 0
         self.miss: Miss | None = None
+        # Not on CPU "chips": there gloo's point-to-point runs on the very cores that compute, which the
+        # cost model does not cover (as for hetero data parallelism, hetctl.plan.planner._hetero), and
+        # interleaving doubles those messages; unmeasured, so not assumed.
         self.interleave = (interleave and not uneven and CAPABILITIES.get(framework) is not None
-                           and CAPABILITIES[framework].interleave)
+                           and CAPABILITIES[framework].interleave and not any(k.vendor == "cpu" for k in kinds))
 
     # -- stage types and links by kind ---------------------------------------------
 
