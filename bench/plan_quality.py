@@ -20,9 +20,13 @@ Each case and batch is planned twice: for the case's framework (FlagScale, whose
 rendered job gives every replica one shape) and for ``torchrun`` (a user's own
 script, which can run replicas of different shape and micro-batch count, so the
 planner may choose hetero data parallelism there; :mod:`hetctl.plan.frameworks`).
-Each row also shows the 1F1B bubble and the share of the step spent in the
+Each row also shows the pipeline bubble (under plain or interleaved 1F1B, with
+the virtual stages per rank ``v`` where the framework interleaves: Megatron-LM,
+the reference trainer and ``torchrun`` can, FlagScale's hetero mode cannot;
+:mod:`hetctl.plan.frameworks`) and the share of the step spent in the
 cross-vendor gradient all-reduce; the run ends with one
-``plan_quality: case=… batch=… vs_homogeneous=… plan_s=… framework=…`` line per
+``plan_quality: case=… batch=… vs_homogeneous=… plan_s=… framework=… bubble=… cross_allreduce=…
+virtual_stages=…`` line per
 case, batch and framework, for scripts.
 
 Goals: never worse than either baseline; ≥ 97.6 % of the homogeneous sum
@@ -167,7 +171,8 @@ def _shape(plan) -> str:
     if plan.replicas:
         depths = sorted({r.stages for r in plan.replicas})
         return f"{len({r.part for r in plan.replicas})} parts pp{depths[0]}-{depths[-1]} dp{par.dp} tp{tps}"
-    return f"pp{par.pp}×dp{par.dp} tp{tps} m{par.micro_batches}"
+    vs = f" v{par.virtual_stages}" if par.virtual_stages > 1 else ""
+    return f"pp{par.pp}×dp{par.dp} tp{tps} m{par.micro_batches}{vs}"
 
 
 def run_case(case: Case, batch: int | None) -> None:
@@ -202,10 +207,12 @@ def run_case(case: Case, batch: int | None) -> None:
         print(f"   {gb:>6} {framework:<9} {shape:<28} {est.tokens_per_s:>13,.0f} {u:>11} {p:>11} {plan.ideal_tokens_per_s:>11,.0f} "
               f"{ur:>6} {pr:>6} {est.tokens_per_s / plan.ideal_tokens_per_s:>7.3f} {vs_h:>9} {wall:>7.3f} {cpu:>6.3f}")
         cross = est.cross_vendor_sync_s / est.step_time_s
-        print(f"          {framework}: bubble {100 * est.bubble:.1f}%, cross-vendor all-reduce {100 * cross:.1f}% "
-              f"of the step" + (" (replicas of different shape)" if plan.replicas else ""))
+        v = plan.parallel.virtual_stages
+        schedule = f"interleaved 1F1B, v {v}" if v > 1 else "1F1B"
+        print(f"          {framework}: bubble {100 * est.bubble:.1f}% ({schedule}), cross-vendor all-reduce "
+              f"{100 * cross:.1f}% of the step" + (" (replicas of different shape)" if plan.replicas else ""))
         for note in plan.notes:
-            if note.startswith("replicas of different shape"):
+            if note.startswith("replicas of different shape") or (v > 1 and note.startswith("schedule:")):
                 print(f"          {framework}: {note}")
         if framework == case.framework:
             for name, b in plan.baselines.items():
@@ -213,7 +220,7 @@ def run_case(case: Case, batch: int | None) -> None:
                     print(f"          {name}: infeasible — {b.infeasible}")
         SUMMARY.append(f"plan_quality: case={case.name} batch={gb} vs_homogeneous={vs_h.rstrip('%')} "
                        f"plan_s={wall:.3f} framework={framework} bubble={100 * est.bubble:.1f} "
-                       f"cross_allreduce={100 * cross:.1f}")
+                       f"cross_allreduce={100 * cross:.1f} virtual_stages={plan.parallel.virtual_stages}")
 
 
 def main() -> None:

@@ -77,7 +77,8 @@ def main() -> None:
         stage = index_in("pp")
         ids = layout.get_layer_id_list(pp_rank=stage)
         rec.update(stage=stage, replica=index_in("dp"), tp_rank=index_in("tp"), tp=tp, dp=dp, pp=pp,
-                   layers=[ids[0], ids[-1] + 1] if ids else [0, 0])
+                   layers=[ids[0], ids[-1] + 1] if ids else [0, 0],  # the first chunk's, under interleaving
+                   vpp=args.virtual_pipeline_model_parallel_size or 1)
     with open(os.path.join(out_dir, f"rank-{args.rank}.json"), "w") as f:
         json.dump(rec, f)
     if hetero:

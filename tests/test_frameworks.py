@@ -137,6 +137,68 @@ def test_megatron_core_parses_every_rendered_layout(tmp_path):
             assert (ids[0], ids[-1] + 1) == tuple(plan.stages_of(r.replica)[r.stage].layers)
 
 
+@needs_mcore
+def test_megatron_core_parses_the_interleaved_layout(tmp_path):
+    """An interleaved plan's layout has pp × v segments; Megatron's parser gives each rank its chunks."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+    from tests.test_plan_render import run_scripts
+
+    plan = plan_cluster(Cluster(nodes=a100s(2, 4)), SMALL, global_batch=32, framework="megatron", homogeneous=False)
+    v = plan.parallel.virtual_stages
+    assert v > 1, "interleaving is faster here and Megatron runs it"
+    records, codes = run_scripts(tmp_path, plan)
+    assert set(codes) == {0}
+    parallel_state.set_virtual_pipeline_model_parallel_world_size(v)
+    try:
+        for r in plan.ranks:
+            argv = records[framework_rank(plan, r)]["argv"]
+            pp = int(argv[argv.index("--pipeline-model-parallel-size") + 1])
+            layout = PipelineParallelLayerLayout(argv[argv.index("--pipeline-model-parallel-layout") + 1], pp)
+            layout.validate_layer_layout(num_layers=SMALL.num_layers, mtp_num_layers=0)
+            assert layout.virtual_pipeline_model_parallel_size == v
+            stage = plan.stages_of(r.replica)[r.stage]
+            for c, (a, b) in enumerate(stage.chunks):
+                assert layout.get_layer_id_list(pp_rank=r.stage, vp_stage=c) == list(range(a, b))
+            group = plan.parallel.microbatch_group
+            if group != pp:
+                assert argv[argv.index("--microbatch-group-size-per-virtual-pipeline-stage") + 1] == str(group)
+    finally:
+        parallel_state.set_virtual_pipeline_model_parallel_world_size(None)
+
+
+def test_frameworks_that_cannot_interleave_never_get_it_and_refuse_an_interleaved_plan(tmp_path):
+    from hetctl.errors import ConfigError
+    from hetctl.plan.frameworks import CAPABILITIES
+
+    interleaved = plan_cluster(Cluster(nodes=a100s(2, 4)), SMALL, global_batch=32, framework="megatron",
+                               homogeneous=False)
+    assert interleaved.parallel.virtual_stages > 1
+    for fw in ("flagscale", "deepspeed"):
+        assert not CAPABILITIES[fw].interleave
+        plan = plan_cluster(Cluster(nodes=a100s(2, 4)), SMALL, global_batch=32, framework=fw, homogeneous=False)
+        assert plan.parallel.virtual_stages == 1 and all(not s.chunks for s in plan.stages)
+        with pytest.raises(ConfigError, match="interleaved 1F1B"):
+            write_plan_dir(interleaved.model_copy(update={"framework": fw}), tmp_path / fw)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(900)
+@needs_flagscale
+def test_megatron_accepts_an_interleaved_plan(tmp_path):
+    """Megatron-LM's own parse_args/validate_args take the virtual stages from the rendered layout."""
+    plan = plan_cluster(Cluster(nodes=a100s(2, 4)), SMALL, global_batch=32, framework="megatron", homogeneous=False)
+    assert plan.parallel.virtual_stages > 1
+    env = {"HETCTL_PYTHON": str(megatron_python(tmp_path)), "MEGATRON_DIR": str(FLAG_SCALE / "third_party/Megatron-LM"),
+           "PYTHONPATH": f"{FLAG_SCALE}:{FLAG_SCALE / 'third_party/Megatron-LM'}"}
+    records = run_plan(tmp_path, plan, env, CPU_ARGS)
+    check_ranks(plan, records)
+    for rec in records.values():
+        assert rec["vpp"] == plan.parallel.virtual_stages
+        assert rec["tp"] * rec["pp"] * rec["dp"] == rec["world_size"] == len(plan.ranks)
+
+
 @pytest.mark.e2e
 @pytest.mark.timeout(900)
 @needs_flagscale

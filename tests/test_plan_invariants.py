@@ -79,12 +79,17 @@ def check_invariants(plan: Plan, cluster: Cluster) -> None:
         stages = plan.stages_of(r)
         assert [s.stage for s in stages] == list(range(depth[r]))
         covered = []
+        v = par.virtual_stages  # interleaved 1F1B: chunk c of stage s is virtual stage c·pp + s
+        for c in range(v):
+            for s in stages:
+                covered.extend(range(*(s.chunks[c] if v > 1 else s.layers)))
         for s in stages:
             assert s.layers[0] < s.layers[1], "every stage holds a layer"
-            covered.extend(range(*s.layers))
+            assert (s.chunks[0] == s.layers and len(s.chunks) == v) if v > 1 else not s.chunks
             if not plan.replicas:
                 ref = first[s.stage]
-                assert (s.layers, s.tp) == (ref.layers, ref.tp), "replicas share layers and TP per stage"
+                assert (s.layers, s.chunks, s.tp) == (ref.layers, ref.chunks, ref.tp), \
+                    "replicas share layers and TP per stage"
             assert len(s.chips) == s.tp
             assert s.memory_gb <= s.memory_limit_gb, f"stage {s.stage} on {s.node} exceeds memory"
             assert s.node not in gone

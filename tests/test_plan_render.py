@@ -165,7 +165,8 @@ def test_megatron_scripts(tmp_path):
     plan = plan_cluster(one_vendor, SMALL, global_batch=32, framework="megatron", homogeneous=False)
     records, codes = run_scripts(tmp_path, plan)
     assert set(codes) == {0} and sorted(records) == list(range(len(plan.ranks)))
-    counts = [b - a for a, b in (s.layers for s in plan.stages_of(0))]
+    v = plan.parallel.virtual_stages  # one layout segment per virtual stage: chunk c of stage s is c·pp + s
+    counts = [b - a for c in range(v) for a, b in (s.chunks[c] if v > 1 else s.layers for s in plan.stages_of(0))]
     tp, dp = plan.stages[0].tp, plan.parallel.dp
     for r in plan.ranks:
         rec = records[framework_rank(plan, r)]

@@ -21,6 +21,8 @@ def stage_table(plan: Plan) -> Table:
     par = plan.parallel
     title = (f"{plan.model.name}: pp {par.pp} × dp {par.dp} ({len(plan.ranks)} ranks, {len(plan.nodes)} nodes), "
              f"{par.micro_batches} micro-batches of {par.micro_batch}, global batch {par.global_batch}")
+    if par.virtual_stages > 1:
+        title += f", interleaved 1F1B with {par.virtual_stages} virtual stages per rank"
     if plan.replicas:
         title = (f"{plan.model.name}: {par.dp} replicas of different shape ({len(plan.ranks)} ranks, "
                  f"{len(plan.nodes)} nodes), {plan.micro_batches_of(0)} micro-batches of {par.micro_batch} in "
@@ -36,7 +38,7 @@ def stage_table(plan: Plan) -> Table:
         limit = f"{s.memory_limit_gb:g}" if s.memory_limit_gb is not None else "?"
         table.add_row(*(Text(cell) for cell in (  # node and chip names come from outside: never markup
             str(s.stage), s.node, f"{s.vendor} {s.model} [{chips}]", str(s.tp),
-            f"[{s.layers[0]}, {s.layers[1]}) {s.layers[1] - s.layers[0]}", s.precision, f"{s.est_ms:.4g}",
+            _layers(s), s.precision, f"{s.est_ms:.4g}",
             f"{s.memory_gb:g} / {limit}", s.backend_next or "-",
         )))
     if plan.replicas:  # replicas of different shape: say how many share replica 0's, and where the rest are
@@ -46,6 +48,12 @@ def stage_table(plan: Plan) -> Table:
     elif par.dp > 1:
         table.caption = f"replicas 1-{par.dp - 1} repeat this layout on other nodes (see plan.yaml)"
     return table
+
+
+def _layers(s) -> str:
+    """A stage's layer range and count, or every chunk's under interleaved 1F1B."""
+    spans = s.chunks or [s.layers]
+    return " + ".join(f"[{a}, {b})" for a, b in spans) + f" {sum(b - a for a, b in spans)}"
 
 
 def _row(name: str, est: Estimate | None, ref: float, why: str | None = None) -> list[str]:

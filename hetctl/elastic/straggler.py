@@ -206,8 +206,13 @@ def predicted_gain(old: StageLayout, new: StageLayout, measured_ms: Mapping[tupl
 
 
 def layout_of(plan) -> list[tuple[int, int, str, tuple[int, int]]]:
-    """A plan's stages as ``(replica, stage, node, layers)`` for :func:`predicted_gain`."""
-    return [(s.replica, s.stage, s.node, tuple(s.layers)) for s in plan.stages]
+    """A plan's stages as ``(replica, stage, node, layers)`` for :func:`predicted_gain`.
+
+    Only the layer count of the range is read there: an interleaved stage's range spans the layers of all
+    its chunks (from its first layer, as many as it holds).
+    """
+    return [(s.replica, s.stage, s.node, (s.layers[0], s.layers[0] + sum(b - a for a, b in s.chunks))
+             if s.chunks else tuple(s.layers)) for s in plan.stages]
 
 
 Confirm = Callable[[list[Straggler], Mapping[tuple[int, int], float]], "tuple[bool, str]"]

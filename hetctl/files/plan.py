@@ -51,6 +51,11 @@ class Parallel(_Strict):
     micro_batch: Count
     micro_batches: Count = Field(description="per replica (the largest, when replicas differ)")
     global_batch: int = Field(ge=1, le=16_777_216)
+    virtual_stages: int = Field(default=1, ge=1, le=64, description="virtual pipeline stages (layer chunks) per "
+                                "rank: above 1 the schedule is interleaved 1F1B and stages[].chunks lists them")
+    microbatch_group: int | None = Field(default=None, ge=1, le=1_000_000, description="micro-batches per group of "
+                                         "the interleaved schedule (Megatron's --microbatch-group-size-per-virtual-"
+                                         "pipeline-stage; None: pp)")
 
 
 class Stage(_Strict):
@@ -61,7 +66,10 @@ class Stage(_Strict):
     model: str = "unknown"  # as the node reported it: rendering must quote it (issue 17, item 1), not refuse it here
     chips: list[Annotated[int, Field(ge=0, le=65535)]]
     tp: Count
-    layers: tuple[int, int]
+    layers: tuple[int, int] = Field(description="half-open layer range; under interleaving, the first chunk's")
+    chunks: list[tuple[int, int]] = Field(default_factory=list, description="interleaved 1F1B: the layer range "
+                                          "of each virtual stage this stage's ranks hold, in chunk order (chunk c "
+                                          "of stage s is virtual stage c·pp + s); empty under plain 1F1B")
     precision: Text = "bf16"
     backend: str = Field(default="gloo", description="comm library inside the stage (TP, DP of this stage)")
     backend_next: str | None = Field(default=None, description="comm library to the next stage; None on the last")
@@ -174,6 +182,17 @@ def _check_stages(plan: Plan) -> None:
                       f"{par.global_batch} is not micro_batch × micro_batches × dp "
                       f"({par.micro_batch} × {par.micro_batches} × {par.dp})")
     chip_owner: dict[tuple[str, int], int] = {}
+    v = par.virtual_stages
+    if v > 1 and plan.replicas:
+        raise Invalid(("parallel", "virtual_stages"), f"{v} virtual stages with replicas of different shape",
+                      "plan again: the interleaved schedule is planned for one shape of every replica")
+    if v > 1:
+        n, m = par.microbatch_group or par.pp, par.micro_batches
+        if par.pp < 2 or not par.pp <= n <= m or 0 < m % n < par.pp:
+            raise Invalid(("parallel", "microbatch_group"),
+                          f"interleaving {m} micro-batches over pp {par.pp} in groups of {n}: Megatron's rule needs "
+                          "pp ≥ 2, pp ≤ group ≤ micro_batches, and micro_batches mod group 0 or at least pp",
+                          "plan again, or set virtual_stages to 1")
     for r, items in sorted(grid.items()):
         items.sort(key=lambda it: it[1].stage)
         numbers = [st.stage for _, st in items]
@@ -181,17 +200,22 @@ def _check_stages(plan: Plan) -> None:
             raise Invalid(("stages", items[-1][0], "stage"),
                           f"replica {r} has stages {numbers}, the plan says pp {depth[r]}",
                           "each replica needs stages 0..pp-1, once each")
-        start = 0
         for i, st in items:
-            a, b = st.layers
-            where = ("stages", i, "layers")
-            if not a < b:
+            if (len(st.chunks) != v or st.chunks[0] != st.layers) if v > 1 else st.chunks:
+                raise Invalid(("stages", i, "chunks"), f"{len(st.chunks)} chunk(s) for {v} virtual stage(s) per rank",
+                              "give parallel.virtual_stages layer ranges, the first equal to layers (none when 1)")
+        # Virtual stage c·pp + s is chunk c of stage s: in that order the ranges must tile the model.
+        virtual = [(i, st.stage, c, st.chunks[c] if v > 1 else st.layers) for c in range(v) for i, st in items]
+        start = 0
+        for i, stage_no, c, (a, b) in virtual:
+            where = ("stages", i, "chunks" if v > 1 else "layers")
+            if not a < b and not (c > 0 and a == b):  # a later chunk may be empty (it passes micro-batches on)
                 raise Invalid(where, f"[{a}, {b}) holds no layer: the start must be below the end")
             if a != start:
-                what = ("must start at layer 0, being the first" if st.stage == 0
+                what = ("must start at layer 0, being the first" if start == 0
                         else f"overlaps the previous stage (which ends at {start})" if a < start
                         else f"leaves layers {start}..{a - 1} in no stage")
-                raise Invalid(where, f"replica {r} stage {st.stage}: [{a}, {b}) {what}",
+                raise Invalid(where, f"replica {r} stage {stage_no}: [{a}, {b}) {what}",
                               "each replica's stages must cover the layers in order, without gaps")
             start = b
         if start != layers:

@@ -37,7 +37,10 @@ TRAIN_ENV: dict[str, str] = {
     "HETCTL_PLAN": "path of the plan on the node (.json, or .yaml when pyyaml is installed)",
     "HETCTL_STAGE": "pipeline stage index of this rank",
     "HETCTL_REPLICA": "data-parallel replica index of this rank",
-    "HETCTL_LAYERS": "transformer layers of this stage, 'start:end' half-open",
+    "HETCTL_LAYERS": "transformer layers of this stage, 'start:end' half-open (under interleaving: its first chunk)",
+    "HETCTL_VIRTUAL_LAYERS": "interleaved 1F1B only (absent otherwise): every layer chunk of this stage, "
+    "'start:end,start:end,…' in chunk order (chunk c is virtual stage c·pp + stage); run them in Megatron's "
+    "interleaved order with micro-batch groups of the plan's parallel.microbatch_group",
     "HETCTL_MICRO_BATCHES": "micro-batches this rank's replica runs per step (replicas may differ: the plan's "
     "replicas table); sum gradients over every replica and divide by the global batch",
     "HETCTL_DEVICE_TYPE": "torch device type: cuda, npu, musa, mlu, gcu, supa, hpu or cpu",

@@ -46,6 +46,29 @@ def _idle(plan: Plan, devices: Devices) -> list[str]:
             "or TP group, or adding them was predicted slower"]
 
 
+def _schedule(lay: Layout, plan: Plan) -> str:
+    """Which pipeline schedule, and what interleaving did or would do."""
+    if lay.vp == 1:
+        from hetctl.plan.frameworks import capability
+
+        why = ("the framework cannot interleave" if not capability(plan.framework).interleave
+               else "not planned on CPU nodes (gloo's point-to-point shares their compute cores, unmodelled)"
+               if any(s.vendor == "cpu" for s in plan.stages)
+               else "interleaving (v 2, 4, 8) was not faster, or the micro-batches, layers per stage or memory "
+               "did not allow it")
+        return f"schedule: plain 1F1B, v 1 virtual stage per rank — {why}"
+    chunks = "; ".join(f"{s}: [{', '.join(map(str, row))}]" for s, row in enumerate(lay.chunks[:6]))
+    more = f"; … ({lay.pp} stages)" if lay.pp > 6 else ""
+    plain = lay.plain
+    vs = ""
+    if plain is not None and plain.sim is not None:
+        vs = (f"; plain 1F1B on the same stages: {plain.step:.4g} s/step, bubble {100 * max(0.0, plain.sim.bubble):.1f}%"
+              f" ({100 * (plain.step / lay.step - 1):.1f}% slower)")
+    return (f"schedule: interleaved 1F1B, v {lay.vp} virtual stages per rank (Megatron's order, micro-batch groups "
+            f"of {lay.group}); layers per chunk by stage {chunks}{more}; every micro-batch crosses the last→first "
+            f"link {lay.vp - 1} more time(s) each way ({1e3 * lay.wrap:.3g} ms a crossing){vs}")
+
+
 def explain(plan: Plan, lay: Layout, devices: Devices, found: Found, homog, tokens: int) -> list[str]:
     """Human-readable reasons for the layout in ``plan``."""
     par, est = plan.parallel, plan.estimate
@@ -105,10 +128,12 @@ def explain(plan: Plan, lay: Layout, devices: Devices, found: Found, homog, toke
         f"layers per stage [{counts}] by {rule}: step {est.step_time_s:.4g} s against " + ", ".join(cmp)
     )
     slow = max(range(lay.pp), key=lambda s: lay.fwd[s] + lay.bwd[s])
+    schedule = "1F1B" if lay.vp == 1 else f"interleaved 1F1B (v {lay.vp})"
     lines.append(
         f"slowest stage {slow}: {1e3 * (lay.fwd[slow] + lay.bwd[slow]):.3g} ms per micro-batch; bubble "
-        f"{100 * est.bubble:.1f}% under 1F1B; gradient sync {1e3 * lay.sync:.3g} ms after the flush"
+        f"{100 * est.bubble:.1f}% under {schedule}; gradient sync {1e3 * lay.sync:.3g} ms after the flush"
     )
+    lines.append(_schedule(lay, plan))
     tight = max(plan.stages_of(0), key=lambda s: s.memory_gb / (s.memory_limit_gb or 1))
     lines.append(
         f"tightest memory: stage {tight.stage} on {tight.node} uses {tight.memory_gb:g} of "

@@ -30,6 +30,27 @@ Columns:
     (and ``HETCTL_MICRO_BATCHES`` in the rank environment) tells each rank its
     replica's depth and micro-batch count; the script must sum gradients over
     every replica and divide by the global batch (the rank contract says so).
+- ``interleave`` — interleaved 1F1B (virtual pipeline stages: each rank holds
+  ``v`` chunks of layers, :mod:`hetctl.plan.interleave`), run with Megatron's
+  micro-batch grouping rule:
+
+  * ``hetctl``: yes — each rank builds every chunk the plan's ``stages[].chunks``
+    lists and runs Megatron's interleaved order (:mod:`hetctl.train.pipeline`).
+  * ``megatron``: yes — ``--pipeline-model-parallel-layout`` with ``pp × v``
+    segments (Megatron derives ``v`` from it) and, when the group is not ``pp``,
+    ``--microbatch-group-size-per-virtual-pipeline-stage``; overlapped p2p (its
+    default) lets it run at ``pp ≥ 2``.
+  * ``deepspeed``: no — ``PipelineModule`` holds one contiguous partition per
+    stage and its ``TrainSchedule`` is plain 1F1B.
+  * ``flagscale``: no — its hetero mode refuses virtual stages
+    (``FSTrainArguments.pre_validate_args``: "virtual pipeline not support now!",
+    and Megatron-LM's ``validate_args`` in its tree rejects
+    ``--num-virtual-stages-per-pipeline-rank`` with ``--enable-hetero``).
+  * ``torchrun`` (the user's own script): yes, as for ``uneven_dp`` — the rank
+    contract names every chunk (``HETCTL_VIRTUAL_LAYERS``) and the plan records
+    the group size; the script must run Megatron's interleaved order.
+  Never on CPU nodes (:class:`hetctl.plan.search.Searcher`: gloo's point-to-point
+  shares their compute cores, which the cost model does not cover).
 - ``overlap_cross_vendor_dp`` — the framework overlaps the cross-vendor
   gradient all-reduce (gloo through host memory) with the backward pass. No
   framework here does: it runs after the pipeline flush, and the simulator
@@ -49,14 +70,15 @@ class Capability:
     one_type_per_position: bool = False
     uneven_dp: bool = False
     overlap_cross_vendor_dp: bool = False
+    interleave: bool = False
 
 
 CAPABILITIES: dict[str, Capability] = {
-    "hetctl": Capability(tp="none", uneven_dp=True),
-    "megatron": Capability(tp="uniform"),
+    "hetctl": Capability(tp="none", uneven_dp=True, interleave=True),
+    "megatron": Capability(tp="uniform", interleave=True),
     "deepspeed": Capability(tp="uniform"),
     "flagscale": Capability(tp="any", one_type_per_position=True),
-    "torchrun": Capability(tp="any", uneven_dp=True),
+    "torchrun": Capability(tp="any", uneven_dp=True, interleave=True),
 }
 
 

@@ -74,6 +74,13 @@ class Layout:
         rule: which split produced ``counts``.
         caps: per stage, most layers memory allows.
         alternates: the same placement with other splits, simulated (by rule).
+        vp: virtual stages (chunks) per rank, interleaved 1F1B when above 1
+            (:mod:`hetctl.plan.interleave`); ``fwd``/``bwd`` then sum a rank's chunks.
+        group: Megatron's micro-batch group size of the interleaved schedule.
+        chunks: per rank, layers of each chunk (``vp > 1``).
+        vfwd, vbwd: per rank and chunk, seconds per micro-batch (``vp > 1``).
+        wrap: seconds of the link from the last rank back to the first (``vp > 1``).
+        plain: the same placement under plain 1F1B, when interleaving won.
     """
 
     dp: int
@@ -91,6 +98,13 @@ class Layout:
     sim: SimResult | None = None
     rule: str = "min-max"
     alternates: dict[str, "Layout"] = field(default_factory=dict)
+    vp: int = 1
+    group: int | None = None
+    chunks: list[list[int]] = field(default_factory=list)
+    vfwd: list[list[float]] = field(default_factory=list)
+    vbwd: list[list[float]] = field(default_factory=list)
+    wrap: float = 0.0
+    plain: "Layout | None" = None
 
     @property
     def pp(self) -> int:
@@ -171,6 +185,10 @@ def sync_times(types: list[StageType], counts: list[int]) -> list[float]:
 
 def memory_needed(lay: Layout, counts: list[int] | None = None) -> list[float]:
     """Bytes per chip each stage needs with its layers (or ``counts``)."""
+    if lay.vp > 1 and counts is None:
+        from hetctl.plan.interleave import memory_interleaved  # imports this module
+
+        return memory_interleaved(lay.types, lay.chunks, lay.m, lay.group)
     counts = counts or lay.counts
     p = len(lay.types)
     return [st.memory(n, min(p - s, lay.m), s == 0, s == p - 1) for s, (st, n) in enumerate(zip(lay.types, counts))]

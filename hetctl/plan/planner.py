@@ -311,6 +311,11 @@ def stage_rows(lay: Layout, stages: list[Stage], ranks: list[Rank], local: dict[
     """Append the stages and ranks of ``lay``'s replicas, numbered from replica ``first``."""
     mem = memory_needed(lay)
     spans = ranges(lay.counts)
+    chunks: list[list[tuple[int, int]]] = [[] for _ in range(lay.pp)]
+    if lay.vp > 1:  # virtual stage c·pp + s is chunk c of stage s
+        flat = ranges([lay.chunks[s][c] for c in range(lay.vp) for s in range(lay.pp)])
+        chunks = [[flat[c * lay.pp + s] for c in range(lay.vp)] for s in range(lay.pp)]
+        spans = [row[0] for row in chunks]
     for r, row in enumerate(lay.placement, start=first):
         for s, (group, chips) in enumerate(row):
             st = lay.types[s]
@@ -320,7 +325,7 @@ def stage_rows(lay: Layout, stages: list[Stage], ranks: list[Rank], local: dict[
             nxt = link_backend(group.vendor, row[s + 1][0].vendor) if s < lay.pp - 1 else None
             stages.append(Stage(
                 replica=r, stage=s, node=group.node, vendor=group.vendor, model=group.model, chips=list(chips),
-                tp=st.tp, layers=spans[s], precision=st.kind.precision, backend=backend,
+                tp=st.tp, layers=spans[s], chunks=chunks[s], precision=st.kind.precision, backend=backend,
                 backend_next=nxt, device_type=info.device_type,
                 visible_devices_env=info.visible_devices_env, est_ms=round((lay.fwd[s] + lay.bwd[s]) * 1e3, 3),
                 memory_gb=round(mem[s] / 1e9, 2), memory_limit_gb=group.memory_gb,
@@ -348,7 +353,8 @@ def _build(lay: Layout, spec, work, devices: Devices, framework, cluster: Cluste
     plan = Plan(
         model=spec,
         parallel=Parallel(pp=lay.pp, dp=lay.dp, tp=max(st.tp for st in lay.types), micro_batch=work.micro_batch,
-                          micro_batches=lay.m, global_batch=work.global_batch),
+                          micro_batches=lay.m, global_batch=work.global_batch, virtual_stages=lay.vp,
+                          microbatch_group=lay.group if lay.vp > 1 else None),
         framework=framework,
         cluster=str(cluster_path) if cluster_path else None,
         inventory=inventory,

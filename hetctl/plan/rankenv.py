@@ -78,6 +78,8 @@ def static_env(plan: Plan, rank: Rank | int, visible: Literal["rank", "node"] = 
         "HETCTL_DEVICE_TYPE": stage.device_type,
         "HETCTL_BACKEND": stage.backend,
     })
+    if stage.chunks:
+        env["HETCTL_VIRTUAL_LAYERS"] = ",".join(f"{a}:{b}" for a, b in stage.chunks)
     return env
 
 

@@ -256,6 +256,9 @@ def render_node_scripts(plan: Plan, hosts: dict[str, str] | None = None, plan_pa
     if plan.replicas and not capability(fw).uneven_dp:
         raise ConfigError(f"plan: its replicas differ in shape or micro-batches, which --framework {fw} cannot run",
                           "plan again for this framework (hetctl plan keeps one shape there)")
+    if plan.parallel.virtual_stages > 1 and not capability(fw).interleave:
+        raise ConfigError(f"plan: interleaved 1F1B ({plan.parallel.virtual_stages} virtual stages per rank), which "
+                          f"--framework {fw} cannot run", "plan again for this framework (it gets plain 1F1B)")
     # Replicas of different shape have no common process meshes; each rank's label is its own chip type.
     mesh_list = [] if plan.replicas else meshes(plan, by_type=fw == "flagscale")
     first = min(plan.ranks, key=lambda r: r.rank)
@@ -263,12 +266,16 @@ def render_node_scripts(plan: Plan, hosts: dict[str, str] | None = None, plan_pa
     reorder = fw in ("megatron", "flagscale", "deepspeed")
     vendors = sorted({s.vendor for s in plan.stages})
     split = [b - a for a, b in (s.layers for s in plan.stages_of(0))]
+    # Megatron's layout lists virtual stages in model order: chunk c of stage s is segment c·pp + s.
+    row0 = plan.stages_of(0)
+    virtual = [b - a for c in range(plan.parallel.virtual_stages) for s in row0
+               for a, b in [s.chunks[c] if s.chunks else s.layers]]
     if fw == "deepspeed":
         check_deepspeed_split(split, plan.parallel.pp)
     common = {
         "plan": plan, "framework": fw, "world": len(plan.ranks),
         "master_addr": hosts.get(first.node, first.node), "master_port": DEFAULT_PORT, "plan_path": plan_path,
-        "model_args": _model_args(plan), "train_args": TRAIN_ARGS, "layout": megatron_layout(split),
+        "model_args": _model_args(plan), "train_args": TRAIN_ARGS, "layout": megatron_layout(virtual),
         "meshes": mesh_list, "vendors": vendors, "layer_split": split,
         "mesh_args": [n for m in mesh_list for n in (m.tp, 1, 1, plan.parallel.dp, m.stages)],
         "uniform_tp": len({s.tp for s in plan.stages}) == 1,

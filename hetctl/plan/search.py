@@ -21,6 +21,11 @@ split exactly for each:
    permutation of up to three vendors for the leading candidates.
 4. Layers — :func:`hetctl.plan.partition.minmax_split` with memory caps (for
    DeepSpeed its own even split, :func:`hetctl.plan.deepspeed_layout.deepspeed_split`).
+5. Schedule — plain 1F1B, or interleaved 1F1B with ``v`` ∈ {2, 4, 8} virtual
+   stages per rank where the framework runs it (:mod:`hetctl.plan.interleave`):
+   each rank's layers cut into ``v`` chunks, the wrap link from the last rank
+   to the first costed; ranked by its estimate, then simulated beside plain
+   1F1B on the placed layout, and kept only when it simulates faster.
 
 Candidates are ranked by a fast estimate (a lower bound prunes hopeless
 compositions); the best few are placed on real nodes (a replica's stages of one
@@ -39,6 +44,7 @@ from dataclasses import dataclass
 from hetctl.plan.costmodel import StageType, Workload, kind_link, link, stage_type
 from hetctl.plan.deepspeed_layout import deepspeed_split
 from hetctl.plan.frameworks import CAPABILITIES
+from hetctl.plan import interleave as il
 from hetctl.plan.devices import Kind, merge
 from hetctl.plan.layout import (
     Columns, Found, Layout, Miss, cut_columns, pairs, split_terms, stage_times, sync_times,
@@ -70,12 +76,13 @@ class Searcher:
     """Enumerates and scores layouts for one set of kinds and one workload."""
 
     def __init__(self, kinds: list[Kind], spec: ModelSpec, work: Workload, framework: str, pins: Pins,
-                 keep: int = KEEP, uneven: bool = False):
+                 keep: int = KEEP, uneven: bool = False, interleave: bool = True):
         """Args:
             uneven: replicas may take different micro-batch counts (one group of a
                 hetero data-parallel layout, :mod:`hetctl.plan.hetdp`): ``dp`` need
                 not divide the micro-batches; each layout is costed at the most a
                 replica takes, ``ceil(micro-batches / dp)``.
+            interleave: consider interleaved 1F1B where the framework runs it (off: plain 1F1B only).
         """
         self.kinds, self.spec, self.work, self.framework, self.pins = kinds, spec, work, framework, pins
         self.keep, self.uneven = keep, uneven
@@ -85,6 +92,11 @@ class Searcher:
         self._slots: dict[tuple[int, int], int] = {}
         self.considered = 0
         self.miss: Miss | None = None
+        # Not on CPU "chips": there gloo's point-to-point runs on the very cores that compute, which the
+        # cost model does not cover (as for hetero data parallelism, hetctl.plan.planner._hetero), and
+        # interleaving doubles those messages; unmeasured, so not assumed.
+        self.interleave = (interleave and not uneven and CAPABILITIES.get(framework) is not None
+                           and CAPABILITIES[framework].interleave and not any(k.vendor == "cpu" for k in kinds))
 
     # -- stage types and links by kind ---------------------------------------------
 
@@ -285,9 +297,15 @@ class Searcher:
                 links.append(self._kind_link(ca[0][0], cb[0][0], tps))
             else:
                 links.append(max(self._kind_link(a, b, tps) for a, b in pairs(ca, cb)))
-        return self.split(types, links, dp, m)
+        wrap = 0.0
+        if self.interleave and len(cols) > 1:
+            wrap = max(self._kind_link(a, b, tps) for a, b in pairs(cols[-1], cols[0]))
+        return self.split(types, links, dp, m, wrap)
 
-    def split(self, types: list[StageType], links: list[float], dp: int, m: int) -> Layout | None:
+    def split(self, types: list[StageType], links: list[float], dp: int, m: int, wrap: float | None = 0.0
+              ) -> Layout | None:
+        """The layer split and its estimate; with ``wrap`` (not None) the best interleaved variant where it
+        estimates faster."""
         slope, offset, caps = split_terms(types, links, m)
         if self.framework == "deepspeed":  # PipelineModule makes only its own even split
             counts = deepspeed_split(self.L, len(types))
@@ -300,8 +318,54 @@ class Searcher:
             return None
         fwd, bwd = stage_times(types, counts, links)
         est, ends = estimate_1f1b(fwd, bwd, m)
-        return Layout(dp=dp, m=m, types=types, counts=counts, links=links, est=est, ends=ends,
-                      fwd=fwd, bwd=bwd, caps=caps, syncs=sync_times(types, counts))
+        lay = Layout(dp=dp, m=m, types=types, counts=counts, links=links, est=est, ends=ends,
+                     fwd=fwd, bwd=bwd, caps=caps, syncs=sync_times(types, counts))
+        best = lay
+        for v, group in il.allowed(len(types), counts, m, self.interleave and wrap is not None):
+            alt = self.interleaved(lay, v, group, wrap or 0.0, exact=False)
+            if alt is not None and alt.step < best.step * (1 - 1e-9):
+                best = alt
+        return best
+
+    def interleaved(self, lay: Layout, v: int, group: int, wrap: float, exact: bool) -> Layout | None:
+        """``lay`` (plain 1F1B) with ``v`` virtual stages per rank; None when its memory does not hold them.
+
+        Two chunk splits are tried: each rank's layers of the plain split cut into ``v``
+        (:func:`~hetctl.plan.interleave.chunk_counts`), and a min-max split in units of ``v``
+        layers, where every chunk of a rank is equal, so each round of chunks is in
+        proportion to speed too (for placed layouts). ``exact``: simulate and check memory by walking the
+        schedule (placed layouts); else the estimate and a bound on memory (ranking).
+        """
+        types = lay.types
+        options = [lay.counts]
+        if exact and self.L % v == 0:  # placed layouts only: a split per v would slow the ranking
+            slope, offset, caps = split_terms(types, lay.links, lay.m)
+            units = minmax_split(self.L // v, [a * v for a in slope], offset, [c // v for c in caps])
+            if units is not None and [n * v for n in units] != lay.counts:
+                options.append([n * v for n in units])
+        best: Layout | None = None
+        for counts in options:
+            chunked = il.chunk_counts(counts, v)
+            if chunked is None:
+                continue
+            if exact:
+                if not il.fits(types, chunked, lay.m, group):
+                    continue
+            elif not il.fits_bound(types, counts, v, lay.m, group):
+                continue
+            vfwd, vbwd = il.chunk_times([st.f_layer for st in types], [st.b_layer for st in types], chunked,
+                                        lay.links, wrap, types[-1].f_head, types[-1].b_head)
+            est, ends = il.estimate_interleaved(vfwd, vbwd, lay.m, v)
+            syncs = lay.syncs if counts is lay.counts else sync_times(types, counts)
+            out = Layout(dp=lay.dp, m=lay.m, types=types, counts=list(counts), links=lay.links, est=est, ends=ends,
+                         fwd=[sum(f) for f in vfwd], bwd=[sum(b) for b in vbwd], syncs=syncs, caps=lay.caps,
+                         placement=lay.placement, rule=lay.rule, vp=v, group=group, chunks=chunked, vfwd=vfwd,
+                         vbwd=vbwd, wrap=wrap, plain=lay.plain or lay)
+            if exact:
+                out.sim = il.simulate_interleaved(vfwd, vbwd, lay.m, group)
+            if best is None or out.step < best.step:
+                best = out
+        return best
 
     def _record_miss(self, types, caps, dp, m) -> None:
         ratio = sum(max(0, c) for c in caps) / self.L if min(caps) >= 1 else min(0.0, *caps) - 1.0
@@ -322,10 +386,12 @@ class Searcher:
         lead = max(self.keep, 4 if self.uneven else 12)  # a hetero part is one of many searches: prune harder
 
         def add(lay: Layout | None, key: tuple) -> None:
+            # Ranked and pruned by the plain 1F1B estimate, exactly as without interleaving.
             if lay is None:
                 return
-            found.append((lay.step, len(found), lay, key))
-            heapq.heappush(kept, -lay.step)
+            plain = (lay.plain or lay).step
+            found.append((plain, len(found), lay, key))
+            heapq.heappush(kept, -plain)
             if len(kept) > lead:
                 heapq.heappop(kept)
 
@@ -345,8 +411,20 @@ class Searcher:
             exact = self.place(lay, tps, cols)
             if exact is not None:
                 placed.append(exact)
+        plain_best = min(placed, key=lambda lay: lay.step) if placed else None
+        if self.interleave:
+            # The leaders by the interleaved estimate too; the plain leaders stay placed, so the
+            # winner is never slower than the search without interleaving.
+            chosen = {x[1] for x in found[:self.keep]}
+            for _, i, lay, (tps, cols) in sorted(found, key=lambda x: (x[2].step, x[1]))[:self.keep]:
+                exact = self.place(lay, tps, cols) if i not in chosen else None
+                if exact is not None:
+                    placed.append(exact)
         placed.sort(key=lambda lay: lay.step)
         best = (self.finish(placed[0]) if finish else placed[0]) if placed else None
+        if finish and best is not None and plain_best is not None and plain_best is not placed[0]:
+            other = self.finish(plain_best)  # its baseline splits may beat the interleaved winner
+            best = other if other.step < best.step * (1 - 1e-9) else best
         return Found(best=best, ranked=placed, miss=self.miss, considered=self.considered)
 
     def place(self, lay: Layout, tps: tuple[int, ...], cols: Columns) -> Layout | None:
@@ -372,13 +450,22 @@ class Searcher:
         for s in range(lay.pp - 1):
             links.append(max(link(row[s][0], row[s + 1][0], lay.types[s].kind.precision, self.work)[0]
                              for row in placement))
-        exact = self.split(lay.types, links, lay.dp, lay.m)
+        exact = self.split(lay.types, links, lay.dp, lay.m, wrap=None)  # plain 1F1B first
         if exact is None:
             return None
         exact.placement = placement
-        if not self.uneven:  # a hetero part is simulated at the micro-batch counts it is finally given
-            exact.sim = simulate_1f1b(exact.fwd, exact.bwd, exact.m)
-        return exact
+        if self.uneven:  # a hetero part is simulated at the micro-batch counts it is finally given
+            return exact
+        exact.sim = simulate_1f1b(exact.fwd, exact.bwd, exact.m)
+        if not self.interleave or lay.pp < 2:
+            return exact
+        wrap = max(link(row[-1][0], row[0][0], lay.types[-1].kind.precision, self.work)[0] for row in placement)
+        best = exact
+        for v, group in il.allowed(exact.pp, exact.counts, exact.m, self.interleave):
+            alt = self.interleaved(exact, v, group, wrap, exact=True)
+            if alt is not None and alt.step < best.step * (1 - 1e-9):
+                best = alt
+        return best
 
     def finish(self, lay: Layout) -> Layout:
         """The winner, or one of the baseline splits of it when that simulates faster.

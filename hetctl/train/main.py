@@ -113,7 +113,7 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
         from hetctl.node.manifest import read_verified, step_dir
         from hetctl.train.units import STATE, check_state, unit_files
 
-        blobs = read_verified(ctx.ckpt_dir, ctx.resume_step, unit_files(topo.layers, topo.is_first, topo.is_last),
+        blobs = read_verified(ctx.ckpt_dir, ctx.resume_step, unit_files(topo.spans, topo.is_first, topo.is_last),
                               model_digest(spec))
         check_state(json.loads(blobs[STATE]), args.seed, topo.global_batch, _hyper(args),
                     step_dir(ctx.ckpt_dir, ctx.resume_step))
@@ -150,7 +150,7 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
         # The saves gather on a group of their own, so a background save never interleaves with training's.
         save_group = dist.new_group(backend="gloo", timeout=timeout) if args.checkpoint_every else None
 
-        units = build_units(spec, topo.layers, topo.is_first, topo.is_last, args.seed)
+        units = build_units(spec, topo.spans, topo.is_first, topo.is_last, args.seed)
         units.to(device)
         module = StageModule(units)
         hyper = _hyper(args)

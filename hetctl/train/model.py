@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hetctl.train.units import unit_names
+from hetctl.train.units import Spans, unit_names
 
 INIT_STD = 0.02
 
@@ -117,8 +117,8 @@ def _init_unit(unit: nn.Module, name: str, seed: int, num_layers: int) -> None:
                 p.normal_(0.0, std, generator=gen)
 
 
-def build_units(spec: Mapping[str, Any], layers: tuple[int, int], first: bool, last: bool, seed: int) -> nn.ModuleDict:
-    """The units of one stage, in forward order, initialised on the CPU.
+def build_units(spec: Mapping[str, Any], layers: Spans, first: bool, last: bool, seed: int) -> nn.ModuleDict:
+    """The units of one stage, in forward order, initialised on the CPU (every chunk's, under interleaving).
 
     Modules are created on the meta device and filled once from their seeded
     generator, so the default initialisers never run (they would double the

@@ -11,6 +11,14 @@ micro-batch order, data-parallel all-reduces go one checkpoint unit at a time
 (the buffer layout, hence the summation order, does not depend on the split),
 so a run is reproducible bit for bit and any split of the same layers over the
 same data-parallel width gives the same numbers.
+
+Interleaved plans (``parallel.virtual_stages`` v > 1) run Megatron-LM's
+interleaved 1F1B: each rank holds v chunks, chunk c being virtual stage
+``c·pp + stage``, in the order :func:`hetctl.plan.interleave.schedule_interleaved`
+gives (the very order the planner simulates). Between chunks a micro-batch
+crosses from the last stage back to the first. Every chunk's backwards still
+run in micro-batch order, so gradients accumulate in the same order as under
+plain 1F1B and the numbers do not change.
 """
 
 from __future__ import annotations
@@ -132,6 +140,97 @@ class Comm:
         return wire
 
 
+class VirtualLinks:
+    """The point-to-point links of an interleaved rank: to and from the neighbouring *virtual* stages.
+
+    Virtual stage ``j`` receives its forward input from ``j − 1`` (the previous rank, or the last rank
+    for rank 0's later chunks) and its gradient from ``j + 1``. Tags name the receiving virtual stage and
+    the micro-batch, so the two directions between a pair of ranks never mix.
+    """
+
+    def __init__(self, comm: Comm) -> None:
+        self.comm, self.topo = comm, comm.topo
+
+    def _tag(self, j: int, micro: int, grad: bool) -> int:
+        return 2 * (j * self.topo.micro_batches + micro) + (1 if grad else 0)
+
+    def _prev(self, j: int) -> tuple[int, str | None]:
+        t = self.topo
+        return (t.prev_rank, t.backend_prev) if t.stage > 0 else (t.wrap_rank, t.backend_wrap)
+
+    def _next(self, j: int) -> tuple[int, str | None]:
+        t = self.topo
+        return (t.next_rank, t.backend_next) if t.stage < t.pp - 1 else (t.wrap_rank, t.backend_wrap)
+
+    def recv_activation(self, j: int, micro: int, shape: tuple[int, ...]) -> torch.Tensor:
+        peer, lib = self._prev(j)
+        return self.comm._recv(lib, peer, shape, self._tag(j, micro, False))
+
+    def send_activation(self, j: int, micro: int, t: torch.Tensor) -> None:
+        peer, lib = self._next(j)
+        self.comm._send(lib, peer, t, self._tag(j + 1, micro, False))
+
+    def recv_grad(self, j: int, micro: int, shape: tuple[int, ...]) -> torch.Tensor:
+        peer, lib = self._next(j)
+        return self.comm._recv(lib, peer, shape, self._tag(j, micro, True))
+
+    def send_grad(self, j: int, micro: int, t: torch.Tensor) -> None:
+        peer, lib = self._prev(j)
+        self.comm._send(lib, peer, t, self._tag(j - 1, micro, True))
+
+
+def chunk_modules(module: nn.Module, topo: Topology) -> list[nn.Module]:
+    """Per chunk, a module applying that chunk's units (the embedding on virtual stage 0, the head on the last)."""
+    from hetctl.train.units import unit_names
+
+    units = module.units
+    last = topo.pp * topo.virtual_stages - 1
+    out = []
+    for c, span in enumerate(topo.chunks):
+        j = c * topo.pp + topo.stage
+        names = unit_names(span, j == 0, j == last)
+        out.append(type(module)(nn.ModuleDict({n: units[n] for n in names})))
+    return out
+
+
+def train_step_interleaved(module, topo: Topology, comm: Comm, batch, hidden: int, seq_len: int, amp):
+    """:func:`train_step` under interleaved 1F1B (same arguments and result)."""
+    from hetctl.plan.interleave import FWD, schedule_interleaved
+
+    shape = (topo.micro_batch, seq_len, hidden)
+    scale = 1.0 / (topo.total_micro or topo.micro_batches * topo.dp)
+    links = VirtualLinks(comm)
+    parts = chunk_modules(module, topo)
+    p, last = topo.pp, topo.pp * topo.virtual_stages - 1
+    saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+    loss_sum = torch.zeros((), dtype=torch.float32, device=comm.device) if topo.is_last else None
+    order = schedule_interleaved(topo.stage, p, topo.virtual_stages, topo.micro_batches, topo.microbatch_group)
+    for kind, c, m in order:
+        j = c * p + topo.stage
+        if kind == FWD:
+            x = batch(m)[0] if j == 0 else links.recv_activation(j, m, shape).requires_grad_(True)
+            with amp():
+                y = parts[c](x)
+            if j == last:
+                logits = y.float()
+                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch(m)[1].reshape(-1)) * scale
+                loss_sum += loss.detach()
+                y = loss
+            else:
+                links.send_activation(j, m, y)
+            saved[(c, m)] = (x, y)
+        else:
+            x, y = saved.pop((c, m))
+            if j == last:
+                y.backward()
+            else:
+                y.backward(links.recv_grad(j, m, shape).to(y.dtype))
+            if j > 0:
+                links.send_grad(j, m, x.grad)
+    comm.wait_sends()
+    return loss_sum
+
+
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
     """bf16 autocast on accelerators when the plan asks for it; fp32 on the CPU (the reference runs)."""
     if precision == "bf16" and device.type != "cpu":
@@ -164,6 +263,8 @@ def train_step(
         micro-batch's mean cross-entropy divided by the step's micro-batches over every replica);
         None elsewhere.
     """
+    if topo.virtual_stages > 1:
+        return train_step_interleaved(module, topo, comm, batch, hidden, seq_len, amp)
     shape = (topo.micro_batch, seq_len, hidden)
     # Every micro-batch of the step weighs the same, whichever replica runs it (replicas may run different counts).
     scale = 1.0 / (topo.total_micro or topo.micro_batches * topo.dp)

@@ -16,6 +16,7 @@ from typing import Any, Mapping
 from hetctl.errors import ConfigError
 from hetctl.node.runtime import RankContext
 from hetctl.train.units import layer_name, unit_names
+from hetctl.vendors import link_backend
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,22 @@ class Topology:
     """Per checkpoint unit, in unit order: the ranks holding it, one per replica, and the comm library of
     their gradient all-reduce (gloo when they span vendors). Replicas of different shape hold a unit at
     different stages, so the all-reduce goes unit by unit, never stage by stage."""
+    virtual_stages: int = 1
+    """Layer chunks per rank: above 1 the schedule is interleaved 1F1B (chunk c is virtual stage c·pp + stage)."""
+    chunks: tuple[tuple[int, int], ...] = ()
+    """This rank's layer range of each chunk, in chunk order (interleaved plans only; the first is ``layers``)."""
+    microbatch_group: int | None = None
+    """Micro-batches per group of the interleaved schedule (None: pp)."""
+    wrap_rank: int | None = None
+    """Interleaved plans: on the last stage the first stage's rank (its next chunk's input), on the first stage
+    the last stage's rank (its previous chunk's output); None elsewhere."""
+    backend_wrap: str | None = None
+    """Comm library on the link between the last and the first stage (interleaved plans)."""
+
+    @property
+    def spans(self) -> tuple[tuple[int, int], ...]:
+        """Every layer range this rank holds: its chunks, or its one range."""
+        return self.chunks or (self.layers,)
 
     @property
     def is_first(self) -> bool:
@@ -114,6 +131,7 @@ def topology(plan: Mapping[str, Any], ctx: RankContext) -> Topology:
             )
         cell[key] = int(r["rank"])
 
+    vs = int(par.get("virtual_stages") or 1)
     for rep in range(dp):
         nxt = 0
         for st in range(depth[rep]):
@@ -126,10 +144,17 @@ def topology(plan: Mapping[str, Any], ctx: RankContext) -> Topology:
                     "tensor parallelism",
                     "plan with tp=1 (e.g. --tp 1) or launch with a framework that has it",
                 )
-            a, b = (int(x) for x in s["layers"])
-            if a != nxt or b < a:
-                raise ConfigError(f"{where}: stages[replica={rep}, stage={st}].layers=[{a}, {b}) does not follow {nxt}")
-            nxt = b
+            if vs > 1 and len(_spans(s, vs)) != vs:
+                raise ConfigError(f"{where}: stages[replica={rep}, stage={st}].chunks must list {vs} layer ranges "
+                                  "(parallel.virtual_stages)", "re-plan with `hetctl plan`")
+        for c in range(vs):  # virtual stage c·pp + st holds chunk c of stage st
+            for st in range(depth[rep]):
+                a, b = _spans(stages[(rep, st)], vs)[c]
+                if a != nxt or b < a:
+                    what = "chunks" if vs > 1 else "layers"
+                    raise ConfigError(f"{where}: stages[replica={rep}, stage={st}].{what}=[{a}, {b}) does not "
+                                      f"follow {nxt}")
+                nxt = b
         if nxt != num_layers:
             raise ConfigError(f"{where}: replica {rep} covers layers [0, {nxt}) of model.num_layers={num_layers}")
 
@@ -144,6 +169,15 @@ def topology(plan: Mapping[str, Any], ctx: RankContext) -> Topology:
     prev = stages.get((ctx.replica, ctx.stage - 1))
     mine_pp = depth[ctx.replica]
     uniform = not plan.get("replicas")
+    wrap_rank = backend_wrap = None
+    if vs > 1:
+        if not uniform or mine_pp < 2:
+            raise ConfigError(f"{where}: parallel.virtual_stages={vs} needs one shape for every replica and pp ≥ 2",
+                              "re-plan with `hetctl plan`")
+        first, last = stages[(ctx.replica, 0)], stages[(ctx.replica, mine_pp - 1)]
+        if ctx.stage in (0, mine_pp - 1):
+            wrap_rank = cell[(ctx.replica, mine_pp - 1 if ctx.stage == 0 else 0)]
+        backend_wrap = link_backend(str(last.get("vendor", "cpu")), str(first.get("vendor", "cpu")))
     return Topology(
         rank=ctx.rank,
         stage=ctx.stage,
@@ -166,8 +200,21 @@ def topology(plan: Mapping[str, Any], ctx: RankContext) -> Topology:
         chip=me.get("chip"),
         first_micro=sum(micro_of[r] for r in range(ctx.replica)),
         total_micro=sum(micro_of.values()),
-        unit_groups=_unit_groups(stages, cell, depth, num_layers),
+        unit_groups=_unit_groups(stages, cell, depth, num_layers, vs),
+        virtual_stages=vs,
+        chunks=_spans(mine, vs) if vs > 1 else (),
+        microbatch_group=int(par["microbatch_group"]) if vs > 1 and par.get("microbatch_group") else None,
+        wrap_rank=wrap_rank,
+        backend_wrap=backend_wrap,
     )
+
+
+def _spans(stage: Mapping[str, Any], vs: int) -> tuple[tuple[int, int], ...]:
+    """A stage's layer ranges: its chunks under interleaving, else its one range."""
+    if vs > 1:
+        return tuple((int(a), int(b)) for a, b in stage.get("chunks") or ())
+    a, b = stage["layers"]
+    return ((int(a), int(b)),)
 
 
 def _replicas(plan: Mapping[str, Any], where: str, pp: int, dp: int, mb: int, micro: int, gb: int):
@@ -192,14 +239,13 @@ def _replicas(plan: Mapping[str, Any], where: str, pp: int, dp: int, mb: int, mi
     return depth, micro_of
 
 
-def _unit_groups(stages, cell, depth: dict[int, int], num_layers: int):
+def _unit_groups(stages, cell, depth: dict[int, int], num_layers: int, vs: int = 1):
     """Per unit (embedding, each layer, head): the rank holding it in each replica, and their comm library."""
     holders: dict[str, list[tuple[int, Mapping[str, Any]]]] = {}
     for rep, n in sorted(depth.items()):
         for st in range(n):
             s = stages[(rep, st)]
-            a, b = (int(x) for x in s["layers"])
-            for name in unit_names((a, b), st == 0, st == n - 1):
+            for name in unit_names(_spans(s, vs), st == 0, st == n - 1):
                 holders.setdefault(name, []).append((cell[(rep, st)], s))
     order = ["embedding"] + [layer_name(i) for i in range(num_layers)] + ["head"]
     out = []

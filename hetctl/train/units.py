@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence, Union
 
 from hetctl.errors import ConfigError
 
@@ -21,12 +21,21 @@ def layer_name(index: int) -> str:
     return f"layer-{index:05d}"
 
 
-def unit_names(layers: tuple[int, int], first: bool, last: bool) -> list[str]:
-    """A stage's units in forward order."""
-    return (["embedding"] if first else []) + [layer_name(i) for i in range(*layers)] + (["head"] if last else [])
+Spans = Union[tuple[int, int], Sequence[tuple[int, int]]]  # one range, or an interleaved stage's chunks
 
 
-def unit_files(layers: tuple[int, int], first: bool, last: bool) -> list[str]:
+def _ranges(layers) -> list[tuple[int, int]]:
+    """One ``(start, end)`` range, or several (the chunks of an interleaved stage), as a list of ranges."""
+    return [tuple(layers)] if layers and isinstance(layers[0], int) else [tuple(r) for r in layers]
+
+
+def unit_names(layers: Spans, first: bool, last: bool) -> list[str]:
+    """A stage's units in forward order (layer order over all its chunks, under interleaving)."""
+    mids = [layer_name(i) for a, b in _ranges(layers) for i in range(a, b)]
+    return (["embedding"] if first else []) + mids + (["head"] if last else [])
+
+
+def unit_files(layers: Spans, first: bool, last: bool) -> list[str]:
     """The checkpoint files a stage loads: its units', plus ``state.json``."""
     return [f"{n}.pt" for n in unit_names(layers, first, last)] + [STATE]
 
