@@ -90,12 +90,12 @@ def resume_point(ckpt_dir: str | Path, model: Mapping[str, Any], *, attempt: int
         return ResumePoint(step, PEER, last, f"step {step} assembled from the state the survivors (rank "
                            f"{', '.join(map(str, choice.ranks))}) wrote as attempt {attempt} stopped", choice.ranks)
     if not why:
-        if dp < 2:
+        if not seen:
+            why = "the controller sees no checkpoint folder"
+        elif dp < 2:
             why = "dp=1: no replica holds a copy of the failed rank's stage"
         elif notes:
             why = "no complete state from the survivors: " + "; ".join(notes[:3])
-        elif not seen:
-            why = "the controller sees no checkpoint folder"
         else:
             why = "the survivors wrote no state (--jit-checkpoint off, or no step completed since the resume step)"
     where = f"the newest valid checkpoint, step {step}" if step else "no valid checkpoint: from step 0"

@@ -208,7 +208,8 @@ def promote(ckpt_dir: str | Path, choice: JitChoice, model_digest: str, meta: Ma
         _place(src, d / name)
         files[name] = dump.files[name]
     info = {"source": KIND, "attempt": choice.attempt, "ranks": choice.ranks, **dict(meta or {})}
-    return manifest.write_manifest(d, choice.step, model_digest, files=files, meta=info)
+    manifest.write_manifest(d, choice.step, model_digest, files=files, meta=info)
+    return d
 
 
 def discard(ckpt_dir: str | Path, up_to_attempt: int) -> None:
