@@ -134,6 +134,14 @@ def _resumed(ev: dict) -> str:
     return line
 
 
+def _recovery(ev: dict) -> str:
+    """``attempt 1 resumes at step 15 from its peers' state, 0 completed steps lost (…)``."""
+    where = "its peers' state" if ev.get("recovery_path") == "peer" else "the checkpoint"
+    at = f"at step {ev['resume_step']}" if ev.get("resume_step") else "from step 0"
+    return (f"attempt {ev.get('attempt')} resumes {at} from {where}, {ev.get('steps_lost')} completed steps lost "
+            f"({ev.get('reason', '')})")
+
+
 def _gave_up(ev: dict) -> str:
     line = f"giving up after attempt {ev.get('attempt')}: {ev.get('reason', '')}"
     if ev.get("dropped"):
@@ -186,6 +194,7 @@ _LINES = {
                                       + ("; ".join(ev.get("problems") or []) or "invalid")),
     "checkpoint_unseen": lambda ev: f"checkpoints: {ev.get('reason', '')} (looked for {ev.get('path')})",
     "resumed": _resumed,
+    "recovery": _recovery,
     "finished": lambda ev: f"finished at step {ev['steps']}",
     "gave_up": _gave_up,
     "measured": _measured,

@@ -233,6 +233,9 @@ def _finish_launch(result, json_out: bool) -> None:
             out.print(text(f"step time: measured {s.measured_step_s:.4g} s, planned {s.predicted_step_s:.4g} s "
                            f"(measured ÷ planned {s.step_ratio:.3g}); `hetctl plan --calibrate {s.run_dir}` "
                            "re-plans with the measured speeds"), highlight=False, soft_wrap=True)
+        for r in s.recoveries:
+            out.print(text(f"attempt {r.attempt}: from {'its peers' if r.recovery_path == 'peer' else 'the checkpoint'}"
+                           f" at step {r.resume_step or 0}, {r.steps_lost} completed steps lost"), highlight=False)
         if s.reason and s.state != "succeeded":
             out.print(text(f"reason: {s.reason}"), highlight=False, soft_wrap=True)
     if s.state != "succeeded":

@@ -36,12 +36,14 @@ from hetctl.files.events import (
     Listener,
     Measured,
     Rebalanced,
+    Recovery,
     ReplanLayout,
     Stopped,
 )
 from hetctl.files.plan import Plan
 from hetctl.files.run import RunDir, RunInfo, RunSummary
 from hetctl.elastic.calibrate import compare
+from hetctl.elastic.peers import record_of, recover
 from hetctl.elastic.policy import Decision, PolicyConfig, Tally, describe, run_loop
 from hetctl.elastic.replan import layer_split, load_cluster, replan
 from hetctl.elastic.straggler import StragglerHook, StragglerWatch, layout_of, predicted_gain, speed_factors
@@ -165,6 +167,9 @@ class ElasticRun:
         self._pending: tuple[Plan, Plan, dict[str, float]] | None = None  # (old, new, factors) from the hook
         self._attempts_run = 0
         self._measured: Measured | None = None  # the newest attempt's comparison with its plan
+        self._last: tuple[int, Plan, int] | None = None  # the newest attempt run and its last step
+        self._recoveries = list(prepared.info.summary.recoveries) if prepared.info.summary else []
+        self._recoveries += [record_of(ev) for ev in prepared.opening if isinstance(ev, Recovery)]  # a resume's
 
     # -- the run -----------------------------------------------------------------
     def run(self, stop: threading.Event | None = None, listeners: Iterable[Listener] = (),
@@ -260,6 +265,7 @@ class ElasticRun:
             if first_of_run:
                 raise  # nothing ran anywhere: a set-up error for the user, not a fault to recover from
             outcome = AttemptOutcome(RunState.FAILED, failures=list(e.failures))
+        self._last = (attempt, plan, outcome.last_step)
         if info.first_loss is None and not step and outcome.first_loss is not None:
             info.first_loss = outcome.first_loss  # the run's, not a resumed attempt's
         self._carry_losses(outcome)
@@ -272,7 +278,11 @@ class ElasticRun:
         return outcome
 
     def _latest_step(self) -> int | None:
-        return latest_checkpoint(self.p.info.inputs.checkpoint_dir, self.p.plan.model.model_dump(), self.events.emit)
+        """After a failure: the survivors' state when complete and newest, else the newest checkpoint (peers.py)."""
+        step, record = recover(self.p.info.inputs.checkpoint_dir, self.p.plan.model.model_dump(), self._last,
+                               self.events.emit, latest_checkpoint)
+        self._recoveries += [record] if record is not None else []
+        return step
 
     def _replan(self, old: Plan, decision: Decision, outcome: AttemptOutcome, _tally: Tally) -> Plan:
         factors: dict[str, float] | None = None
@@ -399,6 +409,7 @@ class ElasticRun:
             measured_step_s=self._measured.step_s_measured if self._measured else None,
             step_ratio=self._measured.step_ratio if self._measured else None,
             reason=reason,
+            recoveries=list(self._recoveries),
         )
         run.save_info(info)
         return RunResult(info.summary, outcome, attempts)

@@ -137,6 +137,7 @@ class CheckpointChoice:
     step: int
     path: Path
     skipped: list[ckpt.StepStatus] = field(default_factory=list)
+    peer: Any = None  # a JitChoice: the survivors' state of the last attempt, promoted to ``step`` by :func:`begin`
 
 
 def check_checkpoint(ckpt_dir: str | Path, model: Mapping[str, Any]) -> CheckpointChoice:
@@ -258,7 +259,7 @@ def _prepare(run: Any, lock: Any, *, inventory: Any, steps: int | None, connect:
     unchecked = wait_no_rank_alive(used, run.run_id, connect, wait_s)
     unchecked += sorted(ever - {n.name for n in inv.nodes})  # not in this inventory: cannot be checked
 
-    choice = check_checkpoint(info.inputs.checkpoint_dir, last.model.model_dump())
+    choice, recovery = _resume_choice(run, info, done[-1], last)
     target = steps if steps is not None else info.inputs.steps
     if choice.step >= target:
         raise ResumeRefused(
@@ -280,12 +281,42 @@ def _prepare(run: Any, lock: Any, *, inventory: Any, steps: int | None, connect:
     attempt = done[-1] + 1
     opening: list = [CheckpointSkipped(step=s.step, path=str(s.path), problems=list(s.problems))
                      for s in choice.skipped]
+    opening.append(recovery.event(attempt, done[-1]))
     opening.append(Resumed(attempt=attempt, resume_step=choice.step, steps=target,
                            nodes=list(dict.fromkeys(r.node for r in plan.ranks)), unchecked=unchecked))
     return Prepared(run=run, info=info, inventory=inv, plan=plan, policy=policy or PolicyConfig(),
                     thresholds=thresholds or Thresholds(), first_attempt=attempt, resume_step=choice.step,
                     opening=opening, checkpoint=choice, unchecked=unchecked, cluster=cluster, lock=lock)
 
+
+
+def _resume_choice(run: Any, info: Any, attempt: int, plan: Any) -> tuple[CheckpointChoice, Any]:
+    """The newest valid checkpoint, or the last attempt's survivors' state when it is complete and newer.
+
+    The survivors of a stopped or killed controller's attempt wrote their state as their
+    agents stopped them (:mod:`hetctl.elastic.peers`); it is promoted to a checkpoint only
+    by :func:`begin`. Returns the choice and its :class:`~hetctl.elastic.peers.ResumePoint`.
+    """
+    from hetctl.elastic.peers import CHECKPOINT, PEER, ResumePoint, peer_choice
+    from hetctl.files.events import read_events
+
+    ckpt_dir, model = info.inputs.checkpoint_dir, plan.model.model_dump()
+    peer, notes, dumped = peer_choice(ckpt_dir, model, attempt) if Path(ckpt_dir).is_dir() else (None, [], None)
+    progress = [e.get("step") for e in read_events(run.events_path, "progress") if isinstance(e.get("step"), int)]
+    last = max([dumped or 0, info.summary.steps if info.summary else 0, *progress])
+    try:
+        choice = check_checkpoint(ckpt_dir, model)
+    except ResumeRefused:
+        if peer is None:
+            raise
+        choice = CheckpointChoice(0, ckpt.step_dir(ckpt_dir, 0))
+    if peer is not None and peer.step > choice.step:
+        skipped = [s for s in choice.skipped if s.step != peer.step]
+        point = ResumePoint(peer.step, PEER, last, f"step {peer.step} assembled from the state the survivors (rank "
+                            f"{', '.join(map(str, peer.ranks))}) wrote as attempt {attempt} stopped", peer.ranks)
+        return CheckpointChoice(peer.step, ckpt.step_dir(ckpt_dir, peer.step), skipped, peer), point
+    why = "; ".join(notes[:3]) or "no state from the survivors of the last attempt"
+    return choice, ResumePoint(choice.step, CHECKPOINT, last, f"the newest valid checkpoint, step {choice.step}; {why}")
 
 
 def _cluster_before(run: Any, attempt: int, plan: Any, inventory: Any) -> Any:
@@ -313,6 +344,14 @@ def begin(prep: Prepared) -> None:
 
     save_model(prep.run.attempt_dir(prep.first_attempt) / "cluster.yaml", prep.cluster,
                header="re-probed by hetctl resume")
+    from hetctl.node import jitstate
+
+    ckpt_dir = prep.info.inputs.checkpoint_dir
+    peer = getattr(prep.checkpoint, "peer", None)
+    if peer is not None:  # the survivors' state becomes the checkpoint the first attempt loads
+        jitstate.promote(ckpt_dir, peer, ckpt.model_digest(prep.plan.model.model_dump()))
+    if Path(ckpt_dir).is_dir():
+        jitstate.discard(ckpt_dir, prep.first_attempt - 1)
     prep.info.tally = {}  # a fresh restart budget; dropped nodes may have come back
     if prep.info.summary:
         prep.info.summary = prep.info.summary.model_copy(update={"reason": None})

@@ -8,7 +8,7 @@ events, and fans them out to listeners (the live view) as the dicts it wrote.
 
 Written by one attempt (``hetctl.launch``): ``launched``, ``progress``,
 ``rank_failed``, ``node_lost``, ``agent_lost``, ``processes_left``. By the elastic loop (``hetctl.elastic``):
-``straggler``, ``restart``, ``replan``, ``replan_layout``, ``rebalanced``,
+``straggler``, ``recovery``, ``restart``, ``replan``, ``replan_layout``, ``rebalanced``,
 ``node_abnormal``, ``checkpoint_skipped``, ``checkpoint_unseen``, ``resumed``,
 ``gave_up``, ``measured`` (predicted against measured), ``health_check`` (``launch --health-check``, before
 the first attempt), and the closing ``finished`` / ``stopped`` / ``failed``.
@@ -148,6 +148,29 @@ class Restart(Event):
     resume_step: int | None
     restarts: int
     max_restarts: int
+
+
+@dataclass(frozen=True)
+class Recovery(Event):
+    """Where the next attempt's state comes from after a failure, and the work that costs.
+
+    ``recovery_path`` is ``peer`` when the survivors' just-in-time state of the failed
+    attempt (``failed_attempt``) gave a complete step newer than every checkpoint, else
+    ``checkpoint`` (the newest valid one; ``resume_step`` None: from scratch), and
+    ``reason`` says why. ``last_step`` is the newest step any rank had completed;
+    ``steps_lost`` the completed steps the next attempt computes again (the step in
+    flight, never completed, is not counted). ``ranks``: whose state was used.
+    """
+
+    kind: ClassVar[str] = "recovery"
+    attempt: int
+    failed_attempt: int
+    recovery_path: str
+    resume_step: int | None
+    last_step: int
+    steps_lost: int
+    reason: str
+    ranks: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -329,7 +352,7 @@ class Failed(Event):
 EVENT_TYPES: dict[str, type[Event]] = {
     cls.kind: cls for cls in (Launched, Progress, RankFailed, NodeLost, AgentLost, ProcessesLeft, StragglerFound, Restart, Replan,
                               ReplanLayout, Rebalanced, NodeAbnormal, CheckpointSkipped, CheckpointUnseen,
-                              Resumed, GaveUp, Measured, HealthChecked, Finished, Stopped, Failed)
+                              Resumed, GaveUp, Measured, HealthChecked, Finished, Stopped, Failed, Recovery)
 }
 
 

@@ -50,6 +50,16 @@ class RunInputs(_Strict):
                                                            "cancelled when the run ends or is stopped")
 
 
+class RecoveryRecord(_Strict):
+    """One recovery of the run: the attempt it started, where its state came from, the completed steps lost."""
+
+    attempt: int
+    recovery_path: str = Field(description="peer: the survivors' state at the failed step; checkpoint: the newest "
+                                           "valid checkpoint")
+    resume_step: int | None = None
+    steps_lost: int = 0
+
+
 class RunSummary(_Strict):
     """The end-of-run summary (printed, and kept in ``run.yaml``)."""
 
@@ -66,6 +76,8 @@ class RunSummary(_Strict):
     measured_step_s: float | None = Field(None, description="the last attempt's measured step time")
     step_ratio: float | None = Field(None, description="measured ÷ predicted step time")
     reason: str | None = Field(None, description="why it failed or stopped; the root cause first")
+    recoveries: list[RecoveryRecord] = Field(default_factory=list, description="per restart or re-plan after a "
+                                             "failure: where the state came from and the completed steps lost")
 
 
 class RunInfo(_Strict):

@@ -53,6 +53,8 @@ TRAIN_ENV: dict[str, str] = {
     "HETCTL_CKPT_EVERY": "default for the trainer's --checkpoint-every (0 writes none)",
     "HETCTL_SAVE_MODE": "default for the trainer's --save-mode: async (training waits only for a copy in host "
     "memory) or blocking",
+    "HETCTL_JIT_CHECKPOINT": "default for the trainer's --jit-checkpoint: on (with data parallelism, the survivors "
+    "of a failed rank write their stage's state at the failed step) or off",
 }
 
 

@@ -5,7 +5,11 @@ The launcher (agent, or ``tests/rankrunner.py``) sets the rank contract
 as options, defaulting to ``HETCTL_STEPS`` and ``HETCTL_CKPT_EVERY``. The last
 stage prints ``step=… loss=… step_ms=…`` per step; every rank writes its
 heartbeat each step, and a final one with ``done: true``. Faults are injected
-from outside with real signals; SIGTERM ends the rank at once (default handler).
+from outside with real signals. SIGTERM ends the rank at once (default handler),
+except with data parallelism and ``--jit-checkpoint on`` (the default): the rank
+then first writes its stage's state at the last step it can vouch for
+(:mod:`hetctl.train.jit`), as it does when a collective fails on a peer's death,
+and exits with status 143.
 
 Exit codes: 0 done; 2 a configuration mistake (one line on stderr naming the
 variable, plan key or checkpoint file).
@@ -41,6 +45,9 @@ def parse_args(argv: list[str] | None, env: os._Environ | dict) -> argparse.Name
     ap.add_argument("--save-mode", choices=("async", "blocking"), default=env.get("HETCTL_SAVE_MODE") or "async",
                     help="async: training waits only for a host-memory copy, a background thread writes it; "
                     "blocking: training waits for the whole write (default $HETCTL_SAVE_MODE or async)")
+    ap.add_argument("--jit-checkpoint", choices=("on", "off"), default=env.get("HETCTL_JIT_CHECKPOINT") or "on",
+                    help="on: with data parallelism, the survivors of a failed rank write their stage's state at "
+                    "the failed step for the next attempt to resume from (default $HETCTL_JIT_CHECKPOINT or on)")
     ap.add_argument("--seed", type=int, default=1234, help="seed of weights and data (default 1234)")
     ap.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
     ap.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0)")
@@ -52,6 +59,10 @@ def parse_args(argv: list[str] | None, env: os._Environ | dict) -> argparse.Name
         args.test_save_delay = parse_test_delay(env.get("HETCTL_TEST_SAVE_DELAY"))
     except ValueError:
         ap.error("HETCTL_TEST_SAVE_DELAY (test-only) must be <step>:<seconds>")
+    try:
+        args.test_jit_delay = float(env.get("HETCTL_TEST_JIT_DELAY") or 0)
+    except ValueError:
+        ap.error("HETCTL_TEST_JIT_DELAY (test-only) must be a number of seconds")
     if not args.steps or args.steps < 1:
         ap.error("--steps (or HETCTL_STEPS) must be a positive number of steps")
     if args.checkpoint_every < 0:
@@ -94,6 +105,18 @@ def _hyper(args: argparse.Namespace) -> dict:
     return {"lr": args.lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": args.weight_decay}
 
 
+def _state(step: int, args: argparse.Namespace, topo, spec: dict) -> dict:
+    """The ``state.json`` record of a checkpoint of ``step`` (normal or just-in-time)."""
+    return {
+        "step": step,
+        "seed": args.seed,
+        "data": {"next_step": step + 1, "global_batch": topo.global_batch, "samples_seen": step * topo.global_batch},
+        "rng": {"kind": "counter", "seed": args.seed, "counter": step},
+        "optimizer": _hyper(args),
+        "model": spec,
+    }
+
+
 def run(args: argparse.Namespace, ctx: RankContext) -> int:
     """Set up this rank, train from the resume step to ``args.steps``, checkpoint, report."""
     plan = load_plan(ctx.plan)
@@ -133,6 +156,7 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
     store = dist.TCPStore(ctx.master_addr, ctx.master_port, ctx.world_size, is_master=ctx.rank == 0, timeout=timeout)
     backend = _default_backend(topo)
     dist.init_process_group(backend=backend, store=store, rank=ctx.rank, world_size=ctx.world_size, timeout=timeout)
+    jit = None
     try:
         # Collectives on Python objects (checkpoint hashes) need a CPU group.
         ctrl = None if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
@@ -149,6 +173,13 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
                     groups[name] = (made[members], lib)
         # The saves gather on a group of their own, so a background save never interleaves with training's.
         save_group = dist.new_group(backend="gloo", timeout=timeout) if args.checkpoint_every else None
+        # Just-in-time checkpoints need a peer per stage, and every rank's agreement (an all-reduce of the flag).
+        commit_group = dist.new_group(backend="gloo", timeout=timeout) if topo.dp > 1 else None
+        jit_on = args.jit_checkpoint == "on" and commit_group is not None and ctx.ckpt_dir is not None
+        if commit_group is not None:
+            flag = torch.tensor([int(jit_on)])
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=commit_group)
+            jit_on = bool(flag.item())
 
         units = build_units(spec, topo.spans, topo.is_first, topo.is_last, args.seed)
         units.to(device)
@@ -165,6 +196,16 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
         saver = Saver(ctx.ckpt_dir, args.save_mode, rank=ctx.rank, replica=topo.replica, num_layers=topo.num_layers,
                       digest=digest, group=save_group, log=lambda line: print(line, flush=True),
                       test_delay=args.test_save_delay) if args.checkpoint_every else None
+        if jit_on:
+            from hetctl.train.jit import JitCheckpoint
+
+            jit = JitCheckpoint(ctx.ckpt_dir, attempt=ctx.attempt, rank=ctx.rank, start=start, units=units,
+                                optimizer=optimizer, digest=digest,
+                                state_of=functools.partial(_state, args=args, topo=topo, spec=spec),
+                                meta={"run_id": ctx.run_id, "stage": topo.stage, "replica": topo.replica,
+                                      "pp": topo.pp, "dp": topo.dp, "global_batch": topo.global_batch},
+                                log=lambda line: print(line, flush=True), test_delay_s=args.test_jit_delay)
+            jit.arm()
         comm = pipeline.Comm(topo, device, groups)
         amp = functools.partial(pipeline.autocast, device, topo.precision)
         seq, vocab = int(spec["seq_len"]), int(spec["vocab_size"])
@@ -186,7 +227,10 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
             optimizer.zero_grad(set_to_none=False)
             loss = pipeline.train_step(module, topo, comm, batch, int(spec["hidden_size"]), seq, amp)
             comm.all_reduce_grads(units)
-            optimizer.step()
+            if jit is not None:  # the step is applied once every rank has summed its gradients
+                jit.commit(step, functools.partial(dist.barrier, group=commit_group))
+            else:
+                optimizer.step()
             if saver is not None and step == start + 1:
                 saver.prepare(units, optimizer)  # host buffers for the snapshots, made in the background
             if loss is not None:
@@ -203,15 +247,7 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
                 saver.check()  # a background save that failed ends the rank here, with its own error
             if saver is not None and step % args.checkpoint_every == 0:
                 ctx.heartbeat(step, phase="checkpoint", **last_metrics, **timing, **role)  # slow disks are not hangs
-                state = {
-                    "step": step,
-                    "seed": args.seed,
-                    "data": {"next_step": step + 1, "global_batch": topo.global_batch,
-                             "samples_seen": step * topo.global_batch},
-                    "rng": {"kind": "counter", "seed": args.seed, "counter": step},
-                    "optimizer": hyper,
-                    "model": spec,
-                }
+                state = _state(step, args, topo, spec)
                 meta = {"seed": args.seed, "run_id": ctx.run_id, "attempt": ctx.attempt,
                         "pp": topo.pp, "dp": topo.dp, "global_batch": topo.global_batch}
                 waiting = functools.partial(ctx.heartbeat, step, phase="checkpoint_wait", **last_metrics, **timing,
@@ -236,6 +272,10 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
         ctx.heartbeat(args.steps, phase="finishing", **role)
         dist.barrier(group=ctrl)
         ctx.heartbeat(args.steps, **final)
+    except Exception as e:
+        if jit is not None:  # a peer's failure, seen here first: leave this stage's state for the next attempt
+            jit.dump(f"{type(e).__name__} in training")
+        raise
     finally:
         dist.destroy_process_group()
     return 0
