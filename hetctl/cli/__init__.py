@@ -10,15 +10,18 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import signal
 import sys
-from typing import Any, Callable, Iterator, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
 
 import typer
-from rich.console import Console
-from rich.text import Text
 
 from hetctl.errors import HetctlError
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.text import Text
 
 F = TypeVar("F", bound=Callable)
 
@@ -29,8 +32,45 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-out = Console()  # results (tables, JSON)
-err = Console(stderr=True)  # progress, warnings, errors
+
+
+class LazyConsole:
+    """A rich Console made on first use: a command that prints only JSON (``probe --json``)
+    never imports rich, which is a good part of the CLI's start-up time.
+
+    Every attribute is the Console's; :attr:`rich` is the Console itself.
+    """
+
+    def __init__(self, *, stderr: bool = False) -> None:
+        self._stderr = stderr
+        self._console: Console | None = None
+
+    @property
+    def rich(self) -> Console:
+        if self._console is None:
+            from rich.console import Console
+
+            self._console = Console(stderr=self._stderr)
+        return self._console
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.rich, name)
+
+
+out = LazyConsole()  # results (tables, JSON)
+err = LazyConsole(stderr=True)  # progress, warnings, errors
+
+
+def may_be_terminal(stream: Any) -> bool:
+    """Whether rich could treat ``stream`` as a terminal (a tty, or ``TTY_COMPATIBLE``/``FORCE_COLOR``
+    set), without importing rich: on anything else a live display draws nothing, so it is skipped."""
+    if os.environ.get("TTY_COMPATIBLE") == "1" or os.environ.get("FORCE_COLOR"):
+        return True
+    isatty = getattr(stream, "isatty", None)
+    try:
+        return bool(isatty and isatty())
+    except ValueError:  # closed
+        return False
 
 
 def text(*parts: str | tuple[str, str]) -> Text:
@@ -40,6 +80,8 @@ def text(*parts: str | tuple[str, str]) -> Text:
     manifest's fields, error messages) goes through here or ``escape``, so a ``[/]``
     in it is printed as it is instead of raising MarkupError.
     """
+    from rich.text import Text
+
     line = Text()
     for part in parts:
         if isinstance(part, tuple):

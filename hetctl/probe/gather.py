@@ -107,7 +107,8 @@ def probe_node(node: Any, ssh: Any, *, bench: bool = False, args: str | None = N
     from hetctl.remote import connect
 
     try:
-        transport = connect(node, ssh, lazy=True)  # the collector's run makes the connection
+        # The collector's run makes the connection; with nothing after it, no master outlives it.
+        transport = connect(node, ssh, lazy=True, persist=bench or profile is not None)
     except HetctlError as e:
         return unreachable(node, e.message)
     try:
