@@ -38,7 +38,7 @@ class LazyConsole:
     """A rich Console made on first use: a command that prints only JSON (``probe --json``)
     never imports rich, which is a good part of the CLI's start-up time.
 
-    Every attribute is the Console's; :attr:`rich` is the Console itself.
+    Every attribute is the Console's, and ``with`` enters it; :attr:`rich` is the Console itself.
     """
 
     def __init__(self, *, stderr: bool = False) -> None:
@@ -55,6 +55,12 @@ class LazyConsole:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.rich, name)
+
+    def __enter__(self) -> Console:  # rich's Live enters its console (buffered output)
+        return self.rich.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.rich.__exit__(*exc)
 
 
 out = LazyConsole()  # results (tables, JSON)
