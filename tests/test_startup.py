@@ -3,7 +3,8 @@
 Measured by ``sys.modules`` in a fresh interpreter, never by time: ``hetctl probe
 --json`` into a pipe prints only JSON, so rich (a good part of the CLI's start-up)
 must never be imported on that path, and ``import hetctl.cli`` (every command
-registered) must not import it either.
+registered) must not import it either. And the entry point leaves start-up's objects
+frozen (``gc.freeze``), so that shutdown does not collect them all once more.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Runs the CLI in this interpreter and reports, at exit, which of these packages were imported.
 _REPORT = """
-import atexit, json, sys
+import atexit, gc, json, sys
 watch = ("rich", "jinja2", "psutil")
-atexit.register(lambda: sys.stderr.write("\\nimported:" + json.dumps(sorted({m.split(".")[0] for m in sys.modules} & set(watch))) + "\\n"))
+atexit.register(lambda: sys.stderr.write("\\nimported:" + json.dumps(sorted({m.split(".")[0] for m in sys.modules} & set(watch))) + "\\n"
+                                         + f"frozen:{gc.get_freeze_count()}\\n"))
 sys.argv = ["hetctl", *sys.argv[1:]]
 from hetctl.cli import main
 main()
@@ -29,6 +31,10 @@ main()
 def _imported(stderr: str) -> list[str]:
     line = [ln for ln in stderr.splitlines() if ln.startswith("imported:")][-1]
     return json.loads(line.removeprefix("imported:"))
+
+
+def _frozen(stderr: str) -> int:
+    return int([ln for ln in stderr.splitlines() if ln.startswith("frozen:")][-1].removeprefix("frozen:"))
 
 
 def _run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -53,6 +59,7 @@ def test_probe_json_into_a_pipe_never_imports_rich(tmp_path):
     assert r.returncode == 0, r.stderr
     assert [n["name"] for n in json.loads(r.stdout)["nodes"]] == ["a"]
     assert "rich" not in _imported(r.stderr)
+    assert _frozen(r.stderr) > 10_000  # what start-up made is out of the last collection's way
 
 
 def test_the_table_and_errors_still_use_rich(tmp_path):
