@@ -131,6 +131,40 @@ def test_one_master_connection_per_node_carries_every_command_and_close_ends_it(
         other.close()
 
 
+def _ssh_clients(t) -> list[psutil.Process]:
+    """Every ssh process of transport ``t`` still running (its control path is on each one's command line)."""
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if f"ControlPath={t.control_path}" in cmd and p.status() != psutil.STATUS_ZOMBIE:
+            found.append(p)
+    return found
+
+
+@pytest.mark.e2e
+def test_without_persist_each_command_is_its_own_master_and_nothing_outlives_it(make_sshd_cluster):
+    """``persist=False`` (a plain probe): one ssh per command, as pdsh; commands meanwhile share it."""
+    cluster = make_sshd_cluster(1)
+    inv = load_inventory(cluster.write_inventory())
+    t = connect(inv.nodes[0], inv.ssh, persist=False)
+    assert not _ssh_clients(t) and not t.connected  # nothing before the first command
+    p = t.start(["sh", "-c", "echo up; exec sleep 30"])
+    assert p.stdout.readline() == b"up\n"
+    assert t.connected and len(_ssh_clients(t)) == 1  # the command's own ssh is the master
+    assert t.run(["echo", "over it"]).stdout == "over it\n"
+    [master] = _ssh_clients(t)
+    assert len([c for c in _tcp(master) if c.raddr and c.raddr.port == cluster[0].port]) == 1
+    p.kill()
+    assert wait_until(lambda: not _ssh_clients(t)) and not t.connected  # no master outlives its command
+    r = t.run(["sh", "-c", "echo out; exit 255"], check=False)
+    assert (r.exit_code, r.stdout) == (255, "out\n")  # the command's own 255, not a lost link
+    with pytest.raises(Unreachable, match="connection lost while running"):
+        t.run(["sh", "-c", "kill -9 $PPID; sleep 5"])  # its sshd session dies: the link is gone
+    assert not _ssh_clients(t)
+    t.close()
+    assert not _ssh_clients(t)
+
+
 def _tcp(p: psutil.Process) -> list:
     try:
         return p.net_connections(kind="tcp")

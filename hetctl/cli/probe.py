@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import sys
+from typing import Callable, Iterator
+
 import typer
 
-from hetctl.cli import app, err, handle_errors, interrupts_end_commands, out, print_json, text
+from hetctl.cli import app, err, handle_errors, interrupts_end_commands, may_be_terminal, out, print_json, text
 
 
 @app.command("probe")
@@ -39,27 +43,17 @@ def probe_cmd(
         from hetctl.probe.assemble import ProfileShape
 
         shape = ProfileShape(spec=load_model(model, seq_len).model_dump(), micro_batch=micro_batch)
-    from rich.markup import escape
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
+    # Only what reaching the nodes needs comes before the probe: the nodes' ssh clients
+    # start while the rest of the CLI (rich, the parsers) is still being imported.
     from hetctl.files.inventory import load_inventory
     from hetctl.probe.gather import probe
-    from hetctl.files.yamlio import save_model, to_json
 
     inv = load_inventory(inventory)
-    progress = Progress(
-        TextColumn("probing"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
-        TimeElapsedColumn(), console=err, transient=True,
-    )
-    with progress:
-        task = progress.add_task("", total=len(inv.nodes))
-
-        def done(name: str, facts) -> None:
-            mark = "" if facts.reachable else " (failed)"
-            progress.update(task, advance=1, description=escape(f"{name}{mark}"))
-
+    with _progress(len(inv.nodes)) as done:
         with interrupts_end_commands():
             cluster = probe(inv, bench=bench, on_done=done, profile=shape)
+    from hetctl.files.yamlio import save_model, to_json
+
     if output:
         save_model(output, cluster, header=f"hetctl probe -i {inventory}\nnodes: {len(cluster.nodes)}")
     if json_out:
@@ -75,6 +69,33 @@ def probe_cmd(
         err.print(text((f"{len(failed)} of {len(cluster.nodes)} node(s) did not answer:", "yellow"), f" {', '.join(failed)}"),
                   highlight=False)
         raise typer.Exit(1)
+
+
+@contextlib.contextmanager
+def _progress(total: int) -> Iterator[Callable | None]:
+    """A transient progress bar on stderr, and the ``on_done`` callback that advances it.
+
+    None where stderr is no terminal: rich would draw nothing there, so neither the bar
+    nor rich is made (``probe --json`` in a script or a pipe).
+    """
+    if not may_be_terminal(sys.stderr):
+        yield None
+        return
+    from rich.markup import escape
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    progress = Progress(
+        TextColumn("probing"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
+        TimeElapsedColumn(), console=err.rich, transient=True,
+    )
+    with progress:
+        task = progress.add_task("", total=total)
+
+        def done(name: str, facts) -> None:
+            mark = "" if facts.reachable else " (failed)"
+            progress.update(task, advance=1, description=escape(f"{name}{mark}"))
+
+        yield done
 
 
 def _fmt_tflops(t) -> str:

@@ -12,21 +12,28 @@ cannot be reached or whose collector fails becomes a row with
 from __future__ import annotations
 
 import json
+import threading
 import time
 from functools import lru_cache
 from typing import Any, Callable
 
+from typing import TYPE_CHECKING
+
 from hetctl.errors import HetctlError, RemoteError
-from hetctl.probe.assemble import (ProfileShape, apply_bench, apply_profile, bench_request, node_facts,
-                                   profile_request, unreachable)
-from hetctl.files.cluster import Cluster, NodeFacts
-from hetctl.remote.base import Result
+
+if TYPE_CHECKING:
+    from hetctl.files.cluster import Cluster, NodeFacts
+    from hetctl.probe.assemble import ProfileShape
+    from hetctl.remote.base import Result
+
+# What turns answers into facts (assemble, the cluster models, the spec table, findings) is
+# imported by :func:`probe` while the nodes' ssh clients run, not before they start.
 
 COLLECT_TIMEOUT_S = 120.0  # whole collector run; each tool has TOOL_TIMEOUT_S
 TOOL_TIMEOUT_S = 30.0
 BENCH_TIMEOUT_S = 900.0
 
-OnDone = Callable[[str, NodeFacts], None]
+OnDone = Callable[[str, "NodeFacts"], None]
 
 
 @lru_cache(maxsize=None)
@@ -91,7 +98,7 @@ def _run_script(transport: Any, node: Any, script: str, args: str, timeout: floa
 
 
 def probe_node(node: Any, ssh: Any, *, bench: bool = False, args: str | None = None,
-               profile: ProfileShape | None = None) -> NodeFacts:
+               profile: ProfileShape | None = None, connected: Callable[[], None] | None = None) -> NodeFacts:
     """Probe one inventory node; never raises for a node-side failure.
 
     Args:
@@ -100,6 +107,8 @@ def probe_node(node: Any, ssh: Any, *, bench: bool = False, args: str | None = N
         bench: also run the matmul benchmark when the node has torch.
         args: the collector's JSON argument (computed once for all nodes).
         profile: also time the reference trainer's layer at this shape (with or without ``bench``).
+        connected: called once the transport is made, just before the collector starts (or
+            when it cannot be made).
 
     Returns:
         The node's facts, or an unreachable row carrying the reason.
@@ -107,9 +116,17 @@ def probe_node(node: Any, ssh: Any, *, bench: bool = False, args: str | None = N
     from hetctl.remote import connect
 
     try:
-        transport = connect(node, ssh, lazy=True)  # the collector's run makes the connection
+        # The collector's run makes the connection; with nothing after it, no master outlives it.
+        transport = connect(node, ssh, lazy=True, persist=bench or profile is not None)
     except HetctlError as e:
+        from hetctl.probe.assemble import unreachable
+
         return unreachable(node, e.message)
+    finally:
+        if connected is not None:
+            connected()
+    from hetctl.probe.assemble import node_facts, unreachable
+
     try:
         raw = _run_script(transport, node, "collector.py", args or collector_args(), COLLECT_TIMEOUT_S, "collector")
         facts = node_facts(node, raw)
@@ -125,6 +142,8 @@ def probe_node(node: Any, ssh: Any, *, bench: bool = False, args: str | None = N
 
 
 def _bench(transport: Any, node: Any, facts: NodeFacts) -> NodeFacts:
+    from hetctl.probe.assemble import apply_bench, bench_request
+
     request = bench_request(facts)
     if request is None:
         return apply_bench(facts, None, "no benchmark for these chips")
@@ -139,6 +158,8 @@ def _bench(transport: Any, node: Any, facts: NodeFacts) -> NodeFacts:
 
 
 def _profile(transport: Any, node: Any, facts: NodeFacts, shape: ProfileShape) -> NodeFacts:
+    from hetctl.probe.assemble import apply_profile, profile_request
+
     request = profile_request(facts, shape)
     if request is None or not facts.software.torch:
         return facts  # the benchmark's row already says why nothing was measured
@@ -168,16 +189,22 @@ def probe(inventory: Any, *, bench: bool = False, on_done: OnDone | None = None,
     args = collector_args()
     nodes = list(inventory.nodes)
     by_name = {n.name: n for n in nodes}
+    fanout_workers = getattr(inventory.ssh, "fanout", None) or 64
+    first_wave = _Countdown(min(len(nodes), fanout_workers))
+    warm = threading.Thread(target=_import_assembly, args=(first_wave,), name="probe-imports", daemon=True)
+    warm.start()
 
     def work(node: Any) -> NodeFacts:
-        return probe_node(node, inventory.ssh, bench=bench, args=args, profile=profile)
+        return probe_node(node, inventory.ssh, bench=bench, args=args, profile=profile, connected=first_wave.count_down)
 
     def done(name: str, value: Any) -> None:
         if on_done is not None:
             on_done(name, _as_facts(by_name[name], value))
 
-    fanout_workers = getattr(inventory.ssh, "fanout", None) or 64
     group = fanout(nodes, work, max_workers=fanout_workers, on_done=done)
+    warm.join()
+    from hetctl.files.cluster import Cluster
+
     results = [_as_facts(n, group[n.name]) for n in nodes]
     links = []
     if bench:  # after every chip benchmark, so that no node measures both at once
@@ -201,7 +228,41 @@ def with_findings(cluster: Cluster, env: dict[str, dict[str, Any]] | None = None
     return cluster.model_copy(update={"findings": find(cluster, socket_env)})
 
 
+class _Countdown:
+    """Set once ``count`` workers have counted down (a latch)."""
+
+    def __init__(self, count: int) -> None:
+        self._left = count
+        self._lock = threading.Lock()
+        self.done = threading.Event()
+        if count <= 0:
+            self.done.set()
+
+    def count_down(self) -> None:
+        with self._lock:
+            self._left -= 1
+            if self._left <= 0:
+                self.done.set()
+
+
+def _import_assembly(first_wave: _Countdown) -> None:
+    """Import what turns the answers into facts while the collectors run.
+
+    It waits until the first wave of nodes has its transport (each about to start its
+    ssh client), so that these imports neither delay a connection nor come after the
+    first answer; the workers' own imports of the same modules wait for it (import lock).
+    """
+    import importlib
+
+    first_wave.done.wait(5.0)
+    for module in ("hetctl.probe.assemble", "hetctl.probe.findings"):
+        importlib.import_module(module)
+
+
 def _as_facts(node: Any, value: Any) -> NodeFacts:
+    from hetctl.files.cluster import NodeFacts
+    from hetctl.probe.assemble import unreachable
+
     if isinstance(value, NodeFacts):
         return value
     if isinstance(value, HetctlError):

@@ -29,9 +29,8 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from hetctl.files.cluster import VENDORS, Chip, Tflops
 from hetctl.probe.parsers import (
     amd_smi,
     cnmon,
@@ -47,7 +46,13 @@ from hetctl.probe.parsers import (
     rocminfo,
 )
 from hetctl.probe.parsers._common import ParsedChip, device_key, hex_id, is_masked, normalize_bdf
-from hetctl.probe.specs import SpecRow, lookup, match
+
+if TYPE_CHECKING:
+    from hetctl.files.cluster import Chip
+    from hetctl.probe.specs import SpecRow
+
+# The cluster models and the spec table are imported where chips are made, not here: the
+# collector's argument (TOOL_COMMANDS) is needed before any node is reached, the rest after.
 
 TOOL_COMMANDS: dict[str, list[str]] = {
     "nvidia-smi-csv": ["nvidia-smi", "--query-gpu=" + ",".join(nvidia_smi.CSV_FIELDS), "--format=csv,noheader,nounits"],
@@ -190,6 +195,9 @@ def _dedupe(chips: list[ParsedChip]) -> list[ParsedChip]:
 
 def _tool_chips(tools: dict[str, Any]) -> dict[str, tuple[str, list[ParsedChip]]]:
     """Vendor → (source label, chips) from the best tool for that vendor."""
+    from hetctl.files.cluster import VENDORS
+    from hetctl.probe.specs import lookup
+
     parsed = {k: parse_tool(k, t) for k in SOURCE_PREFERENCE if (t := _usable(tools.get(k)))}
     if parsed.get("npu-smi") and parsed.get("npu-smi-m"):
         parsed["npu-smi"] = npu_smi.merge(
@@ -303,6 +311,9 @@ def _partitions(chips: list[ParsedChip]) -> dict[int, int]:
 
 
 def _to_chip(c: ParsedChip, source: str, parts: int) -> Chip:
+    from hetctl.files.cluster import Chip, Tflops
+    from hetctl.probe.specs import match
+
     mem = round(c.memory_mib / 1024, 2) if c.memory_mib else None
     row: SpecRow | None
     row, how = match(c.vendor, c.model, mem, c.device_id)
@@ -338,6 +349,8 @@ def chips_from_raw(raw: dict) -> list[Chip]:
         the hardware really offers it), or the spec table's reported total
         when the source printed none.
     """
+    from hetctl.files.cluster import VENDORS, Chip
+
     raw = raw or {}
     found = _one_per_device(_tool_chips(raw.get("tools") or {}), _pci_records(raw))
     seen_bus = {device_key(c.bus_id) for _, chips in found.values() for c in chips if c.bus_id}

@@ -16,14 +16,16 @@ from hetctl.remote.sshconfig import EffectiveSsh, effective_settings
 TRANSPORTS: dict[str, type] = {"ssh": SshTransport, "local": LocalTransport, "slurm": SlurmTransport}
 
 
-def connect(node, ssh=None, *, lazy: bool = False) -> Transport:
+def connect(node, ssh=None, *, lazy: bool = False, persist: bool = True) -> Transport:
     """Open the transport for ``node`` (ssh connects now and raises on failure).
 
     Args:
         node: a resolved :class:`hetctl.files.inventory.Node`.
         ssh: the inventory's :class:`hetctl.files.inventory.SshSettings` (defaults when None).
         lazy: ssh connects on the first command instead (its failure raises there):
-            for one-shot work such as probing, one ssh process per node fewer.
+            for work of a few commands, one ssh process per node fewer.
+        persist: ``False``: ssh keeps no master once a command ends (implies ``lazy``), for
+            one command per node (:class:`hetctl.remote.ssh.SshTransport`).
 
     Raises:
         Unreachable, AuthFailed, HostKeyMismatch: for ssh nodes that cannot be reached.
@@ -35,7 +37,7 @@ def connect(node, ssh=None, *, lazy: bool = False) -> Transport:
 
         ssh = SshSettings()
     if node.transport == "ssh":
-        return SshTransport(node, ssh, lazy=lazy)
+        return SshTransport(node, ssh, lazy=lazy, persist=persist)
     return TRANSPORTS[node.transport](node, ssh)
 
 

@@ -8,8 +8,11 @@ own options (see :mod:`hetctl.remote.sshconfig` for the precedence):
 * the constructor runs ``ssh -G`` (the effective settings, used for messages and the
   known_hosts list) and then starts the node's master connection (``ControlMaster``,
   ``-N -f``, ``ControlPersist``), so :func:`hetctl.remote.connect` fails early; with
-  ``lazy=True`` (one-shot work such as ``probe``) the first command makes the master
-  instead, as pdsh's one ``ssh`` per host would, and its failure is the connection's;
+  ``lazy=True`` (work of a few commands such as ``probe --bench``) the first command makes
+  the master instead, and its failure is the connection's; with ``persist=False`` (one
+  command per node: a plain ``probe``) each command's own ``ssh`` is the master for as long
+  as it runs, as pdsh's one ``ssh`` per host is — no backgrounded master, no ``ssh -O
+  exit`` — and commands started meanwhile are still multiplexed over it;
 * every later command is multiplexed over that master (its control socket is private
   to this transport: :meth:`SshTransport.close` ends it with ``ssh -O exit`` without
   touching another transport's sessions); if the master is gone, the next command
@@ -47,6 +50,9 @@ CONTROL_PERSIST_S = 60  # an idle master outlives a crashed hetctl by this long,
 PID_MARKER = b"hetctl-pid:"
 _PID_LINE = re.compile(rb"hetctl-pid:(\d+)\r?\n")
 SSH_FAILED = 255  # ssh's own exit code for its errors (also a command's exit 255 or a signal)
+# ssh's words when a session's connection dropped (it then exits 255 with no exit status).
+_LOST = re.compile(r"closed by remote host|Connection reset|Broken pipe|client_loop: |not responding|"
+                   r"Connection closed by|packet_write_wait|ssh_dispatch_run_fatal")
 # Put a file: mkdir -p, write a temp name in the target folder, chmod, rename over the target.
 # Atomic, and safe when several nodes share the folder (each uses its own temp name).
 _PUT = r"""set -e
@@ -116,18 +122,25 @@ class SshTransport:
         settings: the inventory's :class:`hetctl.files.inventory.SshSettings`.
         lazy: no master connection now; the first command makes it (one ssh process
             and one serial step fewer per node, for work that runs a command or two).
+        persist: ``False``: no master outlives a command (implies ``lazy``): each
+            command's ``ssh`` is the master while it runs (``ControlPersist no``), the
+            commands started meanwhile share it, and the next one connects anew. For one
+            command per node: one ``ssh`` process per node, as pdsh, and nothing to end.
 
     Raises:
         Unreachable, AuthFailed, HostKeyMismatch: the master connection could not be made.
         ConfigError: ssh refuses the configuration.
     """
 
-    def __init__(self, node, settings, *, lazy: bool = False) -> None:
+    def __init__(self, node, settings, *, lazy: bool = False, persist: bool = True) -> None:
         self.spec = node
         self.node: str = node.name
         self.settings = settings
         self._closed = False
+        self.persist = persist
+        lazy = lazy or not persist
         self._used = not lazy  # whether a master may exist (close() ends it)
+        self._live: list[subprocess.Popen] = []  # persist=False: the commands' ssh clients (each may be the master)
         if node.identity_file and not os.path.exists(node.identity_file):
             raise AuthFailed(f"{self.node}: identity_file {node.identity_file} does not exist",
                              "fix the path in the inventory", node=self.node)
@@ -142,7 +155,8 @@ class SshTransport:
             files = " ".join(sshconfig.opt_value(f.replace("%", "%%"), "known_hosts") for f in self.effective.known_hosts)
             opts += ["-o", f"UserKnownHostsFile={files}"]
         self.control_path = os.path.join(sshconfig.control_dir(), secrets.token_hex(6))
-        self._opts = [*opts, "-o", f"ControlPath={self.control_path}", "-o", f"ControlPersist={CONTROL_PERSIST_S}",
+        persist_opt = f"ControlPersist={CONTROL_PERSIST_S}" if persist else "ControlPersist=no"
+        self._opts = [*opts, "-o", f"ControlPath={self.control_path}", "-o", persist_opt,
                       "-o", "ClearAllForwardings=yes", "-o", "RemoteCommand=none", "-T"]
         if not lazy:
             self._connect()
@@ -209,7 +223,19 @@ class SshTransport:
         self._used = True
         popen = subprocess.Popen(self._argv("auto", command=line), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, start_new_session=True)
+        if not self.persist:
+            self._live = [p for p in self._live if p.poll() is None] + [popen]
         return popen, prefix
+
+    def _lost(self, stderr: str) -> bool:
+        """After a started command's 255: whether the connection dropped (else it is the command's own code).
+
+        With a persistent master, ``ssh -O check`` tells; without one (``persist=False``)
+        the command's ssh was the master and has exited, so ssh's own words on stderr tell.
+        """
+        if self.persist:
+            return not self.connected
+        return _LOST.search(stderr) is not None
 
     def run(
         self,
@@ -272,7 +298,7 @@ class SshTransport:
         elif code == SSH_FAILED:
             if pid is None:  # the command never started: ssh's own failure
                 raise self._error(err, code)
-            if not self.connected:
+            if self._lost(err):
                 raise Unreachable(f"{self.node}: connection lost while running `{command}`", node=self.node)
         return finish(Result(self.node, command, code, out, err, time.monotonic() - t0), check, timeout)
 
@@ -351,8 +377,8 @@ class SshTransport:
         """End the master connection (``ssh -O exit``) and every session still on it. Idempotent."""
         if self._closed:
             return
-        if not self._used:
-            self._closed = True
+        if not self._used or (not self.persist and all(p.poll() is not None for p in self._live)):
+            self._closed = True  # no master was made, or it ended with the last command
             return
         try:
             subprocess.run(self._control("exit"), stdin=subprocess.DEVNULL, capture_output=True, timeout=10)
