@@ -7,10 +7,12 @@ fields they do not know. :class:`EventLog` is thread-safe, accepts only typed
 events, and fans them out to listeners (the live view) as the dicts it wrote.
 
 Written by one attempt (``hetctl.launch``): ``launched``, ``progress``,
-``rank_failed``, ``node_lost``, ``agent_lost``, ``processes_left``. By the elastic loop (``hetctl.elastic``):
+``rank_failed``, ``node_lost``, ``agent_lost``, ``processes_left``, ``standby`` (warm spares).
+By the elastic loop (``hetctl.elastic``):
 ``straggler``, ``restart``, ``replan``, ``replan_layout``, ``rebalanced``,
 ``node_abnormal``, ``checkpoint_skipped``, ``checkpoint_unseen``, ``resumed``,
-``gave_up``, ``measured`` (predicted against measured), ``health_check`` (``launch --health-check``, before
+``gave_up``, ``recovery`` (per restart: where the time went, steps lost),
+``measured`` (predicted against measured), ``health_check`` (``launch --health-check``, before
 the first attempt), and the closing ``finished`` / ``stopped`` / ``failed``.
 """
 
@@ -86,6 +88,51 @@ class RankFailed(Event):
     reason: str
     exit_code: int | None = None
     signal: int | None = None
+
+
+@dataclass(frozen=True)
+class Standby(Event):
+    """A warm spare (hetctl.node.standby): ``ready`` (imported, waiting), ``used`` (a rank was handed to it:
+    ``pid`` is the spare's pre-started pid), ``cold`` (the rank started as a new process: ``reason``),
+    ``none`` (no spare for this rank: ``reason``), ``gone`` (a waiting spare exited). ``t`` is the node's clock."""
+
+    kind: ClassVar[str] = "standby"
+    attempt: int
+    node: str
+    rank: int
+    state: str
+    pid: int | None = None
+    reason: str | None = None
+    import_s: float | None = None
+    t: float | None = None
+
+
+@dataclass(frozen=True)
+class Recovery(Event):
+    """How one restart went, in seconds from the failure (the agent's clock at a crash; a hang's last progress).
+
+    ``detection_s``: the controller knew (``rank_failed``); ``stop_s``: every agent had stopped its
+    ranks; ``restart_s``: the new attempt's ranks were handed to spares or started (``launched``);
+    ``ready_s``: the last rank reported its resume step (group formed, checkpoint loaded);
+    ``first_step_s``: every rank reported a step past it. ``steps_lost``: steps trained again,
+    the step in flight at the failure minus the step resumed from, or the figure another event of
+    the new attempt gave (``steps_lost_from`` says which). ``standby``: ranks handed to spares.
+    """
+
+    kind: ClassVar[str] = "recovery"
+    attempt: int
+    failed_attempt: int
+    cause: str
+    resume_step: int
+    steps_lost: int | None
+    steps_lost_from: str
+    detection_s: float | None = None
+    stop_s: float | None = None
+    restart_s: float | None = None
+    ready_s: float | None = None
+    first_step_s: float | None = None
+    standby: int = 0
+    cold: int = 0
 
 
 @dataclass(frozen=True)
@@ -327,7 +374,8 @@ class Failed(Event):
 
 
 EVENT_TYPES: dict[str, type[Event]] = {
-    cls.kind: cls for cls in (Launched, Progress, RankFailed, NodeLost, AgentLost, ProcessesLeft, StragglerFound, Restart, Replan,
+    cls.kind: cls for cls in (Launched, Progress, RankFailed, Standby, Recovery,
+                              NodeLost, AgentLost, ProcessesLeft, StragglerFound, Restart, Replan,
                               ReplanLayout, Rebalanced, NodeAbnormal, CheckpointSkipped, CheckpointUnseen,
                               Resumed, GaveUp, Measured, HealthChecked, Finished, Stopped, Failed)
 }

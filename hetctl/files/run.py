@@ -46,6 +46,7 @@ class RunInputs(_Strict):
                              description="what each rank runs after the node's python")
     allow_mixed_software: bool = Field(False, description="launch even when the nodes' torch major.minor differ")
     progress: str | None = Field(None, description="preset or pattern the agents read steps from in rank output")
+    standby: str = Field("auto", description="warm spare per rank: auto (the reference trainer), on, off")
     slurm_allocation: str | None = Field(None, description="the Slurm job hetctl asked for itself (salloc --no-shell); "
                                                            "cancelled when the run ends or is stopped")
 
@@ -66,6 +67,8 @@ class RunSummary(_Strict):
     measured_step_s: float | None = Field(None, description="the last attempt's measured step time")
     step_ratio: float | None = Field(None, description="measured ÷ predicted step time")
     reason: str | None = Field(None, description="why it failed or stopped; the root cause first")
+    recoveries: list[dict] = Field(default_factory=list,
+                                   description="per restart: the recovery event's figures (seconds from the failure)")
 
 
 class RunInfo(_Strict):
