@@ -99,6 +99,24 @@ def _restart(ev: dict) -> str:
             f", after {ev.get('reason', '')}")
 
 
+def _standby(ev: dict) -> str:
+    who = f"rank {ev.get('rank')} on {ev.get('node')}"
+    state = ev.get("state")
+    if state == "ready":
+        took = f", imported in {ev['import_s']:.1f}s" if isinstance(ev.get("import_s"), (int, float)) else ""
+        return f"{who}: warm spare ready (pid {ev.get('pid')}{took})"
+    if state == "used":
+        return f"attempt {ev.get('attempt')}: {who} handed to its warm spare (pid {ev.get('pid')})"
+    what = {"cold": "started cold", "none": "no warm spare", "gone": "warm spare exited"}.get(state, str(state))
+    return f"attempt {ev.get('attempt')}: {who} {what}" + (f": {ev['reason']}" if ev.get("reason") else "")
+
+
+def _recovery(ev: dict) -> str:
+    from hetctl.elastic.recovery import describe
+
+    return "recovery: " + describe(ev)
+
+
 def _replan(ev: dict) -> str:
     what = "re-planning with measured speeds" if ev.get("measured") else "re-planning"
     dropped = f" without {', '.join(ev['dropped'])}" if ev.get("dropped") else ""
@@ -178,6 +196,8 @@ _LINES = {
     "node_abnormal": lambda ev: (f"{ev['node']} marked abnormal after {ev.get('failures', '?')} failures; "
                                  "dropped from the run"),
     "restart": _restart,
+    "standby": _standby,
+    "recovery": _recovery,
     "replan": _replan,
     "replan_layout": _replan_layout,
     "rebalanced": _rebalanced,

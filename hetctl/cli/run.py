@@ -247,6 +247,11 @@ def _finish_launch(result, json_out: bool) -> None:
                            "re-plans with the measured speeds"), highlight=False, soft_wrap=True)
         if s.reason and s.state != "succeeded":
             out.print(text(f"reason: {s.reason}"), highlight=False, soft_wrap=True)
+        if s.recoveries:
+            from hetctl.elastic.recovery import describe
+
+            for r in s.recoveries:  # seconds from the failure: where each restart's time went
+                out.print(text(f"recovery: {describe(r)}"), highlight=False, soft_wrap=True)
     if s.state != "succeeded":
         err.print(text(("continue with:", "dim"), f" hetctl resume {s.run_dir}"), highlight=False, soft_wrap=True)
         raise typer.Exit(130 if s.state == "stopped" else RunFailed.exit_code)

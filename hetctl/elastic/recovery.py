@@ -91,8 +91,8 @@ class RecoveryClock:
     def flush(self, first_at: float | None = None, ready_at: float | None = None) -> None:
         """Write the pending recovery (first step None when the attempt ended before one)."""
         p, self._pending = self._pending, None
-        if p is None or p.attempt is None:
-            return
+        if p is None or p.attempt is None or p.launched is None:
+            return  # no attempt started after the failure: nothing recovered to time
         lost, source = p.steps_lost or (max(0, p.in_flight - p.resume_step), "resume step vs the step in flight")
         rec = Recovery(attempt=p.attempt, failed_attempt=p.failed_attempt, cause=p.cause, resume_step=p.resume_step,
                        steps_lost=lost, steps_lost_from=source, detection_s=_s(p.detected, p.t0),
