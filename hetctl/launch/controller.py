@@ -292,10 +292,10 @@ class AttemptController:
         needs = ("hetctl", "torch") if tuple(self.req.entry) == mat.REFERENCE_TRAINER else ()
 
         def check(node: Any) -> dict[str, Any]:
+            kept = self.pool.preflight(node.name) if self.pool is not None else None  # drops a dead agent first
             t = (self.pool.transport(node.name) if self.pool is not None else None) or self.connect(node)
             self.transports[node.name] = t
             want_port = node.name == rank0 and self.req.master_port is None
-            kept = self.pool.preflight(node.name) if self.pool is not None else None
             if kept is not None:  # its agent ran the last attempt and is up: same python, workdir, modules
                 return {**kept, "agent_ok": True, **({"port": kept_agent_port(self.pool, node.name, self.th)}
                                                      if want_port else {})}

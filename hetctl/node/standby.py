@@ -46,7 +46,7 @@ from typing import Any, Callable
 SPARE_COMM = "hetctl-spare"
 PER_ATTEMPT = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK")
 PER_ATTEMPT_PREFIXES = ("HETCTL_", "MASTER_", "TORCHELASTIC_")
-SPARE_AFTER_BEATS = 1  # a new spare starts once its rank's heartbeat moved this often (after its first step)…
+SPARE_AFTER_BEATS = 2  # a new spare starts once its rank's heartbeat moved this often (after its first step)…
 SPARE_AFTER_S = 30.0  # …or this long after the rank started (a script that never heartbeats)
 SPARE_WAIT_S = 10.0  # how long a start waits for a spare still importing (under the node timeout: the agent is busy)
 PR_SET_NAME = 15
@@ -198,6 +198,9 @@ def serve(status_fd: int, argv_tail: list[str]) -> None:
         try:
             if importlib.util.find_spec(name) is None:
                 continue
+        except Exception:  # noqa: BLE001 - ``from mod import function`` names no module: nothing to import
+            continue
+        try:
             importlib.import_module(name)
             imported += 1
         except Exception:  # noqa: BLE001 - an optional import of the entry (inside a try) may fail here too
