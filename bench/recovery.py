@@ -136,6 +136,21 @@ def kill_rank(run_id: str, rank: int) -> float:
     return t
 
 
+def ckpt_read_s(ckpt_dir: Path, step: int, plan: Plan) -> float:
+    """Seconds the slowest stage takes to read and verify its part of checkpoint ``step`` (as a rank does first)."""
+    from hetctl.node.manifest import model_digest, read_verified
+    from hetctl.train.units import unit_files
+
+    last = max(s.stage for s in plan.stages)
+    worst = 0.0
+    for s in plan.stages:
+        t0 = time.perf_counter()
+        read_verified(ckpt_dir, step, unit_files(tuple(s.layers), s.stage == 0, s.stage == last),
+                      model_digest(plan.model.model_dump()))
+        worst = max(worst, time.perf_counter() - t0)
+    return worst
+
+
 def spares_ready(run: Path, ranks: int) -> bool | None:
     ready = {e["rank"] for e in read_events(run / "events.jsonl", "standby") if e["state"] == "ready"}
     return len(ready) >= ranks or None
@@ -172,6 +187,7 @@ def run_hetctl(tmp: Path, inv: Path, plan: Plan, o: argparse.Namespace, rep: int
     return {"detect": ev["ts"] - t_kill, "recover": t_step - t_kill, "resume": resume, "ready": t_ready - t_kill,
             "restart_event": restart["ts"] - t_kill, "launched": launched["ts"] - t_kill, "killed_at": killed_at,
             "handed": (max(e["t"] for e in used) - t_kill) if used else None, "warm": len(used), "rec": rec,
+            "ckpt_s": ckpt_read_s(tmp / "ckpt" / run.name, resume, plan) if resume else 0.0,
             "final_loss": f"{json.loads(out)['final_loss']:.9g}"}
 
 
@@ -296,7 +312,8 @@ def main() -> None:
                 print(f"      its recovery event: detection {_f(rec.get('detection_s'))}, stop {_f(rec.get('stop_s'))}, "
                       f"restart {_f(rec.get('restart_s'))}, ready {_f(rec.get('ready_s'))}, first step "
                       f"{_f(rec.get('first_step_s'))} s; steps lost {rec.get('steps_lost')} "
-                      f"({rec.get('steps_lost_from')})", flush=True)
+                      f"({rec.get('steps_lost_from')}); checkpoint read+verify alone {r['ckpt_s'] * 1000:.1f} ms",
+                      flush=True)
         med = {k: {f: statistics.median(x[f] for x in v) for f in ("detect", "recover", "ready")} for k, v in res.items()}
         lost = max(int(x["rec"].get("steps_lost") or 0) for x in res["on"])
         rp = replan_time(plan)

@@ -215,7 +215,7 @@ class AttemptController:
         clock: Callable[[], float] = time.monotonic,
         confirm_ask: Callable[[list[str]], Mapping[str, Any]] | None = None,
         pool: Any = None,
-        on_first_step: Callable[[float], None] | None = None,
+        on_first_step: Callable[[float, float], None] | None = None,
     ) -> None:
         self.req = req
         self.inventory = inventory
@@ -297,8 +297,8 @@ class AttemptController:
             self.transports[node.name] = t
             want_port = node.name == rank0 and self.req.master_port is None
             if kept is not None:  # its agent ran the last attempt and is up: same python, workdir, modules
-                return {**kept, "agent_ok": True, **({"port": kept_agent_port(self.pool, node.name, self.th)}
-                                                     if want_port else {})}
+                port = self.pool.agents[node.name].ask_port(self.th.connect_timeout) if want_port else None
+                return {**kept, "agent_ok": True, **({"port": port} if want_port else {})}
             res = t.run(mat.preflight_argv(node.python, str(node.workdir), want_port, ("hetctl", "torch")),
                         env=node.env or None, timeout=self.th.connect_timeout, check=False)
             info = mat.parse_preflight(res.stdout)
@@ -423,10 +423,6 @@ class AttemptController:
                 raise HetctlError(prefix + (e.strerror or str(e))) from None
 
         return wrapped
-
-
-def kept_agent_port(pool: Any, node: str, th: Thresholds) -> int:
-    return pool.agents[node].ask_port(th.connect_timeout)
 
 
 def run_attempt(req: AttemptRequest, **kwargs: Any) -> AttemptOutcome:
