@@ -92,8 +92,8 @@ def test_restarts_used_up_fail_with_exit_5_and_the_resume_line(site, capsys):
     info = prep.run.load_info()
     assert info.state == "failed" and info.tally["restarts"] == 1 and info.tally["node_failures"] == {"b": 2}
     kinds = [e["kind"] for e in read_events(prep.run.events_path)]
-    assert kinds == ["checkpoint_unseen", "recovery", "restart", "gave_up", "failed"]
-    (rec,) = read_events(prep.run.events_path, "recovery")
+    assert kinds == ["checkpoint_unseen", "resume_source", "restart", "gave_up", "failed"]
+    (rec,) = read_events(prep.run.events_path, "resume_source")
     assert (rec["recovery_path"], rec["resume_step"], rec["steps_lost"]) == ("checkpoint", None, 7)
     assert rec["reason"] == "no valid checkpoint: from step 0; the controller sees no checkpoint folder"
     from hetctl.cli.run import _finish_launch

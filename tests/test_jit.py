@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from hetctl.elastic.peers import CHECKPOINT, PEER, recover, resume_point
-from hetctl.files.events import EventLog, Recovery, parse_event, read_events
+from hetctl.files.events import EventLog, ResumeSource, parse_event, read_events
 from hetctl.node import jitstate, manifest
 from hetctl.node.jitstate import Dump, choose
 from hetctl.train.units import STATE, expected_files, unit_files
@@ -228,8 +228,8 @@ def test_recover_writes_a_typed_recovery_event_and_returns_the_summary_record(tm
     with EventLog(tmp_path / "events.jsonl") as log:
         step, record = recover(ckpt, MODEL, (2, Plan, 13), log.emit, latest_checkpoint)
     assert step == 13 and (record.attempt, record.recovery_path, record.steps_lost) == (3, PEER, 0)
-    (ev,) = read_events(tmp_path / "events.jsonl", "recovery")
-    assert isinstance(parse_event(ev), Recovery)
+    (ev,) = read_events(tmp_path / "events.jsonl", "resume_source")
+    assert isinstance(parse_event(ev), ResumeSource)
     assert (ev["attempt"], ev["failed_attempt"], ev["resume_step"], ev["last_step"]) == (3, 2, 13, 13)
 
 

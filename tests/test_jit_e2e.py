@@ -102,6 +102,11 @@ CHILD = textwrap.dedent("""
 """)
 
 
+def _record(r: dict) -> dict:
+    """A summary recovery's source fields (the timing fields come from the ``recovery`` event)."""
+    return {k: r[k] for k in ("attempt", "recovery_path", "resume_step", "steps_lost")}
+
+
 def child(tmp_path: Path, mode: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", CHILD, json.dumps(SPEC), str(tmp_path), mode],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -201,13 +206,17 @@ class Killed:
 
 def test_rank_killed_with_dp2_resumes_from_its_peers_losing_at_most_one_step(site, reference):
     run = Killed(site, "peer", "plan", 3, KILL_AT, "--grace", "5")
-    (rec,) = run.events("recovery")
+    (rec,) = run.events("resume_source")
     assert rec["recovery_path"] == "peer", rec
     assert rec["resume_step"] >= KILL_AT > EVERY and rec["steps_lost"] <= 1 and 3 not in rec["ranks"]
     assert [e["resume_step"] for e in run.events("restart")] == [rec["resume_step"]]
     assert run.summary["final_loss"] == reference["final_loss"]  # bit for bit
-    assert run.summary["recoveries"] == [{"attempt": 1, "recovery_path": "peer", "resume_step": rec["resume_step"],
-                                          "steps_lost": rec["steps_lost"]}]
+    assert [_record(r) for r in run.summary["recoveries"]] == [
+        {"attempt": 1, "recovery_path": "peer", "resume_step": rec["resume_step"], "steps_lost": rec["steps_lost"]}]
+    (timed,) = run.events("recovery")  # the same restart, timed: it takes the path and the steps lost from above
+    assert (timed["recovery_path"], timed["steps_lost"], timed["steps_lost_from"]) == (
+        "peer", rec["steps_lost"], "resume_source event")
+    assert run.summary["recoveries"][0]["first_step_s"] == timed["first_step_s"] is not None
     assert "jit: " in run.logs() and f"wrote step {rec['resume_step']}" in run.logs()
     step = manifest.step_dir(run.ckpt, rec["resume_step"])
     assert manifest.read_manifest(step)["meta"]["source"] == "jit" and manifest.validate(step) == []
@@ -216,7 +225,7 @@ def test_rank_killed_with_dp2_resumes_from_its_peers_losing_at_most_one_step(sit
 
 def test_rank_killed_with_dp1_falls_back_to_the_checkpoint(site):
     run = Killed(site, "dp1", "plan-dp1", 1, KILL_AT, "--grace", "5")
-    (rec,) = run.events("recovery")
+    (rec,) = run.events("resume_source")
     assert (rec["recovery_path"], rec["resume_step"]) == ("checkpoint", EVERY), rec
     assert rec["steps_lost"] == rec["last_step"] - EVERY >= KILL_AT - EVERY
     assert rec["reason"].endswith("dp=1: no replica holds a copy of the failed rank's stage")
@@ -226,7 +235,7 @@ def test_rank_killed_with_dp1_falls_back_to_the_checkpoint(site):
 
 def test_dumps_cut_short_by_the_grace_period_are_not_used(site, reference):
     run = Killed(site, "cut", "plan", 3, KILL_AT, "-i", "inventory-slow-dump.yaml", "--grace", "2")
-    (rec,) = run.events("recovery")
+    (rec,) = run.events("resume_source")
     assert (rec["recovery_path"], rec["resume_step"]) == ("checkpoint", EVERY), rec
     assert "no manifest.json (the checkpoint was never finished)" in rec["reason"]
     assert run.summary["final_loss"] == reference["final_loss"]
@@ -255,10 +264,10 @@ def test_controller_killed_then_resume_continues_from_the_ranks_own_state(site, 
     r = cli(site, "resume", str(run), "--json", *FAST)
     assert r.returncode == 0, r.stderr
     summary = json.loads(r.stdout)
-    (rec,) = read_events(run / "events.jsonl", "recovery")
+    (rec,) = read_events(run / "events.jsonl", "resume_source")
     (resumed,) = read_events(run / "events.jsonl", "resumed")
     assert rec["recovery_path"] == "peer" and rec["resume_step"] == resumed["resume_step"] >= KILL_AT, rec
     assert rec["steps_lost"] <= 1 and rec["ranks"] == [0, 1]
     assert summary["final_loss"] == reference["final_loss"]
-    assert summary["recoveries"] == [{"attempt": 1, "recovery_path": "peer", "resume_step": rec["resume_step"],
-                                      "steps_lost": rec["steps_lost"]}]
+    assert [_record(r) for r in summary["recoveries"]] == [
+        {"attempt": 1, "recovery_path": "peer", "resume_step": rec["resume_step"], "steps_lost": rec["steps_lost"]}]

@@ -99,6 +99,24 @@ def _restart(ev: dict) -> str:
             f", after {ev.get('reason', '')}")
 
 
+def _standby(ev: dict) -> str:
+    who = f"rank {ev.get('rank')} on {ev.get('node')}"
+    state = ev.get("state")
+    if state == "ready":
+        took = f", imported in {ev['import_s']:.1f}s" if isinstance(ev.get("import_s"), (int, float)) else ""
+        return f"{who}: warm spare ready (pid {ev.get('pid')}{took})"
+    if state == "used":
+        return f"attempt {ev.get('attempt')}: {who} handed to its warm spare (pid {ev.get('pid')})"
+    what = {"cold": "started cold", "none": "no warm spare", "gone": "warm spare exited"}.get(state, str(state))
+    return f"attempt {ev.get('attempt')}: {who} {what}" + (f": {ev['reason']}" if ev.get("reason") else "")
+
+
+def _recovery(ev: dict) -> str:
+    from hetctl.elastic.recovery import describe
+
+    return "recovery: " + describe(ev)
+
+
 def _replan(ev: dict) -> str:
     what = "re-planning with measured speeds" if ev.get("measured") else "re-planning"
     dropped = f" without {', '.join(ev['dropped'])}" if ev.get("dropped") else ""
@@ -134,7 +152,7 @@ def _resumed(ev: dict) -> str:
     return line
 
 
-def _recovery(ev: dict) -> str:
+def _resume_source(ev: dict) -> str:
     """``attempt 1 resumes at step 15 from its peers' state, 0 completed steps lost (…)``."""
     where = "its peers' state" if ev.get("recovery_path") == "peer" else "the checkpoint"
     at = f"at step {ev['resume_step']}" if ev.get("resume_step") else "from step 0"
@@ -186,6 +204,8 @@ _LINES = {
     "node_abnormal": lambda ev: (f"{ev['node']} marked abnormal after {ev.get('failures', '?')} failures; "
                                  "dropped from the run"),
     "restart": _restart,
+    "standby": _standby,
+    "recovery": _recovery,
     "replan": _replan,
     "replan_layout": _replan_layout,
     "rebalanced": _rebalanced,
@@ -194,7 +214,7 @@ _LINES = {
                                       + ("; ".join(ev.get("problems") or []) or "invalid")),
     "checkpoint_unseen": lambda ev: f"checkpoints: {ev.get('reason', '')} (looked for {ev.get('path')})",
     "resumed": _resumed,
-    "recovery": _recovery,
+    "resume_source": _resume_source,
     "finished": lambda ev: f"finished at step {ev['steps']}",
     "gave_up": _gave_up,
     "measured": _measured,

@@ -58,6 +58,11 @@ def launch_cmd(
                                                  "plan's nodes (each chip against its same-model peers, a ring of "
                                                  "links against their NIC speed): drop the flagged nodes and "
                                                  "re-plan on the rest, or refuse to launch."),
+    standby: str = typer.Option("auto", "--standby", metavar="auto|on|off",
+                                help="Warm standby: each node's agent keeps, per rank, a spare Python that has "
+                                     "already imported torch and the trainer, and hands a restarted rank to it. "
+                                     "auto: on for the reference trainer, off for --entry scripts (which may read "
+                                     "their environment at import time); on: also for --entry."),
 ) -> None:
     """Start every rank of a plan through a per-node agent, show it live, keep it alive through faults."""
     from hetctl.elastic import start as launcher
@@ -68,6 +73,12 @@ def launch_cmd(
         from hetctl.errors import ConfigError
 
         raise ConfigError(f"--health-check {health_check!r}: not a policy", "use --health-check drop or refuse")
+    from hetctl.launch.pool import STANDBY_MODES
+
+    if standby not in STANDBY_MODES:
+        from hetctl.errors import ConfigError
+
+        raise ConfigError(f"--standby {standby!r}: not a mode", "use --standby auto, on or off")
     if not dry_run:  # a dry run asks Slurm for nothing
         alloc = _allocator(nodelist=_plan_nodes(plan_dir))
         try:
@@ -77,7 +88,7 @@ def launch_cmd(
                     entry=words, max_restarts=max_restarts, max_node_failures=max_node_failures, rebalance=rebalance,
                     grace=grace, hang_timeout=hang_timeout, node_timeout=node_timeout,
                     allow_mixed_software=allow_mixed_software, progress=progress, json_out=json_out,
-                    health_check=health_check)
+                    health_check=health_check, standby=standby)
         finally:
             alloc.release()
         return
@@ -102,7 +113,7 @@ def launch_cmd(
 
 def _launch(plan, inv, pf, alloc, *, run_dir, steps, checkpoint_every, entry, max_restarts, max_node_failures,
             rebalance, grace, hang_timeout, node_timeout, allow_mixed_software, progress, json_out,
-            health_check=None) -> None:
+            health_check=None, standby="auto") -> None:
     """Prepare the run folder and run it live (``alloc``: hetctl's own Slurm job, recorded in run.yaml)."""
     from hetctl.elastic import start as launcher
     from hetctl.launch.controller import Thresholds
@@ -116,9 +127,10 @@ def _launch(plan, inv, pf, alloc, *, run_dir, steps, checkpoint_every, entry, ma
         thresholds=Thresholds(grace_s=grace, hang_timeout=hang_timeout, node_timeout=node_timeout),
         allow_mixed_software=allow_mixed_software, progress=progress, health_check=health_check,
     )
+    prepared.info.inputs.standby = standby  # resume keeps it (run.yaml)
     if alloc.job:
         prepared.info.inputs.slurm_allocation = alloc.job
-        prepared.run.save_info(prepared.info)
+    prepared.run.save_info(prepared.info)
     _finish_launch(_run_live(prepared), json_out)
 
 
@@ -238,6 +250,12 @@ def _finish_launch(result, json_out: bool) -> None:
                            f" at step {r.resume_step or 0}, {r.steps_lost} completed steps lost"), highlight=False)
         if s.reason and s.state != "succeeded":
             out.print(text(f"reason: {s.reason}"), highlight=False, soft_wrap=True)
+        if any(r.restart_s is not None for r in s.recoveries):
+            from hetctl.elastic.recovery import describe
+
+            for r in s.recoveries:  # seconds from the failure: where each restart's time went
+                if r.restart_s is not None:
+                    out.print(text(f"recovery: {describe(r)}"), highlight=False, soft_wrap=True)
     if s.state != "succeeded":
         err.print(text(("continue with:", "dim"), f" hetctl resume {s.run_dir}"), highlight=False, soft_wrap=True)
         raise typer.Exit(130 if s.state == "stopped" else RunFailed.exit_code)

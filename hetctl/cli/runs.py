@@ -46,6 +46,10 @@ def _detail(v):
         lines.append(text(f"reason: {v.reason}"))
     if v.state == "orphaned":
         lines.append(text(("its controller was killed: ", "yellow"), f"`hetctl resume {v.run_dir}` continues it"))
+    if v.recoveries:
+        from hetctl.elastic.recovery import describe
+
+        lines += [text(f"recovery: {describe(r)}") for r in v.recoveries]
     parts: list = [*lines]
     if v.stages:
         t = Table(title=f"stages (last progress {v.last_event_age_s:.0f}s ago)" if v.last_event_age_s is not None

@@ -36,7 +36,7 @@ from hetctl.files.events import (
     Listener,
     Measured,
     Rebalanced,
-    Recovery,
+    ResumeSource,
     ReplanLayout,
     Stopped,
 )
@@ -44,11 +44,13 @@ from hetctl.files.plan import Plan
 from hetctl.files.run import RunDir, RunInfo, RunSummary
 from hetctl.elastic.calibrate import compare
 from hetctl.elastic.peers import record_of, recover
+from hetctl.elastic.recovery import RecoveryClock, with_timing
 from hetctl.elastic.policy import Decision, PolicyConfig, Tally, describe, run_loop
 from hetctl.elastic.replan import layer_split, load_cluster, replan
 from hetctl.elastic.straggler import StragglerHook, StragglerWatch, layout_of, predicted_gain, speed_factors
 from hetctl.launch.controller import AttemptRequest, Thresholds, run_attempt
 from hetctl.launch.monitor import OnProgress, OnUpdate
+from hetctl.launch.pool import AgentPool, standby_on
 from hetctl.launch.outcome import AttemptOutcome, RunState
 from hetctl.node import manifest as ckpt
 
@@ -130,6 +132,11 @@ def latest_checkpoint(ckpt_dir: str | Path, model: dict, emit: Callable[[Event],
     return found[0] if found else None
 
 
+def attempt_default(fn: AttemptFn) -> bool:
+    """Whether attempts run through the real controller (tests script their own)."""
+    return fn is run_attempt
+
+
 def _bottleneck_ms(outcome: AttemptOutcome) -> float | None:
     return max(outcome.stage_step_ms.values()) if outcome.stage_step_ms else None
 
@@ -169,7 +176,9 @@ class ElasticRun:
         self._measured: Measured | None = None  # the newest attempt's comparison with its plan
         self._last: tuple[int, Plan, int] | None = None  # the newest attempt run and its last step
         self._recoveries = list(prepared.info.summary.recoveries) if prepared.info.summary else []
-        self._recoveries += [record_of(ev) for ev in prepared.opening if isinstance(ev, Recovery)]  # a resume's
+        self._recoveries += [record_of(ev) for ev in prepared.opening if isinstance(ev, ResumeSource)]  # a resume's
+        self.recovery = RecoveryClock()  # per restart: detection, stop, restart, first step, steps lost
+        self.pool: AgentPool | None = None  # agents kept across attempts for their warm spares
 
     # -- the run -----------------------------------------------------------------
     def run(self, stop: threading.Event | None = None, listeners: Iterable[Listener] = (),
@@ -211,8 +220,12 @@ class ElasticRun:
 
     def _run(self, listeners: Iterable[Listener]) -> RunResult:
         p = self.p
-        with EventLog(p.run.events_path, listeners=list(listeners)) as events:
+        inputs = p.info.inputs
+        if attempt_default(self.attempt_fn) and standby_on(inputs.standby, inputs.entry):
+            self.pool = AgentPool()
+        with EventLog(p.run.events_path, listeners=[*listeners, self.recovery.listen]) as events:
             self.events = events
+            self.recovery.emit = events.emit
             for ev in p.opening:
                 events.emit(ev)
             try:
@@ -231,6 +244,9 @@ class ElasticRun:
                 self._close(AttemptOutcome(RunState.FAILED, failures=list(e.failures)), attempt=p.first_attempt,
                             reason=e.message)
                 raise
+            finally:
+                if self.pool is not None:
+                    self.pool.close()  # every agent, with its spares, ends with the run
             reason = result.reason if result.state != RunState.SUCCEEDED else None
             first = result.root_cause
             if result.state == RunState.FAILED and first is not None and first != result.outcome.root_cause:
@@ -257,6 +273,11 @@ class ElasticRun:
                                   "stop": self.stop}
         if self.connect is not None:
             kwargs["connect"] = self.connect
+        if self.pool is not None:
+            kwargs["pool"] = self.pool
+        on_first_step = self.recovery.starting(attempt, step)
+        if on_first_step is not None and attempt_default(self.attempt_fn):
+            kwargs["on_first_step"] = on_first_step
         first_of_run = self._attempts_run == 0 and attempt == p.first_attempt
         self._attempts_run += 1
         try:
@@ -266,6 +287,10 @@ class ElasticRun:
                 raise  # nothing ran anywhere: a set-up error for the user, not a fault to recover from
             outcome = AttemptOutcome(RunState.FAILED, failures=list(e.failures))
         self._last = (attempt, plan, outcome.last_step)
+        if outcome.state == RunState.FAILED:
+            self.recovery.failed(attempt, outcome)
+        else:
+            self.recovery.flush()
         if info.first_loss is None and not step and outcome.first_loss is not None:
             info.first_loss = outcome.first_loss  # the run's, not a resumed attempt's
         self._carry_losses(outcome)
@@ -409,7 +434,7 @@ class ElasticRun:
             measured_step_s=self._measured.step_s_measured if self._measured else None,
             step_ratio=self._measured.step_ratio if self._measured else None,
             reason=reason,
-            recoveries=list(self._recoveries),
+            recoveries=with_timing(self._recoveries, self.recovery.done),
         )
         run.save_info(info)
         return RunResult(info.summary, outcome, attempts)

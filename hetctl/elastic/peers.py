@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from hetctl.files.events import Event, Recovery
+from hetctl.files.events import Event, ResumeSource
 from hetctl.files.run import RecoveryRecord
 from hetctl.node import jitstate, manifest
 from hetctl.train.units import expected_files
@@ -40,8 +40,8 @@ class ResumePoint:
         """Completed steps that will be computed again (the step in flight is not counted)."""
         return max(0, self.last_step - (self.step or 0))
 
-    def event(self, attempt: int, failed_attempt: int) -> Recovery:
-        return Recovery(attempt=attempt, failed_attempt=failed_attempt, recovery_path=self.recovery_path,
+    def event(self, attempt: int, failed_attempt: int) -> ResumeSource:
+        return ResumeSource(attempt=attempt, failed_attempt=failed_attempt, recovery_path=self.recovery_path,
                         resume_step=self.step, last_step=self.last_step, steps_lost=self.steps_lost,
                         reason=self.reason, ranks=list(self.ranks))
 
@@ -122,7 +122,7 @@ def recover(ckpt_dir: str | Path, model: Mapping[str, Any], last: tuple[int, Any
     return point.step, record_of(ev)
 
 
-def record_of(ev: Recovery) -> RecoveryRecord:
+def record_of(ev: ResumeSource) -> RecoveryRecord:
     """The run summary's line of one ``recovery`` event."""
     return RecoveryRecord(attempt=ev.attempt, recovery_path=ev.recovery_path, resume_step=ev.resume_step,
                           steps_lost=ev.steps_lost)

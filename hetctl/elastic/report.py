@@ -3,7 +3,7 @@
 The page holds, with no script and nothing fetched from outside:
 
 * the summary (state, steps, loss, tokens/s, attempts, restarts, the measured ÷
-  planned step time);
+  planned step time, and per restart where its seconds went and the steps lost);
 * the 1F1B timeline of one step twice: as planned (the planner's stage times),
   and as measured (the same schedule re-simulated with each stage's measured
   compute per step), so the bubble and the slow stage can be seen, not read;
@@ -123,6 +123,10 @@ def _summary(info) -> str:
                                   f"({s.step_ratio:.3g}×)"))
     if s and s.reason:
         rows.append(("reason", s.reason))
+    if s and s.recoveries:
+        from hetctl.elastic.recovery import describe
+
+        rows += [("recovery", describe(r)) for r in s.recoveries]
     return "<table class='kv'>" + "".join(f"<tr><th>{E(str(k))}</th><td>{E(str(v))}</td></tr>" for k, v in rows) + \
         "</table>"
 

@@ -60,6 +60,7 @@ class RunView:
     events: list[dict] = field(default_factory=list)
     step_ratio: float | None = None
     reason: str | None = None
+    recoveries: list[dict] = field(default_factory=list)  # the run's ``recovery`` events, oldest first
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -91,6 +92,7 @@ def view(run_dir: str | Path, *, events: int = 8, now: float | None = None) -> R
         last_event_age_s=round(now - evs[-1]["ts"], 1) if evs else None, stages=stages,
         events=[e for e in evs if e.get("kind") != "progress"][-events:],
         step_ratio=s.step_ratio if s else None, reason=s.reason if s else None,
+        recoveries=[{k: v for k, v in e.items() if k not in ("kind",)} for e in evs if e.get("kind") == "recovery"],
     )
 
 

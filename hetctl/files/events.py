@@ -7,10 +7,13 @@ fields they do not know. :class:`EventLog` is thread-safe, accepts only typed
 events, and fans them out to listeners (the live view) as the dicts it wrote.
 
 Written by one attempt (``hetctl.launch``): ``launched``, ``progress``,
-``rank_failed``, ``node_lost``, ``agent_lost``, ``processes_left``. By the elastic loop (``hetctl.elastic``):
-``straggler``, ``recovery``, ``restart``, ``replan``, ``replan_layout``, ``rebalanced``,
+``rank_failed``, ``node_lost``, ``agent_lost``, ``processes_left``, ``standby`` (warm spares).
+By the elastic loop (``hetctl.elastic``):
+``straggler``, ``resume_source`` (after a failure: peers' state or a checkpoint), ``restart``, ``replan``,
+``replan_layout``, ``rebalanced``,
 ``node_abnormal``, ``checkpoint_skipped``, ``checkpoint_unseen``, ``resumed``,
-``gave_up``, ``measured`` (predicted against measured), ``health_check`` (``launch --health-check``, before
+``gave_up``, ``recovery`` (per restart: where the time went, steps lost),
+``measured`` (predicted against measured), ``health_check`` (``launch --health-check``, before
 the first attempt), and the closing ``finished`` / ``stopped`` / ``failed``.
 """
 
@@ -89,6 +92,53 @@ class RankFailed(Event):
 
 
 @dataclass(frozen=True)
+class Standby(Event):
+    """A warm spare (hetctl.node.standby): ``ready`` (imported, waiting), ``used`` (a rank was handed to it:
+    ``pid`` is the spare's pre-started pid), ``cold`` (the rank started as a new process: ``reason``),
+    ``none`` (no spare for this rank: ``reason``), ``gone`` (a waiting spare exited). ``t`` is the node's clock."""
+
+    kind: ClassVar[str] = "standby"
+    attempt: int
+    node: str
+    rank: int
+    state: str
+    pid: int | None = None
+    reason: str | None = None
+    import_s: float | None = None
+    t: float | None = None
+
+
+@dataclass(frozen=True)
+class Recovery(Event):
+    """How one restart went, in seconds from the failure (the agent's clock at a crash; a hang's last progress).
+
+    ``detection_s``: the controller knew (``rank_failed``); ``stop_s``: every agent had stopped its
+    ranks; ``restart_s``: the new attempt's ranks were handed to spares or started (``launched``);
+    ``ready_s``: the last rank reported its resume step (group formed, checkpoint loaded);
+    ``first_step_s``: every rank reported a step past it. ``steps_lost``: completed steps trained
+    again (the step in flight is not counted), as the restart's ``resume_source`` event gave it, else
+    the last completed step minus the step resumed from (``steps_lost_from`` says which). ``standby``: ranks handed to spares.
+    ``recovery_path``: ``peer`` or ``checkpoint``, from the ``resume_source`` event of the restart.
+    """
+
+    kind: ClassVar[str] = "recovery"
+    attempt: int
+    failed_attempt: int
+    cause: str
+    resume_step: int
+    steps_lost: int | None
+    steps_lost_from: str
+    detection_s: float | None = None
+    stop_s: float | None = None
+    restart_s: float | None = None
+    ready_s: float | None = None
+    first_step_s: float | None = None
+    standby: int = 0
+    cold: int = 0
+    recovery_path: str | None = None
+
+
+@dataclass(frozen=True)
 class NodeLost(Event):
     """A node's agent stream ended or went silent."""
 
@@ -151,7 +201,7 @@ class Restart(Event):
 
 
 @dataclass(frozen=True)
-class Recovery(Event):
+class ResumeSource(Event):
     """Where the next attempt's state comes from after a failure, and the work that costs.
 
     ``recovery_path`` is ``peer`` when the survivors' just-in-time state of the failed
@@ -162,7 +212,7 @@ class Recovery(Event):
     flight, never completed, is not counted). ``ranks``: whose state was used.
     """
 
-    kind: ClassVar[str] = "recovery"
+    kind: ClassVar[str] = "resume_source"
     attempt: int
     failed_attempt: int
     recovery_path: str
@@ -350,9 +400,10 @@ class Failed(Event):
 
 
 EVENT_TYPES: dict[str, type[Event]] = {
-    cls.kind: cls for cls in (Launched, Progress, RankFailed, NodeLost, AgentLost, ProcessesLeft, StragglerFound, Restart, Replan,
+    cls.kind: cls for cls in (Launched, Progress, RankFailed, Standby, Recovery,
+                              NodeLost, AgentLost, ProcessesLeft, StragglerFound, Restart, Replan,
                               ReplanLayout, Rebalanced, NodeAbnormal, CheckpointSkipped, CheckpointUnseen,
-                              Resumed, GaveUp, Measured, HealthChecked, Finished, Stopped, Failed, Recovery)
+                              Resumed, GaveUp, Measured, HealthChecked, Finished, Stopped, Failed, ResumeSource)
 }
 
 

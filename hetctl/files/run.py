@@ -46,6 +46,7 @@ class RunInputs(_Strict):
                              description="what each rank runs after the node's python")
     allow_mixed_software: bool = Field(False, description="launch even when the nodes' torch major.minor differ")
     progress: str | None = Field(None, description="preset or pattern the agents read steps from in rank output")
+    standby: str = Field("auto", description="warm spare per rank: auto (the reference trainer), on, off")
     slurm_allocation: str | None = Field(None, description="the Slurm job hetctl asked for itself (salloc --no-shell); "
                                                            "cancelled when the run ends or is stopped")
 
@@ -58,6 +59,17 @@ class RecoveryRecord(_Strict):
                                            "valid checkpoint")
     resume_step: int | None = None
     steps_lost: int = 0
+    # From the ``recovery`` event, once the new attempt trained (None: it never got that far).
+    failed_attempt: int | None = None
+    cause: str | None = None
+    steps_lost_from: str | None = None
+    detection_s: float | None = None
+    stop_s: float | None = None
+    restart_s: float | None = None
+    ready_s: float | None = None
+    first_step_s: float | None = None
+    standby: int = Field(0, description="ranks handed to warm spares")
+    cold: int = Field(0, description="ranks started as new processes")
 
 
 class RunSummary(_Strict):
@@ -77,7 +89,8 @@ class RunSummary(_Strict):
     step_ratio: float | None = Field(None, description="measured ÷ predicted step time")
     reason: str | None = Field(None, description="why it failed or stopped; the root cause first")
     recoveries: list[RecoveryRecord] = Field(default_factory=list, description="per restart or re-plan after a "
-                                             "failure: where the state came from and the completed steps lost")
+                                             "failure: where the state came from, the completed steps lost, and "
+                                             "where the time went (seconds from the failure)")
 
 
 class RunInfo(_Strict):

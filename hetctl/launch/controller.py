@@ -92,10 +92,13 @@ class _Agent:
         self.stderr_tail: list[str] = []
         self.eof = threading.Event()
         self._lock = threading.Lock()
-        threading.Thread(target=self._read_stdout, args=(inbox,), daemon=True, name=f"agent-{name}").start()
+        self.inbox = inbox  # an agent kept for the next attempt (hetctl.launch.pool) feeds that attempt's inbox
+        self.port: int | None = None
+        self.port_answered = threading.Event()
+        threading.Thread(target=self._read_stdout, daemon=True, name=f"agent-{name}").start()
         threading.Thread(target=self._read_stderr, daemon=True, name=f"agent-err-{name}").start()
 
-    def _read_stdout(self, inbox: queue.SimpleQueue) -> None:
+    def _read_stdout(self) -> None:
         try:
             for raw in iter(self.proc.stdout.readline, b""):
                 try:
@@ -103,12 +106,15 @@ class _Agent:
                 except ValueError:
                     self._note(raw)
                     continue
-                if isinstance(msg, dict) and "ev" in msg:
-                    inbox.put((self.name, msg))
+                if isinstance(msg, dict) and msg.get("ev") == "port":
+                    self.port = int(msg["port"])  # the answer to ask_port, not an attempt's event
+                    self.port_answered.set()
+                elif isinstance(msg, dict) and "ev" in msg:
+                    self.inbox.put((self.name, msg))
         except (OSError, ValueError, EOFError):
             pass
         self.eof.set()
-        inbox.put((self.name, None))
+        self.inbox.put((self.name, None))
 
     def _read_stderr(self) -> None:
         try:
@@ -129,6 +135,13 @@ class _Agent:
             return True
         except (OSError, ValueError, EOFError):
             return False
+
+    def ask_port(self, timeout: float) -> int:
+        """A free port on the node from a kept agent (its pre-flight for the next attempt)."""
+        self.port_answered.clear()
+        if not self.send({"cmd": "port"}) or not self.port_answered.wait(timeout) or self.port is None:
+            raise HetctlError(f"the kept agent did not answer: {self.tail() or 'no output'}")
+        return self.port
 
     def tail(self) -> str:
         with self._lock:
@@ -201,6 +214,8 @@ class AttemptController:
         connect: Callable[[Any], Any] | None = None,
         clock: Callable[[], float] = time.monotonic,
         confirm_ask: Callable[[list[str]], Mapping[str, Any]] | None = None,
+        pool: Any = None,
+        on_first_step: Callable[[float, float], None] | None = None,
     ) -> None:
         self.req = req
         self.inventory = inventory
@@ -223,6 +238,8 @@ class AttemptController:
         self.agents: dict[str, _Agent] = {}
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.spec: mat.LaunchSpec | None = None
+        self.pool = pool  # hetctl.launch.pool.AgentPool: agents (and their spares) kept across attempts
+        self.on_first_step = on_first_step
 
     # -- phases --------------------------------------------------------------
     def run(self) -> AttemptOutcome:
@@ -243,6 +260,7 @@ class AttemptController:
                 self.req.plan, self.spec, self.run_dir, self.events, self.th, attempt=self.req.attempt,
                 clock=self.clock, on_progress=self.on_progress, on_update=self.on_update,
                 confirm=[n.name for n in self.plan_nodes if n.transport == "slurm"],
+                on_first_step=self.on_first_step,
             )
             if failures:
                 self._stop_all(monitor)
@@ -255,11 +273,12 @@ class AttemptController:
             ))
             state = monitor.watch(self.inbox, self.stop_flag)
             unanswered = self._stop_all(monitor)
+            stopped_at = time.time()
             if state == RunState.FAILED and monitor.confirm_nodes:
                 from hetctl.launch.confirm import settle, slurm_ask
 
                 settle(monitor, unanswered, self.confirm_ask or slurm_ask)
-            return monitor.outcome(state)
+            return dataclasses.replace(monitor.outcome(state), stopped_at=stopped_at)
         finally:
             self._teardown()
 
@@ -273,9 +292,13 @@ class AttemptController:
         needs = ("hetctl", "torch") if tuple(self.req.entry) == mat.REFERENCE_TRAINER else ()
 
         def check(node: Any) -> dict[str, Any]:
-            t = self.connect(node)
+            kept = self.pool.preflight(node.name) if self.pool is not None else None  # drops a dead agent first
+            t = (self.pool.transport(node.name) if self.pool is not None else None) or self.connect(node)
             self.transports[node.name] = t
             want_port = node.name == rank0 and self.req.master_port is None
+            if kept is not None:  # its agent ran the last attempt and is up: same python, workdir, modules
+                port = self.pool.agents[node.name].ask_port(self.th.connect_timeout) if want_port else None
+                return {**kept, "agent_ok": True, **({"port": port} if want_port else {})}
             res = t.run(mat.preflight_argv(node.python, str(node.workdir), want_port, ("hetctl", "torch")),
                         env=node.env or None, timeout=self.th.connect_timeout, check=False)
             info = mat.parse_preflight(res.stdout)
@@ -296,6 +319,8 @@ class AttemptController:
             if lacking:
                 raise HetctlError(f"{' and '.join(lacking)} not importable by `{node.python}`",
                                   "the reference trainer needs `pip install 'hetctl[train]'` on the node")
+            if self.pool is not None:
+                self.pool.remember(node.name, info)
             return info
 
         results = _fanout(self.plan_nodes, self._guard(check), self._width())
@@ -327,10 +352,17 @@ class AttemptController:
 
         def start(node: Any) -> None:
             nl = by_name[node.name]
-            proc = self.transports[node.name].start(list(nl.agent_argv), env=nl.env or None, cwd=nl.workdir)
-            agent = _Agent(node.name, self.transports[node.name], proc, self.inbox)
+            agent = self.pool.agent(node.name) if self.pool is not None else None
+            if agent is not None:
+                agent.inbox = self.inbox
+            else:
+                proc = self.transports[node.name].start(list(nl.agent_argv), env=nl.env or None, cwd=nl.workdir)
+                agent = _Agent(node.name, self.transports[node.name], proc, self.inbox)
+                if self.pool is not None:
+                    self.pool.keep(node.name, self.transports[node.name], agent)
             self.agents[node.name] = agent
-            if not agent.send(nl.start_command(self.th.grace_s)):
+            command = {**nl.start_command(self.th.grace_s), "standby": self.pool is not None}
+            if not agent.send(command):
                 raise HetctlError(f"the agent exited at once: {agent.tail() or 'no output'}")
 
         started = _fanout(self.plan_nodes, self._guard(start, "cannot start the agent: "), self._width())
@@ -341,14 +373,20 @@ class AttemptController:
 
         Returns the nodes whose agent neither said ``stopped`` nor hung up in time.
         """
-        for agent in self.agents.values():
+        kept = self.pool.agents if self.pool is not None else {}
+        for name, agent in self.agents.items():
             if not agent.eof.is_set():
-                agent.send({"cmd": "stop"})
+                agent.send({"cmd": "stop", "keep": True} if kept.get(name) is agent else {"cmd": "stop"})
         deadline = self.clock() + self.th.grace_s + 5.0
         live = {n for n, a in self.agents.items() if not a.eof.is_set()}  # a lost node will not answer
         monitor.drain(self.inbox, live, deadline, lost_tail=lambda n: self.agents[n].tail())
         unanswered = [n for n in live if n not in monitor.stopped_nodes and not self.agents[n].eof.is_set()]
-        for agent in self.agents.values():
+        for name, agent in self.agents.items():
+            if kept.get(name) is agent:
+                if name in monitor.stopped_nodes and not agent.eof.is_set():
+                    continue  # stopped its ranks, kept its spares: the next attempt uses it
+                self.pool.drop(name, wait_s=0.5)
+                continue
             try:
                 agent.proc.close_stdin()
             except (OSError, EOFError):
@@ -359,6 +397,8 @@ class AttemptController:
 
     def _teardown(self) -> None:
         for t in self.transports.values():
+            if self.pool is not None and self.pool.holds(t):
+                continue  # the run's pool closes it
             try:
                 t.close()
             except Exception:  # noqa: BLE001 - best effort on the way out; the outcome is already decided

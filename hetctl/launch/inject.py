@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from hetctl.node.standby import is_spare
+
 
 @dataclass(frozen=True)
 class RankProc:
@@ -55,7 +57,7 @@ def rank_procs(run_id: str, attempt: int | None = None) -> list[RankProc]:
         if not d.isdigit():
             continue
         env = _environ(int(d))
-        if env.get("HETCTL_RUN_ID") != run_id or "RANK" not in env:
+        if env.get("HETCTL_RUN_ID") != run_id or "RANK" not in env or is_spare(int(d)):
             continue
         try:
             rank, att = int(env["RANK"]), int(env.get("HETCTL_ATTEMPT", "0"))

@@ -26,7 +26,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Mapping
 
-from hetctl.files.events import EventLog, NodeLost, ProcessesLeft, Progress, RankFailed, StageProgress
+from hetctl.files.events import EventLog, NodeLost, ProcessesLeft, Progress, RankFailed, StageProgress, Standby
 from hetctl.launch.outcome import CAUSE_ORDER, AttemptOutcome, FailureRecord, FaultKind, RunState, classify
 from hetctl.files.run import RunDir
 from hetctl.launch.ranklogs import RankLogs
@@ -100,7 +100,8 @@ class Monitor:
 
     def __init__(self, plan: Any, spec: Any, run: RunDir, events: EventLog, th: Any, *, attempt: int,
                  clock: Callable[[], float] = time.monotonic, on_progress: OnProgress | None = None,
-                 on_update: OnUpdate | None = None, confirm: Iterable[str] = ()) -> None:
+                 on_update: OnUpdate | None = None, confirm: Iterable[str] = (),
+                 on_first_step: Callable[[float, float], None] | None = None) -> None:
         self.plan, self.spec, self.run_dir, self.events, self.th = plan, spec, run, events, th
         self.attempt = attempt
         self.clock = clock
@@ -133,6 +134,12 @@ class Monitor:
         self.reported_tps: dict[int, float] = {}  # last-stage rank → tokens/s from its final heartbeat
         self.last_stage = max(s.stage for s in plan.stages)
         self._last_progress_ev = (0.0, -1)
+        # Recovery timing (hetctl.elastic.recovery): each rank's wall time at its resume step and the step after.
+        self.resume_step = int(getattr(spec, "resume_step", 0) or 0)
+        self.ready_wall: dict[int, float] = {}
+        self.first_wall: dict[int, float] = {}
+        self.on_first_step = on_first_step
+        self._exit_t: float | None = None
 
     # -- the loop -------------------------------------------------------------
     def watch(self, inbox: queue.SimpleQueue, stop: threading.Event) -> RunState:
@@ -216,7 +223,12 @@ class Monitor:
             for r, letter in (msg.get("ranks") or {}).items():
                 if int(r) in self.ranks:
                     self.ranks[int(r)].proc_state = letter
+        elif ev == "standby":
+            self.events.emit(Standby(attempt=self.attempt, node=node, rank=int(msg["rank"]), state=str(msg["state"]),
+                                     pid=msg.get("pid"), reason=msg.get("reason"), import_s=msg.get("import_s"),
+                                     t=msg.get("t")))
         elif ev == "exited":
+            self._exit_t = msg.get("t")
             self._exited(int(msg["rank"]), msg.get("code"), msg.get("signal"), msg.get("error"), bool(msg.get("oom")))
         elif ev == "stopped":
             self.stopped_nodes.add(node)
@@ -248,6 +260,13 @@ class Monitor:
             self.loss_span.setdefault(st.replica, [(step, float(hb["first_loss"]))] * 2)[0] = (0, float(hb["first_loss"]))
         if hb.get("tokens_per_s") is not None and st.stage == self.last_stage:
             self.reported_tps[rank] = float(hb["tokens_per_s"])
+        wall = float(hb["time"]) if isinstance(hb.get("time"), (int, float)) else time.time()
+        if step >= self.resume_step:
+            self.ready_wall.setdefault(rank, wall)
+        if step > self.resume_step and rank not in self.first_wall:
+            self.first_wall[rank] = wall
+            if len(self.first_wall) == len(self.ranks) and self.on_first_step is not None:
+                self.on_first_step(max(self.first_wall.values()), max(self.ready_wall.values()))
         if isinstance(hb.get("time"), (int, float)):
             pts = self.walls.setdefault(rank, [(step, float(hb["time"]))] * 2)
             pts[1] = (step, float(hb["time"]))
@@ -316,8 +335,9 @@ class Monitor:
                      sig: int | None = None) -> None:
         self.events.emit(RankFailed(attempt=self.attempt, node=st.node, rank=st.rank, reason=reason,
                                     exit_code=exit_code, signal=sig))
+        at = st.hb_wall if kind == FaultKind.HANG else self._exit_t  # the crash as the agent saw it
         self._fail(FailureRecord(kind, st.node, time.time(), rank=st.rank, exit_code=exit_code, signal=sig,
-                                 reason=reason))
+                                 reason=reason, at=at))
 
     def _node_lost(self, node: str, reason: str) -> None:
         if any(f.kind == FaultKind.NODE_LOST and f.node == node for f in self.failures):

@@ -49,6 +49,7 @@ class FailureRecord:
     node: str
     time: float
     rank: int | None = None
+    at: float | None = None  # when it happened, as near as known: the agent's clock at a rank's exit
     exit_code: int | None = None
     signal: int | None = None
     reason: str = ""
@@ -71,6 +72,7 @@ class AttemptOutcome:
     first_loss: float | None = None
     tokens_per_s: float | None = None
     stage_step_ms: dict[tuple[int, int], float] = field(default_factory=dict)
+    stopped_at: float | None = None  # unix time every agent had stopped its ranks (recovery timing)
 
     @property
     def root_cause(self) -> FailureRecord | None:

@@ -9,7 +9,12 @@ Protocol, one JSON object a line. The controller writes on the agent's stdin::
     {"cmd": "start", "grace_s": 5,
      "ranks": [{"rank": 0, "argv": [...], "env": {...}, "cwd": "...",
                 "log": "/node/path/rank-0.log", "heartbeat": "/node/path/rank-0.json"}]}
-    {"cmd": "stop"}
+    {"cmd": "stop"}                       stop the ranks and exit
+    {"cmd": "stop", "keep": true}         stop the ranks, keep the agent and its spares for the next start
+    {"cmd": "port"}                       answer ``port`` with a free TCP port (a kept agent's pre-flight)
+
+With ``"standby": true`` in ``start``, each rank is handed to its warm spare when
+one fits and a new spare is started behind it (:mod:`hetctl.node.standby`).
 
 and reads on its stdout (every event carries ``ev`` and ``t``, the node's clock)::
 
@@ -20,7 +25,9 @@ and reads on its stdout (every event carries ``ev`` and ``t``, the node's clock)
     alive     ranks {rank: process state letter} every ~1 s, so silence means a lost node
     exited    rank, code, signal[, error]        at once, from a thread blocked in waitpid
     error     message                            a bad command
-    stopped   reason                             every rank is gone; the agent exits next
+    standby   rank, state (ready|used|cold|none|gone)[, pid, reason, import_s]
+    port      port                               the answer to ``port``
+    stopped   reason                             every rank is gone; the agent exits next (unless keep)
 
 Stopping (on ``stop``, stdin EOF, SIGTERM/SIGHUP or a broken stdout): SIGTERM to
 each rank's process group, ``grace_s``, then SIGKILL. Each rank runs in its own
@@ -42,6 +49,7 @@ import threading
 import time
 
 from hetctl.node.progress import LineProgress
+from hetctl.node.standby import Standby, is_spare
 
 try:  # optional: only to catch descendants that escaped the rank's process group
     import psutil  # type: ignore[import-not-found]
@@ -198,6 +206,13 @@ class RankProc:
                 pass
 
 
+def free_port() -> int:
+    """A free TCP port on this node for the next rendezvous (as the pre-flight picks one)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
 def oom_kills() -> int:
     """The kernel's count of OOM kills on this node (``oom_kill`` in /proc/vmstat; 0 where unknown).
 
@@ -226,6 +241,8 @@ class Agent:
         self.hook = _death_signal_hook()
         self.run_id: str | None = None  # from the ranks' HETCTL_RUN_ID: what a stop sweeps for
         self.oom_kills_at_start = oom_kills()
+        self.standby = Standby(self.hook, self.events.put, self.emit)
+        self.starts = 0
 
     # -- feeders -------------------------------------------------------------
     def _read_commands(self) -> None:
@@ -253,6 +270,11 @@ class Agent:
     def start(self, msg: dict) -> None:
         """Spawn every rank of the start command (from the main thread: PDEATHSIG is per thread)."""
         self.grace_s = float(msg.get("grace_s", DEFAULT_GRACE_S))
+        warm = bool(msg.get("standby"))
+        if self.starts:
+            self.emit("hello", pid=os.getpid(), python=sys.version.split()[0], host=socket.gethostname(),
+                      protocol=PROTOCOL, kept=True)  # the same agent serves the next attempt
+        self.starts += 1
         for spec in msg.get("ranks", []):
             try:
                 rank = int(spec["rank"])
@@ -274,8 +296,9 @@ class Agent:
                 except FileNotFoundError:
                     pass
             log = open(spec["log"], "ab") if spec.get("log") else open(os.devnull, "wb")  # noqa: SIM115
+            proc = self.standby.take(rank, argv, env, spec.get("cwd") or None) if warm else None
             try:
-                proc = subprocess.Popen(
+                proc = proc or subprocess.Popen(
                     argv,
                     env=env,
                     cwd=spec.get("cwd") or None,
@@ -293,6 +316,8 @@ class Agent:
             rp = RankProc(spec, proc, log)
             self.ranks[rank] = rp
             self.emit("started", rank=rank, pid=proc.pid)
+            if warm:
+                self.standby.want({**spec, "argv": argv}, env)
             threading.Thread(target=self._wait_rank, args=(rp,), name=f"wait-{rank}", daemon=True).start()
 
     def on_exit(self, rank: int, code: int) -> None:
@@ -354,7 +379,7 @@ class Agent:
             return []
         from hetctl.node.alive import alive
 
-        pids = [pid for pid, _state, _cmd in alive(self.run_id)["pids"]]
+        pids = [pid for pid, _state, _cmd in alive(self.run_id)["pids"] if not is_spare(pid)]
         for pid in pids:
             try:
                 os.kill(pid, sig)
@@ -362,11 +387,12 @@ class Agent:
                 pass
         return pids
 
-    def stop(self, reason: str) -> None:
+    def stop(self, reason: str, keep: bool = False) -> None:
         """SIGTERM every live rank group and stray of the run, wait ``grace_s``, SIGKILL the rest, report, return.
 
         The ``stopped`` event lists under ``left`` any process of the run still alive at
-        the end (an unkillable one in D state), so the controller can say so.
+        the end (an unkillable one in D state), so the controller can say so. With ``keep``
+        the spares stay up for the next ``start``; otherwise they end too.
         """
         live = [rp for rp in self.ranks.values() if not rp.exited]
         for rp in live:
@@ -390,9 +416,16 @@ class Agent:
                 continue
             if kind == "exit":
                 self.on_exit(*payload)
+            elif kind == "spare":
+                self.standby.on_status(*payload)
+        if not keep:
+            self.standby.close()
         left = self._reap_strays()
         self.flush_logs(wait=True)
         self.emit("stopped", reason=reason, **({"left": left} if left else {}))
+        if keep:
+            self.ranks = {}
+            self.standby.tick({}, now_all=True)  # the ranks are gone: their spares start now, for the next start
 
     def _reap_strays(self) -> list[int]:
         """After the ranks: SIGTERM, a short grace, then SIGKILL for what is left of the run; the survivors."""
@@ -426,6 +459,7 @@ class Agent:
             if now >= next_alive:
                 self.alive()
                 next_alive = now + ALIVE_EVERY_S
+            self.standby.tick({r: rp.hb_mtime for r, rp in self.ranks.items() if not rp.exited})
             if self.emit.broken:
                 self.stop("controller gone (stdout closed)")
                 return 0
@@ -437,6 +471,12 @@ class Agent:
                 self.on_exit(*payload)
             elif kind == "cmd" and payload.get("cmd") == "start":
                 self.start(payload)
+            elif kind == "spare":
+                self.standby.on_status(*payload)
+            elif kind == "cmd" and payload.get("cmd") == "port":
+                self.emit("port", port=free_port())  # a kept agent's pre-flight for the next attempt
+            elif kind == "cmd" and payload.get("cmd") == "stop" and payload.get("keep"):
+                self.stop("stop requested", keep=True)
             elif kind == "cmd" and payload.get("cmd") == "stop":
                 self.stop("stop requested")
                 return 0
