@@ -172,6 +172,26 @@ def check_checkpoint(ckpt_dir: str | Path, model: Mapping[str, Any]) -> Checkpoi
     raise ResumeRefused(f"{ckpt_dir}: no valid checkpoint ({why})", "start the run again with `hetctl launch`")
 
 
+def check_framework_checkpoint(ckpt_dir: str | Path, framework: str) -> CheckpointChoice:
+    """The newest complete checkpoint a framework wrote itself (:mod:`hetctl.elastic.fwckpt`).
+
+    Raises:
+        ResumeRefused: none is complete (each incomplete one named with why).
+    """
+    from hetctl.elastic import fwckpt
+
+    found = fwckpt.scan(framework, ckpt_dir)
+    if found.newest is not None:
+        newest = found.newest
+        return CheckpointChoice(newest.step, newest.path, [s for s in found.skipped if s.step > newest.step])
+    if not found.skipped:
+        raise ResumeRefused(f"{ckpt_dir}: no {framework} checkpoint to resume from",
+                            "the run stopped before its first checkpoint; start it again with `hetctl launch`")
+    why = "; ".join(f"{s.path.name}: {s.problems[0]}" for s in found.skipped[:3])
+    raise ResumeRefused(f"{ckpt_dir}: no complete {framework} checkpoint ({why})",
+                        "start the run again with `hetctl launch`")
+
+
 # --- the whole resume -----------------------------------------------------------------------
 
 
@@ -258,7 +278,12 @@ def _prepare(run: Any, lock: Any, *, inventory: Any, steps: int | None, connect:
     unchecked = wait_no_rank_alive(used, run.run_id, connect, wait_s)
     unchecked += sorted(ever - {n.name for n in inv.nodes})  # not in this inventory: cannot be checked
 
-    choice = check_checkpoint(info.inputs.checkpoint_dir, last.model.model_dump())
+    from hetctl.elastic import fwckpt
+
+    if last.framework in fwckpt.LAYOUTS:
+        choice = check_framework_checkpoint(info.inputs.checkpoint_dir, last.framework)
+    else:
+        choice = check_checkpoint(info.inputs.checkpoint_dir, last.model.model_dump())
     target = steps if steps is not None else info.inputs.steps
     if choice.step >= target:
         raise ResumeRefused(
@@ -277,6 +302,8 @@ def _prepare(run: Any, lock: Any, *, inventory: Any, steps: int | None, connect:
     if carried:
         why += f"; measured TFLOPS kept from the run's cluster facts for {', '.join(carried)}"
     plan = replan(last, cluster, reason=why)
+    if not fwckpt.reshards(last.framework) and fwckpt.plan_shape(plan) != fwckpt.plan_shape(last):
+        plan = _same_shape(last, cluster, run.run_id)
     attempt = done[-1] + 1
     opening: list = [CheckpointSkipped(step=s.step, path=str(s.path), problems=list(s.problems))
                      for s in choice.skipped]
@@ -286,6 +313,20 @@ def _prepare(run: Any, lock: Any, *, inventory: Any, steps: int | None, connect:
                     thresholds=thresholds or Thresholds(), first_attempt=attempt, resume_step=choice.step,
                     opening=opening, checkpoint=choice, unchecked=unchecked, cluster=cluster, lock=lock)
 
+
+
+def _same_shape(last: Any, cluster: Any, run_id: str) -> Any:
+    """The last plan again, for a framework whose checkpoints load only onto the same shape; refused if it cannot run."""
+    up = {n.name for n in cluster.nodes if n.reachable}
+    gone = sorted({r.node for r in last.ranks} - up)
+    if gone:
+        raise ResumeRefused(
+            f"run {run_id}: {last.framework} checkpoints load only onto the same shape (pp {last.parallel.pp}, "
+            f"dp {last.parallel.dp}), and {', '.join(gone)} of its last plan cannot be reached",
+            "bring those nodes back and run `hetctl resume` again, or convert the checkpoint "
+            "(DeepSpeed's ds_to_universal) and start anew",
+        )
+    return last
 
 
 def _cluster_before(run: Any, attempt: int, plan: Any, inventory: Any) -> Any:
