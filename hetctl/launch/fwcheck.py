@@ -63,7 +63,7 @@ def problem(framework: str, spec: dict[str, Any], stdout: str) -> str | None:
                     f"(pip install {m}) or set `python:` for the node in the inventory")
     for (var, _default, rel), (path, exists) in zip(spec["files"], report.get("files", [])):
         if not exists:
-            name = "the script" if not rel else what
+            name = "script" if not rel else what
             hint = _HINT.get(var or "HETCTL_SCRIPT", "")
             return f"{name} not found: {path} does not exist on the node (workdir {spec['workdir']}); {hint}"
     return None
