@@ -24,10 +24,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from hetctl.files.events import read_events
 from tests.sites import local_cli, local_site, wait_while_running
@@ -111,8 +111,7 @@ def test_an_unmodified_dcp_script_survives_kill_9_from_its_own_checkpoint_and_a_
     try:
         run = wait_while_running(proc, lambda: next(iter((site / "runs").glob("*/events.jsonl")), None),
                                  "a run folder", 120).parent
-        ckpt = Path(json.loads(json.dumps(__import__("yaml").safe_load((run / "run.yaml").read_text())))
-                    ["inputs"]["checkpoint_dir"])
+        ckpt = Path(yaml.safe_load((run / "run.yaml").read_text())["inputs"]["checkpoint_dir"])
         wait_while_running(proc, lambda: (ckpt / "step-6" / ".metadata").exists()
                            and any(e.get("step", 0) >= 7 for e in events(run, "progress")), "step 7", 180)
         victim = next(p for p in rank_procs(run.name, attempt=0) if p.rank == 1)
@@ -168,3 +167,111 @@ def test_dry_run_shows_the_rendered_command_per_rank(tmp_path):
     assert rank["argv"][:2] == ["bash", "-c"] and rank["argv"][-2:] == ["--lr", "0.1"]
     assert 'exec env RANK=0' in rank["argv"][2] and '"$HETCTL_PYTHON" "$HETCTL_SCRIPT" "$@"' in rank["argv"][2]
     assert rank["env"]["HETCTL_SCRIPT"] == "train.py" and rank["heartbeat"].endswith("/hb/rank-0.json")
+
+
+def megatron_layout_folder(ckpt: Path) -> None:
+    """What Megatron-LM's save_checkpoint leaves after saves at 10 and 20 and one killed mid-save at 30."""
+    for step in (10, 20, 30):
+        d = ckpt / f"iter_{step:07d}"
+        d.mkdir(parents=True)
+        (d / "common.pt").write_bytes(b"common")
+        (d / "__0_0.distcp").write_bytes(b"shard")
+        if step < 30:
+            (d / ".metadata").write_bytes(b"dcp metadata")
+            (d / "metadata.json").write_text('{"sharded_backend": "torch_dist", "sharded_backend_version": 1}')
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("20")
+
+
+needs_megatron_lm = pytest.mark.skipif(
+    __import__("tests.test_frameworks", fromlist=["FLAG_SCALE"]).FLAG_SCALE is None,
+    reason="FlagScale not installed (pip install --no-deps flag-scale==0.8.0): it carries Megatron-LM's "
+    "training code (pretrain_gpt.py, parse_args, validate_args)")
+
+
+@pytest.mark.timeout(900)
+@needs_megatron_lm
+def test_resume_picks_up_a_megatron_checkpoint_folder_and_megatron_accepts_the_resume_flags(tmp_path):
+    """launch a Megatron plan as rendered, then `hetctl resume` it from a folder in Megatron's layout.
+
+    Each rank runs the rendered command with Megatron's own argument code standing in for the
+    training loop (tests/framework_check.py: parse_args, validate_args, the rank generator and layout
+    parser): CUDA is needed past that and this machine has none.
+    """
+    from hetctl.files.cluster import Cluster
+    from hetctl.files.plan import Plan
+    from hetctl.files.yamlio import load_model
+    from hetctl.plan.models import load_model as load_preset
+    from hetctl.plan.planner import plan_cluster
+    from hetctl.plan.render import write_plan_dir
+    from hetctl.plan.search import Pins
+    from tests.test_frameworks import FLAG_SCALE, HERE
+
+    site = local_site(tmp_path)
+    out = tmp_path / "records"
+    out.mkdir()
+    wrapper = tmp_path / "megatron-python"
+    wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} {HERE / "framework_check.py"} "$CHECK_OUT" "$@"\n')
+    wrapper.chmod(0o755)
+    inv = yaml.safe_load((site / "inventory.yaml").read_text())
+    mlm = FLAG_SCALE / "third_party/Megatron-LM"
+    inv["defaults"]["env"].update({"HETCTL_PYTHON": str(wrapper), "MEGATRON_DIR": str(mlm), "CHECK_OUT": str(out),
+                                   "PYTHONPATH": f"{FLAG_SCALE}:{mlm}:{os.environ.get('PYTHONPATH', '')}"})
+    (site / "inventory.yaml").write_text(yaml.safe_dump(inv))
+    cluster = load_model(site / "cluster.yaml", Cluster)
+    plan = plan_cluster(cluster, load_preset("tiny"), pins=Pins(pp=3, dp=1), framework="megatron",
+                        cluster_path=site / "cluster.yaml")
+    write_plan_dir(plan, site / "plan-megatron")
+    args = ["--args", f"--mock-data --tokenizer-type NullTokenizer --vocab-size {plan.model.vocab_size} "
+            "--distributed-backend gloo --no-rope-fusion"]
+    r = local_cli(site, "launch", "plan-megatron", "--run-dir", "runs", "--steps", "40", "--checkpoint-every", "10",
+                  "--json", *args, timeout=600)
+    assert r.returncode == 0, r.stderr  # Megatron's own argument checks passed on every rank
+    summary = json.loads(r.stdout)
+    first = {f.name: json.loads(f.read_text()) for f in out.glob("rank-*.json")}
+    assert len(first) == 3 and all(v["ckpt_step"] is None and v["ckpt_format"] == "torch_dist" for v in first.values())
+    run = Path(summary["run_dir"])
+    ckpt = Path(yaml.safe_load((run / "run.yaml").read_text())["inputs"]["checkpoint_dir"])
+    megatron_layout_folder(ckpt)
+    for f in out.glob("rank-*.json"):
+        f.unlink()
+
+    r = local_cli(site, "resume", str(run), "--json", timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "checkpoint step 30 skipped" in r.stderr and "did not finish" in r.stderr
+    resumed = events(run, "resumed")[-1]
+    assert resumed["resume_step"] == 20 and events(run, "launched")[-1]["resume_step"] == 20
+    records = [json.loads(f.read_text()) for f in out.glob("rank-*.json")]
+    # resume re-plans on the re-probed nodes; torch_dist loads onto another shape, so any plan may run
+    again = load_model(run / "attempts" / "1" / "plan.yaml", Plan)
+    assert again.framework == "megatron" and len(records) == len(again.ranks)
+    for rec in records:  # Megatron parsed and validated the resume flags: load iteration 20 of the run's folder
+        assert rec["ckpt_step"] == 20 and rec["load"] == str(ckpt) and rec["ckpt_format"] == "torch_dist"
+        assert rec["train_iters"] == 40
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="no GPU on this machine: megatron-core's "
+                    "torch_dist save needs CUDA (torch.cuda.current_device() in save_state_dict_async_finalize)")
+def test_a_folder_saved_by_megatron_core_itself_is_found(tmp_path):
+    prog = r'''
+import os, sys, torch, torch.distributed as dist
+def main():
+    dist.init_process_group("nccl")
+    from megatron.core import parallel_state as ps, dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+    ps.initialize_model_parallel(1, 1)
+    w = torch.arange(12.0, device="cuda").reshape(3, 4)
+    dist_checkpointing.save({"w": ShardedTensor.from_rank_offsets("decoder.w", w, replica_id=0)}, sys.argv[1])
+    dist.destroy_process_group()
+if __name__ == "__main__":
+    main()
+'''
+    from hetctl.elastic import fwckpt
+    from tests.test_frameworks import free_port
+
+    (tmp_path / "save.py").write_text(prog)
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1"}
+    subprocess.run([sys.executable, str(tmp_path / "save.py"), str(tmp_path / "iter_0000007")], env=env, check=True,
+                   timeout=300)
+    (tmp_path / fwckpt.MEGATRON_TRACKER).write_text("7")
+    found = fwckpt.scan("megatron", tmp_path).newest
+    assert found.step == 7 and found.format == "torch_dist"

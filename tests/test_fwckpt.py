@@ -97,3 +97,65 @@ def test_dcp_folders_written_by_torch_itself(tmp_path):
 def test_nothing_there(tmp_path):
     assert fwckpt.scan("megatron", tmp_path / "absent").newest is None
     assert fwckpt.scan("hetctl", tmp_path).found == [] and fwckpt.resume_env(None) == {}
+
+
+def _ds_plan(nodes: int):
+    from hetctl.files.cluster import Cluster
+    from hetctl.plan.planner import plan_cluster
+    from tests.test_frameworks import a100s
+    from tests.test_plan_invariants import SMALL
+
+    return plan_cluster(Cluster(nodes=a100s(nodes, 2)), SMALL, global_batch=16, framework="deepspeed",
+                        homogeneous=False)
+
+
+def test_deepspeed_is_not_re_planned_onto_another_shape_once_it_has_a_checkpoint(tmp_path):
+    from hetctl.errors import PlanInfeasible
+
+    old, new = _ds_plan(2), _ds_plan(1)
+    assert fwckpt.plan_shape(old) != fwckpt.plan_shape(new)
+    fwckpt.same_shape_only(old, new, tmp_path)  # no checkpoint yet: a new shape starts from scratch
+    tag = tmp_path / "global_step10"
+    tag.mkdir()
+    (tag / "mp_rank_00_model_states.pt").write_bytes(b"x")
+    (tmp_path / "latest").write_text("global_step10")
+    with pytest.raises(PlanInfeasible, match="deepspeed checkpoints load only onto the same shape"):
+        fwckpt.same_shape_only(old, new, tmp_path)
+    fwckpt.same_shape_only(old, _ds_plan(2), tmp_path)  # the same shape again is fine
+    megatron_old = old.model_copy(update={"framework": "megatron"})
+    fwckpt.same_shape_only(megatron_old, new, tmp_path)  # torch_dist reshards
+
+
+def test_each_ranks_script_is_its_part_of_the_node_script():
+    """One source of truth: the rank's script carries the node script's setup and its exact command."""
+    from hetctl.plan.render import render_node_scripts, render_rank_scripts
+
+    for fw in ("megatron", "deepspeed", "torchrun"):
+        plan = _ds_plan(2).model_copy(update={"framework": fw})
+        nodes, ranks = render_node_scripts(plan), render_rank_scripts(plan)
+        assert sorted(ranks) == sorted(r.rank for r in plan.ranks)
+        for rs in ranks.values():
+            node_text = nodes[rs.node]
+            body = rs.text.split("exec env ", 1)[1].rstrip("\n")
+            assert f"env {body} &\n" in node_text  # the same environment and command, backgrounded there
+            def setup(text: str) -> str:
+                return text.split("set -euo pipefail\n", 1)[1].split("\npids=()")[0]
+
+            if fw != "deepspeed":  # DeepSpeed's config goes to the attempt's folder instead of a temp file
+                assert setup(rs.text) == setup(node_text) and len(setup(rs.text)) > 100
+            assert f"HETCTL_HEARTBEAT_DIR\"/{rs.heartbeat}" in rs.text and f"RANK={rs.framework_rank} " in rs.text
+
+
+def test_a_missing_framework_is_named_with_what_to_set():
+    from hetctl.launch import fwcheck
+
+    spec = fwcheck.requirements("megatron", "/w")
+    report = '{"files": [["Megatron-LM/pretrain_gpt.py", false]], "modules": {"torch": true}}'
+    why = fwcheck.problem("megatron", spec, report)
+    assert why.startswith("Megatron-LM not found: Megatron-LM/pretrain_gpt.py does not exist on the node")
+    assert "MEGATRON_DIR" in why
+    spec = fwcheck.requirements("deepspeed", "/w", "train.py")
+    why = fwcheck.problem("deepspeed", spec, '{"files": [["train.py", true]], "modules": {"torch": true}}')
+    assert "`import deepspeed` fails" in why
+    assert fwcheck.problem("deepspeed", spec, '{"files": [["train.py", true]], '
+                                              '"modules": {"torch": true, "deepspeed": true}}') is None

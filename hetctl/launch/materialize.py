@@ -222,8 +222,9 @@ def materialize(
             if scripts is not None:  # the rank's rendered command: its script sets RANK in the framework's order
                 rs = scripts[r.rank]
                 hb = f"{base}/hb/{rs.heartbeat}"
-                env.update({"HETCTL_HEARTBEAT_DIR": f"{base}/hb", "HETCTL_HEARTBEAT_FILE": hb,
-                            "HETCTL_PYTHON": node.python})
+                env.update({"HETCTL_HEARTBEAT_DIR": f"{base}/hb", "HETCTL_HEARTBEAT_FILE": hb})
+                if "HETCTL_PYTHON" not in (node.env or {}):  # the inventory's env: may name another python
+                    env["HETCTL_PYTHON"] = node.python
                 if script:
                     env["HETCTL_SCRIPT"] = script
                 argv = ("bash", "-c", rs.text, f"hetctl-{plan.framework}-rank-{r.rank}", *script_args)
