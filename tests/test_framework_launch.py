@@ -246,6 +246,7 @@ def test_resume_picks_up_a_megatron_checkpoint_folder_and_megatron_accepts_the_r
     assert again.framework == "megatron" and len(records) == len(again.ranks)
     for rec in records:  # Megatron parsed and validated the resume flags: load iteration 20 of the run's folder
         assert rec["ckpt_step"] == 20 and rec["load"] == str(ckpt) and rec["ckpt_format"] == "torch_dist"
+        assert rec["optim_fully_reshardable"]  # the optimizer state loads onto the new shape too
         assert rec["train_iters"] == 40
 
 
@@ -275,3 +276,9 @@ if __name__ == "__main__":
     (tmp_path / fwckpt.MEGATRON_TRACKER).write_text("7")
     found = fwckpt.scan("megatron", tmp_path).newest
     assert found.step == 7 and found.format == "torch_dist"
+
+
+def test_script_options_are_refused_where_they_would_be_ignored(tmp_path):
+    site = local_site(tmp_path)
+    r = local_cli(site, "launch", "plan", "--dry-run", "--script", "train.py")  # the demo's plan: framework hetctl
+    assert r.returncode != 0 and "this plan runs the reference trainer" in r.stderr and "Traceback" not in r.stderr

@@ -80,6 +80,7 @@ def launch_cmd(
         try:
             with _allowed(alloc):
                 plan, inv, pf = launcher.load_plan_and_inventory(plan_dir, inventory, entry=words)
+            launcher.check_script_options(plan, words, script, extra)
             _launch(plan, inv, pf, alloc, run_dir=run_dir, steps=steps, checkpoint_every=checkpoint_every,
                     entry=words, max_restarts=max_restarts, max_node_failures=max_node_failures, rebalance=rebalance,
                     grace=grace, hang_timeout=hang_timeout, node_timeout=node_timeout,
@@ -89,6 +90,7 @@ def launch_cmd(
             alloc.release()
         return
     plan, inv, pf = launcher.load_plan_and_inventory(plan_dir, inventory, entry=words)
+    launcher.check_script_options(plan, words, script, extra)
     if dry_run:
         ssh = launcher.ssh_settings(plan, inv)
         spec = launcher.dry_run(plan, inv, steps=steps, checkpoint_every=checkpoint_every, run_root=run_dir,
@@ -284,7 +286,10 @@ def _print_dry_run(spec, inv=None, ssh=None) -> None:
                 out.print(text(f"    {k}={shlex.quote(r.env[k])}"), highlight=False, soft_wrap=True)
             argv = r.argv
             if argv[:2] == ("bash", "-c"):  # a rendered framework rank: name its script rather than print it
-                argv = ("bash", "-c", f"<plan/nodes/{n.node}.sh for rank {r.rank} alone, then exec>", *argv[3:])
+                from hetctl.plan.render import script_name
+
+                argv = ("bash", "-c", f"<plan/nodes/{script_name(n.node)} for rank {r.rank} alone, then exec>",
+                        *argv[3:])
             out.print(text(f"    {shlex.join(argv)}"), highlight=False, soft_wrap=True)
 
 

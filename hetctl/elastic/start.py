@@ -162,6 +162,15 @@ def parse_args_option(value: str | None) -> tuple[str, ...]:
         raise ConfigError(f"--args {value!r}: {e}", "quote it like a shell command line") from None
 
 
+def check_script_options(plan: Plan, entry: tuple[str, ...], script: str | None, script_args: tuple[str, ...]) -> None:
+    """``--script``/``--args`` only where ranks run their rendered command (else they would be ignored)."""
+    if (script or script_args) and not mat.rendered(plan, entry):
+        why = "--entry names what the ranks run" if tuple(entry) != mat.REFERENCE_TRAINER else \
+            "this plan runs the reference trainer (framework hetctl)"
+        raise ConfigError(f"--script/--args: {why}; they are for a megatron, flagscale, deepspeed or torchrun plan "
+                          "launched without --entry", "drop them, or put the arguments in --entry")
+
+
 def dry_run(plan: Plan, inventory: Any, *, steps: int, checkpoint_every: int, run_root: str | Path,
             master_port: int | None = None, entry: tuple[str, ...] = mat.REFERENCE_TRAINER,
             ssh: dict[str, Any] | None = None, progress: str | None = None, script: str | None = None,

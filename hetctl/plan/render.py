@@ -162,9 +162,12 @@ def framework_rank(plan: Plan, rank: Rank, mesh_list: list[Mesh] | None = None) 
 # -- rendering ---------------------------------------------------------------------
 
 # Megatron/FlagScale training defaults that validate_args needs to start (the
-# script's own arguments come later on the command line and win).
+# script's own arguments come later on the command line and win). torch_dist
+# checkpoints with the distributed optimizer's state saved fully reshardable
+# (TP/PP/DP, not DP alone), so a re-plan onto other chips can load them.
 TRAIN_ARGS = ["--lr", "3e-4", "--min-lr", "3e-5", "--lr-decay-style", "cosine", "--lr-warmup-fraction", "0.01",
-              "--weight-decay", "0.1", "--clip-grad", "1.0", "--log-interval", "1", "--ckpt-format", "torch_dist"]
+              "--weight-decay", "0.1", "--clip-grad", "1.0", "--log-interval", "1", "--ckpt-format", "torch_dist",
+              "--dist-ckpt-optim-fully-reshardable"]
 
 
 def _env_words(env: dict[str, str]) -> Shell:
