@@ -282,3 +282,45 @@ def test_script_options_are_refused_where_they_would_be_ignored(tmp_path):
     site = local_site(tmp_path)
     r = local_cli(site, "launch", "plan", "--dry-run", "--script", "train.py")  # the demo's plan: framework hetctl
     assert r.returncode != 0 and "this plan runs the reference trainer" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(__import__("importlib").util.find_spec("deepspeed") is None,
+                    reason="DeepSpeed not installed (pip install -e '.[frameworks]')")
+def test_a_deepspeed_plan_launched_as_rendered_places_every_rank_by_deepspeeds_own_account(tmp_path):
+    """Each rank's rendered DeepSpeed command under the agents; DeepSpeed's own code (tests/deepspeed_check.py:
+    init_distributed over gloo, the topology and grid, the config, PipelineModule's partition) says where it sits.
+    """
+    from hetctl.files.cluster import Cluster
+    from hetctl.files.plan import Plan
+    from hetctl.files.yamlio import load_model
+    from hetctl.plan.models import load_model as load_preset
+    from hetctl.plan.planner import plan_cluster
+    from hetctl.plan.render import framework_rank, write_plan_dir
+    from hetctl.plan.search import Pins
+    from tests.test_frameworks import HERE
+
+    site = local_site(tmp_path)
+    cluster = load_model(site / "cluster.yaml", Cluster)
+    plan = plan_cluster(cluster, load_preset("tiny"), pins=Pins(pp=3, dp=1), framework="deepspeed",
+                        cluster_path=site / "cluster.yaml")
+    write_plan_dir(plan, site / "plan-ds")
+    out = tmp_path / "records"
+    out.mkdir()
+    args = f"--out {out} --tp 1 --pp {plan.parallel.pp} --num-layers {plan.model.num_layers}"
+    r = local_cli(site, "launch", "plan-ds", "--run-dir", "runs", "--steps", "5", "--json",
+                  "--script", str(HERE / "deepspeed_check.py"), "--args", args, timeout=600)
+    assert r.returncode == 0, r.stderr
+    run = Path(json.loads(r.stdout)["run_dir"])
+    assert load_model(run / "attempts" / "0" / "plan.yaml", Plan) == plan
+    records = {int(f.stem.split("-")[1]): json.loads(f.read_text()) for f in out.glob("rank-*.json")}
+    assert sorted(records) == list(range(len(plan.ranks)))
+    for rank in plan.ranks:
+        rec = records[framework_rank(plan, rank)]
+        stage = plan.stages_of(rank.replica)[rank.stage]
+        assert (rec["stage"], rec["replica"], tuple(rec["layers"])) == (rank.stage, rank.replica, tuple(stage.layers))
+        assert (rec["train_batch_size"], rec["grad_acc"]) == (plan.parallel.global_batch, plan.parallel.micro_batches)
+        assert rec["local_rank"] == rec["env_local_rank"]
+    # the config each rank read lies in the attempt's folder on its node, not in a stray temp file
+    assert sorted(p.name for p in site.glob("nodes/*/runs/*/0/hb/ds-config-rank-*.json")) == \
+        sorted(f"ds-config-rank-{framework_rank(plan, r)}.json" for r in plan.ranks)
