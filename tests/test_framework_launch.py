@@ -5,8 +5,10 @@ that knows nothing of hetctl (no hetctl import: the torchrun variables, gloo,
 DDP, ``torch.distributed.checkpoint`` saves every few steps, a loss line per
 step) exactly as ``plan/nodes/<node>.sh`` would run it. A rank killed with
 kill -9 is restarted from the newest complete DCP folder (the script says which
-step it loaded; the restart event says which step hetctl chose), and a
-SIGSTOPped rank is found as a hang from its log lines alone.
+step it loaded; the restart event says which step hetctl chose), a
+SIGSTOPped rank is found as a hang from its log lines alone, and ``hetctl
+resume`` continues the failed run from its newest complete DCP folder. A
+DeepSpeed plan runs as rendered, DeepSpeed's own code placing each rank.
 
 Megatron-LM: a checkpoint folder in Megatron's layout is found by ``hetctl
 resume``'s discovery, and the resume arguments the rendered script passes are
@@ -145,6 +147,17 @@ def test_an_unmodified_dcp_script_survives_kill_9_from_its_own_checkpoint_and_a_
         assert f"step {k + 1} loss " in after and f"step {k} loss " not in after
     assert any(e.get("loss") is not None for e in events(run, "progress"))
     assert f"hetctl resume {summary['run_dir']}" in err
+
+    # hetctl resume continues from the newest complete DCP folder, on a fresh plan, to a new total.
+    from hetctl.elastic import fwckpt
+
+    newest = fwckpt.scan("torchrun", ckpt).newest.step
+    r = local_cli(site, "resume", str(run), "--steps", str(newest + 3), "--json", timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert events(run, "resumed")[-1]["resume_step"] == newest and json.loads(r.stdout)["state"] == "succeeded"
+    logs = [p.read_text() for p in run.glob("logs/*/rank-*.log")]
+    assert any(f"resumed from step {newest} ({ckpt / f'step-{newest}'})" in t.split("==> hetctl attempt 2")[-1]
+               for t in logs if "==> hetctl attempt 2" in t)
 
 
 def test_a_missing_script_or_framework_is_one_line_and_nothing_starts(tmp_path):
