@@ -337,3 +337,48 @@ def test_a_deepspeed_plan_launched_as_rendered_places_every_rank_by_deepspeeds_o
     # the config each rank read lies in the attempt's folder on its node, not in a stray temp file
     assert sorted(p.name for p in site.glob("nodes/*/runs/*/0/hb/ds-config-rank-*.json")) == \
         sorted(f"ds-config-rank-{framework_rank(plan, r)}.json" for r in plan.ranks)
+
+
+HEARTBEAT_TRAINER = r'''
+import os, time
+import torch
+import torch.distributed as dist
+from hetctl.runtime import heartbeat
+
+dist.init_process_group("gloo")
+x = torch.ones(4)
+for step in range(1, int(os.environ["HETCTL_STEPS"]) + 1):
+    dist.all_reduce(x)
+    x /= dist.get_world_size()
+    time.sleep(0.1)
+    heartbeat(step, loss=1.0 / step)
+dist.destroy_process_group()
+'''
+
+
+def test_a_torchrun_script_that_writes_heartbeats_is_watched_without_progress_patterns(tmp_path):
+    """No --progress: the rendered command's HETCTL_HEARTBEAT_FILE is the one the agent follows."""
+    from hetctl.launch.inject import rank_procs
+
+    site = local_site(tmp_path)
+    plan_dir = torchrun_plan(site)
+    (site / "train_hb.py").write_text(HEARTBEAT_TRAINER)
+    proc = subprocess.Popen([sys.executable, "-m", "hetctl", "launch", str(plan_dir), "--run-dir", "runs",
+                             "--steps", "100000", "--script", str(site / "train_hb.py"), "--hang-timeout", "6",
+                             "--max-restarts", "0", "--json"],
+                            cwd=site, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "COLUMNS": "200"})
+    try:
+        run = wait_while_running(proc, lambda: next(iter((site / "runs").glob("*/events.jsonl")), None),
+                                 "a run folder", 120).parent
+        wait_while_running(proc, lambda: any(e.get("step", 0) >= 5 for e in events(run, "progress")),
+                           "heartbeat progress", 180)
+        os.kill(next(p for p in rank_procs(run.name) if p.rank == 0).pid, signal.SIGSTOP)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 5, err
+    failed = events(run, "rank_failed")
+    assert failed[0]["rank"] == 0 and "hang" in failed[0]["reason"] and "SIGSTOP" in failed[0]["reason"]
