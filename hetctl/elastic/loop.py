@@ -321,6 +321,7 @@ class ElasticRun:
             """Re-plan with the window's measured speeds; restart only for a real gain."""
             try:
                 new, factors = self._measured_plan(plan, means, "rebalancing on measured stage speeds")
+                fwckpt.same_shape_only(plan, new, self.p.info.inputs.checkpoint_dir)  # DeepSpeed: keep training
             except HetctlError as e:
                 return False, f"no re-plan possible: {e.message}"
             gain = predicted_gain(layout_of(plan), layout_of(new), means)
