@@ -45,7 +45,8 @@ def main() -> None:
         fs_args.pre_validate_args()
     validate_args(args, {})
     rec = {"argv_rank": args.rank, "world_size": args.world_size, "train_iters": args.train_iters, "lr": args.lr,
-           "save": args.save, "load": args.load, "save_interval": args.save_interval, "ckpt_format": args.ckpt_format}
+           "save": args.save, "load": args.load, "save_interval": args.save_interval, "ckpt_format": args.ckpt_format,
+           "ckpt_step": args.ckpt_step, "optim_fully_reshardable": args.dist_ckpt_optim_fully_reshardable}
     if hetero:
         fs_args.post_validate_args()
         from flagscale.train.hetero.parallel_context import ParallelContext

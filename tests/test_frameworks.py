@@ -225,7 +225,7 @@ def test_flagscale_accepts_the_rendered_hetero_scripts_and_places_every_rank(tmp
     plan = plan_cluster(cluster, SMALL, global_batch=16, framework="flagscale", homogeneous=False, pins=Pins(dp=2))
     assert len({s.tp for s in plan.stages}) > 1, "two meshes with different TP degrees"
     records = run_plan(tmp_path, plan, {"HETCTL_PYTHON": str(megatron_python(tmp_path)),
-                                        "FLAGSCALE_DIR": str(FLAG_SCALE)}, CPU_ARGS)
+                                        "FLAGSCALE_DIR": str(FLAG_SCALE), "HETCTL_RESUME_STEP": "10"}, CPU_ARGS)
     check_ranks(plan, records)
     mesh_list = meshes(plan)
     assert sum(tp * cp * dp * pp for tp, cp, ep, dp, pp in records[0]["meshes"]) == len(plan.ranks)
@@ -236,6 +236,7 @@ def test_flagscale_accepts_the_rendered_hetero_scripts_and_places_every_rank(tmp
         assert rec["logical_rank"] == rank and rec["tp"] == stage.tp and rec["dp"] == plan.parallel.dp
         assert rec["device_type"] == next(m.label for m in mesh_list if m.first <= r.stage < m.first + m.stages)
         assert rec["save"] == str(tmp_path / "ckpt")
+        assert rec["ckpt_step"] == 10 and rec["optim_fully_reshardable"]  # the resume flags, as FlagScale parses them
 
 
 @pytest.mark.e2e

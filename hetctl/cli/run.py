@@ -53,6 +53,12 @@ def launch_cmd(
     allow_mixed_software: bool = typer.Option(False, "--allow-mixed-software",
                                               help="Launch even when the nodes' torch major.minor versions differ "
                                                    "(the pre-flight reads them on every node)."),
+    script: str | None = typer.Option(None, "--script", help="For a torchrun or deepspeed plan launched without "
+                                      "--entry: your training script (HETCTL_SCRIPT; a path on the node, relative "
+                                      "to its workdir); default: the inventory env's HETCTL_SCRIPT, else train.py."),
+    script_args: str | None = typer.Option(None, "--args", help="For a framework plan launched without --entry: "
+                                           "arguments of every rank's rendered command, as for plan/nodes/<node>.sh "
+                                           "(for Megatron/FlagScale they come last and win, e.g. data paths)."),
     health_check: str | None = typer.Option(None, "--health-check", metavar="drop|refuse",
                                             help="Before starting ranks, run probe --bench's quick check on the "
                                                  "plan's nodes (each chip against its same-model peers, a ring of "
@@ -69,6 +75,7 @@ def launch_cmd(
 
     words = launcher.parse_entry(entry)
     progress = launcher.parse_progress(progress)
+    extra = launcher.parse_args_option(script_args)
     if health_check is not None and health_check not in ("drop", "refuse"):
         from hetctl.errors import ConfigError
 
@@ -84,19 +91,22 @@ def launch_cmd(
         try:
             with _allowed(alloc):
                 plan, inv, pf = launcher.load_plan_and_inventory(plan_dir, inventory, entry=words)
+            launcher.check_script_options(plan, words, script, extra)
             _launch(plan, inv, pf, alloc, run_dir=run_dir, steps=steps, checkpoint_every=checkpoint_every,
                     entry=words, max_restarts=max_restarts, max_node_failures=max_node_failures, rebalance=rebalance,
                     grace=grace, hang_timeout=hang_timeout, node_timeout=node_timeout,
                     allow_mixed_software=allow_mixed_software, progress=progress, json_out=json_out,
-                    health_check=health_check, standby=standby)
+                    health_check=health_check, standby=standby, script=script, script_args=extra)
         finally:
             alloc.release()
         return
     plan, inv, pf = launcher.load_plan_and_inventory(plan_dir, inventory, entry=words)
+    launcher.check_script_options(plan, words, script, extra)
     if dry_run:
         ssh = launcher.ssh_settings(plan, inv)
         spec = launcher.dry_run(plan, inv, steps=steps, checkpoint_every=checkpoint_every, run_root=run_dir,
-                                master_port=master_port, entry=words, ssh=ssh, progress=progress)
+                                master_port=master_port, entry=words, ssh=ssh, progress=progress, script=script,
+                                script_args=extra)
         if json_out:
             import json
 
@@ -113,7 +123,7 @@ def launch_cmd(
 
 def _launch(plan, inv, pf, alloc, *, run_dir, steps, checkpoint_every, entry, max_restarts, max_node_failures,
             rebalance, grace, hang_timeout, node_timeout, allow_mixed_software, progress, json_out,
-            health_check=None, standby="auto") -> None:
+            health_check=None, standby="auto", script=None, script_args=()) -> None:
     """Prepare the run folder and run it live (``alloc``: hetctl's own Slurm job, recorded in run.yaml)."""
     from hetctl.elastic import start as launcher
     from hetctl.launch.controller import Thresholds
@@ -126,6 +136,7 @@ def _launch(plan, inv, pf, alloc, *, run_dir, steps, checkpoint_every, entry, ma
         policy=_policy(max_restarts, max_node_failures, rebalance),
         thresholds=Thresholds(grace_s=grace, hang_timeout=hang_timeout, node_timeout=node_timeout),
         allow_mixed_software=allow_mixed_software, progress=progress, health_check=health_check,
+        script=script, script_args=script_args,
     )
     prepared.info.inputs.standby = standby  # resume keeps it (run.yaml)
     if alloc.job:
@@ -294,7 +305,13 @@ def _print_dry_run(spec, inv=None, ssh=None) -> None:
                            f"layers {r.layers[0]}:{r.layers[1]}):"), highlight=False)
             for k in sorted(r.env):
                 out.print(text(f"    {k}={shlex.quote(r.env[k])}"), highlight=False, soft_wrap=True)
-            out.print(text(f"    {shlex.join(r.argv)}"), highlight=False, soft_wrap=True)
+            argv = r.argv
+            if argv[:2] == ("bash", "-c"):  # a rendered framework rank: name its script rather than print it
+                from hetctl.plan.render import script_name
+
+                argv = ("bash", "-c", f"<plan/nodes/{script_name(n.node)} for rank {r.rank} alone, then exec>",
+                        *argv[3:])
+            out.print(text(f"    {shlex.join(argv)}"), highlight=False, soft_wrap=True)
 
 
 @app.command("resume")

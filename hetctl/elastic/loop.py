@@ -53,6 +53,7 @@ from hetctl.launch.monitor import OnProgress, OnUpdate
 from hetctl.launch.pool import AgentPool, standby_on
 from hetctl.launch.outcome import AttemptOutcome, RunState
 from hetctl.node import manifest as ckpt
+from hetctl.elastic import fwckpt
 
 AttemptFn = Callable[..., AttemptOutcome]
 
@@ -110,12 +111,14 @@ class RunResult:
     attempts: int = 1
 
 
-def latest_checkpoint(ckpt_dir: str | Path, model: dict, emit: Callable[[Event], object]) -> int | None:
+def latest_checkpoint(ckpt_dir: str | Path, model: dict, emit: Callable[[Event], object],
+                      framework: str = "hetctl") -> int | None:
     """The newest valid checkpoint step of the run (None: none yet); each skipped one becomes an event.
 
     The checkpoint folder is shared storage (DESIGN §5), so the controller reads it
     directly; when it cannot see the folder it says so (``checkpoint_unseen``) rather
-    than quietly training from step 0.
+    than quietly training from step 0. A Megatron, FlagScale, DeepSpeed or torchrun
+    plan's checkpoints are the framework's own (:mod:`hetctl.elastic.fwckpt`).
     """
 
     def skipped(status: ckpt.StepStatus) -> None:
@@ -128,6 +131,13 @@ def latest_checkpoint(ckpt_dir: str | Path, model: dict, emit: Callable[[Event],
                    "expected before the first checkpoint, otherwise set checkpoint_dir in the inventory "
                    "to storage this machine mounts too"))
         return None
+    if framework in fwckpt.LAYOUTS:
+        scan = fwckpt.scan(framework, ckpt_dir)
+        newest = scan.newest
+        for s in scan.skipped:
+            if newest is None or s.step > newest.step:
+                emit(CheckpointSkipped(step=s.step, path=str(s.path), problems=list(s.problems)))
+        return newest.step if newest else None
     found = ckpt.latest_valid(ckpt_dir, ckpt.model_digest(model), on_skip=skipped)
     return found[0] if found else None
 
@@ -266,7 +276,9 @@ class ElasticRun:
         req = AttemptRequest(plan=plan, attempt=attempt, steps=info.inputs.steps,
                              checkpoint_every=info.inputs.checkpoint_every, ckpt_dir=info.inputs.checkpoint_dir,
                              resume_step=step or 0, entry=tuple(info.inputs.entry),
-                             allow_mixed_software=info.inputs.allow_mixed_software, progress=info.inputs.progress)
+                             allow_mixed_software=info.inputs.allow_mixed_software, progress=info.inputs.progress,
+                             script=info.inputs.script, script_args=tuple(info.inputs.script_args),
+                             resume_env=self._resume_env(plan, step))
         hook = self._hook(attempt, plan)
         kwargs: dict[str, Any] = {"inventory": p.inventory, "run": p.run, "events": self.events,
                                   "thresholds": p.thresholds, "on_progress": hook, "on_update": self.on_update,
@@ -303,11 +315,24 @@ class ElasticRun:
         return outcome
 
     def _latest_step(self) -> int | None:
-        """After a failure: the survivors' state when complete and newest, else the newest checkpoint (peers.py)."""
+        """After a failure: the survivors' state when complete and newest, else the newest checkpoint (peers.py).
+
+        A framework's own checkpoints (Megatron, DeepSpeed, DCP: :mod:`hetctl.elastic.fwckpt`) have no
+        survivors' state: the newest complete one of them.
+        """
+        if self.p.plan.framework in fwckpt.LAYOUTS:
+            return latest_checkpoint(self.p.info.inputs.checkpoint_dir, self.p.plan.model.model_dump(),
+                                     self.events.emit, framework=self.p.plan.framework)
         step, record = recover(self.p.info.inputs.checkpoint_dir, self.p.plan.model.model_dump(), self._last,
                                self.events.emit, latest_checkpoint)
         self._recoveries += [record] if record is not None else []
         return step
+
+    def _resume_env(self, plan: Plan, step: int | None) -> dict[str, str] | None:
+        """Where a framework's own checkpoint of ``step`` lies, for the ranks (None: hetctl's manifests, or none)."""
+        if not step or plan.framework not in fwckpt.LAYOUTS:
+            return None
+        return fwckpt.resume_env(fwckpt.scan(plan.framework, self.p.info.inputs.checkpoint_dir).at(step)) or None
 
     def _replan(self, old: Plan, decision: Decision, outcome: AttemptOutcome, _tally: Tally) -> Plan:
         factors: dict[str, float] | None = None
@@ -320,6 +345,7 @@ class ElasticRun:
                 new, factors = self._measured_plan(old, outcome.stage_step_ms, decision.reason)
         else:
             new = replan(old, self._survivors(), drop=self.tally.dropped, reason=decision.reason)
+        fwckpt.same_shape_only(old, new, self.p.info.inputs.checkpoint_dir)
         self.events.emit(ReplanLayout(
             before=layer_split(old), after=layer_split(new), dp_before=old.parallel.dp, dp_after=new.parallel.dp,
             speed_factors={k: round(v, 3) for k, v in (factors or {}).items()}, est_step_s=new.estimate.step_time_s,
@@ -336,6 +362,7 @@ class ElasticRun:
             """Re-plan with the window's measured speeds; restart only for a real gain."""
             try:
                 new, factors = self._measured_plan(plan, means, "rebalancing on measured stage speeds")
+                fwckpt.same_shape_only(plan, new, self.p.info.inputs.checkpoint_dir)  # DeepSpeed: keep training
             except HetctlError as e:
                 return False, f"no re-plan possible: {e.message}"
             gain = predicted_gain(layout_of(plan), layout_of(new), means)

@@ -173,6 +173,26 @@ def check_checkpoint(ckpt_dir: str | Path, model: Mapping[str, Any]) -> Checkpoi
     raise ResumeRefused(f"{ckpt_dir}: no valid checkpoint ({why})", "start the run again with `hetctl launch`")
 
 
+def check_framework_checkpoint(ckpt_dir: str | Path, framework: str) -> CheckpointChoice:
+    """The newest complete checkpoint a framework wrote itself (:mod:`hetctl.elastic.fwckpt`).
+
+    Raises:
+        ResumeRefused: none is complete (each incomplete one named with why).
+    """
+    from hetctl.elastic import fwckpt
+
+    found = fwckpt.scan(framework, ckpt_dir)
+    if found.newest is not None:
+        newest = found.newest
+        return CheckpointChoice(newest.step, newest.path, [s for s in found.skipped if s.step > newest.step])
+    if not found.skipped:
+        raise ResumeRefused(f"{ckpt_dir}: no {framework} checkpoint to resume from",
+                            "the run stopped before its first checkpoint; start it again with `hetctl launch`")
+    why = "; ".join(f"{s.path.name}: {s.problems[0]}" for s in found.skipped[:3])
+    raise ResumeRefused(f"{ckpt_dir}: no complete {framework} checkpoint ({why})",
+                        "start the run again with `hetctl launch`")
+
+
 # --- the whole resume -----------------------------------------------------------------------
 
 
@@ -259,7 +279,12 @@ def _prepare(run: Any, lock: Any, *, inventory: Any, steps: int | None, connect:
     unchecked = wait_no_rank_alive(used, run.run_id, connect, wait_s)
     unchecked += sorted(ever - {n.name for n in inv.nodes})  # not in this inventory: cannot be checked
 
-    choice, recovery = _resume_choice(run, info, done[-1], last)
+    from hetctl.elastic import fwckpt
+
+    if last.framework in fwckpt.LAYOUTS:
+        choice, recovery = check_framework_checkpoint(info.inputs.checkpoint_dir, last.framework), None
+    else:
+        choice, recovery = _resume_choice(run, info, done[-1], last)
     target = steps if steps is not None else info.inputs.steps
     if choice.step >= target:
         raise ResumeRefused(
@@ -278,10 +303,13 @@ def _prepare(run: Any, lock: Any, *, inventory: Any, steps: int | None, connect:
     if carried:
         why += f"; measured TFLOPS kept from the run's cluster facts for {', '.join(carried)}"
     plan = replan(last, cluster, reason=why)
+    if not fwckpt.reshards(last.framework) and fwckpt.plan_shape(plan) != fwckpt.plan_shape(last):
+        plan = _same_shape(last, cluster, run.run_id)
     attempt = done[-1] + 1
     opening: list = [CheckpointSkipped(step=s.step, path=str(s.path), problems=list(s.problems))
                      for s in choice.skipped]
-    opening.append(recovery.event(attempt, done[-1]))
+    if recovery is not None:  # a framework's own checkpoint: no survivors' state to choose from
+        opening.append(recovery.event(attempt, done[-1]))
     opening.append(Resumed(attempt=attempt, resume_step=choice.step, steps=target,
                            nodes=list(dict.fromkeys(r.node for r in plan.ranks)), unchecked=unchecked))
     return Prepared(run=run, info=info, inventory=inv, plan=plan, policy=policy or PolicyConfig(),
@@ -317,6 +345,20 @@ def _resume_choice(run: Any, info: Any, attempt: int, plan: Any) -> tuple[Checkp
         return CheckpointChoice(peer.step, ckpt.step_dir(ckpt_dir, peer.step), skipped, peer), point
     why = "; ".join(notes[:3]) or "no state from the survivors of the last attempt"
     return choice, ResumePoint(choice.step, CHECKPOINT, last, f"the newest valid checkpoint, step {choice.step}; {why}")
+
+
+def _same_shape(last: Any, cluster: Any, run_id: str) -> Any:
+    """The last plan again, for a framework whose checkpoints load only onto the same shape; refused if it cannot run."""
+    up = {n.name for n in cluster.nodes if n.reachable}
+    gone = sorted({r.node for r in last.ranks} - up)
+    if gone:
+        raise ResumeRefused(
+            f"run {run_id}: {last.framework} checkpoints load only onto the same shape (pp {last.parallel.pp}, "
+            f"dp {last.parallel.dp}), and {', '.join(gone)} of its last plan cannot be reached",
+            "bring those nodes back and run `hetctl resume` again, or convert the checkpoint "
+            "(DeepSpeed's ds_to_universal) and start anew",
+        )
+    return last
 
 
 def _cluster_before(run: Any, attempt: int, plan: Any, inventory: Any) -> Any:

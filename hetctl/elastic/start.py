@@ -81,12 +81,10 @@ def load_plan_and_inventory(plan_dir: str | Path, inventory: str | Path | None =
     if not pf.exists():
         raise ConfigError(f"{pf}: plan not found", "run `hetctl plan` first, or pass the plan folder")
     plan = load_model(pf, Plan, "plan")
-    if plan.framework != "hetctl" and tuple(entry) == mat.REFERENCE_TRAINER:
-        raise ConfigError(
-            f"{pf}: framework {plan.framework}: `hetctl launch` runs the reference trainer (framework hetctl)",
-            f"run {pf.parent / 'nodes'}/<node>.sh on each node, re-plan with --framework hetctl, "
-            "or name your own script with --entry",
-        )
+    if mat.rendered(plan, entry):  # each rank runs its rendered command: refuse what cannot render now
+        from hetctl.plan.render import render_rank_scripts
+
+        render_rank_scripts(plan)
     inv_path = Path(inventory) if inventory else None
     if inv_path is None:
         if not plan.inventory:
@@ -154,9 +152,29 @@ def ssh_settings(plan: Plan, inventory: Any) -> dict[str, Any]:
     return {n.name: group[n.name] for n in nodes}
 
 
+def parse_args_option(value: str | None) -> tuple[str, ...]:
+    """``--args``: the arguments of every rank's rendered command, split like a shell line."""
+    import shlex
+
+    try:
+        return tuple(shlex.split(value or ""))
+    except ValueError as e:
+        raise ConfigError(f"--args {value!r}: {e}", "quote it like a shell command line") from None
+
+
+def check_script_options(plan: Plan, entry: tuple[str, ...], script: str | None, script_args: tuple[str, ...]) -> None:
+    """``--script``/``--args`` only where ranks run their rendered command (else they would be ignored)."""
+    if (script or script_args) and not mat.rendered(plan, entry):
+        why = "--entry names what the ranks run" if tuple(entry) != mat.REFERENCE_TRAINER else \
+            "this plan runs the reference trainer (framework hetctl)"
+        raise ConfigError(f"--script/--args: {why}; they are for a megatron, flagscale, deepspeed or torchrun plan "
+                          "launched without --entry", "drop them, or put the arguments in --entry")
+
+
 def dry_run(plan: Plan, inventory: Any, *, steps: int, checkpoint_every: int, run_root: str | Path,
             master_port: int | None = None, entry: tuple[str, ...] = mat.REFERENCE_TRAINER,
-            ssh: dict[str, Any] | None = None, progress: str | None = None) -> mat.LaunchSpec:
+            ssh: dict[str, Any] | None = None, progress: str | None = None, script: str | None = None,
+            script_args: tuple[str, ...] = ()) -> mat.LaunchSpec:
     """The first attempt as it would run, without contacting any node.
 
     Launch-time values that only the nodes can give appear as placeholders: the
@@ -174,6 +192,7 @@ def dry_run(plan: Plan, inventory: Any, *, steps: int, checkpoint_every: int, ru
         master_addr=mat.master_address(node0, dialled),
         master_port=master_port or mat.PORT_AT_LAUNCH.format(node=rank0),
         steps=steps, checkpoint_every=checkpoint_every, ckpt_dir=ckpt, entry=entry, progress=progress,
+        script=script, script_args=script_args,
     )
 
 
@@ -205,7 +224,8 @@ def stop_on_signals() -> Iterator[threading.Event]:
 
 def new_run(plan: Plan, inventory: Any, *, run_root: str | Path, plan_path: Path | None, steps: int,
             checkpoint_every: int, entry: tuple[str, ...] = mat.REFERENCE_TRAINER,
-            allow_mixed_software: bool = False, progress: str | None = None) -> tuple[RunDir, RunInfo]:
+            allow_mixed_software: bool = False, progress: str | None = None, script: str | None = None,
+            script_args: tuple[str, ...] = ()) -> tuple[RunDir, RunInfo]:
     """Create ``runs/<id>/`` with its first ``run.yaml``."""
     import time
 
@@ -222,6 +242,8 @@ def new_run(plan: Plan, inventory: Any, *, run_root: str | Path, plan_path: Path
             entry=list(entry),
             allow_mixed_software=allow_mixed_software,
             progress=progress,
+            script=script,
+            script_args=list(script_args),
         ),
     )
     run.save_info(info)
@@ -232,14 +254,15 @@ def prepare_launch(plan: Plan, inventory: Any, *, run_root: str | Path, plan_pat
                    checkpoint_every: int, entry: tuple[str, ...] = mat.REFERENCE_TRAINER,
                    policy: PolicyConfig | None = None, thresholds: Thresholds | None = None,
                    allow_mixed_software: bool = False, progress: str | None = None,
-                   health_check: str | None = None) -> Prepared:
+                   health_check: str | None = None, script: str | None = None,
+                   script_args: tuple[str, ...] = ()) -> Prepared:
     """A new run folder and the :class:`Prepared` run of ``hetctl launch`` (nothing started).
 
     ``health_check`` (``drop``/``refuse``): check the plan's nodes first (:mod:`hetctl.elastic.health`).
     """
     run, info = new_run(plan, inventory, run_root=run_root, plan_path=plan_path, steps=steps,
                         checkpoint_every=checkpoint_every, entry=entry, allow_mixed_software=allow_mixed_software,
-                        progress=progress)
+                        progress=progress, script=script, script_args=script_args)
     return Prepared(run=run, info=info, inventory=inventory, plan=plan, policy=policy or PolicyConfig(),
                     thresholds=thresholds or Thresholds(), plan_file=plan_path, lock=run.lock(),
                     health_check=health_check)

@@ -47,6 +47,9 @@ class RunInputs(_Strict):
     allow_mixed_software: bool = Field(False, description="launch even when the nodes' torch major.minor differ")
     progress: str | None = Field(None, description="preset or pattern the agents read steps from in rank output")
     standby: str = Field("auto", description="warm spare per rank: auto (the reference trainer), on, off")
+    script: str | None = Field(None, description="HETCTL_SCRIPT of a rendered torchrun/DeepSpeed plan (--script)")
+    script_args: list[str] = Field(default_factory=list,
+                                   description="arguments of every rank's rendered command (--args)")
     slurm_allocation: str | None = Field(None, description="the Slurm job hetctl asked for itself (salloc --no-shell); "
                                                            "cancelled when the run ends or is stopped")
 

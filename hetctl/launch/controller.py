@@ -80,6 +80,9 @@ class AttemptRequest:
     entry: tuple[str, ...] = mat.REFERENCE_TRAINER
     allow_mixed_software: bool = False
     progress: str | None = None
+    script: str | None = None  # HETCTL_SCRIPT of a rendered torchrun/DeepSpeed plan
+    script_args: tuple[str, ...] = ()  # the arguments of every rank's rendered command
+    resume_env: dict[str, str] | None = None  # where a framework's own checkpoint is (hetctl.elastic.fwckpt)
 
 
 class _Agent:
@@ -223,7 +226,7 @@ class AttemptController:
         self.events = events
         # A user's script may never call hetctl.node.runtime.heartbeat: only the reference trainer
         # is held to a first heartbeat; any script that does heartbeat is watched for hangs.
-        self.th = thresholds if tuple(req.entry) == mat.REFERENCE_TRAINER else \
+        self.th = thresholds if mat.reference(req.plan, req.entry) else \
             dataclasses.replace(thresholds, start_timeout=math.inf)
         self.on_progress = on_progress
         self.on_update = on_update
@@ -289,7 +292,7 @@ class AttemptController:
         if missing:
             return [_start_failure(n, "not in the inventory") for n in dict.fromkeys(missing)]
         rank0 = min(plan.ranks, key=lambda r: r.rank).node
-        needs = ("hetctl", "torch") if tuple(self.req.entry) == mat.REFERENCE_TRAINER else ()
+        needs = ("hetctl", "torch") if mat.reference(plan, self.req.entry) else ()
 
         def check(node: Any) -> dict[str, Any]:
             kept = self.pool.preflight(node.name) if self.pool is not None else None  # drops a dead agent first
@@ -319,6 +322,16 @@ class AttemptController:
             if lacking:
                 raise HetctlError(f"{' and '.join(lacking)} not importable by `{node.python}`",
                                   "the reference trainer needs `pip install 'hetctl[train]'` on the node")
+            if mat.rendered(plan, self.req.entry):  # the framework (its checkout) and the user's script
+                from hetctl.launch import fwcheck
+
+                spec = fwcheck.requirements(plan.framework, info.get("workdir") or str(node.workdir), self.req.script)
+                if spec is not None:
+                    res = t.run(fwcheck.check_argv(node.python, spec), env=node.env or None,
+                                timeout=self.th.connect_timeout, check=False)
+                    why = fwcheck.problem(plan.framework, spec, res.stdout)
+                    if why:
+                        raise HetctlError(why)
             if self.pool is not None:
                 self.pool.remember(node.name, info)
             return info
@@ -339,7 +352,8 @@ class AttemptController:
             plan, self.nodes, run_id=self.run_dir.run_id, attempt=self.req.attempt, master_addr=master_addr,
             master_port=port, steps=self.req.steps, checkpoint_every=self.req.checkpoint_every,
             resume_step=self.req.resume_step, ckpt_dir=self.req.ckpt_dir, workdirs=workdirs,
-            pythonpath=pythonpath, entry=self.req.entry, progress=self.req.progress,
+            pythonpath=pythonpath, entry=self.req.entry, progress=self.req.progress, script=self.req.script,
+            script_args=self.req.script_args, resume_env=self.req.resume_env,
         )
         by_name = {n.node: n for n in self.spec.nodes}
         failed, self.shipped = ship_files(

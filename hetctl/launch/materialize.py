@@ -30,6 +30,9 @@ from typing import Any, Mapping, Sequence
 from hetctl.files.plan import Plan
 
 REFERENCE_TRAINER = ("-m", "hetctl.train")
+# The progress adapter a rendered framework's ranks get by default (their own log lines); torchrun
+# scripts have none: --progress REGEX, or hetctl.runtime.heartbeat's file.
+DEFAULT_PROGRESS = {"megatron": "megatron", "flagscale": "megatron", "deepspeed": "deepspeed"}
 PORT_AT_LAUNCH = "<free port on {node}, chosen at launch>"
 # Names whose values are masked wherever hetctl shows an environment (--dry-run, --json): keys, tokens,
 # secrets, passwords, credentials, and URLs/DSNs (DATABASE_URL carries its password).
@@ -142,6 +145,9 @@ def materialize(
     pythonpath: Mapping[str, str] | None = None,
     entry: Sequence[str] = REFERENCE_TRAINER,
     progress: str | None = None,
+    script: str | None = None,
+    script_args: Sequence[str] = (),
+    resume_env: Mapping[str, str] | None = None,
 ) -> LaunchSpec:
     """Build the exact launch of one attempt (pure: no network, no files).
 
@@ -160,6 +166,15 @@ def materialize(
         entry: what follows the node's python in each rank's argv.
         progress: a preset (``megatron``, ``deepspeed``) or pattern the agent reads steps from
             in each rank's output, for scripts that write no heartbeat.
+        script, script_args: for a rendered framework plan (see :func:`rendered`): the user's
+            script (``HETCTL_SCRIPT``, torchrun/DeepSpeed) and the arguments of every rank's command.
+        resume_env: where to resume from, for a framework's own checkpoints
+            (:func:`hetctl.elastic.fwckpt.resume_env`).
+
+    A plan for ``megatron``, ``flagscale``, ``deepspeed`` or ``torchrun`` launched
+    without ``--entry`` runs each rank's rendered command: its node script rendered
+    for that rank alone (:func:`hetctl.plan.render.render_rank_scripts`), as
+    ``bash -c SCRIPT``, which execs the rank with the script's environment.
 
     Raises:
         hetctl.errors.ConfigError: the plan names a node the inventory lacks.
@@ -177,6 +192,12 @@ def materialize(
     trainer_args: tuple[str, ...] = ()
     if tuple(entry) == REFERENCE_TRAINER:
         trainer_args = ("--steps", str(steps), "--checkpoint-every", str(checkpoint_every))
+    scripts = None
+    if rendered(plan, entry):
+        from hetctl.plan.render import render_rank_scripts
+
+        scripts = render_rank_scripts(plan)
+        progress = progress or DEFAULT_PROGRESS.get(plan.framework)
     out: list[NodeLaunch] = []
     order = list(dict.fromkeys([r.node for r in sorted(plan.ranks, key=lambda r: r.rank)]))
     for name in order:
@@ -196,10 +217,21 @@ def materialize(
             env.setdefault("HETCTL_CKPT_EVERY", str(checkpoint_every))
             if pythonpath and pythonpath.get(name):
                 env["PYTHONPATH"] = pythonpath[name]
+            env.update(resume_env or {})
+            argv = (node.python, *entry, *trainer_args)
+            if scripts is not None:  # the rank's rendered command: its script sets RANK in the framework's order
+                rs = scripts[r.rank]
+                hb = f"{base}/hb/{rs.heartbeat}"
+                env.update({"HETCTL_HEARTBEAT_DIR": f"{base}/hb", "HETCTL_HEARTBEAT_FILE": hb})
+                if "HETCTL_PYTHON" not in (node.env or {}):  # the inventory's env: may name another python
+                    env["HETCTL_PYTHON"] = node.python
+                if script:
+                    env["HETCTL_SCRIPT"] = script
+                argv = ("bash", "-c", rs.text, f"hetctl-{plan.framework}-rank-{r.rank}", *script_args)
             ranks.append(RankLaunch(
                 rank=r.rank, node=name, replica=r.replica, stage=r.stage, local_rank=r.local_rank,
                 layers=tuple(stage_of[(r.replica, r.stage)].layers),
-                argv=(node.python, *entry, *trainer_args), env=env,
+                argv=argv, env=env,
                 log=f"{base}/logs/rank-{r.rank}.log", heartbeat=hb, progress=progress,
             ))
         out.append(NodeLaunch(
@@ -212,6 +244,16 @@ def materialize(
         resume_step=resume_step, steps=steps, checkpoint_every=checkpoint_every, ckpt_dir=ckpt_dir,
         nodes=tuple(out),
     )
+
+
+def rendered(plan: Plan, entry: Sequence[str]) -> bool:
+    """Whether the ranks run the plan's rendered framework command (a framework plan, no ``--entry``)."""
+    return plan.framework != "hetctl" and tuple(entry) == REFERENCE_TRAINER
+
+
+def reference(plan: Plan, entry: Sequence[str]) -> bool:
+    """Whether the ranks run hetctl's reference trainer (held to heartbeats; needs hetctl and torch)."""
+    return plan.framework == "hetctl" and tuple(entry) == REFERENCE_TRAINER
 
 
 def master_address(node: Any, dialled: str | None = None) -> str:

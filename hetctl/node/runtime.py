@@ -49,6 +49,9 @@ TRAIN_ENV: dict[str, str] = {
     "done: true at the end)",
     "HETCTL_CKPT_DIR": "checkpoint directory of the run: <checkpoint_dir>/<run-id>",
     "HETCTL_RESUME_STEP": "checkpoint step to resume from; empty or 0 starts from scratch",
+    "HETCTL_RESUME_DIR": "for a framework's own checkpoints: the folder to load (torch DCP: the step's folder; "
+    "Megatron, FlagScale, DeepSpeed: the load folder); unset when starting from scratch",
+    "HETCTL_RESUME_TAG": "DeepSpeed: the checkpoint tag to load (load_checkpoint(HETCTL_RESUME_DIR, tag))",
     "HETCTL_STEPS": "default for the trainer's --steps (total optimizer steps of the run)",
     "HETCTL_CKPT_EVERY": "default for the trainer's --checkpoint-every (0 writes none)",
     "HETCTL_SAVE_MODE": "default for the trainer's --save-mode: async (training waits only for a copy in host "

@@ -162,9 +162,12 @@ def framework_rank(plan: Plan, rank: Rank, mesh_list: list[Mesh] | None = None) 
 # -- rendering ---------------------------------------------------------------------
 
 # Megatron/FlagScale training defaults that validate_args needs to start (the
-# script's own arguments come later on the command line and win).
+# script's own arguments come later on the command line and win). torch_dist
+# checkpoints with the distributed optimizer's state saved fully reshardable
+# (TP/PP/DP, not DP alone), so a re-plan onto other chips can load them.
 TRAIN_ARGS = ["--lr", "3e-4", "--min-lr", "3e-5", "--lr-decay-style", "cosine", "--lr-warmup-fraction", "0.01",
-              "--weight-decay", "0.1", "--clip-grad", "1.0", "--log-interval", "1", "--ckpt-format", "torch_dist"]
+              "--weight-decay", "0.1", "--clip-grad", "1.0", "--log-interval", "1", "--ckpt-format", "torch_dist",
+              "--dist-ckpt-optim-fully-reshardable"]
 
 
 def _env_words(env: dict[str, str]) -> Shell:
@@ -245,7 +248,51 @@ def render_node_scripts(plan: Plan, hosts: dict[str, str] | None = None, plan_pa
             name), a FlagScale plan whose replicas differ at a stage, or a
             DeepSpeed plan whose split DeepSpeed would not make.
     """
-    hosts = hosts or {}
+    template, common, by_node = _prepare(plan, hosts or {}, plan_path)
+    return {node: check_script(template.render(node=node, ranks=ranks, single=False, **common), script_name(node))
+            for node, ranks in by_node.items()}
+
+
+@dataclass(frozen=True)
+class RankScript:
+    """One rank's part of its node script, alone: what ``hetctl launch`` runs for that rank.
+
+    Attributes:
+        rank: the rank's number in the plan (``plan.yaml``, the run's logs).
+        framework_rank: its ``RANK`` in the framework's order (the script's environment).
+        node: the node it runs on.
+        heartbeat: the heartbeat file's name in ``HETCTL_HEARTBEAT_DIR``.
+        text: the script: the node script's setup, then ``exec`` of this rank's command.
+    """
+
+    rank: int
+    framework_rank: int
+    node: str
+    heartbeat: str
+    text: str
+
+
+def render_rank_scripts(plan: Plan, hosts: dict[str, str] | None = None,
+                        plan_path: str = "plan.yaml") -> dict[int, RankScript]:
+    """Per plan rank, its node script rendered for that rank alone (the same template and values).
+
+    The script runs the node script's setup (paths, framework arguments, the
+    DeepSpeed config) and then execs the rank's command with the rank's
+    environment, so the agent's child *is* the rank: its exit status and
+    signals, its process state (a SIGSTOP), its output. One source of truth:
+    :func:`render_node_scripts` renders the same per-rank values.
+    """
+    template, common, by_node = _prepare(plan, hosts or {}, plan_path)
+    out = {}
+    for node, ranks in by_node.items():
+        for r in ranks:
+            text = check_script(template.render(node=node, ranks=[r], single=True, **common), script_name(node))
+            out[r["plan_rank"]] = RankScript(r["plan_rank"], r["rank"], node, r["heartbeat"], text)
+    return out
+
+
+def _prepare(plan: Plan, hosts: dict[str, str], plan_path: str):
+    """The template, the values every script shares, and per node its ranks' values (checked)."""
     _check_values(plan, hosts, plan_path)
     fw = plan.framework
     env = environment()
@@ -282,7 +329,7 @@ def render_node_scripts(plan: Plan, hosts: dict[str, str] | None = None, plan_pa
         "ds_config": json.dumps(_ds_config(plan), sort_keys=True),
         "ds_launcher": _ds_launcher(plan, hosts, mesh_list)[1] if fw == "deepspeed" else None,
     }
-    out = {}
+    by_node = {}
     for node in plan.nodes:
         ranks = []
         for r in sorted(plan.ranks_on(node), key=lambda r: r.rank):
@@ -299,10 +346,10 @@ def render_node_scripts(plan: Plan, hosts: dict[str, str] | None = None, plan_pa
                 "env": _env_words(e), "device_label": label, "replica": r.replica, "stage": r.stage,
                 "start": stage.layers[0], "end": stage.layers[1], "vendor": stage.vendor, "model": stage.model,
                 "chip": r.chip if r.chip is not None else "-", "tp": stage.tp, "precision": stage.precision,
-                "backend": stage.backend,
+                "backend": stage.backend, "heartbeat": e["HETCTL_HEARTBEAT_FILE"],
             })
-        out[node] = check_script(template.render(node=node, ranks=ranks, **common), script_name(node))
-    return out
+        by_node[node] = ranks
+    return template, common, by_node
 
 
 def _ds_launcher(plan: Plan, hosts: dict[str, str], mesh_list: list[Mesh]) -> tuple[str | None, str | None]:
