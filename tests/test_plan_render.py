@@ -144,7 +144,7 @@ def test_scripts_pass_arguments_and_defaults_serve_a_run_by_hand(tmp_path, plans
     assert not (tmp_path / "pwned").exists()
     for rec in records.values():
         assert rec["env"]["MASTER_ADDR"] == odd and rec["env"]["MASTER_PORT"] == "29500"
-        assert rec["env"]["HETCTL_ATTEMPT"] == "1" and rec["env"]["HETCTL_RESUME_STEP"] == "0"
+        assert rec["env"]["HETCTL_ATTEMPT"] == "0" and rec["env"]["HETCTL_RESUME_STEP"] == "0"
         assert rec["argv"] == ["my train.py"]
 
 
