@@ -41,6 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from hetctl.node.manifest import StepStatus
+
 if TYPE_CHECKING:
     from hetctl.files.plan import Plan
 
@@ -73,21 +75,12 @@ class Found:
     format: str
 
 
-@dataclass(frozen=True)
-class Skipped:
-    """A checkpoint folder that is not complete, and why."""
-
-    step: int
-    path: Path
-    problems: list[str] = field(default_factory=list)
-
-
 @dataclass
 class Scan:
     """What a checkpoint folder holds: complete checkpoints (newest first) and the skipped ones."""
 
     found: list[Found] = field(default_factory=list)
-    skipped: list[Skipped] = field(default_factory=list)
+    skipped: list[StepStatus] = field(default_factory=list)  # incomplete ones, and why
 
     @property
     def newest(self) -> Found | None:
@@ -157,7 +150,7 @@ def _megatron(d: Path) -> Scan:
             problems.append("holds neither a torch_dist checkpoint (metadata.json and .metadata) "
                             "nor mp_rank_XX/*.pt files")
         if problems:
-            out.skipped.append(Skipped(step, path, problems))
+            out.skipped.append(StepStatus(step, path, problems))
         else:
             out.found.append(Found(step, path, d, None, fmt))
     return out
@@ -188,7 +181,7 @@ def _deepspeed(d: Path) -> Scan:
         if not _ds_complete(path):
             problems.append("holds no *mp_rank_XX_model_states.pt")
         if problems:
-            out.skipped.append(Skipped(step, path, problems))
+            out.skipped.append(StepStatus(step, path, problems))
         else:
             out.found.append(Found(step, path, d, path.name, "deepspeed"))
     return out
@@ -206,7 +199,7 @@ def _dcp(d: Path) -> Scan:
         elif not any(path.glob("*.distcp")):
             problems.append("no *.distcp data files beside .metadata")
         if problems:
-            out.skipped.append(Skipped(step, path, problems))
+            out.skipped.append(StepStatus(step, path, problems))
         else:
             out.found.append(Found(step, path, d, None, "dcp"))
     return out
