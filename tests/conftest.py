@@ -3,6 +3,10 @@
 * ``_isolated_home`` (autouse): ``HOME`` points at an empty per-test folder and
   ``SSH_AUTH_SOCK`` is unset, so the developer's ``~/.ssh/config``, keys, agent and
   known_hosts never take part in a test.
+* ``_private_runtime_dir`` (session, autouse): ``XDG_RUNTIME_DIR`` points at a short
+  private folder removed after the session, so the ssh transport's control sockets
+  and generated configs (one per distinct ``ssh:`` settings, many in a test run) do
+  not pile up in the developer's ``/tmp/hetctl-<uid>``.
 * ``sshd_cluster`` (session): three running hosts shared by tests that only read
   from them. Do not kill, pause or install tools on it.
 * ``make_sshd_cluster`` (function): a factory for private clusters a test may
@@ -18,6 +22,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -49,6 +55,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.e2e)
             if not HAVE_SSHD:
                 item.add_marker(pytest.mark.skip(reason=NO_SSHD))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_runtime_dir():
+    runtime = tempfile.mkdtemp(prefix="hx-")  # short: control sockets must fit a unix socket path
+    before = os.environ.get("XDG_RUNTIME_DIR")
+    os.environ["XDG_RUNTIME_DIR"] = runtime
+    try:
+        yield runtime
+    finally:
+        if before is None:
+            os.environ.pop("XDG_RUNTIME_DIR", None)
+        else:
+            os.environ["XDG_RUNTIME_DIR"] = before
+        shutil.rmtree(runtime, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

@@ -159,7 +159,9 @@ def test_without_persist_each_command_is_its_own_master_and_nothing_outlives_it(
     r = t.run(["sh", "-c", "echo out; exit 255"], check=False)
     assert (r.exit_code, r.stdout) == (255, "out\n")  # the command's own 255, not a lost link
     with pytest.raises(Unreachable, match="connection lost while running"):
-        t.run(["sh", "-c", "kill -9 $PPID; sleep 5"])  # its sshd session dies: the link is gone
+        # Its sshd session dies: the link is gone. The second's pause lets sshd forward the start
+        # marker first (killed at once, sshd may die with it unsent, and then nothing says it started).
+        t.run(["sh", "-c", "sleep 1; kill -9 $PPID; sleep 5"])
     assert not _ssh_clients(t)
     t.close()
     assert not _ssh_clients(t)
