@@ -89,7 +89,7 @@ def allocate(s, nodelist: Sequence[str] = (), count: int = 0, progress: Progress
     salloc = slurmq.client("salloc")
     argv = salloc_argv(s, nodelist, count)
     progress("slurm: asking for an allocation: " + " ".join(argv))
-    from hetctl.node.agent import _death_signal_hook
+    from hetctl.node.rankproc import _death_signal_hook
 
     try:
         # SIGTERM to salloc when hetctl dies, even by SIGKILL: salloc then revokes its pending request.
