@@ -80,7 +80,7 @@ Columns:
   here overlaps a cross-vendor (gloo) reduction with the backward that makes it.
 
   * ``hetctl``: yes — each stage is a process of its own that reduces its units
-    right after its last backward (:func:`hetctl.train.dpreduce.reduce_grads`);
+    right after its last backward (:meth:`hetctl.train.dpreduce.Reducer.reduce`);
     a unit waits for its holders in the other replicas, which the cost model
     follows unit by unit.
   * ``torchrun``: no — what a user's script does between backward and step is

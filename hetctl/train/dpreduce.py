@@ -111,7 +111,7 @@ class Reducer:
                 made[(ranks, lib)] = new_group(list(ranks), backend="gloo" if lib == "gloo" else None)
             return made[(ranks, lib)]
 
-        for name, members, lib in topo.unit_groups:
+        for name, members, _lib in topo.unit_groups:
             by: dict[str, list[int]] = {}
             for r in members:
                 by.setdefault(vendor[r][0], []).append(r)
