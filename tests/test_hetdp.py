@@ -236,3 +236,23 @@ def test_hierarchical_and_overlapped_reduction_costs_less_and_one_part_is_flat()
     # pair's reduce-scatter, so here the hierarchy costs more than the flat ring, and is charged so.
     assert dp_allreduce([a, b], work, True, False) > dp_allreduce([a, b], work, False, False)
     assert dp_allreduce([a], work, True, False) == dp_allreduce([a], work, False, False)
+
+
+def test_shards_of_groups_of_different_size_are_cut_into_pieces_held_once_per_group():
+    """hetctl.train.dpreduce: where a unit of n elements is cut, and which member of each vendor group holds a piece."""
+    import pytest
+
+    pytest.importorskip("torch")
+    from hetctl.train.dpreduce import pieces
+
+    # Groups of 3 (shards of 4: [0,4) [4,8) [8,10)) and of 2 (shards of 5: [0,5) [5,10)).
+    assert pieces(10, [3, 2]) == [(0, 4, (0, 0)), (4, 5, (1, 0)), (5, 8, (1, 1)), (8, 10, (2, 1))]
+    for n in (1, 2, 7, 1000, 4099):
+        for sizes in ([2, 1], [2, 2], [3, 2], [8, 5, 1], [4, 4, 3]):
+            cut = pieces(n, sizes)
+            assert cut[0][0] == 0 and cut[-1][1] == n
+            assert all(a < b and b == c for (a, b, _), (c, _, _) in zip(cut, cut[1:] + [(n, n, ())]))
+            for a, b, at in cut:  # each piece lies inside one shard of every group
+                for g, i in zip(sizes, at):
+                    s = -(-n // g)
+                    assert i * s <= a and b <= (i + 1) * s and i < g

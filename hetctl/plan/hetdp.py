@@ -86,7 +86,7 @@ class Part:
 class HeteroLayout:
     """Parts side by side; the step ends when the gradient all-reduce over every replica does.
 
-    ``cross`` is that all-reduce's seconds (over gloo, the CPU path, when the parts span vendors).
+    ``cross`` is what that all-reduce adds after the slowest part's pipeline phase (:mod:`hetctl.plan.gradsync`).
     """
 
     parts: list[Part]
