@@ -16,10 +16,14 @@ Cases (issue 3):
 - ``six-vendors-4096`` — 4096 accelerators of six vendors, Llama-2-70B.
 - ``memory-tight`` — the fast chips have little memory.
 
-Each case and batch is planned twice: for the case's framework (FlagScale, whose
-rendered job gives every replica one shape) and for ``torchrun`` (a user's own
+Each case and batch is planned three times: for the case's framework (FlagScale,
+whose rendered job gives every replica one shape), for ``torchrun`` (a user's own
 script, which can run replicas of different shape and micro-batch count, so the
-planner may choose hetero data parallelism there; :mod:`hetctl.plan.frameworks`).
+planner may choose hetero data parallelism there, costing a flat gradient
+all-reduce; :mod:`hetctl.plan.frameworks`) and for ``hetctl`` (the reference
+trainer: hetero data parallelism with the hierarchical, per-stage all-reduce of
+:mod:`hetctl.train.dpreduce`, no tensor parallelism yet, so "no plan fits" where
+the model needs it).
 Each row also shows the pipeline bubble (under plain or interleaved 1F1B, with
 the virtual stages per rank ``v`` where the framework interleaves: Megatron-LM,
 the reference trainer and ``torchrun`` can, FlagScale's hetero mode cannot;
@@ -57,6 +61,7 @@ from hetctl.plan.models import load_model  # noqa: E402
 from hetctl.plan.planner import plan_cluster  # noqa: E402
 from hetctl.files.plan import ModelSpec  # noqa: E402
 from hetctl.files.cluster import Cluster  # noqa: E402
+from hetctl.errors import PlanInfeasible  # noqa: E402
 
 CLUSTERS = Path(__file__).resolve().parent / "clusters"
 
@@ -162,6 +167,9 @@ def write_clusters() -> None:
 # The framework whose rendered job can run replicas of different shape (hetero data
 # parallelism, hetctl.plan.frameworks); the cases' own framework cannot.
 HETERO_FRAMEWORK = "torchrun"
+# The reference trainer: replicas of different shape with the hierarchical, per-stage gradient all-reduce
+# (hetctl.train.dpreduce), but no tensor parallelism yet (frameworks.py: tp="none").
+TRAINER = "hetctl"
 SUMMARY: list[str] = []
 
 
@@ -189,9 +197,15 @@ def run_case(case: Case, batch: int | None) -> None:
     print(f"   cluster file loaded in {load_s:.2f} s (YAML parsing, not planning)")
     print(f"   {'batch':>6} {'framework':<9} {'layout':<28} {'hetctl tok/s':>13} {'uniform':>11} {'proport.':>11} {'ideal':>11} "
           f"{'/unif':>6} {'/prop':>6} {'/ideal':>7} {'vs homog':>9} {'plan s':>7} {'cpu s':>6}")
-    for gb, framework in ((gb, fw) for gb in batches for fw in (case.framework, HETERO_FRAMEWORK)):
+    for gb, framework in ((gb, fw) for gb in batches for fw in (case.framework, HETERO_FRAMEWORK, TRAINER)):
         w0, c0 = time.perf_counter(), time.process_time()
-        plan = plan_cluster(cluster, spec, global_batch=gb, framework=framework, cluster_path=path)
+        try:
+            plan = plan_cluster(cluster, spec, global_batch=gb, framework=framework, cluster_path=path)
+        except PlanInfeasible as e:
+            print(f"   {gb:>6} {framework:<9} no plan fits: {str(e).splitlines()[0][:150]}")
+            SUMMARY.append(f"plan_quality: case={case.name} batch={gb} vs_homogeneous=- plan_s=- framework={framework} "
+                           "bubble=- cross_allreduce=- virtual_stages=-")
+            continue
         wall, cpu = time.perf_counter() - w0, time.process_time() - c0
         est = plan.estimate
         shape = _shape(plan)

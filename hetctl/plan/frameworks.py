@@ -51,10 +51,41 @@ Columns:
     the group size; the script must run Megatron's interleaved order.
   Never on CPU nodes (:class:`hetctl.plan.search.Searcher`: gloo's point-to-point
   shares their compute cores, which the cost model does not cover).
-- ``overlap_cross_vendor_dp`` — the framework overlaps the cross-vendor
-  gradient all-reduce (gloo through host memory) with the backward pass. No
-  framework here does: it runs after the pipeline flush, and the simulator
-  charges it in full.
+- ``hierarchical_dp`` — the gradient all-reduce between replicas of different
+  shape is hierarchical (:mod:`hetctl.plan.gradsync`): per unit, a
+  reduce-scatter inside each vendor's chips with its library, the shards
+  across vendors over gloo (each chip sends and copies to host only its
+  ``1/g`` shard), an all-gather inside. Without it the planner costs one flat
+  fp32 all-reduce over every replica through gloo.
+
+  * ``hetctl``: yes — :mod:`hetctl.train.dpreduce` groups each unit's holders
+    by their stage's vendor (``stages[].vendor``, ``stages[].backend``);
+    ``tests/test_train_hetdp.py`` matches a single-rank run with two vendors.
+  * ``torchrun`` (the user's own script): no — the rank contract tells a
+    script its replica and stage, and the plan file has every stage's vendor
+    and backend, but nothing asks the script to reduce hierarchically, so the
+    planner cannot count on it and costs the flat all-reduce.
+  * ``megatron`` / ``deepspeed``: no, and moot — no ``uneven_dp``; their data
+    parallel group is one communicator of one backend (Megatron's distributed
+    optimizer reduce-scatters the gradients over it and all-gathers the
+    parameters, ZeRO likewise), with no level between vendors.
+  * ``flagscale``: no, and moot — no ``uneven_dp``; in its hetero mode a
+    process mesh is one device type, so a stage's data-parallel group stays
+    inside one vendor (cross-type traffic is pipeline point-to-point, over
+    FlagCX or gloo with ``hetero_use_cpu_communication``).
+- ``overlap_cross_vendor_dp`` — between replicas of different shape, a stage's
+  gradient all-reduce starts as soon as that stage's own last backward is done
+  (overlapping the drain of the stages before it), not after the slowest
+  part's pipeline phase. Never within the stage's own backward: no framework
+  here overlaps a cross-vendor (gloo) reduction with the backward that makes it.
+
+  * ``hetctl``: yes — each stage is a process of its own that reduces its units
+    right after its last backward (:meth:`hetctl.train.dpreduce.Reducer.reduce`);
+    a unit waits for its holders in the other replicas, which the cost model
+    follows unit by unit.
+  * ``torchrun``: no — what a user's script does between backward and step is
+    unknown; the reduction is charged in full after the pipeline phase.
+  * the others: no (no ``uneven_dp``).
 """
 
 from __future__ import annotations
@@ -71,10 +102,12 @@ class Capability:
     uneven_dp: bool = False
     overlap_cross_vendor_dp: bool = False
     interleave: bool = False
+    hierarchical_dp: bool = False
 
 
 CAPABILITIES: dict[str, Capability] = {
-    "hetctl": Capability(tp="none", uneven_dp=True, interleave=True),
+    "hetctl": Capability(tp="none", uneven_dp=True, interleave=True, hierarchical_dp=True,
+                         overlap_cross_vendor_dp=True),
     "megatron": Capability(tp="uniform", interleave=True),
     "deepspeed": Capability(tp="uniform"),
     "flagscale": Capability(tp="any", one_type_per_position=True),

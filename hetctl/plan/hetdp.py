@@ -15,24 +15,18 @@ Costs, and what is assumed:
 
 - A part's pipeline phase is its own simulated 1F1B step (:func:`simulate_1f1b`)
   at the micro-batches its busiest replica takes.
-- The gradient all-reduce is what the reference trainer does
-  (:meth:`hetctl.train.pipeline.Comm.all_reduce_grads`) and what a DDP-style
-  script does: one flat all-reduce over *every* replica, unit by unit (each
-  layer, the embedding, the head, over the ranks holding it), fp32 gradients
-  (4 B/param), ring-style (``2(d−1)/d`` of a chip's bytes through its share of
-  the node's NIC), no hierarchy between parts and no sharded optimizer
-  (:func:`dp_allreduce`). Across vendors it is the CPU path: every chip copies
-  its gradients to host memory and back over PCIe (an assumed :data:`PCIE_GBS`
-  per chip) and gloo runs over TCP on the declared or probed NICs at
-  :data:`~hetctl.vendors.GLOO_EFFICIENCY` of line rate; within one vendor the
-  vendor library at line rate. Each unit's all-reduce has a latency of
-  :data:`STEP_LATENCY_S` per replica (as the stage syncs of
-  :mod:`hetctl.plan.costmodel`). The slowest chip — most bytes over the least
-  bandwidth — sets the time.
-- The all-reduce of a unit needs every replica's gradient of it, so it starts
-  after the slowest part's last backward and is not overlapped with the
-  backward pass: no framework in :data:`hetctl.plan.frameworks.CAPABILITIES`
-  overlaps a cross-vendor (gloo) reduction with compute. It is charged in full.
+- The gradient all-reduce between the replicas is costed in
+  :mod:`hetctl.plan.gradsync` as the job runs it: unit by unit (each layer, the
+  embedding, the head, over the ranks holding it in every replica), fp32, flat
+  over every replica or — where the framework does it
+  (:data:`hetctl.plan.frameworks.CAPABILITIES`, ``hierarchical_dp``) —
+  hierarchical: reduce-scatter inside each vendor's chips with its library,
+  the shards across vendors over gloo through host memory, all-gather inside.
+  A unit's reduction starts when all its holders are free: from each stage's
+  own last backward where the framework starts it there
+  (``overlap_cross_vendor_dp``: the reference trainer, whose stages are
+  processes of their own), else after the slowest part's pipeline phase.
+  ``HeteroLayout.cross`` is what it adds to that phase.
 """
 
 from __future__ import annotations
@@ -40,17 +34,16 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
-from hetctl.plan.costmodel import GB, Workload
+from hetctl.plan.costmodel import Workload
 from hetctl.plan.devices import Kind
 from hetctl.plan.frameworks import capability
 from hetctl.plan.layout import Layout
 from hetctl.plan.search import Pins, Searcher
 from hetctl.plan.simulate import simulate_1f1b
+from hetctl.plan.gradsync import PCIE_GBS, STEP_LATENCY_S, reduce_seconds
 from hetctl.files.plan import ModelSpec
-from hetctl.vendors import GLOO_EFFICIENCY
 
-PCIE_GBS = 16.0  # assumed device↔host copy rate per chip, GB/s (PCIe 4.0 x16 at ~half its peak)
-STEP_LATENCY_S = 3e-5  # per unit all-reduce and replica (the cost model's sync_fixed)
+__all__ = ["PCIE_GBS", "STEP_LATENCY_S", "HeteroLayout", "HeteroSearch", "Part", "dp_allreduce", "share"]
 
 
 @dataclass
@@ -93,7 +86,7 @@ class Part:
 class HeteroLayout:
     """Parts side by side; the step ends when the gradient all-reduce over every replica does.
 
-    ``cross`` is that all-reduce's seconds (over gloo, the CPU path, when the parts span vendors).
+    ``cross`` is what that all-reduce adds after the slowest part's pipeline phase (:mod:`hetctl.plan.gradsync`).
     """
 
     parts: list[Part]
@@ -124,28 +117,9 @@ class HeteroLayout:
         return max(0.0, 1.0 - busy / total) if total else 0.0
 
 
-def dp_allreduce(parts: list[Part], work: Workload) -> float:
-    """Seconds of the flat gradient all-reduce over every replica (see the module docstring)."""
-    d = sum(p.lay.dp for p in parts)
-    if d < 2:
-        return 0.0
-    c = work.cost
-    across = len(set().union(*(p.vendors for p in parts))) > 1
-    worst = 0.0
-    for p in parts:
-        last = p.lay.pp - 1
-        for s, (st, n) in enumerate(zip(p.lay.types, p.lay.counts)):
-            params = n * c.layer_params + (c.embed_params if s == 0 else 0.0) + (c.head_params if s == last else 0.0)
-            nbytes = 4.0 * params / st.tp  # fp32 gradients of this chip's share of the stage
-            bw = st.kind.nic_gbs * GB / st.kind.max_group() * (GLOO_EFFICIENCY if across else 1.0)
-            if across and st.kind.tcp_gbs:  # gloo's TCP path, as measured (costmodel.link_seconds)
-                bw = st.kind.tcp_gbs * GB / st.kind.max_group()
-            secs = 2 * (d - 1) / d * nbytes / bw
-            if across:
-                secs += 2 * nbytes / (PCIE_GBS * GB)  # down to the host and back
-            units = n + (s == 0) + (s == last)
-            worst = max(worst, secs + units * STEP_LATENCY_S * d)
-    return worst
+def dp_allreduce(parts: list[Part], work: Workload, hierarchical: bool = False, overlap: bool = False) -> float:
+    """Seconds the gradient all-reduce over every replica adds to the step (:func:`gradsync.reduce_seconds`)."""
+    return reduce_seconds(parts, work, hierarchical, overlap)
 
 
 def share(parts: list[Part], total: int) -> bool:
@@ -248,7 +222,9 @@ class HeteroSearch:
             if all(abs(a - b) <= 0.1 * b for a, b in zip(new, micro)):
                 break
             micro = new
-        return HeteroLayout(parts=parts, cross=dp_allreduce(parts, self.work))
+        cap = capability(self.framework)
+        return HeteroLayout(parts=parts, cross=dp_allreduce(parts, self.work, cap.hierarchical_dp,
+                                                            cap.overlap_cross_vendor_dp))
 
     def run(self) -> HeteroLayout | None:
         """The fastest hetero layout found, or None (one kind, or no partition holds the model)."""

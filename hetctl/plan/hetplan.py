@@ -10,6 +10,7 @@ from __future__ import annotations
 from hetctl.files.plan import Baseline, Estimate, Parallel, Plan, Rank, Replica, Stage
 from hetctl.plan.costmodel import Workload
 from hetctl.plan.devices import Devices
+from hetctl.plan.frameworks import capability
 from hetctl.plan.explain import _idle, _runs
 from hetctl.plan.hetdp import PCIE_GBS, HeteroLayout, Part
 
@@ -87,13 +88,18 @@ def explain_hetero(plan: Plan, hl: HeteroLayout, uniform: Plan, devices: Devices
         )
         first += part.lay.dp
     across = len({s.vendor for s in plan.stages}) > 1
+    cap = capability(plan.framework or "hetctl")
+    how = ("hierarchical (reduce-scatter inside each vendor's chips with its library, each shard across vendors "
+           f"over gloo through host memory — PCIe copies of the shard at an assumed {PCIE_GBS:g} GB/s per chip — "
+           "then an all-gather inside)" if cap.hierarchical_dp else
+           f"flat through host memory (PCIe copies at an assumed {PCIE_GBS:g} GB/s per chip, gloo over the NICs "
+           "at half line rate)")
     lines.append(
-        f"gradient all-reduce over all {par.dp} replicas: {1e3 * hl.cross:.4g} ms "
+        f"gradient all-reduce over all {par.dp} replicas: adds {1e3 * hl.cross:.4g} ms "
         f"({100 * hl.cross / est.step_time_s:.1f}% of the step) — fp32, unit by unit over the ranks holding each "
-        "layer, as the reference trainer does; "
-        + (f"across vendors through host memory (PCIe copies at an assumed {PCIE_GBS:g} GB/s per chip, gloo over "
-           "the NICs at half line rate)" if across else "over the vendor library")
-        + "; after the slowest part's last backward, not overlapped with it"
+        "layer; " + (f"across vendors {how}" if across else "over the vendor library")
+        + ("; each stage starts it after its own last backward, while the stages before it drain"
+           if cap.overlap_cross_vendor_dp else "; after the slowest part's last backward, not overlapped with it")
     )
     lines.append(f"bubble {100 * est.bubble:.1f}% of the replicas' stage time under 1F1B")
     lines.extend(_idle(plan, devices))

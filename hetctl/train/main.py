@@ -52,6 +52,9 @@ def parse_args(argv: list[str] | None, env: os._Environ | dict) -> argparse.Name
     ap.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
     ap.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads per rank (default 1)")
+    ap.add_argument("--dp-reduce", choices=("auto", "flat"), default="auto",
+                    help="auto: hierarchical across vendors where it applies (hetctl.train.dpreduce); flat: one "
+                    "all-reduce over every replica (default auto)")
     ap.add_argument("--comm-timeout", type=float, default=300.0,
                     help="seconds a collective or receive may wait before the rank fails (default 300)")
     args = ap.parse_args(argv)
@@ -171,6 +174,13 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
                                                    backend="gloo" if lib == "gloo" else None)
                 if topo.rank in members:
                     groups[name] = (made[members], lib)
+        reducer = None
+        if topo.dp > 1:  # after the flat groups: every rank creates the hierarchical ones in one order too
+            from hetctl.train.dpreduce import Reducer
+
+            reducer = Reducer(topo, plan, functools.partial(dist.new_group, timeout=timeout), groups,
+                              hierarchical=args.dp_reduce == "auto")
+            print(reducer.describe(), flush=True)
         # The saves gather on a group of their own, so a background save never interleaves with training's.
         save_group = dist.new_group(backend="gloo", timeout=timeout) if args.checkpoint_every else None
         # Just-in-time checkpoints need a peer per stage, and every rank's agreement (an all-reduce of the flag).
@@ -226,7 +236,8 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
             comm.take_wait()
             optimizer.zero_grad(set_to_none=False)
             loss = pipeline.train_step(module, topo, comm, batch, int(spec["hidden_size"]), seq, amp)
-            comm.all_reduce_grads(units)
+            if reducer is not None:
+                reducer.reduce(units, comm)
             if jit is not None:  # the step is applied once every rank has summed its gradients
                 jit.commit(step, functools.partial(dist.barrier, group=commit_group))
             else:

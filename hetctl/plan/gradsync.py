@@ -1,0 +1,171 @@
+"""Seconds of the gradient all-reduce between replicas of different shape (hetero data parallelism).
+
+What is costed is what the job does (:mod:`hetctl.train.dpreduce` for the
+reference trainer), one checkpoint unit at a time (the embedding, each layer,
+the head), over the ranks holding that unit in every replica, fp32 gradients
+(4 B/param; ``1/tp`` of them per chip):
+
+- **Flat** (:func:`unit_seconds` with ``hierarchical=False``): one ring
+  all-reduce over all ``d`` holders, ``2(d−1)/d`` of a chip's bytes through its
+  share of the node's NIC. Across vendors that is the CPU path — every chip
+  copies all its gradients to host memory and back over PCIe (an assumed
+  :data:`PCIE_GBS` per chip) and gloo runs over TCP at
+  :data:`~hetctl.vendors.GLOO_EFFICIENCY` of line rate (or the probed TCP
+  rate); within one vendor the vendor library at line rate.
+- **Hierarchical** (``hierarchical=True``, only where the framework does it):
+  the holders are grouped by vendor (one vendor library each). Inside a group
+  of ``g`` chips a reduce-scatter at line rate (``(g−1)/g`` of the bytes),
+  leaving each chip ``1/g`` of the unit; each shard is all-reduced across the
+  ``k`` groups over gloo (``2(k−1)/k`` of the shard, plus the host copies of
+  only the shard); an all-gather inside the group (``(g−1)/g`` again). Shards
+  of groups of different size do not line up: a chip's shard is cut where the
+  other groups' shards start, and each piece is one gloo all-reduce (its
+  latency counted per piece). A chip of a stage position whose kind spans
+  vendors is a group of its own. When all holders are one vendor, or every
+  group is one chip, it is the flat all-reduce, exactly.
+- **Latency**: :data:`STEP_LATENCY_S` per member of each ring all-reduce
+  (half that for a reduce-scatter or an all-gather), as the stage syncs of
+  :mod:`hetctl.plan.costmodel`.
+- **When it runs**: the slowest holder sets a unit's time; each rank issues
+  every unit's collectives at once, in one global unit order, so a unit waits
+  for its holders' gradients but not for other ranks' earlier units, and a
+  rank's link carries its units one after the other (:func:`reduce_seconds`). With ``overlap`` (a framework whose ranks start
+  their reduction right after their own last backward, e.g. each stage a
+  process of its own) a holder is free from its stage's last backward in the
+  1F1B simulation, so a late stage's reduction runs while the stages before it
+  drain; without it, every holder is free only once the slowest part's
+  pipeline phase is over. Never within a stage's own backward.
+"""
+
+from __future__ import annotations
+
+from math import ceil
+from typing import TYPE_CHECKING, Sequence
+
+from hetctl.plan.costmodel import GB, StageType, Workload
+from hetctl.plan.simulate import simulate_1f1b
+from hetctl.vendors import GLOO_EFFICIENCY
+
+if TYPE_CHECKING:
+    from hetctl.plan.hetdp import Part
+
+PCIE_GBS = 16.0  # assumed device↔host copy rate per chip, GB/s (PCIe 4.0 x16 at ~half its peak)
+STEP_LATENCY_S = 3e-5  # per member of a unit's ring all-reduce (the cost model's sync_fixed)
+
+Member = tuple[StageType, int]
+"""A stage position holding the unit in one part: its stage type and how many chips (replicas) hold it there."""
+
+
+def _line(st: StageType) -> float:
+    """A chip's share of its node's NIC, bytes/s: the vendor library's rate."""
+    return st.kind.nic_gbs * GB / st.kind.max_group()
+
+
+def _gloo(st: StageType) -> float:
+    """A chip's share of gloo's TCP rate across vendors, bytes/s (measured where probed)."""
+    if st.kind.tcp_gbs:
+        return st.kind.tcp_gbs * GB / st.kind.max_group()
+    return _line(st) * GLOO_EFFICIENCY
+
+
+def groups_of(members: Sequence[Member]) -> list[tuple[int, list[Member]]]:
+    """The vendor groups of a unit's holders: ``(chips, members)`` per vendor; a mixed-vendor position's
+    chips are groups of one each."""
+    by: dict[str, list[Member]] = {}
+    out: list[tuple[int, list[Member]]] = []
+    for st, n in members:
+        vendors = st.kind.vendors
+        if len(vendors) == 1:
+            by.setdefault(vendors[0], []).append((st, n))
+        else:
+            out += [(1, [(st, 1)])] * n
+    out += [(sum(n for _, n in ms), ms) for ms in by.values()]
+    return out
+
+
+def member_seconds(params: float, members: Sequence[Member], hierarchical: bool) -> list[float]:
+    """Per member (stage position), seconds its chips spend in one unit's gradient all-reduce over ``members``.
+
+    A ring runs at its slowest member's pace, so a flat all-reduce takes every member the slowest one's time;
+    in the hierarchical one only the gloo phase across groups is shared, each group's reduce-scatter and
+    all-gather run at its own vendor library's pace.
+    """
+    d = sum(n for _, n in members)
+    if d < 2:
+        return [0.0] * len(members)
+    across = len({v for st, _ in members for v in st.kind.vendors}) > 1
+    groups = groups_of(members) if across and hierarchical else []
+    k = len(groups)
+    if not across or k in (0, 1, d):  # one vendor library, or flat over gloo
+        worst = 0.0
+        for st, _ in members:
+            nbytes = 4.0 * params / st.tp
+            if across:
+                secs = 2 * (d - 1) / d * nbytes / _gloo(st) + 2 * nbytes / (PCIE_GBS * GB)
+            else:
+                secs = 2 * (d - 1) / d * nbytes / _line(st)
+            worst = max(worst, secs + STEP_LATENCY_S * d)
+        return [worst] * len(members)
+    size = {id(st): g for g, ms in groups for st, _ in ms}  # a mixed position's chips: groups of one
+    sizes = [g for g, _ in groups]
+    intra, cross = [], 0.0
+    for st, _ in members:
+        g = size.get(id(st), 1)
+        nbytes = 4.0 * params / st.tp
+        shard = nbytes / g
+        pieces = 1 + sum(max(0, ceil(o / g) - 1) for o in sizes)  # its shard is cut where the others' start
+        cross = max(cross, 2 * (k - 1) / k * shard / _gloo(st) + 2 * shard / (PCIE_GBS * GB)
+                    + STEP_LATENCY_S * k * pieces)
+        intra.append(2 * (g - 1) / g * nbytes / _line(st) + STEP_LATENCY_S * g if g > 1 else 0.0)
+    return [t + cross for t in intra]
+
+
+def unit_seconds(params: float, members: Sequence[Member], hierarchical: bool) -> float:
+    """Seconds of one unit's gradient all-reduce over ``members``: its slowest member's (the module docstring)."""
+    return max(member_seconds(params, members, hierarchical))
+
+
+def _units(part: "Part", work: Workload) -> list[tuple[int, float]]:
+    """Per unit in global order (embedding, layers, head): the stage of ``part`` holding it, and its parameters."""
+    c = work.cost
+    out = [(0, c.embed_params)]
+    for s, n in enumerate(part.lay.counts):
+        out += [(s, c.layer_params)] * n
+    return out + [(part.lay.pp - 1, c.head_params)]
+
+
+def reduce_seconds(parts: Sequence["Part"], work: Workload, hierarchical: bool, overlap: bool) -> float:
+    """Seconds the gradient all-reduce adds after the slowest part's pipeline phase.
+
+    Every rank issues all its units' collectives at once (asynchronously, in unit order), so a unit waits only
+    for its holders' gradients, not for the units before it on another rank: a unit can finish no earlier than
+    :func:`unit_seconds` after the last of its holders is free, and a rank no earlier than the sum of its units'
+    seconds after it is free itself (its link carries them one after the other). A holder is free from its own
+    stage's last backward with ``overlap``, else from the slowest part's end. The result is when the last rank
+    is done, less the slowest part's pipeline phase (≥ 0). Without ``overlap`` the parts' micro-batches need not
+    be set: the reduction alone is timed.
+    """
+    if sum(p.lay.dp for p in parts) < 2:
+        return 0.0
+    free: list[list[float]] = []
+    span = 0.0
+    for p in parts:
+        if overlap:
+            sim = simulate_1f1b(p.lay.fwd, p.lay.bwd, max(p.micro))
+            free.append(list(sim.ends) if sim.ends else [sim.makespan] * p.lay.pp)
+            span = max(span, sim.makespan)
+        else:
+            free.append([0.0] * p.lay.pp)
+    own = [list(f) for f in free]  # per rank: free + its units' seconds so far
+    late = [list(f) for f in free]  # per rank: its latest unit's end as paced by the unit's holders
+    holders = [_units(p, work) for p in parts]
+    for u in range(len(holders[0])):
+        at = [h[u][0] for h in holders]
+        members = [(p.lay.types[s], p.lay.dp) for p, s in zip(parts, at)]
+        secs = member_seconds(holders[0][u][1], members, hierarchical)
+        end = max(f[s] for f, s in zip(free, at)) + max(secs)
+        for k, s in enumerate(at):
+            own[k][s] += secs[k]
+            late[k][s] = max(late[k][s], end)
+    done = max(max(max(a, b) for a, b in zip(o, la)) for o, la in zip(own, late))
+    return max(0.0, done - span)

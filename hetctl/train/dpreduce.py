@@ -1,0 +1,216 @@
+"""The data-parallel gradient all-reduce of the reference trainer: flat, or hierarchical across vendors.
+
+Each checkpoint unit (the embedding, each layer, the head) is summed over the
+ranks holding it, one per replica (``Topology.unit_groups``). When those ranks
+are of one vendor, or each is the only one of its vendor, that is one flat
+all-reduce over them (the vendor's library, or gloo). When they span vendors and
+some vendor has several of them, it is hierarchical (the cost model's
+:mod:`hetctl.plan.gradsync`):
+
+1. a reduce-scatter inside each vendor's holders (its own library on devices,
+   gloo on CPU) of the unit's flat fp32 gradient, padded to ``g`` equal shards:
+   holder ``i`` of a vendor group of ``g`` keeps shard ``i``;
+2. each shard all-reduced across the vendor groups over gloo, on the host:
+   only the shard is copied down and back. Groups of different size cut the
+   unit differently, so a shard is split where the other groups' shards start
+   and each *piece* is one gloo all-reduce over the ranks holding it, one per
+   group;
+3. an all-gather inside each vendor group.
+
+Every piece ends with the same value on all its holders and the all-gather
+copies it, so every holder of a unit ends with identical gradients (replicas
+stay in step). The sum is the flat one up to float32 rounding (another order of
+additions); the order is fixed by the plan, so a run is reproducible bit for
+bit.
+
+Collectives are issued asynchronously: a rank starts every unit's reduce-scatter
+(or flat all-reduce) at once after its last backward, then each unit's pieces
+as its reduce-scatter completes, then the all-gathers, so a unit waits for its
+holders' gradients but not for another rank's earlier units. Every rank issues
+its collectives on a group in one global order (phase, unit, piece), so groups
+of different members cannot deadlock.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hetctl.train.topology import Topology
+
+
+def unit_numel(spec: Mapping[str, Any], name: str) -> int:
+    """Parameters of unit ``name`` (built on the meta device: no memory, no initialisation)."""
+    from hetctl.train.model import Block, Embedding, Head
+
+    with torch.device("meta"):
+        unit = {"embedding": Embedding, "head": Head}.get(name, Block)(spec)
+    return sum(p.numel() for p in unit.parameters())
+
+
+def rank_vendors(plan: Mapping[str, Any]) -> dict[int, tuple[str, str]]:
+    """Per rank, its stage's vendor and comm library (``stages[].vendor``, ``stages[].backend``)."""
+    stages = {(int(s["replica"]), int(s["stage"])): s for s in plan["stages"]}
+    out = {}
+    for r in plan["ranks"]:
+        s = stages[(int(r["replica"]), int(r["stage"]))]
+        out[int(r["rank"])] = (str(s.get("vendor", "cpu")), str(s.get("backend", "gloo")))
+    return out
+
+
+def pieces(n: int, sizes: list[int]) -> list[tuple[int, int, tuple[int, ...]]]:
+    """Cut ``n`` elements where any group's equal shards start: ``(start, end, shard index per group)``.
+
+    Group ``k`` of ``g`` members pads to ``g·⌈n/g⌉`` and member ``i`` holds ``[i·⌈n/g⌉, (i+1)·⌈n/g⌉)``.
+    """
+    step = [-(-n // g) for g in sizes]
+    cuts = sorted({min(i * s, n) for s, g in zip(step, sizes) for i in range(g + 1)})
+    return [(a, b, tuple(a // s for s in step)) for a, b in zip(cuts, cuts[1:]) if b > a]
+
+
+@dataclass
+class Unit:
+    """How this rank reduces one of its units."""
+
+    name: str
+    flat: tuple[dist.ProcessGroup, str] | None = None
+    """Flat all-reduce: its group and comm library (None when hierarchical)."""
+    intra: dist.ProcessGroup | None = None
+    """Hierarchical: this rank's vendor group (None when it is alone of its vendor)."""
+    intra_lib: str = "gloo"
+    size: int = 1
+    """Members of this rank's vendor group."""
+    index: int = 0
+    """This rank's place in it (its shard)."""
+    numel: int = 0
+    cross: list[tuple[int, int, dist.ProcessGroup]] = field(default_factory=list)
+    """Pieces of this rank's shard, as ``(start, end)`` within the shard, and the gloo group reducing each."""
+
+
+class Reducer:
+    """Builds every group at start-up (every rank, one order) and reduces this rank's units each step."""
+
+    def __init__(self, topo: Topology, plan: Mapping[str, Any], new_group: Callable[..., dist.ProcessGroup],
+                 flat_groups: Mapping[str, tuple[dist.ProcessGroup, str]], hierarchical: bool = True) -> None:
+        """Args:
+            new_group: ``dist.new_group`` with the run's timeout (``(ranks, backend) -> group``).
+            flat_groups: per unit of this rank, its flat data-parallel group and library (the trainer's).
+            hierarchical: False forces the flat all-reduce everywhere (for comparison runs).
+        """
+        self.units: dict[str, Unit] = {}
+        vendor = rank_vendors(plan)
+        made: dict[tuple[tuple[int, ...], str], dist.ProcessGroup] = {}
+
+        def group(ranks: tuple[int, ...], lib: str) -> dist.ProcessGroup:
+            if (ranks, lib) not in made:
+                made[(ranks, lib)] = new_group(list(ranks), backend="gloo" if lib == "gloo" else None)
+            return made[(ranks, lib)]
+
+        for name, members, _lib in topo.unit_groups:
+            by: dict[str, list[int]] = {}
+            for r in members:
+                by.setdefault(vendor[r][0], []).append(r)
+            domains = list(by.values())
+            mine = topo.rank in members
+            if not hierarchical or len(domains) < 2 or all(len(d) == 1 for d in domains):
+                if mine:
+                    self.units[name] = Unit(name=name, flat=flat_groups[name])
+                continue
+            numel = unit_numel(plan["model"], name)
+            unit = Unit(name=name, numel=numel)
+            for d in domains:  # every rank creates every group, in this order
+                if len(d) > 1:
+                    g = group(tuple(d), vendor[d[0]][1])
+                    if topo.rank in d:
+                        unit.intra, unit.intra_lib = g, vendor[d[0]][1]
+                if topo.rank in d:
+                    unit.size, unit.index = len(d), d.index(topo.rank)
+            sizes = [len(d) for d in domains]
+            for a, b, at in pieces(numel, sizes):
+                holders = tuple(d[i] for d, i in zip(domains, at))
+                g = group(holders, "gloo")
+                if topo.rank in holders:
+                    base = unit.index * -(-numel // unit.size)
+                    unit.cross.append((a - base, b - base, g))
+            if mine:
+                self.units[name] = unit
+
+    def describe(self) -> str:
+        """One line for the rank's log: how many of its units go hierarchically."""
+        hier = sum(u.flat is None for u in self.units.values())
+        return f"dp_reduce: hierarchical {hier} of {len(self.units)} units"
+
+    def reduce(self, units: nn.ModuleDict, comm: Any) -> None:
+        """Sum this rank's units' gradients over their holders in every replica (in place).
+
+        ``comm`` (a :class:`hetctl.train.pipeline.Comm`) gives the device and takes the seconds spent here.
+        """
+        if not self.units:
+            return
+        t0 = time.perf_counter()
+        self._reduce(units, comm.device)
+        comm.wait_s += time.perf_counter() - t0
+
+    def _reduce(self, units: nn.ModuleDict, device: torch.device) -> None:
+        flats: dict[str, torch.Tensor] = {}
+        work: dict[str, Any] = {}
+        for name, unit in units.items():  # phase 1: every flat all-reduce and reduce-scatter, in unit order
+            u = self.units[name]
+            flat = torch.cat([p.grad.reshape(-1) for p in unit.parameters()]).float()
+            if u.flat is not None:
+                group, lib = u.flat
+                flats[name] = flat.to("cpu") if lib == "gloo" else flat
+                work[name] = dist.all_reduce(flats[name], group=group, async_op=True)
+                continue
+            on = "cpu" if u.intra_lib == "gloo" else device
+            s = -(-u.numel // u.size)
+            padded = torch.zeros(s * u.size, dtype=torch.float32, device=on)
+            padded[:u.numel] = flat.to(on)
+            flats[name] = padded
+            if u.intra is None:
+                work[name] = None
+            else:
+                shard = torch.empty(s, dtype=torch.float32, device=on)
+                work[name] = (dist.reduce_scatter_tensor(shard, padded, group=u.intra, async_op=True), shard)
+        hosts: dict[str, tuple[torch.Tensor, list]] = {}
+        for name in units:  # phase 2: each shard's pieces across vendors, on the host
+            u = self.units[name]
+            if u.flat is not None:
+                continue
+            if work[name] is None:
+                shard = flats[name]
+            else:
+                handle, shard = work[name]
+                handle.wait()
+            host = shard.to("cpu")
+            hosts[name] = (host, [dist.all_reduce(host[a:b], group=g, async_op=True) for a, b, g in u.cross])
+        gathers: dict[str, Any] = {}
+        for name in units:  # phase 3: all-gather inside each vendor group
+            u = self.units[name]
+            if u.flat is not None:
+                continue
+            host, handles = hosts[name]
+            for h in handles:
+                h.wait()
+            if u.intra is None:
+                flats[name] = host
+                continue
+            on = flats[name].device
+            shard = host.to(on)
+            gathers[name] = dist.all_gather_into_tensor(flats[name], shard, group=u.intra, async_op=True)
+        for name, unit in units.items():  # phase 4: back into .grad
+            u = self.units[name]
+            if u.flat is not None:
+                work[name].wait()
+            elif name in gathers:
+                gathers[name].wait()
+            flat = flats[name].to(device)
+            offset = 0
+            for p in unit.parameters():
+                p.grad.copy_(flat[offset:offset + p.grad.numel()].view_as(p.grad))
+                offset += p.grad.numel()
