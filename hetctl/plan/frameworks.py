@@ -6,9 +6,17 @@ framework that learns a new layout changes one row here (and its renderer).
 Columns:
 
 - ``tp`` — how a stage may be split across chips: ``none`` (no tensor
-  parallelism: the reference trainer), ``uniform`` (one degree for every stage:
-  Megatron-LM, DeepSpeed), ``any`` (per stage: FlagScale process meshes, a
-  user's own script).
+  parallelism), ``uniform`` (one degree for every stage of the job, every
+  replica included: Megatron-LM, DeepSpeed, and the reference trainer, whose
+  :mod:`hetctl.train.tensor` splits attention by heads and the MLP by its
+  width, so heads, KV groups and ``ffn_hidden_size`` must divide by the
+  degree), ``any`` (per stage: FlagScale process meshes, a user's own script).
+  A TP group is always inside one node (a stage is one node's chips).
+- ``tp_vocab`` — under TP the embedding and output head are split over the
+  vocabulary (Megatron's ``VocabParallelEmbedding`` and parallel cross-entropy,
+  and what the cost model assumes for the others), or, ``False``, kept whole on
+  every TP rank: the reference trainer (each TP rank holds and computes them in
+  full, so their memory and time are not divided by the degree).
 - ``one_type_per_position`` — a stage position may not mix chip models across
   replicas (FlagScale gives every process mesh one device type).
 - ``uneven_dp`` — replicas may differ in depth, composition and micro-batch
@@ -67,6 +75,7 @@ class Capability:
     """What one framework can run (see the module docstring for each column)."""
 
     tp: str
+    tp_vocab: bool = True
     one_type_per_position: bool = False
     uneven_dp: bool = False
     overlap_cross_vendor_dp: bool = False
@@ -74,7 +83,7 @@ class Capability:
 
 
 CAPABILITIES: dict[str, Capability] = {
-    "hetctl": Capability(tp="none", uneven_dp=True, interleave=True),
+    "hetctl": Capability(tp="uniform", tp_vocab=False, uneven_dp=True, interleave=True),
     "megatron": Capability(tp="uniform", interleave=True),
     "deepspeed": Capability(tp="uniform"),
     "flagscale": Capability(tp="any", one_type_per_position=True),
