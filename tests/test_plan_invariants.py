@@ -227,6 +227,15 @@ def test_reference_trainer_plans_tensor_parallelism_where_one_chip_cannot_hold_a
     assert plan.parallel.tp > 1 and {s.tp for s in plan.stages} == {plan.parallel.tp}
     assert all(s.node == "a" and len(s.chips) == s.tp for s in plan.stages)  # a TP group inside one node
     assert len(plan.ranks) == plan.parallel.pp * plan.parallel.dp * plan.parallel.tp
+    assert any(n.startswith("stage order per replica:") and f"(tp {plan.parallel.tp})" in n for n in plan.notes)
+    from hetctl.plan.rankenv import static_env
+
+    for s in plan.stages:  # the rank contract names each rank's TP group: the stage's ranks, in rank order
+        group = [r.rank for r in plan.ranks if (r.replica, r.stage) == (s.replica, s.stage)]
+        for i, rank in enumerate(group):
+            env = static_env(plan, rank)
+            assert (env["HETCTL_TP_RANK"], env["HETCTL_TP_SIZE"]) == (str(i), str(s.tp))
+            assert env["HETCTL_TP_RANKS"] == ",".join(map(str, group))
 
 
 def test_infeasible_names_the_frameworks_and_degrees_that_fit():

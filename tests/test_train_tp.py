@@ -138,3 +138,25 @@ def test_tp2_run_killed_and_resumed_is_bit_identical(tmp_path):
     assert found is not None and found[0] < STEPS
     resumed = run_plan(plan, tmp_path / "crash", steps=STEPS, ckpt_every=3, attempt=2, resume_step=found[0])
     assert resumed.losses() == {s: calm.losses()[s] for s in range(found[0] + 1, STEPS + 1)}
+
+
+def with_tp(plan: dict, tp: int) -> dict:
+    """``plan`` (a TP = 1 plan dict) with every stage split over ``tp`` ranks on its node, ranks renumbered."""
+    out = {**plan, "parallel": {**plan["parallel"], "tp": tp}}
+    out["stages"] = [{**s, "tp": tp} for s in plan["stages"]]
+    out["ranks"] = [{**r, "rank": r["rank"] * tp + i, "local_rank": r["local_rank"] * tp + i}
+                    for r in sorted(plan["ranks"], key=lambda r: r["rank"]) for i in range(tp)]
+    return Plan.model_validate(out).model_dump(mode="json")
+
+
+@pytest.mark.e2e
+def test_tp2_runs_under_interleaving_and_uneven_replicas(single, tmp_path):
+    """TP composes with the other layouts: interleaved 1F1B (pp 2 × v 3, an empty chunk) and two replicas of
+    different depth and micro-batch count, each under tp 2, match the single rank."""
+    from tests.test_train_hetdp import SHAPES, uneven_plan
+    from tests.test_train_interleave import PP2_V3, interleaved_plan
+
+    for name, plan in (("interleaved", interleaved_plan(PP2_V3, group=2)), ("uneven", uneven_plan(SHAPES))):
+        run = run_plan(with_tp(plan, 2), tmp_path / name, steps=STEPS)
+        assert sorted(run.losses()) == list(range(1, STEPS + 1)), name
+        _close(run.losses(), single.losses(), range(1, STEPS + 1))
