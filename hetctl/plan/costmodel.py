@@ -151,7 +151,7 @@ def stage_type(kind: Kind, tp: int, work: Workload, dp: int, tp_vocab: bool = Tr
     return StageType(
         kind=kind, tp=tp,
         f_layer=compute + tp_comm, b_layer=2 * compute + tp_comm, slope=3 * compute + 2 * tp_comm,
-        f_head=work.tokens * c.head_flops * vt / rate, b_head=2 * work.tokens * c.head_flops * vt / rate,
+        f_head=work.tokens * c.head_flops * tp / vt / rate, b_head=2 * work.tokens * c.head_flops * tp / vt / rate,
         mem_layer=c.layer_params / tp * state,
         act_layer=work.tokens * c.hidden * c.act_coeff * (eb / 2.0) / tp,
         mem_first=c.embed_params / vt * state, act_first=act_bytes / vt,

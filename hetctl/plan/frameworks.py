@@ -29,7 +29,9 @@ Columns:
     rows of the global batch by micro-batch number over every replica, scales
     each micro-batch's loss by 1 / (the step's micro-batches) and all-reduces
     gradients unit by unit over the ranks holding that unit in every replica
-    (``tests/test_train_hetdp.py`` matches a single-rank run).
+    (``tests/test_train_hetdp.py`` matches a single-rank run); under TP over
+    the ranks holding the same shard (``tests/test_train_tp.py``), every
+    replica with the job's one TP degree.
   * ``megatron`` / ``deepspeed``: no — one ``--pipeline-model-parallel-size``
     and one gradient-accumulation count for the whole job.
   * ``flagscale``: no — the rendered process meshes are pipeline stages shared
@@ -43,7 +45,8 @@ Columns:
   micro-batch grouping rule:
 
   * ``hetctl``: yes — each rank builds every chunk the plan's ``stages[].chunks``
-    lists and runs Megatron's interleaved order (:mod:`hetctl.train.pipeline`).
+    lists and runs Megatron's interleaved order (:mod:`hetctl.train.pipeline`),
+    under TP too.
   * ``megatron``: yes — ``--pipeline-model-parallel-layout`` with ``pp × v``
     segments (Megatron derives ``v`` from it) and, when the group is not ``pp``,
     ``--microbatch-group-size-per-virtual-pipeline-stage``; overlapped p2p (its

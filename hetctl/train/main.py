@@ -199,6 +199,9 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
         commit_group = dist.new_group(backend="gloo", timeout=timeout) if topo.dp > 1 else None
         jit_on = (args.jit_checkpoint == "on" and commit_group is not None and ctx.ckpt_dir is not None
                   and topo.tp == 1)
+        if args.jit_checkpoint == "on" and commit_group is not None and topo.tp > 1 and topo.rank == 0:
+            print(f"jit checkpoint: off under tensor parallelism (tp={topo.tp}: a survivor holds only its shard); "
+                  "a restart resumes from the last checkpoint", flush=True)
         if commit_group is not None:
             flag = torch.tensor([int(jit_on)])
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=commit_group)
