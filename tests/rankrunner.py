@@ -29,7 +29,8 @@ def tiny_plan(split: list[int], dp: int = 1, micro_batch: int = 2, micro_batches
               model: dict[str, Any] | None = None, tp: int = 1) -> dict[str, Any]:
     """A plan dict (validated by the plan schema) with ``len(split)`` stages of ``split[i]`` layers, ``dp`` replicas.
 
-    Ranks are numbered replica-major: rank ``replica * pp + stage``.
+    Ranks are numbered replica-major: rank ``(replica * pp + stage) * tp + tp_rank`` (a stage's ``tp`` ranks
+    are its TP group, on one node).
     """
     spec = ModelSpec(**(model or TINY))
     assert sum(split) == spec.num_layers, (split, spec.num_layers)
@@ -42,12 +43,13 @@ def tiny_plan(split: list[int], dp: int = 1, micro_batch: int = 2, micro_batches
             stages.append(Stage(replica=rep, stage=st, node=node, vendor="cpu", chips=[], tp=tp,
                                 layers=(start, start + n), precision="fp32", backend="gloo",
                                 backend_next="gloo" if st < pp - 1 else None, device_type="cpu"))
-            ranks.append(Rank(rank=rep * pp + st, node=node, local_rank=0, stage=st, replica=rep))
+            ranks += [Rank(rank=(rep * pp + st) * tp + i, node=node, local_rank=i, stage=st, replica=rep)
+                      for i in range(tp)]
             start += n
     plan = Plan(model=spec, parallel=Parallel(pp=pp, dp=dp, tp=tp, micro_batch=micro_batch,
                                               micro_batches=micro_batches,
                                               global_batch=micro_batch * micro_batches * dp),
-                nodes=[r.node for r in ranks], stages=stages, ranks=ranks,
+                nodes=list(dict.fromkeys(r.node for r in ranks)), stages=stages, ranks=ranks,
                 estimate=Estimate(step_time_s=0.0, bubble=0.0, utilization=0.0, tokens_per_s=0.0))
     return plan.model_dump(mode="json")
 

@@ -133,10 +133,9 @@ def test_invariants_on_generated_clusters(seed):
     check_invariants(plan, cluster)
     again = plan_cluster(cluster, spec, global_batch=gb, framework=framework)
     assert again.model_dump(exclude={"plan_time_s"}) == plan.model_dump(exclude={"plan_time_s"})
-    if framework == "hetctl":
-        assert all(s.tp == 1 for s in plan.stages), "the reference trainer has no tensor parallelism"
-    if framework == "megatron":
+    if framework in ("hetctl", "megatron"):  # one tensor-parallel degree for every stage of every replica
         assert len({s.tp for s in plan.stages}) == 1
+        assert all(spec.ffn_hidden_size % s.tp == 0 and spec.num_attention_heads % s.tp == 0 for s in plan.stages)
 
 
 def test_most_generated_clusters_are_feasible():
@@ -191,9 +190,9 @@ def memory_tight() -> Cluster:
 
 
 def test_memory_tight_cluster_never_exceeds_memory_where_the_baselines_would():
-    # One chip per stage (the reference trainer has no TP), so memory binds on the 24 GB chips.
+    # One chip per stage (--tp 1), so memory binds on the 24 GB chips.
     spec = load_model("llama2-13b")
-    plan = plan_cluster(memory_tight(), spec, global_batch=128, framework="hetctl")
+    plan = plan_cluster(memory_tight(), spec, global_batch=128, framework="hetctl", pins=Pins(tp=1))
     check_invariants(plan, memory_tight())
     fast = [s for s in plan.stages_of(0) if s.vendor == "nvidia"]
     assert fast and max(s.memory_gb / s.memory_limit_gb for s in fast) > 0.9, "memory is what limits the fast chips"
@@ -220,15 +219,37 @@ def _wide(hidden: int) -> ModelSpec:
                      num_query_groups=8, vocab_size=32000, seq_len=4096, swiglu=True)
 
 
-def test_infeasible_without_tp_names_the_frameworks_and_degrees_that_fit():
+def test_reference_trainer_plans_tensor_parallelism_where_one_chip_cannot_hold_a_layer():
     # One 40 GB chip cannot hold a layer of hidden 12288 with its optimizer state; eight
-    # chips in tensor parallelism can. The reference trainer has no TP, so the error must
-    # say which frameworks fit, at which degrees (the planner's own answer for them).
+    # chips in tensor parallelism can, and the reference trainer now runs TP: one degree for every stage.
     one = Cluster(nodes=[node("a", "nvidia", "NVIDIA A100-SXM4-40GB", 8, 40.0, 312.0, 312.0)])
+    plan = plan_cluster(one, _wide(12288), global_batch=16, framework="hetctl")
+    assert plan.parallel.tp > 1 and {s.tp for s in plan.stages} == {plan.parallel.tp}
+    assert all(s.node == "a" and len(s.chips) == s.tp for s in plan.stages)  # a TP group inside one node
+    assert len(plan.ranks) == plan.parallel.pp * plan.parallel.dp * plan.parallel.tp
+    assert any(n.startswith("stage order per replica:") and f"(tp {plan.parallel.tp})" in n for n in plan.notes)
+    from hetctl.plan.rankenv import static_env
+
+    for s in plan.stages:  # the rank contract names each rank's TP group: the stage's ranks, in rank order
+        group = [r.rank for r in plan.ranks if (r.replica, r.stage) == (s.replica, s.stage)]
+        for i, rank in enumerate(group):
+            env = static_env(plan, rank)
+            assert (env["HETCTL_TP_RANK"], env["HETCTL_TP_SIZE"]) == (str(i), str(s.tp))
+            assert env["HETCTL_TP_RANKS"] == ",".join(map(str, group))
+
+
+def test_infeasible_names_the_frameworks_and_degrees_that_fit():
+    # A 256k vocabulary: the reference trainer keeps embedding and head whole on every TP rank, so the
+    # head's state and logits do not fit a 40 GB chip, while Megatron splits them over the vocabulary.
+    # The error must say which frameworks fit, at which degrees (the planner's own answer for them).
+    one = Cluster(nodes=[node("a", "nvidia", "NVIDIA A100-SXM4-40GB", 8, 40.0, 312.0, 312.0)])
+    big_vocab = ModelSpec(name="bigvocab", num_layers=4, hidden_size=8192, ffn_hidden_size=4 * 8192,
+                          num_attention_heads=64, num_query_groups=8, vocab_size=256000, seq_len=4096, swiglu=True)
     with pytest.raises(PlanInfeasible) as e:
-        plan_cluster(one, _wide(12288), global_batch=16, framework="hetctl")
-    assert "--framework hetctl has no tensor parallelism" in e.value.message
-    mega = plan_cluster(one, _wide(12288), global_batch=16, framework="megatron").parallel
+        plan_cluster(one, big_vocab, global_batch=16, framework="hetctl")
+    assert "--framework hetctl gives every stage one tensor-parallel degree, and keeps the embedding and output " \
+        "head whole on every tensor-parallel rank" in e.value.message
+    mega = plan_cluster(one, big_vocab, global_batch=16, framework="megatron").parallel
     assert f"--framework megatron fits it as pp {mega.pp} × dp {mega.dp}, tp {mega.tp}" in e.value.hint
     assert mega.tp > 1 and "--micro-batch" in e.value.hint
     # Where no framework fits, nothing is suggested.
@@ -266,8 +287,12 @@ def test_no_reachable_node_and_bad_pins_are_clear():
     ok = four_to_one()
     with pytest.raises(ConfigError, match="--dp 3: global batch 16 is not divisible"):
         plan_cluster(ok, load_model("tiny"), pins=Pins(dp=3))
-    with pytest.raises(ConfigError, match="reference trainer"):
-        plan_cluster(ok, load_model("tiny"), pins=Pins(tp=2))
+    with pytest.raises(ConfigError, match="--tp 3: must be a power of two"):
+        plan_cluster(ok, load_model("tiny"), pins=Pins(tp=3))
+    narrow = ModelSpec(**{**load_model("tiny").model_dump(), "num_attention_heads": 8, "num_query_groups": 8,
+                          "ffn_hidden_size": 172})  # 172 = 4 × 43: heads split 8 ways, the MLP does not
+    with pytest.raises(ConfigError, match="ffn_hidden_size 172"):
+        plan_cluster(ok, narrow, pins=Pins(tp=8))
     with pytest.raises(PlanInfeasible, match="pins"):
         plan_cluster(ok, load_model("tiny"), pins=Pins(pp=3))  # two chips cannot make three stages
 

@@ -100,7 +100,7 @@ def test_topology_neighbours_and_dp_groups(tmp_path):
 
 @pytest.mark.parametrize("mutate, needle", [
     (lambda p: p["stages"][1].update(layers=[3, 6]), "does not follow 2"),
-    (lambda p: p["stages"][1].update(tp=2), r"tp=2: the reference trainer does not do tensor parallelism"),
+    (lambda p: p["stages"][1].update(tp=2), r"stages\[replica=0, stage=1\].tp=2 but ranks\[\] has 1 ranks"),
     (lambda p: p["parallel"].update(global_batch=7), "global_batch=7 is not"),
     (lambda p: p["ranks"].pop(), "plan has 2 ranks but WORLD_SIZE=3"),
 ])
@@ -234,11 +234,13 @@ def _one_line_error(ranks, needle):
         assert needle in err and "Traceback" not in err, err
 
 
-def test_refuses_tensor_parallel_plan(tmp_path):
-    plan = tiny_plan([3, 3])
-    plan["stages"][0]["tp"] = 2
+def test_refuses_stages_of_different_tensor_parallel_degrees(tmp_path):
+    plan = tiny_plan([3, 3], tp=2)  # stage 0: ranks 0, 1; stage 1 keeps one rank at tp 1
+    plan["stages"][1]["tp"] = 1
+    plan["ranks"].pop()
     with Ranks(plan, tmp_path, steps=5) as ranks:
-        _one_line_error(ranks.start(), "does not do tensor parallelism")
+        _one_line_error(ranks.start(), "stages have tensor-parallel degrees [1, 2]; the reference trainer runs one "
+                        "degree for every stage")
 
 
 def test_resume_from_missing_or_foreign_checkpoint(baseline, tmp_path):

@@ -43,6 +43,11 @@ TRAIN_ENV: dict[str, str] = {
     "interleaved order with micro-batch groups of the plan's parallel.microbatch_group",
     "HETCTL_MICRO_BATCHES": "micro-batches this rank's replica runs per step (replicas may differ: the plan's "
     "replicas table); sum gradients over every replica and divide by the global batch",
+    "HETCTL_TP_RANK": "this rank's index in its stage's tensor-parallel group, 0..HETCTL_TP_SIZE-1 (the stage's "
+    "ranks in rank order)",
+    "HETCTL_TP_SIZE": "tensor-parallel degree of this rank's stage (1: no tensor parallelism)",
+    "HETCTL_TP_RANKS": "global ranks of this rank's tensor-parallel group, comma-separated by TP rank (all on one "
+    "node); TP rank i of a stage exchanges activations with TP rank i of the next stage",
     "HETCTL_DEVICE_TYPE": "torch device type: cuda, npu, musa, mlu, gcu, supa, hpu or cpu",
     "HETCTL_BACKEND": "comm library inside the stage (nccl, hccl, gloo, …)",
     "HETCTL_HEARTBEAT_FILE": "JSON file the rank rewrites every step (step, time, loss, step_ms, compute_ms; "
@@ -184,6 +189,8 @@ class RankContext:
     resume_step: int | None = None
     steps: int | None = None
     ckpt_every: int | None = None
+    tp_rank: int | None = None
+    tp_size: int | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "RankContext":
@@ -225,6 +232,8 @@ class RankContext:
             resume_step=resume or None,
             steps=_int(env, "HETCTL_STEPS", required=False, minimum=1),
             ckpt_every=_int(env, "HETCTL_CKPT_EVERY", required=False),
+            tp_rank=_int(env, "HETCTL_TP_RANK", required=False),
+            tp_size=_int(env, "HETCTL_TP_SIZE", required=False, minimum=1),
         )
 
     def heartbeat(self, step: int, **metrics: Any) -> None:

@@ -122,9 +122,14 @@ class StageType:
                 + (self.sync_last if last else 0.0))
 
 
-def stage_type(kind: Kind, tp: int, work: Workload, dp: int) -> StageType:
-    """Per-layer time, memory and sync terms of a ``tp``-chip stage of ``kind``."""
+def stage_type(kind: Kind, tp: int, work: Workload, dp: int, tp_vocab: bool = True) -> StageType:
+    """Per-layer time, memory and sync terms of a ``tp``-chip stage of ``kind``.
+
+    ``tp_vocab`` False: the embedding and head are whole on every TP rank (the reference trainer), so
+    their memory, time and gradient sync are those of one chip.
+    """
     c = work.cost
+    vt = tp if tp_vocab else 1
     rate = kind.tflops * 1e12 * tp
     eb = elem_bytes(kind.precision)
     act_bytes = float(work.tokens * c.hidden * eb)
@@ -146,14 +151,14 @@ def stage_type(kind: Kind, tp: int, work: Workload, dp: int) -> StageType:
     return StageType(
         kind=kind, tp=tp,
         f_layer=compute + tp_comm, b_layer=2 * compute + tp_comm, slope=3 * compute + 2 * tp_comm,
-        f_head=work.tokens * c.head_flops / rate, b_head=2 * work.tokens * c.head_flops / rate,
+        f_head=work.tokens * c.head_flops * tp / vt / rate, b_head=2 * work.tokens * c.head_flops * tp / vt / rate,
         mem_layer=c.layer_params / tp * state,
         act_layer=work.tokens * c.hidden * c.act_coeff * (eb / 2.0) / tp,
-        mem_first=c.embed_params / tp * state, act_first=act_bytes / tp,
-        mem_last=c.head_params / tp * state + work.tokens * c.vocab * 4.0 / tp,
+        mem_first=c.embed_params / vt * state, act_first=act_bytes / vt,
+        mem_last=c.head_params / vt * state + work.tokens * c.vocab * 4.0 / vt,
         reserve=0.05 * limit + (0.5 if vendors == ("cpu",) else 1.5) * GB, limit=limit,
-        sync_layer=per_param * c.layer_params, sync_first=per_param * c.embed_params,
-        sync_last=per_param * c.head_params, sync_fixed=3e-5 * dp if dp > 1 else 0.0,
+        sync_layer=per_param * c.layer_params, sync_first=per_param * c.embed_params * tp / vt,
+        sync_last=per_param * c.head_params * tp / vt, sync_fixed=3e-5 * dp if dp > 1 else 0.0,
         flops=rate,
     )
 

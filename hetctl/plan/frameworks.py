@@ -6,9 +6,17 @@ framework that learns a new layout changes one row here (and its renderer).
 Columns:
 
 - ``tp`` — how a stage may be split across chips: ``none`` (no tensor
-  parallelism: the reference trainer), ``uniform`` (one degree for every stage:
-  Megatron-LM, DeepSpeed), ``any`` (per stage: FlagScale process meshes, a
-  user's own script).
+  parallelism), ``uniform`` (one degree for every stage of the job, every
+  replica included: Megatron-LM, DeepSpeed, and the reference trainer, whose
+  :mod:`hetctl.train.tensor` splits attention by heads and the MLP by its
+  width, so heads, KV groups and ``ffn_hidden_size`` must divide by the
+  degree), ``any`` (per stage: FlagScale process meshes, a user's own script).
+  A TP group is always inside one node (a stage is one node's chips).
+- ``tp_vocab`` — under TP the embedding and output head are split over the
+  vocabulary (Megatron's ``VocabParallelEmbedding`` and parallel cross-entropy,
+  and what the cost model assumes for the others), or, ``False``, kept whole on
+  every TP rank: the reference trainer (each TP rank holds and computes them in
+  full, so their memory and time are not divided by the degree).
 - ``one_type_per_position`` — a stage position may not mix chip models across
   replicas (FlagScale gives every process mesh one device type).
 - ``uneven_dp`` — replicas may differ in depth, composition and micro-batch
@@ -21,7 +29,9 @@ Columns:
     rows of the global batch by micro-batch number over every replica, scales
     each micro-batch's loss by 1 / (the step's micro-batches) and all-reduces
     gradients unit by unit over the ranks holding that unit in every replica
-    (``tests/test_train_hetdp.py`` matches a single-rank run).
+    (``tests/test_train_hetdp.py`` matches a single-rank run); under TP over
+    the ranks holding the same shard (``tests/test_train_tp.py``), every
+    replica with the job's one TP degree.
   * ``megatron`` / ``deepspeed``: no — one ``--pipeline-model-parallel-size``
     and one gradient-accumulation count for the whole job.
   * ``flagscale``: no — the rendered process meshes are pipeline stages shared
@@ -35,7 +45,8 @@ Columns:
   micro-batch grouping rule:
 
   * ``hetctl``: yes — each rank builds every chunk the plan's ``stages[].chunks``
-    lists and runs Megatron's interleaved order (:mod:`hetctl.train.pipeline`).
+    lists and runs Megatron's interleaved order (:mod:`hetctl.train.pipeline`),
+    under TP too.
   * ``megatron``: yes — ``--pipeline-model-parallel-layout`` with ``pp × v``
     segments (Megatron derives ``v`` from it) and, when the group is not ``pp``,
     ``--microbatch-group-size-per-virtual-pipeline-stage``; overlapped p2p (its
@@ -98,6 +109,7 @@ class Capability:
     """What one framework can run (see the module docstring for each column)."""
 
     tp: str
+    tp_vocab: bool = True
     one_type_per_position: bool = False
     uneven_dp: bool = False
     overlap_cross_vendor_dp: bool = False
@@ -106,7 +118,7 @@ class Capability:
 
 
 CAPABILITIES: dict[str, Capability] = {
-    "hetctl": Capability(tp="none", uneven_dp=True, interleave=True, hierarchical_dp=True,
+    "hetctl": Capability(tp="uniform", tp_vocab=False, uneven_dp=True, interleave=True, hierarchical_dp=True,
                          overlap_cross_vendor_dp=True),
     "megatron": Capability(tp="uniform", interleave=True),
     "deepspeed": Capability(tp="uniform"),

@@ -218,6 +218,8 @@ class HeteroSearch:
                 parts.append(Part(kinds=part.kinds, lay=part.lay, steps=part.steps))
             if not share(parts, self.total):
                 return None
+            if capability(self.framework).tp == "uniform" and len({st.tp for p in parts for st in p.lay.types}) > 1:
+                return None  # one TP degree for the whole job, every replica included
             new = [sum(p.micro) for p in parts]
             if all(abs(a - b) <= 0.1 * b for a, b in zip(new, micro)):
                 break

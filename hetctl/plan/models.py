@@ -174,11 +174,15 @@ def model_cost(spec: ModelSpec) -> ModelCost:
 
 
 def valid_tp(spec: ModelSpec, limit: int) -> list[int]:
-    """TP degrees (powers of two up to ``limit``) that divide heads and KV groups."""
+    """TP degrees (powers of two up to ``limit``) that divide heads, KV groups and the MLP width.
+
+    The MLP's column-parallel layers split ``ffn_hidden_size`` (Megatron-LM's ``ColumnParallelLinear``
+    and the reference trainer's alike require it to divide).
+    """
     out, t = [], 1
     groups = spec.num_query_groups or spec.num_attention_heads
     while t <= limit:
-        if spec.num_attention_heads % t == 0 and groups % t == 0:
+        if spec.num_attention_heads % t == 0 and groups % t == 0 and spec.ffn_hidden_size % t == 0:
             out.append(t)
         t *= 2
     return out

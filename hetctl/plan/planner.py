@@ -76,11 +76,6 @@ def plan_cluster(
         raise ConfigError(f"--framework {framework}: unknown", f"use one of {', '.join(FRAMEWORKS)}")
     gb = global_batch if global_batch is not None else default_global_batch(spec)
     _check_options(gb, micro_batch, pins, spec)
-    if framework == "hetctl" and pins.tp not in (None, 1):
-        raise ConfigError(
-            f"--tp {pins.tp}: the reference trainer (--framework hetctl) has no tensor parallelism",
-            "drop --tp, or plan for a framework that has it (--framework flagscale, megatron…)",
-        )
     cost = model_cost(spec)
     devices = collect(cluster, ProfileUse(spec=spec, micro_batch=micro_batch, layer_flops=cost.layer_flops))
     if not devices.kinds:
@@ -169,10 +164,11 @@ def _check_options(gb: int, mb: int, pins: Pins, spec: ModelSpec) -> None:
         raise ConfigError(f"--pp {pins.pp}: more stages than the model's {spec.num_layers} layers")
     if pins.tp is not None:
         groups = spec.num_query_groups or spec.num_attention_heads
-        if pins.tp & (pins.tp - 1) or spec.num_attention_heads % pins.tp or groups % pins.tp:
+        if pins.tp & (pins.tp - 1) or spec.num_attention_heads % pins.tp or groups % pins.tp \
+                or spec.ffn_hidden_size % pins.tp:
             raise ConfigError(
-                f"--tp {pins.tp}: must be a power of two dividing the model's {spec.num_attention_heads} heads "
-                f"and {groups} KV groups"
+                f"--tp {pins.tp}: must be a power of two dividing the model's {spec.num_attention_heads} heads, "
+                f"{groups} KV groups and ffn_hidden_size {spec.ffn_hidden_size}"
             )
 
 
@@ -189,17 +185,21 @@ def _with_other_frameworks(err: PlanInfeasible, found: Found, devices: Devices, 
                            work: Workload, framework: str, pins: Pins) -> PlanInfeasible:
     """Name the frameworks whose parallelism fits where ``framework``'s does not (memory misses only).
 
-    The reference trainer has no tensor parallelism, so a model that fits only when its
-    layers are split across chips is "no plan fits" for it; the user should learn that
-    ``--framework megatron`` (say) holds it, and at which degrees.
+    Frameworks differ in how they split a stage (one TP degree for every stage, or one per
+    stage) and in whether TP splits the embedding and head too (the reference trainer keeps
+    them whole on each TP rank), so a model can be "no plan fits" for one and fit another;
+    the user should learn that ``--framework megatron`` (say) holds it, and at which degrees.
     """
     if found.miss is None:
         return err
-    mine = capability(framework).tp
+
+    def mode(f: str) -> tuple[str, bool]:
+        return capability(f).tp, capability(f).tp_vocab
+
+    mine = mode(framework)
     fits = []
     for other in FRAMEWORKS:
-        if other == framework or capability(other).tp == mine or any(capability(f).tp == capability(other).tp
-                                                                     for f, _ in fits):
+        if other == framework or mode(other) == mine or any(mode(f) == mode(other) for f, _ in fits):
             continue
         best = Searcher(devices.kinds, spec, work, other, pins, keep=1).run(False).best
         if best is not None:
@@ -207,7 +207,9 @@ def _with_other_frameworks(err: PlanInfeasible, found: Found, devices: Devices, 
     if not fits:
         return err
     alt = "; ".join(f"--framework {f} fits it as {_shape(b)}" for f, b in fits)
-    return PlanInfeasible(f"{err.message}; --framework {framework} {_TP_WORDS[mine]}", f"{alt}; or {err.hint}")
+    words = _TP_WORDS[mine[0]] + ("" if mine[1] or mine[0] == "none" else
+                                   ", and keeps the embedding and output head whole on every tensor-parallel rank")
+    return PlanInfeasible(f"{err.message}; --framework {framework} {words}", f"{alt}; or {err.hint}")
 
 
 _TP_WORDS = {

@@ -78,6 +78,9 @@ def static_env(plan: Plan, rank: Rank | int, visible: Literal["rank", "node"] = 
         "HETCTL_DEVICE_TYPE": stage.device_type,
         "HETCTL_BACKEND": stage.backend,
     })
+    group = [p.rank for p in peers if (p.replica, p.stage) == (r.replica, r.stage)]
+    env.update({"HETCTL_TP_RANK": str(group.index(r.rank)), "HETCTL_TP_SIZE": str(len(group)),
+                "HETCTL_TP_RANKS": ",".join(map(str, group))})
     if stage.chunks:
         env["HETCTL_VIRTUAL_LAYERS"] = ",".join(f"{a}:{b}" for a, b in stage.chunks)
     return env

@@ -120,7 +120,8 @@ class Searcher:
                 self._types[key] = None
             else:
                 kind = self.kinds[members[0]] if len(members) == 1 else merge([self.kinds[i] for i in members])
-                self._types[key] = stage_type(kind, t, self.work, dp)
+                self._types[key] = stage_type(kind, t, self.work, dp, CAPABILITIES[self.framework].tp_vocab
+                                              if self.framework in CAPABILITIES else True)
         return self._types[key]
 
     def slots(self, i: int, tp: int) -> int:

@@ -157,20 +157,29 @@ def gather_and_commit(ckpt_dir: Path, step: int, part: Mapping[str, Any], *, ran
     return manifest.write_manifest(manifest.step_dir(ckpt_dir, step), step, digest, files=files, meta=meta)
 
 
-def load(blobs: Mapping[str, bytes], units: nn.ModuleDict, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def load(blobs: Mapping[str, bytes], units: nn.ModuleDict, optimizer: torch.optim.Optimizer,
+         tp: tuple[int, int] = (0, 1)) -> dict[str, Any]:
     """Load this stage's units and their AdamW state from verified file contents.
+
+    Files hold whole tensors whatever the TP degree that wrote them; under TP each
+    rank keeps its slice (:func:`hetctl.train.tensor.shard_payload`).
 
     Args:
         blobs: ``{file: bytes}`` from :func:`hetctl.node.manifest.read_verified`
             for :func:`hetctl.train.units.unit_files` of this stage.
         units: the stage's units, already on their device.
         optimizer: the AdamW over them, before its first step.
+        tp: this rank's TP rank and the TP degree.
 
     Returns:
         The checkpoint's ``state.json``.
     """
     for name, unit in units.items():
         payload = torch.load(io.BytesIO(blobs[f"{name}.pt"]), map_location="cpu", weights_only=True)
+        if tp[1] > 1:
+            from hetctl.train.tensor import shard_payload
+
+            payload = shard_payload(name, payload, *tp)
         unit.load_state_dict(payload["params"])
         params = dict(unit.named_parameters())
         for pname, st in payload["optim"].items():

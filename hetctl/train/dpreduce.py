@@ -44,12 +44,20 @@ from torch import nn
 from hetctl.train.topology import Topology
 
 
-def unit_numel(spec: Mapping[str, Any], name: str) -> int:
-    """Parameters of unit ``name`` (built on the meta device: no memory, no initialisation)."""
+def unit_numel(spec: Mapping[str, Any], name: str, tp: int = 1) -> int:
+    """Parameters of unit ``name`` on one TP rank (built on the meta device: no memory, no initialisation).
+
+    Under tensor parallelism a layer's split parameters are a 1/``tp`` slice on every TP rank (the
+    degree divides heads and MLP width, so every rank's count is the same); embedding, head and a
+    layer's replicated parameters are whole (:func:`hetctl.train.tensor.shard`).
+    """
     from hetctl.train.model import Block, Embedding, Head
+    from hetctl.train.tensor import shard
 
     with torch.device("meta"):
         unit = {"embedding": Embedding, "head": Head}.get(name, Block)(spec)
+    if tp > 1 and isinstance(unit, Block):
+        return sum(shard(k, p, 0, tp).numel() for k, p in unit.named_parameters())
     return sum(p.numel() for p in unit.parameters())
 
 
@@ -121,7 +129,7 @@ class Reducer:
                 if mine:
                     self.units[name] = Unit(name=name, flat=flat_groups[name])
                 continue
-            numel = unit_numel(plan["model"], name)
+            numel = unit_numel(plan["model"], name, topo.tp)
             unit = Unit(name=name, numel=numel)
             for d in domains:  # every rank creates every group, in this order
                 if len(d) > 1:

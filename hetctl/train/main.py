@@ -103,6 +103,26 @@ def _default_backend(topo) -> str:
     return f"cpu:gloo,{topo.device_type}:{sorted(vendor)[0]}"
 
 
+def _tensor_group(topo, timeout, dist, saving: bool):
+    """This rank's :class:`hetctl.train.tensor.TensorGroup` (None without TP); every rank creates every group.
+
+    The group runs on the stage's comm library (gloo moves device tensors through host memory); saves
+    gather shards on a gloo group of their own, so a save never interleaves with training's all-reduces.
+    """
+    if topo.tp == 1:
+        return None
+    from hetctl.train.tensor import TensorGroup
+
+    lib = topo.backend
+    mine = cpu = None
+    for ranks in topo.tp_groups:
+        g = dist.new_group(list(ranks), timeout=timeout, backend="gloo" if lib == "gloo" else None)
+        c = dist.new_group(list(ranks), timeout=timeout, backend="gloo") if saving else None
+        if topo.rank in ranks:
+            mine, cpu = g, c
+    return TensorGroup(rank=topo.tp_rank, ranks=topo.tp_ranks, group=mine, lib=lib, cpu_group=cpu)
+
+
 def _hyper(args: argparse.Namespace) -> dict:
     """AdamW settings, as recorded in (and compared with) a checkpoint's state.json."""
     return {"lr": args.lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": args.weight_decay}
@@ -183,15 +203,21 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
             print(reducer.describe(), flush=True)
         # The saves gather on a group of their own, so a background save never interleaves with training's.
         save_group = dist.new_group(backend="gloo", timeout=timeout) if args.checkpoint_every else None
+        tg = _tensor_group(topo, timeout, dist, args.checkpoint_every > 0)
         # Just-in-time checkpoints need a peer per stage, and every rank's agreement (an all-reduce of the flag).
+        # Not under TP: a survivor holds only its shard, and the controller assembles whole units.
         commit_group = dist.new_group(backend="gloo", timeout=timeout) if topo.dp > 1 else None
-        jit_on = args.jit_checkpoint == "on" and commit_group is not None and ctx.ckpt_dir is not None
+        jit_on = (args.jit_checkpoint == "on" and commit_group is not None and ctx.ckpt_dir is not None
+                  and topo.tp == 1)
+        if args.jit_checkpoint == "on" and commit_group is not None and topo.tp > 1 and topo.rank == 0:
+            print(f"jit checkpoint: off under tensor parallelism (tp={topo.tp}: a survivor holds only its shard); "
+                  "a restart resumes from the last checkpoint", flush=True)
         if commit_group is not None:
             flag = torch.tensor([int(jit_on)])
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=commit_group)
             jit_on = bool(flag.item())
 
-        units = build_units(spec, topo.spans, topo.is_first, topo.is_last, args.seed)
+        units = build_units(spec, topo.spans, topo.is_first, topo.is_last, args.seed, tg)
         units.to(device)
         module = StageModule(units)
         hyper = _hyper(args)
@@ -200,12 +226,12 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
         digest = model_digest(spec)
         start = ctx.resume_step or 0
         if start:
-            ckpt.load(blobs, units, optimizer)
+            ckpt.load(blobs, units, optimizer, tp=(topo.tp_rank, topo.tp))
             del blobs
 
         saver = Saver(ctx.ckpt_dir, args.save_mode, rank=ctx.rank, replica=topo.replica, num_layers=topo.num_layers,
                       digest=digest, group=save_group, log=lambda line: print(line, flush=True),
-                      test_delay=args.test_save_delay) if args.checkpoint_every else None
+                      test_delay=args.test_save_delay, tp=tg) if args.checkpoint_every else None
         if jit_on:
             from hetctl.train.jit import JitCheckpoint
 
@@ -220,6 +246,7 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
         amp = functools.partial(pipeline.autocast, device, topo.precision)
         seq, vocab = int(spec["seq_len"]), int(spec["vocab_size"])
         role = {"stage": topo.stage, "replica": topo.replica}
+        talk = topo.is_last and topo.tp_rank == 0  # every TP rank of the last stage has the loss; one prints it
         first_loss = loss_value = None
         step_times: list[float] = []
         ctx.heartbeat(start, phase="ready", **role)
@@ -251,7 +278,7 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
             timing = {"step_ms": round(ms, 3), "compute_ms": round(ms - comm.take_wait() * 1000.0, 3)}
             step_times.append(ms)
             last_metrics = {"loss": loss_value} if topo.is_last else {}
-            if topo.is_last:
+            if talk:
                 print(f"step={step} loss={loss_value:.9g} step_ms={ms:.1f}", flush=True)
             ctx.heartbeat(step, **last_metrics, **timing, **role)
             if saver is not None:
@@ -275,10 +302,10 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
             final.update(step_ms=round(mean_ms, 3), tokens_per_s=round(topo.global_batch * seq / (mean_ms / 1000), 1))
         if topo.is_last and loss_value is not None:
             final.update(loss=loss_value, first_loss=first_loss)
-            if topo.replica == 0:
+            if topo.replica == 0 and topo.tp_rank == 0:
                 print(f"done steps={args.steps} final_loss={loss_value:.9g} first_loss={first_loss:.9g} "
                       f"tokens_per_s={final.get('tokens_per_s')}", flush=True)
-        elif topo.is_last and topo.replica == 0:
+        elif talk and topo.replica == 0:
             print(f"done steps={args.steps}: nothing to train after resume step {start}", flush=True)
         ctx.heartbeat(args.steps, phase="finishing", **role)
         dist.barrier(group=ctrl)

@@ -117,12 +117,16 @@ def _init_unit(unit: nn.Module, name: str, seed: int, num_layers: int) -> None:
                 p.normal_(0.0, std, generator=gen)
 
 
-def build_units(spec: Mapping[str, Any], layers: Spans, first: bool, last: bool, seed: int) -> nn.ModuleDict:
+def build_units(spec: Mapping[str, Any], layers: Spans, first: bool, last: bool, seed: int,
+                tg: Any = None) -> nn.ModuleDict:
     """The units of one stage, in forward order, initialised on the CPU (every chunk's, under interleaving).
 
     Modules are created on the meta device and filled once from their seeded
     generator, so the default initialisers never run (they would double the
-    start-up time of a large stage).
+    start-up time of a large stage). With a tensor-parallel group ``tg``
+    (:class:`hetctl.train.tensor.TensorGroup` of more than one rank) each layer
+    is initialised whole, exactly as without TP, and this rank keeps its slice
+    (:class:`hetctl.train.tensor.ParallelBlock`); embedding and head stay whole.
     """
     kinds: dict[str, type[nn.Module]] = {"embedding": Embedding, "head": Head}
     units = nn.ModuleDict()
@@ -131,6 +135,14 @@ def build_units(spec: Mapping[str, Any], layers: Spans, first: bool, last: bool,
             unit = kinds.get(name, Block)(spec)
         unit = unit.to_empty(device="cpu")
         _init_unit(unit, name, seed, spec["num_layers"])
+        if tg is not None and tg.size > 1 and isinstance(unit, Block):
+            from hetctl.train.tensor import ParallelBlock, shard_state
+
+            with torch.device("meta"):
+                part = ParallelBlock(spec, tg)
+            part = part.to_empty(device="cpu")
+            part.load_state_dict(shard_state(unit.state_dict(), tg.rank, tg.size))
+            unit = part
         units[name] = unit
     return units
 

@@ -98,16 +98,19 @@ class Saver:
             background gather never interleaves with the training thread's collectives.
         log: where the rank's notes go (a wait, the closing summary).
         test_delay: ``(step, seconds)`` from ``HETCTL_TEST_SAVE_DELAY``, test-only.
+        tp: this rank's tensor-parallel group (None without TP): replica 0's TP ranks of a stage
+            gather their shards on TP rank 0, which writes whole tensors (the files do not depend on TP).
     """
 
     def __init__(self, ckpt_dir: Path, mode: str, *, rank: int, replica: int, num_layers: int, digest: str,
                  group: dist.ProcessGroup | None, log: Callable[[str], None],
-                 test_delay: tuple[int, float] | None = None) -> None:
+                 test_delay: tuple[int, float] | None = None, tp: Any = None) -> None:
         if mode not in MODES:
             raise ValueError(f"save mode {mode!r} is not one of {MODES}")
         self.dir, self.mode, self.rank, self.replica = ckpt_dir, mode, rank, replica
         self.num_layers, self.digest, self.group, self.log = num_layers, digest, group, log
         self.test_delay = test_delay
+        self.tp = tp
         self.stats = SaveStats(mode)
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._idle = threading.Event()  # set while no job is queued or running
@@ -169,6 +172,10 @@ class Saver:
             (manifest.step_dir(self.dir, step) / manifest.MANIFEST).unlink(missing_ok=True)
         copy = self.mode == "async"
         snap = ckpt.snapshot(units, optimizer, reuse=self._spare, copy=copy) if self.replica == 0 else {}
+        if self.tp is not None and self.replica == 0:
+            from hetctl.train.tensor import gather_snapshot
+
+            snap = gather_snapshot(snap, self.tp)  # whole tensors on TP rank 0, nothing to write elsewhere
         self._spare = None
         args = (step, snap, dict(state) if self.rank == 0 else None, dict(meta))
         if self.mode == "blocking":

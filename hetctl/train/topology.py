@@ -3,7 +3,10 @@
 The plan's ``ranks[]`` and ``stages[]`` give each rank its neighbours: the
 previous and next stage of the same replica (pipeline send/recv) and the ranks
 holding the same stage in every replica (the data-parallel group that
-all-reduces that stage's gradients). Everything the launcher put in the
+all-reduces that stage's gradients). A stage with ``tp`` > 1 has ``tp`` ranks
+(its TP group; TP rank ``i`` is the stage's ``i``-th rank in rank order): TP
+rank ``i`` talks to TP rank ``i`` of the neighbouring stages, and a unit's
+data-parallel group is its holders of the same TP rank in every replica. Everything the launcher put in the
 environment is checked against the plan here, so a mismatched plan copy fails
 at start-up with one line instead of hanging in a collective.
 """
@@ -65,6 +68,17 @@ class Topology:
     the last stage's rank (its previous chunk's output); None elsewhere."""
     backend_wrap: str | None = None
     """Comm library on the link between the last and the first stage (interleaved plans)."""
+    tp: int = 1
+    """Tensor-parallel degree (one for every stage of the plan)."""
+    tp_rank: int = 0
+    """This rank's index in its stage's TP group."""
+    tp_groups: tuple[tuple[int, ...], ...] = ()
+    """Every stage's TP group (global ranks by TP rank), by replica then stage (all ranks create every group)."""
+
+    @property
+    def tp_ranks(self) -> tuple[int, ...]:
+        """The global ranks of this rank's TP group, by TP rank."""
+        return next((g for g in self.tp_groups if self.rank in g), (self.rank,))
 
     @property
     def spans(self) -> tuple[tuple[int, int], ...]:
@@ -94,7 +108,8 @@ def topology(plan: Mapping[str, Any], ctx: RankContext) -> Topology:
     Raises:
         ConfigError: the plan and the environment disagree, the plan is
             inconsistent, or it asks for something the reference trainer does not
-            do (tensor parallelism).
+            do (stages of different tensor-parallel degrees, or a degree the model's heads, KV groups or
+            ffn width do not divide by).
     """
     where = str(ctx.plan)
     try:
@@ -120,16 +135,7 @@ def topology(plan: Mapping[str, Any], ctx: RankContext) -> Topology:
         )
     depth, micro_of = _replicas(plan, where, pp, dp, mb, micro, gb)
 
-    cell: dict[tuple[int, int], int] = {}
-    for r in ranks.values():
-        key = (int(r["replica"]), int(r["stage"]))
-        if key in cell:
-            st = stages.get(key, {})
-            raise ConfigError(
-                f"{where}: replica {key[0]} stage {key[1]} has more than one rank (tp={st.get('tp', '?')})",
-                "the reference trainer does not do tensor parallelism; plan with tp=1 or use another framework",
-            )
-        cell[key] = int(r["rank"])
+    tp, tp_rank, cell = _tensor_parallel(plan, stages, ranks, ctx, where)
 
     vs = int(par.get("virtual_stages") or 1)
     for rep in range(dp):
@@ -138,12 +144,6 @@ def topology(plan: Mapping[str, Any], ctx: RankContext) -> Topology:
             s = stages.get((rep, st))
             if s is None or (rep, st) not in cell:
                 raise ConfigError(f"{where}: replica {rep} stage {st} is missing from stages[] or ranks[]")
-            if int(s.get("tp", 1)) != 1:
-                raise ConfigError(
-                    f"{where}: stages[replica={rep}, stage={st}].tp={s['tp']}: the reference trainer does not do "
-                    "tensor parallelism",
-                    "plan with tp=1 (e.g. --tp 1) or launch with a framework that has it",
-                )
             if vs > 1 and len(_spans(s, vs)) != vs:
                 raise ConfigError(f"{where}: stages[replica={rep}, stage={st}].chunks must list {vs} layer ranges "
                                   "(parallel.virtual_stages)", "re-plan with `hetctl plan`")
@@ -176,7 +176,7 @@ def topology(plan: Mapping[str, Any], ctx: RankContext) -> Topology:
                               "re-plan with `hetctl plan`")
         first, last = stages[(ctx.replica, 0)], stages[(ctx.replica, mine_pp - 1)]
         if ctx.stage in (0, mine_pp - 1):
-            wrap_rank = cell[(ctx.replica, mine_pp - 1 if ctx.stage == 0 else 0)]
+            wrap_rank = cell[(ctx.replica, mine_pp - 1 if ctx.stage == 0 else 0)][tp_rank]
         backend_wrap = link_backend(str(last.get("vendor", "cpu")), str(first.get("vendor", "cpu")))
     return Topology(
         rank=ctx.rank,
@@ -186,9 +186,9 @@ def topology(plan: Mapping[str, Any], ctx: RankContext) -> Topology:
         dp=dp,
         layers=layers,  # type: ignore[arg-type]
         num_layers=num_layers,
-        prev_rank=cell.get((ctx.replica, ctx.stage - 1)),
-        next_rank=cell.get((ctx.replica, ctx.stage + 1)),
-        dp_groups=tuple(tuple(cell[(rep, st)] for rep in range(dp)) for st in range(pp)) if uniform else (),
+        prev_rank=cell[(ctx.replica, ctx.stage - 1)][tp_rank] if ctx.stage > 0 else None,
+        next_rank=cell[(ctx.replica, ctx.stage + 1)][tp_rank] if ctx.stage < mine_pp - 1 else None,
+        dp_groups=tuple(tuple(cell[(rep, st)][tp_rank] for rep in range(dp)) for st in range(pp)) if uniform else (),
         micro_batch=mb,
         micro_batches=micro_of[ctx.replica],
         global_batch=gb,
@@ -200,13 +200,48 @@ def topology(plan: Mapping[str, Any], ctx: RankContext) -> Topology:
         chip=me.get("chip"),
         first_micro=sum(micro_of[r] for r in range(ctx.replica)),
         total_micro=sum(micro_of.values()),
-        unit_groups=_unit_groups(stages, cell, depth, num_layers, vs),
+        unit_groups=_unit_groups(stages, cell, depth, num_layers, vs, tp),
         virtual_stages=vs,
         chunks=_spans(mine, vs) if vs > 1 else (),
         microbatch_group=int(par["microbatch_group"]) if vs > 1 and par.get("microbatch_group") else None,
         wrap_rank=wrap_rank,
         backend_wrap=backend_wrap,
+        tp=tp,
+        tp_rank=tp_rank,
+        tp_groups=tuple(tuple(cell[key]) for key in sorted(cell)) if tp > 1 else (),
     )
+
+
+def _tensor_parallel(plan, stages, ranks, ctx: RankContext, where: str):
+    """The plan's one TP degree, this rank's TP rank, and every stage's ranks in rank order.
+
+    The reference trainer runs one degree for every stage (the capability table's ``uniform``): a
+    unit's shards must line up across replicas for the data-parallel all-reduce.
+    """
+    from hetctl.train.tensor import check_divisible
+
+    cell: dict[tuple[int, int], list[int]] = {}
+    for r in sorted(ranks.values(), key=lambda r: int(r["rank"])):
+        cell.setdefault((int(r["replica"]), int(r["stage"])), []).append(int(r["rank"]))
+    tps = {key: int(stages[key].get("tp", 1)) if key in stages else 1 for key in cell}
+    for key, members in cell.items():
+        if len(members) != tps[key]:
+            raise ConfigError(f"{where}: stages[replica={key[0]}, stage={key[1]}].tp={tps[key]} but ranks[] has "
+                              f"{len(members)} ranks there", "re-plan with `hetctl plan`")
+    degrees = sorted(set(tps.values())) or [1]
+    if len(degrees) > 1:
+        raise ConfigError(f"{where}: stages have tensor-parallel degrees {degrees}; the reference trainer runs one "
+                          "degree for every stage", "re-plan with `hetctl plan --framework hetctl` (or pin --tp)")
+    tp = degrees[0]
+    why = check_divisible(plan["model"], tp) if tp > 1 else None
+    if why:
+        raise ConfigError(f"{where}: {why}", "re-plan with a --tp that divides it")
+    tp_rank = cell[(ctx.replica, ctx.stage)].index(ctx.rank) if (ctx.replica, ctx.stage) in cell else 0
+    for name, value, want in (("HETCTL_TP_SIZE", ctx.tp_size, tp), ("HETCTL_TP_RANK", ctx.tp_rank, tp_rank)):
+        if value is not None and value != want:
+            raise ConfigError(f"{where}: rank {ctx.rank} has TP {name.split('_')[-1].lower()} {want} in the plan, "
+                              f"but {name}={value}", "the node has a stale plan copy; relaunch")
+    return tp, tp_rank, cell
 
 
 def _spans(stage: Mapping[str, Any], vs: int) -> tuple[tuple[int, int], ...]:
@@ -239,9 +274,10 @@ def _replicas(plan: Mapping[str, Any], where: str, pp: int, dp: int, mb: int, mi
     return depth, micro_of
 
 
-def _unit_groups(stages, cell, depth: dict[int, int], num_layers: int, vs: int = 1):
-    """Per unit (embedding, each layer, head): the rank holding it in each replica, and their comm library."""
-    holders: dict[str, list[tuple[int, Mapping[str, Any]]]] = {}
+def _unit_groups(stages, cell, depth: dict[int, int], num_layers: int, vs: int = 1, tp: int = 1):
+    """Per unit (embedding, each layer, head) and TP rank: the rank holding that shard in each replica, and
+    their comm library (in unit order, then TP rank)."""
+    holders: dict[str, list[tuple[list[int], Mapping[str, Any]]]] = {}
     for rep, n in sorted(depth.items()):
         for st in range(n):
             s = stages[(rep, st)]
@@ -254,5 +290,6 @@ def _unit_groups(stages, cell, depth: dict[int, int], num_layers: int, vs: int =
         libs = {str(s.get("backend", "gloo")) for _, s in members}
         vendors = {str(s.get("vendor", "cpu")) for _, s in members}
         lib = libs.pop() if len(libs) == 1 and len(vendors) == 1 else "gloo"
-        out.append((name, tuple(r for r, _ in members), lib))
+        for i in range(tp):
+            out.append((name, tuple(r[i] for r, _ in members), lib))
     return tuple(out)
