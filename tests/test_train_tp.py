@@ -151,12 +151,16 @@ def with_tp(plan: dict, tp: int) -> dict:
 
 @pytest.mark.e2e
 def test_tp2_runs_under_interleaving_and_uneven_replicas(single, tmp_path):
-    """TP composes with the other layouts: interleaved 1F1B (pp 2 × v 3, an empty chunk) and two replicas of
-    different depth and micro-batch count, each under tp 2, match the single rank."""
-    from tests.test_train_hetdp import SHAPES, uneven_plan
+    """TP composes with the other layouts: interleaved 1F1B (pp 2 × v 3, an empty chunk), two replicas of
+    different depth and micro-batch count, and replicas of two vendors whose gradients go hierarchically
+    (a layer's shard per TP rank: hetctl.train.dpreduce), each under tp 2, match the single rank."""
+    from tests.test_train_hetdp import PARTS, SHAPES, VENDORS, uneven_plan
     from tests.test_train_interleave import PP2_V3, interleaved_plan
 
-    for name, plan in (("interleaved", interleaved_plan(PP2_V3, group=2)), ("uneven", uneven_plan(SHAPES))):
+    for name, plan in (("interleaved", interleaved_plan(PP2_V3, group=2)), ("uneven", uneven_plan(SHAPES)),
+                       ("hierarchical", uneven_plan(PARTS, vendors=VENDORS))):
         run = run_plan(with_tp(plan, 2), tmp_path / name, steps=STEPS)
         assert sorted(run.losses()) == list(range(1, STEPS + 1)), name
         _close(run.losses(), single.losses(), range(1, STEPS + 1))
+        if name == "hierarchical":
+            assert "dp_reduce: hierarchical 8 of 8 units" in run.stdout(1)  # TP rank 1 of the first replica
