@@ -225,6 +225,26 @@ def test_hierarchical_allreduce_is_never_slower_than_flat_and_is_flat_for_one_ve
             assert member_seconds(params, one, True) == member_seconds(params, one, False)
 
 
+def test_whole_embedding_and_head_are_reduced_whole_under_tp():
+    """The reference trainer keeps embedding and head whole on every TP rank (tp_vocab False): each chip
+    all-reduces all of their gradients, while a layer's are split tp ways; a vocab-parallel framework splits both."""
+    from hetctl.plan.costmodel import stage_type
+    from hetctl.plan.gradsync import member_seconds
+
+    work = Workload(cost=model_cost(SMALL), micro_batch=1, global_batch=256)
+    kinds = collect(mixed()).kinds
+    params = work.cost.head_params
+    for vocab_tp in (False, True):
+        one = [(stage_type(k, 1, work, 2, vocab_tp), 2) for k in kinds]
+        two = [(stage_type(k, 2, work, 2, vocab_tp), 2) for k in kinds]
+        for hier in (False, True):
+            whole = max(member_seconds(params, one, hier, vocab=True))
+            split = max(member_seconds(params, two, hier, vocab=True))
+            assert split < whole if vocab_tp else split == whole, (vocab_tp, hier)
+            layer1, layer2 = max(member_seconds(params, one, hier)), max(member_seconds(params, two, hier))
+            assert layer2 < layer1  # a layer's gradients are always split
+
+
 def test_hierarchical_and_overlapped_reduction_costs_less_and_one_part_is_flat():
     work = Workload(cost=model_cost(SMALL), micro_batch=1, global_batch=1024)
     search = HeteroSearch(collect(mixed()).kinds, SMALL, work, "hetctl")

@@ -75,6 +75,9 @@ class StageType:
             data-parallel gradient sync per layer, for the embedding, for the
             head, and the latency part.
         flops: FLOP/s of the whole stage (tp chips).
+        vocab_split: how many ways the embedding and head are split across the
+            stage's chips: ``tp`` where the framework splits them by vocabulary,
+            1 where every TP rank holds them whole (the reference trainer).
     """
 
     kind: Kind
@@ -96,6 +99,7 @@ class StageType:
     sync_last: float
     sync_fixed: float
     flops: float
+    vocab_split: int = 1
 
     def mem_offset(self, in_flight: int, first: bool, last: bool) -> float:
         extra = self.reserve
@@ -159,7 +163,7 @@ def stage_type(kind: Kind, tp: int, work: Workload, dp: int, tp_vocab: bool = Tr
         reserve=0.05 * limit + (0.5 if vendors == ("cpu",) else 1.5) * GB, limit=limit,
         sync_layer=per_param * c.layer_params, sync_first=per_param * c.embed_params * tp / vt,
         sync_last=per_param * c.head_params * tp / vt, sync_fixed=3e-5 * dp if dp > 1 else 0.0,
-        flops=rate,
+        flops=rate, vocab_split=vt,
     )
 
 

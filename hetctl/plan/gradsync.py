@@ -3,7 +3,8 @@
 What is costed is what the job does (:mod:`hetctl.train.dpreduce` for the
 reference trainer), one checkpoint unit at a time (the embedding, each layer,
 the head), over the ranks holding that unit in every replica, fp32 gradients
-(4 B/param; ``1/tp`` of them per chip):
+(4 B/param; ``1/tp`` of them per chip, or all of them for the embedding and head where
+every TP rank holds those whole: ``StageType.vocab_split``):
 
 - **Flat** (:func:`unit_seconds` with ``hierarchical=False``): one ring
   all-reduce over all ``d`` holders, ``2(d−1)/d`` of a chip's bytes through its
@@ -83,12 +84,13 @@ def groups_of(members: Sequence[Member]) -> list[tuple[int, list[Member]]]:
     return out
 
 
-def member_seconds(params: float, members: Sequence[Member], hierarchical: bool) -> list[float]:
+def member_seconds(params: float, members: Sequence[Member], hierarchical: bool, vocab: bool = False) -> list[float]:
     """Per member (stage position), seconds its chips spend in one unit's gradient all-reduce over ``members``.
 
     A ring runs at its slowest member's pace, so a flat all-reduce takes every member the slowest one's time;
     in the hierarchical one only the gloo phase across groups is shared, each group's reduce-scatter and
-    all-gather run at its own vendor library's pace.
+    all-gather run at its own vendor library's pace. ``vocab``: the unit is the embedding or the head, split
+    ``vocab_split`` ways over a stage's chips rather than ``tp``.
     """
     d = sum(n for _, n in members)
     if d < 2:
@@ -99,7 +101,7 @@ def member_seconds(params: float, members: Sequence[Member], hierarchical: bool)
     if not across or k in (0, 1, d):  # one vendor library, or flat over gloo
         worst = 0.0
         for st, _ in members:
-            nbytes = 4.0 * params / st.tp
+            nbytes = 4.0 * params / (st.vocab_split if vocab else st.tp)
             if across:
                 secs = 2 * (d - 1) / d * nbytes / _gloo(st) + 2 * nbytes / (PCIE_GBS * GB)
             else:
@@ -111,7 +113,7 @@ def member_seconds(params: float, members: Sequence[Member], hierarchical: bool)
     intra, cross = [], 0.0
     for st, _ in members:
         g = size.get(id(st), 1)
-        nbytes = 4.0 * params / st.tp
+        nbytes = 4.0 * params / (st.vocab_split if vocab else st.tp)
         shard = nbytes / g
         pieces = 1 + sum(max(0, ceil(o / g) - 1) for o in sizes)  # its shard is cut where the others' start
         cross = max(cross, 2 * (k - 1) / k * shard / _gloo(st) + 2 * shard / (PCIE_GBS * GB)
@@ -120,9 +122,9 @@ def member_seconds(params: float, members: Sequence[Member], hierarchical: bool)
     return [t + cross for t in intra]
 
 
-def unit_seconds(params: float, members: Sequence[Member], hierarchical: bool) -> float:
+def unit_seconds(params: float, members: Sequence[Member], hierarchical: bool, vocab: bool = False) -> float:
     """Seconds of one unit's gradient all-reduce over ``members``: its slowest member's (the module docstring)."""
-    return max(member_seconds(params, members, hierarchical))
+    return max(member_seconds(params, members, hierarchical, vocab))
 
 
 def _units(part: "Part", work: Workload) -> list[tuple[int, float]]:
@@ -162,7 +164,7 @@ def reduce_seconds(parts: Sequence["Part"], work: Workload, hierarchical: bool, 
     for u in range(len(holders[0])):
         at = [h[u][0] for h in holders]
         members = [(p.lay.types[s], p.lay.dp) for p, s in zip(parts, at)]
-        secs = member_seconds(holders[0][u][1], members, hierarchical)
+        secs = member_seconds(holders[0][u][1], members, hierarchical, vocab=u in (0, len(holders[0]) - 1))
         end = max(f[s] for f, s in zip(free, at)) + max(secs)
         for k, s in enumerate(at):
             own[k][s] += secs[k]
