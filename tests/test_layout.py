@@ -21,7 +21,7 @@ import pytest
 PKG = Path(__file__).resolve().parents[1] / "hetctl"
 STDLIB = set(sys.stdlib_module_names)
 # Node code may use these when the node has them, never require them.
-OPTIONAL = {"agent.py": ("psutil",), "runtime.py": ("yaml",), "bench.py": ("torch",), "layerprof.py": ("torch",),
+OPTIONAL = {"rankproc.py": ("psutil",), "runtime.py": ("yaml",), "bench.py": ("torch",), "layerprof.py": ("torch",),
             "standby.py": ("torch",)}
 # The layer profile times the reference trainer's own units, so it imports them (on the node, when run).
 OPTIONAL_HETCTL = {"layerprof.py": ("hetctl.train",)}
