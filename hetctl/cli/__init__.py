@@ -15,23 +15,54 @@ import signal
 import sys
 from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
 
-import typer
-
 from hetctl.errors import HetctlError
 
 if TYPE_CHECKING:
+    import typer
     from rich.console import Console
     from rich.text import Text
 
+    app: typer.Typer
+
 F = TypeVar("F", bound=Callable)
 
-app = typer.Typer(
-    name="hetctl",
-    help="Train one model across mixed accelerators: probe nodes, plan layers, launch ranks, resume after faults.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
+
+def __getattr__(name: str) -> Any:
+    """``app``, the typer application with every command registered, is made on first use:
+    a plain ``hetctl probe`` (:mod:`hetctl.cli.lean`) starts its nodes' ssh clients without typer."""
+    if name == "app":
+        return _app()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _app() -> typer.Typer:
+    made = globals().get("app")
+    if made is not None:
+        return made
+    import typer
+
+    made = globals()["app"] = typer.Typer(
+        name="hetctl",
+        help="Train one model across mixed accelerators: probe nodes, plan layers, launch ranks, resume after faults.",
+        no_args_is_help=True,
+        add_completion=False,
+        pretty_exceptions_enable=False,
+    )
+
+    @made.callback()
+    def _main(
+        version: bool = typer.Option(False, "--version", help="Print the version and exit.", is_eager=True),
+    ) -> None:
+        if version:
+            from hetctl import __version__
+
+            out.print(__version__)
+            raise typer.Exit(0)
+
+    # The commands register themselves on ``app`` (one module per step of the flow).
+    from hetctl.cli import plan, probe, run, runs  # noqa: F401
+
+    return made
 
 
 class LazyConsole:
@@ -118,21 +149,33 @@ def interrupts_end_commands() -> Iterator[None]:
             signal.signal(s, h)
 
 
+def report_error(e: HetctlError) -> int:
+    """Print HetctlError as one red line plus a hint on stderr; its exit code."""
+    err.print(text(("error:", "bold red"), " ", e.message), highlight=False, soft_wrap=True)
+    if e.hint:
+        err.print(text(("hint:", "dim"), " ", e.hint), highlight=False, soft_wrap=True)
+    return e.exit_code
+
+
+def report_interrupt() -> int:
+    """Say that the user stopped the command; exit code 130."""
+    err.print("[yellow]interrupted[/]")
+    return 130
+
+
 def handle_errors(fn: F) -> F:
     """Render HetctlError as one red line plus a hint, and exit with its code."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        import typer
+
         try:
             return fn(*args, **kwargs)
         except HetctlError as e:
-            err.print(text(("error:", "bold red"), " ", e.message), highlight=False, soft_wrap=True)
-            if e.hint:
-                err.print(text(("hint:", "dim"), " ", e.hint), highlight=False, soft_wrap=True)
-            raise typer.Exit(e.exit_code) from None
+            raise typer.Exit(report_error(e)) from None
         except KeyboardInterrupt:
-            err.print("[yellow]interrupted[/]")
-            raise typer.Exit(130) from None
+            raise typer.Exit(report_interrupt()) from None
 
     return wrapper  # type: ignore[return-value]
 
@@ -142,20 +185,6 @@ def print_json(text: str) -> None:
     sys.stdout.write(text.rstrip("\n") + "\n")
     sys.stdout.flush()
 
-
-@app.callback()
-def _main(
-    version: bool = typer.Option(False, "--version", help="Print the version and exit.", is_eager=True),
-) -> None:
-    if version:
-        from hetctl import __version__
-
-        out.print(__version__)
-        raise typer.Exit(0)
-
-
-# The commands register themselves on ``app`` (one module per step of the flow).
-from hetctl.cli import plan, probe, run, runs  # noqa: E402,F401
 
 
 def main() -> None:  # pragma: no cover - entry point
@@ -171,7 +200,12 @@ def main() -> None:  # pragma: no cover - entry point
     import gc
 
     try:
-        app()
+        from hetctl.cli.lean import probe_fast
+
+        code = probe_fast(sys.argv[1:])  # a plain `probe`: its nodes' ssh clients start before typer is imported
+        if code is not None:
+            sys.exit(code)
+        _app()()
     finally:
         gc.freeze()
 

@@ -1,14 +1,10 @@
-"""``hetctl probe``: reach every node, collect, parse, show the table."""
+"""``hetctl probe``: reach every node, collect, parse, show the table (the body: :func:`hetctl.cli.lean.run_probe`)."""
 
 from __future__ import annotations
 
-import contextlib
-import sys
-from typing import Callable, Iterator
-
 import typer
 
-from hetctl.cli import app, err, handle_errors, interrupts_end_commands, may_be_terminal, out, print_json, text
+from hetctl.cli import app, handle_errors, out, text
 
 
 @app.command("probe")
@@ -33,69 +29,11 @@ def probe_cmd(
     answered; 1 when at least one did not (its row says why; the others are
     still reported and written); 2 for a bad inventory or option.
     """
-    from hetctl.errors import ConfigError
+    from hetctl.cli.lean import run_probe
 
-    if inventory is None:
-        raise ConfigError("no inventory given", "pass -i inventory.yaml (inventories/local.yaml is an example)")
-    shape = None
-    if model is not None:
-        from hetctl.plan.models import load_model
-        from hetctl.probe.assemble import ProfileShape
-
-        shape = ProfileShape(spec=load_model(model, seq_len).model_dump(), micro_batch=micro_batch)
-    # Only what reaching the nodes needs comes before the probe: the nodes' ssh clients
-    # start while the rest of the CLI (rich, the parsers) is still being imported.
-    from hetctl.files.inventory import load_inventory
-    from hetctl.probe.gather import probe
-
-    inv = load_inventory(inventory)
-    with _progress(len(inv.nodes)) as done:
-        with interrupts_end_commands():
-            cluster = probe(inv, bench=bench, on_done=done, profile=shape)
-    from hetctl.files.yamlio import save_model, to_json
-
-    if output:
-        save_model(output, cluster, header=f"hetctl probe -i {inventory}\nnodes: {len(cluster.nodes)}")
-    if json_out:
-        print_json(to_json(cluster))
-    else:
-        _print_probe(cluster, bench=bench)
-        for finding in cluster.findings:  # consistency across nodes (hetctl.probe.findings)
-            out.print(text(("!", "yellow"), f" {finding.message}"), highlight=False, soft_wrap=True)
-        if output:
-            err.print(text(f"wrote {output}"), highlight=False)
-    failed = [n.name for n in cluster.nodes if not n.reachable]
-    if failed:
-        err.print(text((f"{len(failed)} of {len(cluster.nodes)} node(s) did not answer:", "yellow"), f" {', '.join(failed)}"),
-                  highlight=False)
-        raise typer.Exit(1)
-
-
-@contextlib.contextmanager
-def _progress(total: int) -> Iterator[Callable | None]:
-    """A transient progress bar on stderr, and the ``on_done`` callback that advances it.
-
-    None where stderr is no terminal: rich would draw nothing there, so neither the bar
-    nor rich is made (``probe --json`` in a script or a pipe).
-    """
-    if not may_be_terminal(sys.stderr):
-        yield None
-        return
-    from rich.markup import escape
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    progress = Progress(
-        TextColumn("probing"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
-        TimeElapsedColumn(), console=err.rich, transient=True,
-    )
-    with progress:
-        task = progress.add_task("", total=total)
-
-        def done(name: str, facts) -> None:
-            mark = "" if facts.reachable else " (failed)"
-            progress.update(task, advance=1, description=escape(f"{name}{mark}"))
-
-        yield done
+    code = run_probe(inventory, output, json_out, bench, model, micro_batch, seq_len)
+    if code:
+        raise typer.Exit(code)
 
 
 def _fmt_tflops(t) -> str:

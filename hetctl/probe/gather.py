@@ -98,7 +98,7 @@ def _run_script(transport: Any, node: Any, script: str, args: str, timeout: floa
 
 
 def probe_node(node: Any, ssh: Any, *, bench: bool = False, args: str | None = None,
-               profile: ProfileShape | None = None, connected: Callable[[], None] | None = None) -> NodeFacts:
+               profile: ProfileShape | None = None, connected: Callable[[bool], None] | None = None) -> NodeFacts:
     """Probe one inventory node; never raises for a node-side failure.
 
     Args:
@@ -107,28 +107,30 @@ def probe_node(node: Any, ssh: Any, *, bench: bool = False, args: str | None = N
         bench: also run the matmul benchmark when the node has torch.
         args: the collector's JSON argument (computed once for all nodes).
         profile: also time the reference trainer's layer at this shape (with or without ``bench``).
-        connected: called once the transport is made, just before the collector starts (or
-            when it cannot be made).
+        connected: called once the transport is made, just before the collector starts, with
+            True (or with False when it cannot be made).
 
     Returns:
         The node's facts, or an unreachable row carrying the reason.
     """
     from hetctl.remote import connect
 
+    made = False
     try:
         # The collector's run makes the connection; with nothing after it, no master outlives it.
         transport = connect(node, ssh, lazy=True, persist=bench or profile is not None)
+        made = True
     except HetctlError as e:
         from hetctl.probe.assemble import unreachable
 
         return unreachable(node, e.message)
     finally:
         if connected is not None:
-            connected()
-    from hetctl.probe.assemble import node_facts, unreachable
-
+            connected(made)
     try:
         raw = _run_script(transport, node, "collector.py", args or collector_args(), COLLECT_TIMEOUT_S, "collector")
+        from hetctl.probe.assemble import node_facts  # after the collector's ssh started (see _import_assembly)
+
         facts = node_facts(node, raw)
         if bench:
             facts = _bench(transport, node, facts)
@@ -136,6 +138,8 @@ def probe_node(node: Any, ssh: Any, *, bench: bool = False, args: str | None = N
             facts = _profile(transport, node, facts, profile)
         return facts
     except HetctlError as e:
+        from hetctl.probe.assemble import unreachable
+
         return unreachable(node, e.message)
     finally:
         transport.close()
@@ -184,14 +188,17 @@ def probe(inventory: Any, *, bench: bool = False, on_done: OnDone | None = None,
     Returns:
         The cluster facts, nodes in inventory order; unreachable nodes included.
     """
+    from hetctl.remote.base import started_total
     from hetctl.remote.fanout import fanout
 
     args = collector_args()
+    node_script("collector.py")  # read once, before the workers start
     nodes = list(inventory.nodes)
     by_name = {n.name: n for n in nodes}
     fanout_workers = getattr(inventory.ssh, "fanout", None) or 64
     first_wave = _Countdown(min(len(nodes), fanout_workers))
-    warm = threading.Thread(target=_import_assembly, args=(first_wave,), name="probe-imports", daemon=True)
+    warm = threading.Thread(target=_import_assembly, args=(first_wave, started_total()), name="probe-imports",
+                            daemon=True)
     warm.start()
 
     def work(node: Any) -> NodeFacts:
@@ -229,32 +236,38 @@ def with_findings(cluster: Cluster, env: dict[str, dict[str, Any]] | None = None
 
 
 class _Countdown:
-    """Set once ``count`` workers have counted down (a latch)."""
+    """Set once ``count`` workers have counted down (a latch); ``made`` counts those whose transport was made."""
 
     def __init__(self, count: int) -> None:
         self._left = count
+        self.made = 0
         self._lock = threading.Lock()
         self.done = threading.Event()
         if count <= 0:
             self.done.set()
 
-    def count_down(self) -> None:
+    def count_down(self, made: bool = True) -> None:
         with self._lock:
             self._left -= 1
+            self.made += bool(made)
             if self._left <= 0:
                 self.done.set()
 
 
-def _import_assembly(first_wave: _Countdown) -> None:
+def _import_assembly(first_wave: _Countdown, started_before: int) -> None:
     """Import what turns the answers into facts while the collectors run.
 
-    It waits until the first wave of nodes has its transport (each about to start its
-    ssh client), so that these imports neither delay a connection nor come after the
-    first answer; the workers' own imports of the same modules wait for it (import lock).
+    It waits until the first wave of nodes has its transport and then until their
+    collectors' processes are started (:func:`hetctl.remote.base.wait_started`), so that
+    these imports neither delay a connection nor come after the first answer; the
+    workers' own imports of the same modules wait for it (import lock).
     """
     import importlib
 
+    from hetctl.remote.base import wait_started
+
     first_wave.done.wait(5.0)
+    wait_started(started_before + first_wave.made, 2.0)
     for module in ("hetctl.probe.assemble", "hetctl.probe.findings"):
         importlib.import_module(module)
 

@@ -92,12 +92,30 @@ class Transport(Protocol):
 # so that an interrupted hetctl can end them before it exits instead of leaving them running.
 _RUNNING: set = set()
 _RUNNING_LOCK = threading.Lock()
+_STARTED = threading.Condition(_RUNNING_LOCK)  # notified at each track()
+_started_total = 0
 
 
 def track(popen) -> None:
     """Register a command a transport started in its own session (its pid is its process group)."""
-    with _RUNNING_LOCK:
+    global _started_total
+    with _STARTED:
         _RUNNING.add(popen)
+        _started_total += 1
+        _STARTED.notify_all()
+
+
+def started_total() -> int:
+    """How many commands transports have started in this process so far."""
+    with _RUNNING_LOCK:
+        return _started_total
+
+
+def wait_started(total: int, timeout: float) -> bool:
+    """Wait until :func:`started_total` reaches ``total`` (False after ``timeout`` s): work that can wait
+    (imports while nodes run) waits until the commands' processes are started, not competing with it."""
+    with _STARTED:
+        return _STARTED.wait_for(lambda: _started_total >= total, timeout)
 
 
 def untrack(popen) -> None:

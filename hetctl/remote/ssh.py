@@ -12,7 +12,9 @@ own options (see :mod:`hetctl.remote.sshconfig` for the precedence):
   the master instead, and its failure is the connection's; with ``persist=False`` (one
   command per node: a plain ``probe``) each command's own ``ssh`` is the master for as long
   as it runs, as pdsh's one ``ssh`` per host is — no backgrounded master, no ``ssh -O
-  exit`` — and commands started meanwhile are still multiplexed over it;
+  exit`` — and commands started meanwhile are still multiplexed over it; a lazy transport
+  asks ``ssh -G`` only when something needs its answer (a message, ``effective``), unless
+  the command line depends on it (the inventory's known_hosts added to a user config's list);
 * every later command is multiplexed over that master (its control socket is private
   to this transport: :meth:`SshTransport.close` ends it with ``ssh -O exit`` without
   touching another transport's sessions); if the master is gone, the next command
@@ -146,20 +148,51 @@ class SshTransport:
                              "fix the path in the inventory", node=self.node)
         self._ssh = sshconfig.ssh_binary()
         self._config = sshconfig.write_config(settings)
-        opts = sshconfig.node_options(node)
-        dump = sshconfig.run_dump(self._config, opts, node.host, where=self.node)
-        self.effective = sshconfig.effective_from_dump(self.node, node.host, dump, settings.known_hosts)
+        self._node_opts = sshconfig.node_options(node)
+        opts = list(self._node_opts)
+        self._effective: sshconfig.EffectiveSsh | None = None
+        self._effective_lock = threading.Lock()
+        if not lazy or (settings.known_hosts and settings.config is not None):
+            self._effective_now()  # ssh -G now: a failure is the connection's, or the known_hosts list needs it
         if settings.known_hosts:  # added in front of the node's own list (ssh -G), never in its place
-            if self.effective.strict_host_key_checking in ("accept-new", "false", "no", "off"):
+            if settings.config is None:
+                # No user config is read: the generated file's own `Host *` list (the inventory's file
+                # first) is the whole list, the one ssh -G would report; ssh -G can wait for a message.
+                policy = sshconfig.policy_value(settings.host_key_policy)
+            else:
+                policy = self.effective.strict_host_key_checking
+                files = " ".join(sshconfig.opt_value(f.replace("%", "%%"), "known_hosts") for f in self.effective.known_hosts)
+                opts += ["-o", f"UserKnownHostsFile={files}"]
+            if policy in ("accept-new", "false", "no", "off"):
                 _end_with_newline(settings.known_hosts)
-            files = " ".join(sshconfig.opt_value(f.replace("%", "%%"), "known_hosts") for f in self.effective.known_hosts)
-            opts += ["-o", f"UserKnownHostsFile={files}"]
         self.control_path = os.path.join(sshconfig.control_dir(), secrets.token_hex(6))
         persist_opt = f"ControlPersist={CONTROL_PERSIST_S}" if persist else "ControlPersist=no"
         self._opts = [*opts, "-o", f"ControlPath={self.control_path}", "-o", persist_opt,
                       "-o", "ClearAllForwardings=yes", "-o", "RemoteCommand=none", "-T"]
         if not lazy:
             self._connect()
+
+    @property
+    def effective(self) -> sshconfig.EffectiveSsh:
+        """What ``ssh -G`` says this node's connection uses (host, user, port, jump, keys, known_hosts).
+
+        Asked once, when first needed: at construction where the connection depends on it
+        (``lazy=False``, or the inventory's known_hosts added to a user config's list), else
+        only for a message or a caller's question, so a plain probe runs one ``ssh`` per node.
+
+        Raises:
+            ConfigError: ssh refuses the configuration.
+        """
+        if self._effective is None:
+            self._effective_now()
+        return self._effective  # type: ignore[return-value]
+
+    def _effective_now(self) -> None:
+        with self._effective_lock:
+            if self._effective is None:
+                dump = sshconfig.run_dump(self._config, self._node_opts, self.spec.host, where=self.node)
+                self._effective = sshconfig.effective_from_dump(self.node, self.spec.host, dump,
+                                                                self.settings.known_hosts)
 
     @property
     def hostname(self) -> str:

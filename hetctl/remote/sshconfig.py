@@ -116,6 +116,12 @@ def system_config() -> str:
     return "/etc/ssh/ssh_config"
 
 
+def policy_value(host_key_policy: str | None) -> str:
+    """``StrictHostKeyChecking`` for the inventory's ``host_key_policy`` where no user config is read
+    (``ssh.config: null``): its own value, else the built-in default."""
+    return _POLICY[host_key_policy or DEFAULT_HOST_KEY_POLICY]
+
+
 def config_text(settings: Any) -> str:
     """The generated client config for an inventory's ``ssh:`` settings (see the module docstring)."""
     lines = ["# written by hetctl for one inventory's ssh: settings; see hetctl/remote/sshconfig.py", "BatchMode yes"]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import csv
 import io
 import re
-import xml.etree.ElementTree as ET
 
 from hetctl.probe.parsers._common import (
     ParsedChip,
@@ -144,6 +143,8 @@ def parse_xml(text: str, vendor: str = "nvidia") -> list[ParsedChip]:
         start = text.find("<nvidia_smi_log")
     if start < 0:
         return []
+    import xml.etree.ElementTree as ET  # here: the tool table (TOOL_COMMANDS) imports this module before any node is reached
+
     try:
         root = ET.fromstring(text[start:].encode())
     except ET.ParseError as e:
