@@ -86,3 +86,11 @@ def test_a_planted_link_in_the_checkpoint_folder_is_never_followed(tmp_path):
     skipped = []
     assert manifest.latest_valid(ck, "digest", on_skip=skipped.append) is None
     assert "symbolic link" in skipped[0].problems[0]
+
+
+def test_version_needs_no_command(tmp_path):
+    """``hetctl --version`` prints the version and exits 0, as ``ssh -V`` or ``torchrun --version`` do."""
+    from hetctl import __version__
+
+    r = cli(tmp_path, "--version")
+    assert (r.returncode, r.stdout.strip()) == (0, __version__), r.stderr

@@ -49,15 +49,20 @@ def _app() -> typer.Typer:
         pretty_exceptions_enable=False,
     )
 
-    @made.callback()
-    def _main(
-        version: bool = typer.Option(False, "--version", help="Print the version and exit.", is_eager=True),
-    ) -> None:
-        if version:
+    def _version(value: bool) -> None:
+        # An eager option's callback runs while the line is parsed, so `hetctl --version` needs no command.
+        if value:
             from hetctl import __version__
 
             out.print(__version__)
             raise typer.Exit(0)
+
+    @made.callback()
+    def _main(
+        version: bool = typer.Option(False, "--version", help="Print the version and exit.", is_eager=True,
+                                     callback=_version, expose_value=False),
+    ) -> None:
+        pass
 
     # The commands register themselves on ``app`` (one module per step of the flow).
     from hetctl.cli import plan, probe, run, runs  # noqa: F401
