@@ -8,9 +8,10 @@ per step the plan predicted and the one the heartbeats reported. A node whose
 stages took twice their prediction really runs at half the TFLOPS the planner
 used, so its chips get ``measured_tflops`` at that figure (and the inventory's
 ``tflops`` override, which wins in the planner, is scaled alike). Planning on
-those facts makes the planner's compute times the measured ones; what it cannot
-fit from one run (communication, the bubble) stays the model's, and ``--explain``
-says which nodes were calibrated.
+those facts makes the planner's compute times the measured ones. The step time
+beyond that compute fits the cost of the messages between stages
+(:mod:`hetctl.elastic.linkfit`): ``calibrated`` links in the cluster file. The
+bubble stays the simulator's; ``--explain`` says which nodes and links were calibrated.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from hetctl.elastic.linkfit import LinkFit, fit_links
 from hetctl.errors import ConfigError, HetctlError
 from hetctl.files.cluster import Cluster
 from hetctl.files.events import Measured, StageMeasured, parse_event, read_events
@@ -37,10 +39,12 @@ class Calibration:
     plan: Plan
     cluster: Cluster
     factors: dict[str, float]  # node → measured speed ÷ the speed the plan assumed
+    links: LinkFit | None = None  # the per-message cost of the plan's hops, fitted to the measured step
 
     def note(self) -> str:
         nodes = ", ".join(f"{n} ×{f:.3g}" for n, f in sorted(self.factors.items()))
-        return f"calibrated on run {self.run_id} attempt {self.attempt}: speeds measured against the plan: {nodes}"
+        out = f"calibrated on run {self.run_id} attempt {self.attempt}: speeds measured against the plan: {nodes}"
+        return out + (f"; {self.links.note()}" if self.links is not None else "")
 
 
 def compare(plan: Plan, outcome: AttemptOutcome, attempt: int) -> Measured | None:
@@ -109,4 +113,15 @@ def calibrate(run_dir: str | Path) -> Calibration:
             raise ConfigError(f"cannot calibrate run {run.run_id}: {e.message}",
                               "keep the cluster file the run was planned from, or pass it with --cluster") from None
     factors = node_factors(measured)
-    return Calibration(run.run_id, measured.attempt, plan, with_speeds(cluster, factors), factors)
+    fit = fit_links(plan, measured, cluster)
+    return Calibration(run.run_id, measured.attempt, plan, with_links(with_speeds(cluster, factors), fit), factors, fit)
+
+
+def with_links(cluster: Cluster, fit: LinkFit) -> Cluster:
+    """The cluster with the fitted links, in place of earlier calibrated ones between the same nodes."""
+    new = fit.links()
+    if not new:
+        return cluster
+    pairs = {(lk.src, lk.dst) for lk in new}
+    kept = [lk for lk in cluster.links if not (lk.method == "calibrated" and (lk.src, lk.dst) in pairs)]
+    return cluster.model_copy(update={"links": kept + new})
