@@ -52,8 +52,9 @@ def compare(plan: Plan, outcome: AttemptOutcome, attempt: int) -> Measured | Non
 
     Predicted per stage: ``est_ms`` (one micro-batch, forward + backward) × the plan's
     micro-batches. Measured: the mean ``compute_ms`` the stage's heartbeats reported
-    (warm-up step left out). The step: the plan's simulated step time against
-    tokens/s measured over the attempt.
+    (warm-up step left out), and their ``step_ms`` (so the wait on peers is the
+    difference). The step: the plan's simulated step time against tokens/s measured
+    over the attempt.
     """
     if not outcome.stage_step_ms:
         return None
@@ -63,8 +64,12 @@ def compare(plan: Plan, outcome: AttemptOutcome, attempt: int) -> Measured | Non
         want = s.est_ms * plan.micro_batches_of(s.replica)
         if got is None or want <= 0:
             continue
-        stages.append(StageMeasured(replica=s.replica, stage=s.stage, node=s.node, predicted_ms=round(want, 4),
-                                    measured_ms=round(got, 4), ratio=round(got / want, 4)))
+        wall = outcome.stage_wall_ms.get((s.replica, s.stage))
+        stages.append(StageMeasured(
+            replica=s.replica, stage=s.stage, node=s.node, predicted_ms=round(want, 4), measured_ms=round(got, 4),
+            ratio=round(got / want, 4), step_ms=round(wall, 4) if wall is not None else None,
+            wait_ms=round(max(0.0, wall - got), 4) if wall is not None else None,
+            predicted_wait_ms=round(max(0.0, 1e3 * plan.estimate.step_time_s - want), 4)))
     step_pred = plan.estimate.step_time_s
     step_meas = None
     if outcome.tokens_per_s:

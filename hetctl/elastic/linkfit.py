@@ -8,7 +8,8 @@ latency plus the bytes over the probed or declared bandwidth). This module
 replays the run in the planner's own 1F1B simulation
 (:func:`~hetctl.plan.simulate.simulate_1f1b`) with the *measured* compute per
 stage and finds the one extra cost per message, on every hop across nodes, that
-makes the simulated step equal the measured one (bisection: the makespan only
+makes the simulated step equal the measured one (the mean ``step_ms`` of the
+heartbeats the compute came from, else the run's tokens/s) (bisection: the makespan only
 grows with it).
 
 One run sends messages of one size, so bandwidth and latency cannot both be
@@ -135,7 +136,9 @@ def fit_links(plan: Plan, measured: Measured, cluster: Cluster) -> LinkFit:
     base = [max(row[k][0] for row in modeled) for k in range(pp - 1)]
     across = [any(row[k][2] for row in modeled) for k in range(pp - 1)]
     other = max(0.0, plan.estimate.step_time_s - _predicted_makespan(plan, base, m))  # DP syncs after the drain
-    target = measured.step_s_measured
+    # The step of the very heartbeats the compute came from (tokens/s spans another window); else tokens/s.
+    walls = [s.step_ms for s in measured.stages if s.step_ms is not None]
+    target = sum(walls) / len(walls) / 1e3 if len(walls) == len(measured.stages) else measured.step_s_measured
 
     def step(extra: float) -> float:
         return _makespan(comp, [max(0.0, x + extra) if a else x for x, a in zip(base, across)], m) + other
