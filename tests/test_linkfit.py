@@ -125,3 +125,6 @@ def test_recorded_run_on_a_mixed_speed_cluster_calibrates_speeds_and_links(tmp_p
     layers = {s.node: s.layers[1] - s.layers[0] for s in new.stages}
     assert layers.get("node-c", 0) < layers["node-a"]
     assert any("links calibrated by plan --calibrate" in n for n in new.notes), new.notes
+    # The calibrated planner predicts the very run it was calibrated on (its uniform split, same stage order).
+    assert [s.node for s in new.stages] == [s.node for s in cal.plan.stages]
+    assert new.baselines["uniform"].estimate.step_time_s == pytest.approx(cal.links.step_s_measured, rel=0.02)

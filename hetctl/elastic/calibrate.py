@@ -20,7 +20,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from hetctl.elastic.linkfit import LinkFit, fit_links
+from hetctl.elastic.linkfit import LinkFit, fit_links, sends_per_step
 from hetctl.errors import ConfigError, HetctlError
 from hetctl.files.cluster import Cluster
 from hetctl.files.events import Measured, StageMeasured, parse_event, read_events
@@ -79,11 +79,19 @@ def compare(plan: Plan, outcome: AttemptOutcome, attempt: int) -> Measured | Non
                     step_s_measured=round(step_meas, 6) if step_meas else None, step_ratio=ratio, stages=stages)
 
 
-def node_factors(measured: Measured) -> dict[str, float]:
-    """Per node, predicted ÷ measured compute (1/ratio), averaged over the node's stages."""
+def node_factors(measured: Measured, sends_ms: dict[tuple[int, int], float] | None = None) -> dict[str, float]:
+    """Per node, predicted ÷ measured compute (1/ratio), averaged over the node's stages.
+
+    ``sends_ms``: per (replica, stage), the part of the predicted figure that was the
+    stage's sends (``est_ms`` holds them; the heartbeats' compute does not), taken off
+    before comparing, so that a node's speed is compute against compute.
+    """
     per: dict[str, list[float]] = {}
     for s in measured.stages:
-        if s.ratio > 0:
+        want = s.predicted_ms - (sends_ms or {}).get((s.replica, s.stage), 0.0)
+        if s.measured_ms > 0 and want > 0:
+            per.setdefault(s.node, []).append(want / s.measured_ms)
+        elif s.ratio > 0:
             per.setdefault(s.node, []).append(1.0 / s.ratio)
     return {n: statistics.fmean(v) for n, v in per.items()}
 
@@ -117,7 +125,7 @@ def calibrate(run_dir: str | Path) -> Calibration:
         except HetctlError as e:
             raise ConfigError(f"cannot calibrate run {run.run_id}: {e.message}",
                               "keep the cluster file the run was planned from, or pass it with --cluster") from None
-    factors = node_factors(measured)
+    factors = node_factors(measured, sends_per_step(plan, cluster))
     fit = fit_links(plan, measured, cluster)
     return Calibration(run.run_id, measured.attempt, plan, with_links(with_speeds(cluster, factors), fit), factors, fit)
 

@@ -182,3 +182,26 @@ def _predicted_makespan(plan: Plan, hops: list[float], m: int) -> float:
         sends = (hops[s - 1] if s > 0 else 0.0) + (hops[s] if s < len(hops) else 0.0)
         comp.append(max(0.0, st.est_ms / 1e3 - sends))
     return _makespan(comp, hops, m)
+
+
+def sends_per_step(plan: Plan, cluster: Cluster) -> dict[tuple[int, int], float]:
+    """Per (replica, stage), ms per step of the sends the plan's ``est_ms`` counted (empty where unknown)."""
+    groups: dict[str, list[Group]] = {}
+    for k in collect(cluster).kinds:
+        for g in k.groups:
+            groups.setdefault(g.node, []).append(g)
+    work = Workload(cost=model_cost(plan.model), micro_batch=plan.parallel.micro_batch,
+                    global_batch=plan.parallel.global_batch)
+    out: dict[tuple[int, int], float] = {}
+    for r in range(plan.parallel.dp):
+        chain, m = plan.stages_of(r), plan.micro_batches_of(r)
+        if any(s.chunks for s in chain):
+            continue  # interleaved: more hops than the chain shows
+        for a, b in zip(chain, chain[1:]):
+            ga, gb = _group(groups, a), _group(groups, b)
+            if ga is None or gb is None:
+                continue
+            ms = link(ga, gb, a.precision, work)[0] * 1e3 * m
+            for s in (a, b):  # the forward send of a, the backward send of b
+                out[(s.replica, s.stage)] = out.get((s.replica, s.stage), 0.0) + ms
+    return out
