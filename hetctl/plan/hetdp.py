@@ -27,8 +27,7 @@ Costs, and what is assumed:
   :data:`~hetctl.vendors.GLOO_EFFICIENCY` of line rate; within one vendor the
   vendor library at line rate. Each unit's all-reduce has a latency of
   :data:`STEP_LATENCY_S` per replica (as the stage syncs of
-  :mod:`hetctl.plan.costmodel`), or, where links were calibrated (``plan
-  --calibrate``), ``2(d−1)`` ring steps at the largest calibrated per-message cost. The slowest chip — most bytes over the least
+  :mod:`hetctl.plan.costmodel`). The slowest chip — most bytes over the least
   bandwidth — sets the time.
 - The all-reduce of a unit needs every replica's gradient of it, so it starts
   after the slowest part's last backward and is not overlapped with the
@@ -132,9 +131,6 @@ def dp_allreduce(parts: list[Part], work: Workload) -> float:
         return 0.0
     c = work.cost
     across = len(set().union(*(p.vendors for p in parts))) > 1
-    # A calibrated per-message cost (plan --calibrate) bounds each of the ring's 2(d−1) steps per unit.
-    lats = [st.kind.link_latency_s for p in parts for st in p.lay.types if st.kind.link_latency_s is not None]
-    unit_latency = max(STEP_LATENCY_S * d, 2 * (d - 1) * max(lats)) if lats else STEP_LATENCY_S * d
     worst = 0.0
     for p in parts:
         last = p.lay.pp - 1
@@ -148,7 +144,7 @@ def dp_allreduce(parts: list[Part], work: Workload) -> float:
             if across:
                 secs += 2 * nbytes / (PCIE_GBS * GB)  # down to the host and back
             units = n + (s == 0) + (s == last)
-            worst = max(worst, secs + units * unit_latency)
+            worst = max(worst, secs + units * STEP_LATENCY_S * d)
     return worst
 
 

@@ -95,12 +95,7 @@ def explain_hetero(plan: Plan, hl: HeteroLayout, uniform: Plan, devices: Devices
            "the NICs at half line rate)" if across else "over the vendor library")
         + "; after the slowest part's last backward, not overlapped with it"
     )
-    lat = sorted({(g.node, g.link_latency_s) for p in hl.parts for st in p.lay.types for g in st.kind.groups
-                  if g.link_latency_s is not None})
-    if lat:
-        lines.append("links calibrated by plan --calibrate (per-message latency fitted to a run's measured step): "
-                     + ", ".join(f"{n} {1e3 * x:.3g} ms" for n, x in lat)
-                     + "; each of the all-reduce's 2(d−1) ring steps per unit is charged the largest")
+    lines.append(f"bubble {100 * est.bubble:.1f}% of the replicas' stage time under 1F1B")
     lines.extend(_idle(plan, devices))
     if homog:
         parts = [f"{k}: {v:,.0f} tokens/s" if isinstance(v, float) else f"{k}: {v}" for k, v in homog.items()]

@@ -123,12 +123,10 @@ def _hetero(plan: Plan, lay: Layout, spec: ModelSpec, work: Workload, devices: D
     """Replicas of different shape, where the framework can run them and they are faster than ``plan``."""
     if not capability(framework).uneven_dp:
         return plan
-    if any(k.vendor == "cpu" and k.link_latency_s is None for k in devices.kinds):
+    if any(k.vendor == "cpu" for k in devices.kinds):
         # On CPU "chips" gloo's reduction runs on the very cores that compute (and, under a quota, as
-        # slowly): the assumed all-reduce model does not cover that. Measured by bench/hetero_cpu.py (4:2:1
+        # slowly): the all-reduce model does not cover that. Measured by bench/hetero_cpu.py (4:2:1
         # quotas): three uneven replicas predicted 2,390 tokens/s and ran at 1,369, below the pipeline.
-        # With calibrated links (plan --calibrate: what a message cost on these very cores) each ring
-        # step of the all-reduce is charged that cost (hetdp.dp_allreduce), and the search may choose it.
         return plan
     search = HeteroSearch(devices.kinds, spec, work, framework)
     hl = search.run()
