@@ -116,8 +116,9 @@ def test_recorded_run_on_a_mixed_speed_cluster_calibrates_speeds_and_links(tmp_p
     measured = parse_event([e for e in read_events(run / "events.jsonl") if e.get("kind") == "measured"][-1])
     assert cal.links.step_s_measured > 0 and measured.step_s_measured > 0
     hops = {(h.src, h.dst): h for h in cal.links.hops}
-    assert set(hops) == {("node-a", "node-b"), ("node-b", "node-c")} or set(hops) == {
-        (s.node, n.node) for s, n in zip(cal.plan.stages, cal.plan.stages[1:])}
+    assert set(hops) == {(s.node, n.node) for s, n in zip(cal.plan.stages, cal.plan.stages[1:])}
+    # Its waits held more than the simulated bubble: the messages cost more than assumed.
+    assert all(h.fitted_s > h.modeled_s and h.latency_s > 0 for h in hops.values())
     assert "links fitted to the measured step" in cal.note()
     spec = cal.plan.model
     new = plan_cluster(cal.cluster, spec, global_batch=cal.plan.parallel.global_batch,
