@@ -129,3 +129,17 @@ def test_recorded_run_on_a_mixed_speed_cluster_calibrates_speeds_and_links(tmp_p
     # The calibrated planner predicts the very run it was calibrated on (its uniform split, same stage order).
     assert [s.node for s in new.stages] == [s.node for s in cal.plan.stages]
     assert new.baselines["uniform"].estimate.step_time_s == pytest.approx(cal.links.step_s_measured, rel=0.02)
+
+
+def test_calibrated_links_price_the_data_parallel_sync_too(tmp_path):
+    """A message costs what the run measured whether it carries activations or gradients: with the recorded
+    run's links, two replicas pay 2(d−1) fitted message costs per unit (24 layers, embedding, head)."""
+    run = tmp_path / "run"
+    shutil.copytree(RECORDED, run)
+    cal = calibrate(run)
+    bare = cal.cluster.model_copy(update={"links": [lk for lk in cal.cluster.links if lk.method != "calibrated"]})
+    shape = {"global_batch": 64, "micro_batch": 2, "pins": Pins(pp=1, dp=2)}
+    with_fit = plan_cluster(cal.cluster, cal.plan.model, **shape).estimate.step_time_s
+    without = plan_cluster(bare, cal.plan.model, **shape).estimate.step_time_s
+    latency = max(h.latency_s for h in cal.links.hops)
+    assert with_fit - without == pytest.approx(26 * 2 * latency, rel=0.05)

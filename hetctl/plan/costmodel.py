@@ -23,6 +23,8 @@ Assumptions, stated once:
   reduce-scatter of fp32 gradients and all-gather of 16-bit weights
   (``(d−1)/d · 6`` bytes per parameter; an fp32 all-reduce moves
   ``2(d−1)/d · 4``) over the node's network, shared by the chips of the node.
+  Where the links were calibrated (``plan --calibrate``), each layer's (and the
+  embedding's and head's) all-reduce also pays ``2(d−1)`` fitted message costs.
 """
 
 from __future__ import annotations
@@ -142,6 +144,9 @@ def stage_type(kind: Kind, tp: int, work: Workload, dp: int) -> StageType:
     if kind.tcp_gbs and (len(vendors) > 1 or stage_backend(vendors[0]) == "gloo"):
         sync_bw = kind.tcp_gbs * GB / kind.max_group()  # gloo's TCP path, as measured (see link_seconds)
     per_param = sync_bytes / sync_bw / tp  # seconds per parameter of the stage
+    # A calibrated per-message cost (plan --calibrate: what a message cost on these very nodes) bounds
+    # each of a ring's 2(d−1) steps; the reference trainer reduces unit by unit (each layer, embedding, head).
+    unit = 2 * (dp - 1) * kind.link_latency_s if dp > 1 and kind.link_latency_s is not None else 0.0
     limit = kind.memory_gb * GB
     return StageType(
         kind=kind, tp=tp,
@@ -152,8 +157,8 @@ def stage_type(kind: Kind, tp: int, work: Workload, dp: int) -> StageType:
         mem_first=c.embed_params / tp * state, act_first=act_bytes / tp,
         mem_last=c.head_params / tp * state + work.tokens * c.vocab * 4.0 / tp,
         reserve=0.05 * limit + (0.5 if vendors == ("cpu",) else 1.5) * GB, limit=limit,
-        sync_layer=per_param * c.layer_params, sync_first=per_param * c.embed_params,
-        sync_last=per_param * c.head_params, sync_fixed=3e-5 * dp if dp > 1 else 0.0,
+        sync_layer=per_param * c.layer_params + unit, sync_first=per_param * c.embed_params + unit,
+        sync_last=per_param * c.head_params + unit, sync_fixed=3e-5 * dp if dp > 1 else 0.0,
         flops=rate,
     )
 
