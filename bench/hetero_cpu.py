@@ -10,11 +10,23 @@ not declared ones. The model is
 1. probe the nodes with equal declared speeds and launch the **uniform** split
    (equal layers per stage, Megatron's default) — the run a user starts with;
 2. ``hetctl plan --calibrate`` on that run: per-node speeds from its measured
-   stage compute times; the **hetctl** plan made on them, and its predicted
-   tokens/s;
-3. launch the hetctl plan, and the **proportional** split (layers rounded in
-   proportion to the calibrated speeds, on the same stage order);
-4. launch the model on **each node alone** (the homogeneous references).
+   stage compute, and the per-message cost of its links from its measured step
+   (:mod:`hetctl.elastic.linkfit`); with ``--rounds 2`` (the default) the plan
+   made on them is run once and calibrated on again, as a user would, since a
+   node's per-micro-batch overheads (gloo's messages on a throttled CPU) do not
+   scale with its layers; the **hetctl** plan made on the last calibration, and
+   its predicted tokens/s;
+3. launch the hetctl plan; the **best plain pipeline** on the same figures (one
+   shape, no replicas of different depth: the issue-12 comparison; when the
+   hetctl plan is one, it is said so and not run twice); the **proportional**
+   split (layers rounded in proportion to the calibrated speeds, on the plain
+   pipeline's stage order);
+4. launch the model on **each node alone**, the three at once (each in its own
+   cgroup: the homogeneous references).
+
+Each node's group also gets a large CFS weight (``cpu.shares``), so that other
+work on the machine cannot take it below its quota. The load average is printed
+at the start and the end: on a shared machine it moves the figures.
 
 Printed: measured tokens/s of each, hetctl's prediction error against its own
 measured run, the speed-up over uniform and proportional, and measured
@@ -23,11 +35,12 @@ training, here measured). Needs root and ``/sys/fs/cgroup/cpu``.
 
 From the repo root::
 
-    python bench/hetero_cpu.py --steps 12 --global-batch 64
+    python bench/hetero_cpu.py --layers 24 --global-batch 64 --steps 6
 
 Last line, for scripts::
 
-    hetero_cpu: prediction_error=<percent> vs_uniform=<ratio> vs_proportional=<ratio> vs_homogeneous=<percent>
+    hetero_cpu: prediction_error=<percent> vs_uniform=<ratio> vs_proportional=<ratio> vs_homogeneous=<percent> \
+vs_plain_pipeline=<ratio>
 """
 
 from __future__ import annotations
@@ -35,9 +48,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from pathlib import Path
 
@@ -56,6 +71,7 @@ from hetctl.plan.search import Pins  # noqa: E402
 CPU = Path("/sys/fs/cgroup/cpu")
 NODES = ("node-a", "node-b", "node-c")
 PERIOD_US = 10_000  # a short CFS period: throttling close to a uniformly slower CPU, not long stalls
+SHARES = 16 * 1024  # CFS weight of each node's group against the rest of the machine (default 1024)
 
 
 def cli(d: Path, *args: str, timeout: float = 1800) -> subprocess.CompletedProcess:
@@ -75,6 +91,9 @@ def make_groups(tag: str, quotas: list[int], top_cpu: float) -> dict[str, Path]:
         g.mkdir()
         (g / "cpu.cfs_period_us").write_text(str(PERIOD_US))
         (g / "cpu.cfs_quota_us").write_text(str(int(PERIOD_US * top_cpu * q / top)))
+        # A large weight, so that other work on the machine cannot take a node below its quota (with the
+        # default 1024, a loaded machine gave node-a about node-b's share and the speeds read 2.6:2:1).
+        (g / "cpu.shares").write_text(str(SHARES))
         groups[node] = g
     return groups
 
@@ -118,15 +137,41 @@ def with_split(plan, counts: list[int]):
     return plan.model_copy(update={"stages": stages})
 
 
-def launch(d: Path, name: str, plan, steps: int) -> dict:
+def launch(d: Path, name: str, plan, steps: int, quiet: bool = False):
+    """Launch ``plan`` and return its summary (``quiet``: start it and return the process, see :func:`finish`)."""
     folder = d / name
     write_plan_dir(plan, folder)
-    r = cli(d, "launch", str(folder), "-i", "inventory.yaml", "--steps", str(steps), "--checkpoint-every", "0",
-            "--run-dir", "runs", "--json", "--hang-timeout", "600")
-    summary = json.loads(r.stdout)
-    split = " ".join(f"{s.node}:{s.layers[1] - s.layers[0]}" for s in plan.stages)
-    print(f"  {name:<14} {split:<34} {summary['tokens_per_s']:>10,.1f} tokens/s", flush=True)
+    args = [sys.executable, "-m", "hetctl", "launch", str(folder), "-i", "inventory.yaml", "--steps", str(steps),
+            "--checkpoint-every", "0", "--run-dir", "runs", "--json", "--hang-timeout", "600"]
+    proc = subprocess.Popen(args, cwd=d, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return proc if quiet else finish(name, plan, proc)
+
+
+def finish(name: str, plan, proc: subprocess.Popen) -> dict:
+    out, err = proc.communicate(timeout=1800)
+    if proc.returncode != 0:
+        raise SystemExit(f"hetctl launch {name} failed ({proc.returncode}):\n{err[-3000:]}")
+    summary = json.loads(out)
+    print(f"  {name:<14} {split_of(plan):<34} {summary['tokens_per_s']:>10,.1f} tokens/s", flush=True)
     return summary
+
+
+def split_of(plan) -> str:
+    """Layers per node, replica by replica ("|" between replicas)."""
+    return " | ".join(" ".join(f"{s.node}:{s.layers[1] - s.layers[0]}" for s in plan.stages_of(r))
+                      for r in range(plan.parallel.dp))
+
+
+def shape_of(plan) -> str:
+    if plan.replicas:
+        return (f"{plan.parallel.dp} replicas of different shape, micro-batches "
+                + "/".join(str(r.micro_batches) for r in plan.replicas))
+    return f"pp {plan.parallel.pp} × dp {plan.parallel.dp}, {plan.parallel.micro_batches} micro-batches"
+
+
+def load() -> str:
+    return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def main() -> int:
@@ -139,12 +184,19 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--global-batch", type=int, default=64)
     ap.add_argument("--micro-batch", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="calibrations before the measured hetctl run: 1 = on the uniform run only; 2 = again on the "
+                         "first calibrated plan's run (its layer counts, hence its per-node overheads, are the ones "
+                         "the final plan runs with)")
+    ap.add_argument("--alone-steps", type=int, default=4, help="steps of each node-alone run (the slowest runs)")
+    ap.add_argument("--keep-run", metavar="DIR", help="copy the uniform run's folder here (a recorded run for tests)")
     args = ap.parse_args()
     if os.geteuid() != 0 or not (CPU / "cgroup.procs").exists():
         print("needs root and the cgroup v1 cpu controller at /sys/fs/cgroup/cpu", file=sys.stderr)
         return 2
     quotas = [int(q) for q in args.quotas.split(":")]
     groups = make_groups(uuid.uuid4().hex[:6], quotas, args.top_cpu)
+    t0 = time.monotonic()
     try:
         with tempfile.TemporaryDirectory(prefix="hetctl-hetero-") as tmp:
             d = Path(tmp)
@@ -154,26 +206,42 @@ def main() -> int:
             shape = {"global_batch": args.global_batch, "micro_batch": args.micro_batch}
             print(f"cluster: {len(NODES)} CPU nodes, quotas {args.quotas} (largest {args.top_cpu:g} CPU), one thread "
                   f"per rank, {os.cpu_count()} cores; model {args.layers} "
-                  f"layers; global batch {args.global_batch}, micro-batch {args.micro_batch}; {args.steps} steps")
+                  f"layers; global batch {args.global_batch}, micro-batch {args.micro_batch}; {args.steps} steps "
+                  f"({args.alone_steps} alone); "
+                  f"{load()}")
             base = plan_cluster(facts, spec, pins=Pins(pp=len(NODES), dp=1), cluster_path=d / "cluster.yaml", **shape)
             per = args.layers // len(NODES)
             uniform = with_split(base, [per + (1 if i < args.layers % len(NODES) else 0) for i in range(len(NODES))])
             print("measured:")
             u = launch(d, "uniform", uniform, args.steps)
+            if args.keep_run:
+                shutil.copytree(u["run_dir"], args.keep_run, dirs_exist_ok=True)
             cal = calibrate(Path(u["run_dir"]))
             save_model(d / "cluster.calibrated.yaml", cal.cluster)
             het = plan_cluster(cal.cluster, spec, cluster_path=d / "cluster.calibrated.yaml", **shape)
+            for r in range(1, args.rounds):  # calibrate again on the calibrated plan's own run, as a user would
+                first = launch(d, f"hetctl-round{r}", het, args.steps)
+                print(f"  {'':<14} (predicted {het.estimate.tokens_per_s:,.1f} tokens/s; calibrated again on it)")
+                cal = calibrate(Path(first["run_dir"]))
+                save_model(d / f"cluster.calibrated-{r}.yaml", cal.cluster)
+                het = plan_cluster(cal.cluster, spec, cluster_path=d / f"cluster.calibrated-{r}.yaml", **shape)
             predicted = het.estimate.tokens_per_s
             h = launch(d, "hetctl", het, args.steps)
-            speeds = [cal.factors.get(s.node, 1.0) for s in het.stages_of(0)]
-            counts = proportional_split(args.layers, speeds) if len(het.stages_of(0)) > 1 else None
-            p = launch(d, "proportional", with_split(het, counts), args.steps) if counts and het.parallel.dp == 1 \
-                else None
-            alone = {}
+            # The best plain pipeline (one shape, no replicas of different depth) on the same calibrated figures.
+            plain = het if not het.replicas and het.parallel.dp == 1 else plan_cluster(
+                cal.cluster, spec, pins=Pins(dp=1), cluster_path=d / "cluster.calibrated.yaml", **shape)
+            pl = h if plain is het else launch(d, "plain-pipeline", plain, args.steps)
+            rate = {n.name: n.tflops_override or 1.0 for n in cal.cluster.nodes}  # the calibrated speeds
+            speeds = [rate[s.node] for s in plain.stages_of(0)]
+            counts = proportional_split(args.layers, speeds) if len(plain.stages_of(0)) > 1 else None
+            p = launch(d, "proportional", with_split(plain, counts), args.steps) if counts else None
+            # Each node alone, the three at once: each in its own cgroup, as independent as during the runs above.
+            procs = {}
             for node in NODES:
                 one = cal.cluster.model_copy(update={"nodes": [n for n in cal.cluster.nodes if n.name == node]})
-                alone[node] = launch(d, f"alone-{node}", plan_cluster(one, spec, cluster_path=d / "cluster.yaml",
-                                                                      **shape), args.steps)
+                one_plan = plan_cluster(one, spec, cluster_path=d / "cluster.yaml", **shape)
+                procs[node] = (one_plan, launch(d, f"alone-{node}", one_plan, args.alone_steps, quiet=True))
+            alone = {node: finish(f"alone-{node}", pl_, proc) for node, (pl_, proc) in procs.items()}
     finally:
         remove_groups(groups)
 
@@ -182,14 +250,19 @@ def main() -> int:
     vs_u = h["tokens_per_s"] / u["tokens_per_s"]
     vs_p = h["tokens_per_s"] / p["tokens_per_s"] if p else float("nan")
     vs_h = h["tokens_per_s"] / hom
-    print(f"hetctl plan: {' '.join(f'{s.node}:{s.layers[1] - s.layers[0]}' for s in het.stages)} "
-          f"(pp {het.parallel.pp} × dp {het.parallel.dp}, {het.parallel.micro_batches} micro-batches); "
-          f"{cal.note()}")
+    vs_pl = h["tokens_per_s"] / pl["tokens_per_s"]
+    print(f"hetctl plan: {split_of(het)} ({shape_of(het)}); {cal.note()}")
     print(f"predicted {predicted:,.1f} tokens/s, measured {h['tokens_per_s']:,.1f}: error {100 * err:+.1f}%")
+    if plain is het:
+        print("best plain pipeline: the chosen layout is itself a plain pipeline (vs_plain_pipeline 1.000)")
+    else:
+        print(f"best plain pipeline: {split_of(plain)} ({shape_of(plain)}), predicted "
+              f"{plain.estimate.tokens_per_s:,.1f} tokens/s, measured {pl['tokens_per_s']:,.1f}; chosen / plain {vs_pl:.3f}")
     print(f"hetctl / uniform {vs_u:.3f}; hetctl / proportional {vs_p:.3f}; "
           f"measured utilization vs the homogeneous sum ({hom:,.1f} tokens/s) {100 * vs_h:.1f}%")
+    print(f"took {time.monotonic() - t0:.0f} s; at the end {load()}")
     print(f"hetero_cpu: prediction_error={100 * abs(err):.1f} vs_uniform={vs_u:.3f} vs_proportional={vs_p:.3f} "
-          f"vs_homogeneous={100 * vs_h:.1f}")
+          f"vs_homogeneous={100 * vs_h:.1f} vs_plain_pipeline={vs_pl:.3f}")
     return 0
 
 

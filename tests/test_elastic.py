@@ -251,7 +251,11 @@ def test_calibrate_plans_on_the_measured_speeds(site):
     prep = prepared(site)
     m = plan.parallel.micro_batches
     slow = plan.stages[1].node
-    measured_ms = {(s.replica, s.stage): s.est_ms * m * (4.0 if s.node == slow else 1.0) for s in plan.stages}
+    from hetctl.elastic.linkfit import sends_per_step
+
+    sends = sends_per_step(plan, cpu_cluster("a", "b", "c"))  # est_ms holds them, a heartbeat's compute does not
+    measured_ms = {(s.replica, s.stage): (s.est_ms * m - sends[(s.replica, s.stage)]) * (4.0 if s.node == slow else 1.0)
+                   for s in plan.stages}
     ElasticRun(prep, attempt_fn=Script(ok(stage_ms=measured_ms))).run()
     # the run's plan points at the site's cluster file, as `hetctl plan` writes it
     r = subprocess.run([sys.executable, "-m", "hetctl", "plan", "--calibrate", str(prep.run.path), "-o", "plan2",
@@ -265,6 +269,15 @@ def test_calibrate_plans_on_the_measured_speeds(site):
     assert new.notes[0].startswith(f"calibrated on run {prep.run.run_id} attempt 0") and f"{slow} ×0.25" in new.notes[0]
     assert new.model == plan.model and new.parallel.global_batch == plan.parallel.global_batch
     assert (tmp_path / "plan2" / "cluster.calibrated.yaml").is_file() and new.cluster.endswith("cluster.calibrated.yaml")
+    # The links the plan used are fitted too (to the run's 1,000 tokens/s), and the re-plan reads them.
+    from hetctl.files.cluster import Cluster
+    from hetctl.files.yamlio import load_model
+
+    facts = load_model(tmp_path / "plan2" / "cluster.calibrated.yaml", Cluster)
+    hops = {(s.node, n.node) for s, n in zip(plan.stages, plan.stages[1:])}
+    assert {(lk.src, lk.dst) for lk in facts.links if lk.method == "calibrated"} == hops
+    assert "links fitted to the measured step" in new.notes[0]
+    assert any("links calibrated by plan --calibrate" in n for n in new.notes), new.notes
 
 
 def test_report_draws_the_planned_and_the_measured_timeline(site):

@@ -8,9 +8,10 @@ per step the plan predicted and the one the heartbeats reported. A node whose
 stages took twice their prediction really runs at half the TFLOPS the planner
 used, so its chips get ``measured_tflops`` at that figure (and the inventory's
 ``tflops`` override, which wins in the planner, is scaled alike). Planning on
-those facts makes the planner's compute times the measured ones; what it cannot
-fit from one run (communication, the bubble) stays the model's, and ``--explain``
-says which nodes were calibrated.
+those facts makes the planner's compute times the measured ones. The step time
+beyond that compute fits the cost of the messages between stages
+(:mod:`hetctl.elastic.linkfit`): ``calibrated`` links in the cluster file. The
+bubble stays the simulator's; ``--explain`` says which nodes and links were calibrated.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from hetctl.elastic.linkfit import LinkFit, fit_links, sends_per_step
 from hetctl.errors import ConfigError, HetctlError
 from hetctl.files.cluster import Cluster
 from hetctl.files.events import Measured, StageMeasured, parse_event, read_events
@@ -37,10 +39,12 @@ class Calibration:
     plan: Plan
     cluster: Cluster
     factors: dict[str, float]  # node → measured speed ÷ the speed the plan assumed
+    links: LinkFit | None = None  # the per-message cost of the plan's hops, fitted to the measured step
 
     def note(self) -> str:
         nodes = ", ".join(f"{n} ×{f:.3g}" for n, f in sorted(self.factors.items()))
-        return f"calibrated on run {self.run_id} attempt {self.attempt}: speeds measured against the plan: {nodes}"
+        out = f"calibrated on run {self.run_id} attempt {self.attempt}: speeds measured against the plan: {nodes}"
+        return out + (f"; {self.links.note()}" if self.links is not None else "")
 
 
 def compare(plan: Plan, outcome: AttemptOutcome, attempt: int) -> Measured | None:
@@ -48,8 +52,9 @@ def compare(plan: Plan, outcome: AttemptOutcome, attempt: int) -> Measured | Non
 
     Predicted per stage: ``est_ms`` (one micro-batch, forward + backward) × the plan's
     micro-batches. Measured: the mean ``compute_ms`` the stage's heartbeats reported
-    (warm-up step left out). The step: the plan's simulated step time against
-    tokens/s measured over the attempt.
+    (warm-up step left out), and their ``step_ms`` (so the wait on peers is the
+    difference). The step: the plan's simulated step time against tokens/s measured
+    over the attempt.
     """
     if not outcome.stage_step_ms:
         return None
@@ -59,8 +64,12 @@ def compare(plan: Plan, outcome: AttemptOutcome, attempt: int) -> Measured | Non
         want = s.est_ms * plan.micro_batches_of(s.replica)
         if got is None or want <= 0:
             continue
-        stages.append(StageMeasured(replica=s.replica, stage=s.stage, node=s.node, predicted_ms=round(want, 4),
-                                    measured_ms=round(got, 4), ratio=round(got / want, 4)))
+        wall = outcome.stage_wall_ms.get((s.replica, s.stage))
+        stages.append(StageMeasured(
+            replica=s.replica, stage=s.stage, node=s.node, predicted_ms=round(want, 4), measured_ms=round(got, 4),
+            ratio=round(got / want, 4), step_ms=round(wall, 4) if wall is not None else None,
+            wait_ms=round(max(0.0, wall - got), 4) if wall is not None else None,
+            predicted_wait_ms=round(max(0.0, 1e3 * plan.estimate.step_time_s - want), 4)))
     step_pred = plan.estimate.step_time_s
     step_meas = None
     if outcome.tokens_per_s:
@@ -70,11 +79,19 @@ def compare(plan: Plan, outcome: AttemptOutcome, attempt: int) -> Measured | Non
                     step_s_measured=round(step_meas, 6) if step_meas else None, step_ratio=ratio, stages=stages)
 
 
-def node_factors(measured: Measured) -> dict[str, float]:
-    """Per node, predicted ÷ measured compute (1/ratio), averaged over the node's stages."""
+def node_factors(measured: Measured, sends_ms: dict[tuple[int, int], float] | None = None) -> dict[str, float]:
+    """Per node, predicted ÷ measured compute (1/ratio), averaged over the node's stages.
+
+    ``sends_ms``: per (replica, stage), the part of the predicted figure that was the
+    stage's sends (``est_ms`` holds them; the heartbeats' compute does not), taken off
+    before comparing, so that a node's speed is compute against compute.
+    """
     per: dict[str, list[float]] = {}
     for s in measured.stages:
-        if s.ratio > 0:
+        want = s.predicted_ms - (sends_ms or {}).get((s.replica, s.stage), 0.0)
+        if s.measured_ms > 0 and want > 0:
+            per.setdefault(s.node, []).append(want / s.measured_ms)
+        elif s.ratio > 0:
             per.setdefault(s.node, []).append(1.0 / s.ratio)
     return {n: statistics.fmean(v) for n, v in per.items()}
 
@@ -108,5 +125,16 @@ def calibrate(run_dir: str | Path) -> Calibration:
         except HetctlError as e:
             raise ConfigError(f"cannot calibrate run {run.run_id}: {e.message}",
                               "keep the cluster file the run was planned from, or pass it with --cluster") from None
-    factors = node_factors(measured)
-    return Calibration(run.run_id, measured.attempt, plan, with_speeds(cluster, factors), factors)
+    factors = node_factors(measured, sends_per_step(plan, cluster))
+    fit = fit_links(plan, measured, cluster)
+    return Calibration(run.run_id, measured.attempt, plan, with_links(with_speeds(cluster, factors), fit), factors, fit)
+
+
+def with_links(cluster: Cluster, fit: LinkFit) -> Cluster:
+    """The cluster with the fitted links, in place of earlier calibrated ones between the same nodes."""
+    new = fit.links()
+    if not new:
+        return cluster
+    pairs = {(lk.src, lk.dst) for lk in new}
+    kept = [lk for lk in cluster.links if not (lk.method == "calibrated" and (lk.src, lk.dst) in pairs)]
+    return cluster.model_copy(update={"links": kept + new})

@@ -145,11 +145,14 @@ class Link(_Strict):
     src: str = Field(description="the sending node")
     dst: str = Field(description="the receiving node")
     address: str = Field(description="what src dialled: dst's address as ranks reach it (MASTER_ADDR's rule)")
-    method: str = Field(default="tcp", description="tcp: parallel stdlib TCP streams for a fixed short time")
+    method: str = Field(default="tcp", description="tcp: parallel stdlib TCP streams for a fixed short time; "
+                        "calibrated: fitted by `plan --calibrate` from a run's measured step (latency_ms set)")
     streams: int = Field(default=1, ge=0, le=1024)
     seconds: float | None = Field(default=None, ge=0, description="how long the measured bytes took to arrive")
     measured_gbps: fields.Amount | None = Field(default=None, description="what arrived at dst, Gb/s")
     rtt_ms: fields.Amount | None = Field(default=None, description="median one-byte round trip")
+    latency_ms: fields.Amount | None = Field(
+        default=None, description="calibrated: fixed cost of one point-to-point message as the run paid it, ms")
     declared_gbps: fields.Amount | None = Field(
         default=None, description="the slower end's fastest NIC as the collector read it; null when unknown")
     error: str | None = Field(default=None, description="why nothing was measured (refused, unreachable, timed out)")

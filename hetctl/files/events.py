@@ -330,6 +330,9 @@ class StageMeasured:
     predicted_ms: float
     measured_ms: float
     ratio: float  # measured ÷ predicted
+    step_ms: float | None = None  # the same heartbeats' whole step: measured_ms plus the waits on peers
+    wait_ms: float | None = None  # step_ms − measured_ms: blocked on messages and the bubble
+    predicted_wait_ms: float | None = None  # the plan's step less this stage's predicted compute
 
 
 @dataclass(frozen=True)
@@ -338,8 +341,9 @@ class Measured(Event):
 
     Stage times are compute only (heartbeat ``compute_ms``: the step minus the waits
     on pipeline peers) against the plan's ``est_ms`` × micro-batches; the step time
-    is the run's tokens/s against the plan's simulated step. ``hetctl plan --calibrate``
-    fits per-node speeds from the stages.
+    is the run's tokens/s against the plan's simulated step. ``step_ms`` / ``wait_ms``: the
+    same heartbeats' whole step and its waits (absent where the rank reported no compute).
+    ``hetctl plan --calibrate`` fits per-node speeds from the stages and the links from the waits.
     """
 
     kind: ClassVar[str] = "measured"

@@ -129,6 +129,7 @@ class Monitor:
         for r in sorted(plan.ranks, key=lambda r: r.rank):
             self.rep.setdefault((r.replica, r.stage), r.rank)
         self.stage_ms: dict[tuple[int, int], list[float]] = defaultdict(list)  # [n, sum] after the first step
+        self.stage_wall: dict[tuple[int, int], list[float]] = defaultdict(list)  # [n, sum of step_ms], same steps
         self.loss_span: dict[int, list[tuple[int, float]]] = {}  # replica → [(first step, loss), (last, loss)]
         self.walls: dict[int, list[tuple[int, float]]] = {}  # rank → [(first step, hb time), (last, time)]
         self.reported_tps: dict[int, float] = {}  # last-stage rank → tokens/s from its final heartbeat
@@ -279,6 +280,9 @@ class Monitor:
             else:
                 acc[0] += 1
                 acc[1] += float(ms)
+                if hb.get("compute_ms") is not None and hb.get("step_ms") is not None:
+                    wall = self.stage_wall[key] or [0, 0.0]
+                    self.stage_wall[key] = [wall[0] + 1, wall[1] + float(hb["step_ms"])]
             if self.on_progress is not None:
                 for f in self.on_progress({key: float(ms)}) or []:
                     self._fail(f)
@@ -396,6 +400,7 @@ class Monitor:
             final_loss=span[1][1] if span else None,
             tokens_per_s=self.tokens_per_s(),
             stage_step_ms={k: acc[1] / acc[0] for k, acc in self.stage_ms.items() if acc and acc[0]},
+            stage_wall_ms={k: acc[1] / acc[0] for k, acc in self.stage_wall.items() if acc and acc[0]},
         )
 
     def tokens_per_s(self) -> float | None:

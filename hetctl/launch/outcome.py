@@ -72,6 +72,8 @@ class AttemptOutcome:
     first_loss: float | None = None
     tokens_per_s: float | None = None
     stage_step_ms: dict[tuple[int, int], float] = field(default_factory=dict)
+    # The same heartbeats' whole step (compute plus the waits on peers), where the rank reported both.
+    stage_wall_ms: dict[tuple[int, int], float] = field(default_factory=dict)
     stopped_at: float | None = None  # unix time every agent had stopped its ranks (recovery timing)
 
     @property

@@ -23,6 +23,8 @@ Assumptions, stated once:
   reduce-scatter of fp32 gradients and all-gather of 16-bit weights
   (``(d−1)/d · 6`` bytes per parameter; an fp32 all-reduce moves
   ``2(d−1)/d · 4``) over the node's network, shared by the chips of the node.
+  Where the links were calibrated (``plan --calibrate``), each layer's (and the
+  embedding's and head's) all-reduce also pays ``2(d−1)`` fitted message costs.
 """
 
 from __future__ import annotations
@@ -151,6 +153,9 @@ def stage_type(kind: Kind, tp: int, work: Workload, dp: int, tp_vocab: bool = Tr
     if kind.tcp_gbs and (len(vendors) > 1 or stage_backend(vendors[0]) == "gloo"):
         sync_bw = kind.tcp_gbs * GB / kind.max_group()  # gloo's TCP path, as measured (see link_seconds)
     per_param = sync_bytes / sync_bw / tp  # seconds per parameter of the stage
+    # A calibrated per-message cost (plan --calibrate: what a message cost on these very nodes) bounds
+    # each of a ring's 2(d−1) steps; the reference trainer reduces unit by unit (each layer, embedding, head).
+    unit = 2 * (dp - 1) * kind.link_latency_s if dp > 1 and kind.link_latency_s is not None else 0.0
     limit = kind.memory_gb * GB
     return StageType(
         kind=kind, tp=tp,
@@ -161,14 +166,15 @@ def stage_type(kind: Kind, tp: int, work: Workload, dp: int, tp_vocab: bool = Tr
         mem_first=c.embed_params / vt * state, act_first=act_bytes / vt,
         mem_last=c.head_params / vt * state + work.tokens * c.vocab * 4.0 / vt,
         reserve=0.05 * limit + (0.5 if vendors == ("cpu",) else 1.5) * GB, limit=limit,
-        sync_layer=per_param * c.layer_params, sync_first=per_param * c.embed_params * tp / vt,
-        sync_last=per_param * c.head_params * tp / vt, sync_fixed=3e-5 * dp if dp > 1 else 0.0,
+        sync_layer=per_param * c.layer_params + unit, sync_first=per_param * c.embed_params * tp / vt + unit,
+        sync_last=per_param * c.head_params * tp / vt + unit, sync_fixed=3e-5 * dp if dp > 1 else 0.0,
         flops=rate, vocab_split=vt,
     )
 
 
 def link_seconds(nbytes: float, vendor_a: str, vendor_b: str, same_node: bool,
-                 nic_gbs: float, cross_switch: bool = False, tcp_gbs: float | None = None) -> float:
+                 nic_gbs: float, cross_switch: bool = False, tcp_gbs: float | None = None,
+                 latency_s: float | None = None) -> float:
     """Seconds to move ``nbytes`` of activations between two stages.
 
     Same node and vendor: the vendor's chip-to-chip link. Same vendor across
@@ -178,7 +184,9 @@ def link_seconds(nbytes: float, vendor_a: str, vendor_b: str, same_node: bool,
     the measured TCP rate of its two nodes (``tcp_gbs``, GB/s, from ``probe
     --bench``'s link ring) when there is one, in place of the NIC's line rate
     times gloo's assumed efficiency; the vendor libraries' RDMA paths are not
-    what a TCP stream measures, so those keep the NIC figure.
+    what a TCP stream measures, so those keep the NIC figure. ``latency_s``: a
+    calibrated per-message cost across nodes (``plan --calibrate``), in place of the
+    assumed one.
     """
     if same_node:
         if vendor_a == vendor_b:
@@ -186,11 +194,12 @@ def link_seconds(nbytes: float, vendor_a: str, vendor_b: str, same_node: bool,
         return 5e-5 + nbytes / (VENDOR_TABLE["cpu"].intra_node_gbs * GB)
     bw = nic_gbs * GB * (0.5 if cross_switch else 1.0)
     gloo = link_backend(vendor_a, vendor_b) == "gloo"
+    lat = latency_s if latency_s is not None else (1e-4 if vendor_a != vendor_b else 3e-5)
     if gloo and tcp_gbs:
-        return (1e-4 if vendor_a != vendor_b else 3e-5) + nbytes / (tcp_gbs * GB)
+        return lat + nbytes / (tcp_gbs * GB)
     if vendor_a != vendor_b:
-        return 1e-4 + nbytes / (bw * GLOO_EFFICIENCY)
-    return 3e-5 + nbytes / bw
+        return lat + nbytes / (bw * GLOO_EFFICIENCY)
+    return lat + nbytes / bw
 
 
 def link(a: Group, b: Group, precision: str, work: Workload) -> tuple[float, str]:
@@ -198,8 +207,15 @@ def link(a: Group, b: Group, precision: str, work: Workload) -> tuple[float, str
     nbytes = work.tokens * work.cost.hidden * elem_bytes(precision)
     cross = bool(a.switch and b.switch and a.switch != b.switch)
     tcp = min(a.tcp_gbs, b.tcp_gbs) if a.tcp_gbs and b.tcp_gbs else None
-    secs = link_seconds(nbytes, a.vendor, b.vendor, a.node == b.node, min(a.nic_gbs, b.nic_gbs), cross, tcp)
+    secs = link_seconds(nbytes, a.vendor, b.vendor, a.node == b.node, min(a.nic_gbs, b.nic_gbs), cross, tcp,
+                        _latency(a, b))
     return secs, link_backend(a.vendor, b.vendor)
+
+
+def _latency(a, b) -> float | None:
+    """The calibrated per-message latency of a hop: the larger of its two ends' (None: neither calibrated)."""
+    lats = [x.link_latency_s for x in (a, b) if x.link_latency_s is not None]
+    return max(lats) if lats else None
 
 
 def kind_link(a: StageType, b: StageType, same_node: bool, work: Workload) -> float:
@@ -207,4 +223,4 @@ def kind_link(a: StageType, b: StageType, same_node: bool, work: Workload) -> fl
     nbytes = work.tokens * work.cost.hidden * elem_bytes(a.kind.precision)
     tcp = min(a.kind.tcp_gbs, b.kind.tcp_gbs) if a.kind.tcp_gbs and b.kind.tcp_gbs else None
     return link_seconds(nbytes, a.kind.vendor, b.kind.vendor, same_node, min(a.kind.nic_gbs, b.kind.nic_gbs),
-                        tcp_gbs=tcp)
+                        tcp_gbs=tcp, latency_s=_latency(a.kind, b.kind))

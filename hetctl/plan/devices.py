@@ -54,6 +54,7 @@ class Group:
     rack: str = ""
     sources: tuple[str, ...] = ()
     tcp_gbs: float | None = None  # GB/s: the slowest TCP link measured to or from the node (probe --bench)
+    link_latency_s: float | None = None  # per message, the slowest calibrated link of the node (plan --calibrate)
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ class Kind:
     nic_gbs: float
     groups: tuple[Group, ...]
     tcp_gbs: float | None = None  # the slowest measured TCP rate of its groups (None: some were not measured)
+    link_latency_s: float | None = None  # the largest calibrated message latency of its groups (None: none)
 
     @property
     def label(self) -> str:
@@ -195,7 +197,8 @@ def node_chips(node: NodeFacts) -> list[Chip]:
 _node_chips = node_chips  # the name hetctl.elastic.replan imports
 
 
-def node_groups(node: NodeFacts, use: ProfileUse | None = None, tcp_gbs: float | None = None) -> list[Group]:
+def node_groups(node: NodeFacts, use: ProfileUse | None = None, tcp_gbs: float | None = None,
+                latency_s: float | None = None) -> list[Group]:
     """Group one reachable node's chips by vendor and model (``use``: see :func:`chip_rate`).
 
     Raises:
@@ -227,19 +230,35 @@ def node_groups(node: NodeFacts, use: ProfileUse | None = None, tcp_gbs: float |
             chips=tuple(c.index for c in chips), tflops=min(rates), precision=prec,
             memory_gb=min(mems), nic_gbs=_nic_gbs(node),
             switch=str(node.labels.get("switch", "")), rack=str(node.labels.get("rack", "")),
-            sources=tuple(sorted(sources)), tcp_gbs=tcp_gbs,
+            sources=tuple(sorted(sources)), tcp_gbs=tcp_gbs, link_latency_s=latency_s,
         ))
     return groups
 
 
 def measured_tcp(cluster: Cluster) -> dict[str, float]:
-    """Node → GB/s of the slowest TCP link measured to or from it (``probe --bench``'s ring)."""
+    """Node → GB/s of the slowest TCP link measured to or from it (``probe --bench``'s ring).
+
+    A node with ``calibrated`` links (``plan --calibrate``: what a run's messages really
+    took) gets the slowest of those instead: they measured the path the plan used.
+    """
+    out: dict[str, float] = {}
+    calibrated: dict[str, float] = {}
+    for lk in cluster.links:
+        if lk.method not in ("tcp", "calibrated") or not lk.measured_gbps:
+            continue
+        into = calibrated if lk.method == "calibrated" else out
+        for name in (lk.src, lk.dst):
+            into[name] = min(into.get(name, float("inf")), float(lk.measured_gbps) / 8.0)
+    return {**out, **calibrated}
+
+
+def calibrated_latency(cluster: Cluster) -> dict[str, float]:
+    """Node → seconds: the largest per-message latency of the calibrated links to or from it."""
     out: dict[str, float] = {}
     for lk in cluster.links:
-        if lk.method != "tcp" or not lk.measured_gbps:
-            continue
-        for name in (lk.src, lk.dst):
-            out[name] = min(out.get(name, float("inf")), float(lk.measured_gbps) / 8.0)
+        if lk.method == "calibrated" and lk.latency_ms is not None:
+            for name in (lk.src, lk.dst):
+                out[name] = max(out.get(name, 0.0), float(lk.latency_ms) / 1e3)
     return out
 
 
@@ -251,12 +270,12 @@ def collect(cluster: Cluster, use: ProfileUse | None = None) -> Devices:
     """
     notes: list[str] = []
     groups: list[Group] = []
-    tcp = measured_tcp(cluster)
+    tcp, lat = measured_tcp(cluster), calibrated_latency(cluster)
     for node in cluster.nodes:
         if not node.reachable:
             notes.append(f"node {node.name} left out: unreachable ({node.error or 'no reason recorded'})")
             continue
-        groups.extend(node_groups(node, use, tcp.get(node.name)))
+        groups.extend(node_groups(node, use, tcp.get(node.name), lat.get(node.name)))
     return Devices(kinds=make_kinds(groups), notes=notes)
 
 
@@ -296,12 +315,18 @@ def _kind(kid: int, groups: list[Group]) -> Kind:
         id=kid, vendor=first.vendor, model=first.model, precision=first.precision,
         tflops=min(g.tflops for g in groups), memory_gb=min(g.memory_gb for g in groups),
         nic_gbs=min(g.nic_gbs for g in groups), groups=ordered, tcp_gbs=_min_tcp(groups),
+        link_latency_s=_max_latency(groups),
     )
 
 
 def _min_tcp(groups) -> float | None:
     rates = [g.tcp_gbs for g in groups]
     return None if any(r is None for r in rates) else min(rates)
+
+
+def _max_latency(items) -> float | None:
+    lats = [x.link_latency_s for x in items if x.link_latency_s is not None]
+    return max(lats) if lats else None
 
 
 def merge(kinds: list[Kind]) -> Kind:
@@ -319,7 +344,7 @@ def merge(kinds: list[Kind]) -> Kind:
         precision=max((k.precision for k in kinds), key=order.index),
         tflops=min(k.tflops for k in kinds), memory_gb=min(k.memory_gb for k in kinds),
         nic_gbs=min(k.nic_gbs for k in kinds), groups=tuple(g for k in kinds for g in k.groups),
-        tcp_gbs=_min_tcp(kinds),
+        tcp_gbs=_min_tcp(kinds), link_latency_s=_max_latency(kinds),
     )
 
 

@@ -109,8 +109,13 @@ def explain(plan: Plan, lay: Layout, devices: Devices, found: Found, homog, toke
         lines.append("links: " + ", ".join(f"{a}→{b} over {be}" for a, b, be in links))
     tcp = sorted({(g.node, g.tcp_gbs) for st in lay.types for g in st.kind.groups if g.tcp_gbs})
     if tcp:
-        lines.append("gloo across nodes is costed at the TCP rate measured by probe --bench (slowest link of each "
-                     "node): " + ", ".join(f"{n} {8 * r:.3g} Gb/s" for n, r in tcp))
+        lines.append("gloo across nodes is costed at the TCP rate measured by probe --bench or fitted by "
+                     "plan --calibrate (slowest link of each node): " + ", ".join(f"{n} {8 * r:.3g} Gb/s" for n, r in tcp))
+    lat = sorted({(g.node, g.link_latency_s) for st in lay.types for g in st.kind.groups
+                  if g.link_latency_s is not None})
+    if lat:
+        lines.append("links calibrated by plan --calibrate (per-message latency fitted to a run's measured step; "
+                     "slowest link of each node): " + ", ".join(f"{n} {1e3 * x:.3g} ms" for n, x in lat))
     mixed = [s for s, st in enumerate(lay.types) if len(st.kind.vendors) > 1 or st.kind.id < 0]
     if mixed:
         lines.append(f"stage position(s) {', '.join(map(str, mixed))} run on different chip kinds in different "

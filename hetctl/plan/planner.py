@@ -122,6 +122,9 @@ def _hetero(plan: Plan, lay: Layout, spec: ModelSpec, work: Workload, devices: D
         # On CPU "chips" gloo's reduction runs on the very cores that compute (and, under a quota, as
         # slowly): the all-reduce model does not cover that. Measured by bench/hetero_cpu.py (4:2:1
         # quotas): three uneven replicas predicted 2,390 tokens/s and ran at 1,369, below the pipeline.
+        # Tried again with calibrated links (each all-reduce ring step charged the fitted per-message
+        # cost; 24 layers, batch 64): the chosen b→c pipeline beside node-a alone predicted 545 tokens/s
+        # and ran at 471, then 441 after a second calibration, while the plain pipeline ran at 515.
         return plan
     search = HeteroSearch(devices.kinds, spec, work, framework)
     hl = search.run()
