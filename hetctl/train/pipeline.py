@@ -107,27 +107,6 @@ class Comm:
         wait, self.wait_s = self.wait_s, 0.0
         return wait
 
-    def all_reduce_grads(self, units: nn.ModuleDict) -> None:
-        """Sum gradients over each unit's data-parallel group (its holders in every replica), in unit order.
-
-        Unit order is one total order on every rank, so replicas of different shape, whose units sit at
-        different stages, cannot deadlock: each group's members reach its all-reduces in the same order.
-        """
-        if not self.groups:
-            return
-        t0 = time.perf_counter()
-        for name, unit in units.items():
-            group, lib = self.groups[name]
-            grads = [p.grad for p in unit.parameters()]
-            flat = self._wire(lib, torch.cat([g.reshape(-1) for g in grads]))
-            dist.all_reduce(flat, group=group)
-            flat = flat.to(self.device)
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
-        self.wait_s += time.perf_counter() - t0
-
     def all_reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Sum the last stages' loss shares over the replicas (a no-op without data parallelism)."""
         if "head" not in self.groups:
