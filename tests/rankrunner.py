@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -55,9 +54,10 @@ def tiny_plan(split: list[int], dp: int = 1, micro_batch: int = 2, micro_batches
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port for a rendezvous, below the ephemeral range (as hetctl's pre-flight picks one)."""
+    from hetctl.node.preflight import rendezvous_port
+
+    return rendezvous_port()
 
 
 class Ranks:

@@ -319,3 +319,18 @@ def test_output_without_newlines_keeps_the_agent_small(agent, tmp_path):
     assert (tmp_path / "logs" / "rank-0.log").stat().st_size == 100 * (1 << 20)  # the node's log keeps it all
     a.send({"cmd": "stop"})
     a.wait_for(lambda e: e["ev"] == "stopped")
+
+
+def test_the_rendezvous_port_is_free_and_below_the_ephemeral_range():
+    """The pre-flight's (and a kept agent's) rendezvous port: one that no outgoing connection on the node can
+    take as its source port before rank 0 binds it (a port-0 pick is ephemeral, and lost that race under load)."""
+    import socket
+
+    from hetctl.node.preflight import rendezvous_port
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = {rendezvous_port() for _ in range(20)}
+    assert all(1024 <= p < low for p in ports), ports
+    assert len(ports) > 1  # picked at random, not one fixed port every run and node shares
+    with socket.socket() as s:
+        s.bind(("", ports.pop()))  # free when picked

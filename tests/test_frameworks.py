@@ -21,7 +21,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -62,9 +61,10 @@ def a100s(nodes: int, chips: int) -> list:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port for a rendezvous, below the ephemeral range (as hetctl's pre-flight picks one)."""
+    from hetctl.node.preflight import rendezvous_port
+
+    return rendezvous_port()
 
 
 def run_plan(tmp_path: Path, plan: Plan, env: dict[str, str], args: list[str]) -> dict[int, dict]:

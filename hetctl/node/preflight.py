@@ -118,11 +118,39 @@ def main(argv: list) -> dict:
             pass
     r["versions"] = versions
     if argv[1] == "1":
-        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        s.bind(("", 0))
-        r["port"] = s.getsockname()[1]
-        s.close()
+        r["port"] = rendezvous_port()
     return r
+
+
+def rendezvous_port() -> int:
+    """A free TCP port for a rendezvous, taken below the kernel's ephemeral range where there is room.
+
+    A port found by binding port 0 is an ephemeral one: between this pick and rank 0's bind, any
+    outgoing connection on the node (gloo's, a store client's, another job's) may get it as its
+    source port, and rank 0 then fails with EADDRINUSE. Ports below ``ip_local_port_range`` are
+    never handed out that way (torchrun's default 29500 is one of them). Checked free by binding
+    it; port 0's answer where no such port is free.
+    """
+    import random
+
+    low = 32768
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    start = max(1024, low - 8192)
+    for _ in range(64 if low - start >= 256 else 0):
+        port = random.randrange(start, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
 
 
 def missing(pairs: list) -> list:

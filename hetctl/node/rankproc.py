@@ -12,7 +12,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -171,10 +170,10 @@ class RankProc:
 
 
 def free_port() -> int:
-    """A free TCP port on this node for the next rendezvous (as the pre-flight picks one)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
+    """A free TCP port on this node for the next rendezvous, picked as the pre-flight picks one."""
+    from hetctl.node.preflight import rendezvous_port
+
+    return rendezvous_port()
 
 
 def oom_kills() -> int:
