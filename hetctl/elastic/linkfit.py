@@ -83,6 +83,21 @@ class LinkFit:
                 + ", ".join(f"{a}→{b} {1e3 * x:.3g} ms/message (latency {1e3 * lat:.3g} ms)" for a, b, x, lat in pairs))
 
 
+def _node_groups(cluster: Cluster) -> dict[str, list[Group]]:
+    """The planner's chip groups of each node (what :func:`hetctl.plan.costmodel.link` prices a hop between)."""
+    groups: dict[str, list[Group]] = {}
+    for k in collect(cluster).kinds:
+        for g in k.groups:
+            groups.setdefault(g.node, []).append(g)
+    return groups
+
+
+def _workload(plan: Plan) -> Workload:
+    """The plan's model and batch as the cost model takes them."""
+    return Workload(cost=model_cost(plan.model), micro_batch=plan.parallel.micro_batch,
+                    global_batch=plan.parallel.global_batch)
+
+
 def _group(groups: dict[str, list[Group]], s: Stage) -> Group | None:
     mine = groups.get(s.node, [])
     return next((g for g in mine if (g.vendor, g.model) == (s.vendor, s.model)), mine[0] if mine else None)
@@ -113,12 +128,7 @@ def fit_links(plan: Plan, measured: Measured, cluster: Cluster) -> LinkFit:
     if sorted(got) != list(range(pp)):
         return LinkFit([], reason="not every stage was measured")
     comp = [max(0.0, sum(v) / len(v) / m / 1e3) for _, v in sorted(got.items())]
-    groups: dict[str, list[Group]] = {}
-    for k in collect(cluster).kinds:
-        for g in k.groups:
-            groups.setdefault(g.node, []).append(g)
-    work = Workload(cost=model_cost(plan.model), micro_batch=plan.parallel.micro_batch,
-                    global_batch=plan.parallel.global_batch)
+    groups, work = _node_groups(cluster), _workload(plan)
     bare = dataclasses.replace(work, micro_batch=0)  # a message of no bytes: the latency part alone
     chains = [plan.stages_of(r) for r in range(plan.parallel.dp)]
     modeled: list[list[tuple[float, float, bool]]] = []  # per replica, per hop: cost, latency part, across nodes
@@ -186,12 +196,7 @@ def _predicted_makespan(plan: Plan, hops: list[float], m: int) -> float:
 
 def sends_per_step(plan: Plan, cluster: Cluster) -> dict[tuple[int, int], float]:
     """Per (replica, stage), ms per step of the sends the plan's ``est_ms`` counted (empty where unknown)."""
-    groups: dict[str, list[Group]] = {}
-    for k in collect(cluster).kinds:
-        for g in k.groups:
-            groups.setdefault(g.node, []).append(g)
-    work = Workload(cost=model_cost(plan.model), micro_batch=plan.parallel.micro_batch,
-                    global_batch=plan.parallel.global_batch)
+    groups, work = _node_groups(cluster), _workload(plan)
     out: dict[tuple[int, int], float] = {}
     for r in range(plan.parallel.dp):
         chain, m = plan.stages_of(r), plan.micro_batches_of(r)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -79,18 +79,33 @@ class Block(nn.Module):
         self.down = nn.Linear(spec["ffn_hidden_size"], h, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, h = x.shape
-        y = self.attn_norm(x)
-        q = self.q(y).view(b, s, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k(y).view(b, s, self.groups, self.head_dim).transpose(1, 2)
-        v = self.v(y).view(b, s, self.groups, self.head_dim).transpose(1, 2)
-        if self.groups != self.heads:
-            rep = self.heads // self.groups
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.o(a.transpose(1, 2).reshape(b, s, h))
-        y = self.mlp_norm(x)
-        return x + self.down(F.silu(self.gate(y)) * self.up(y))
+        return block_forward(self, x)
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def block_forward(blk: nn.Module, x: torch.Tensor, into: Callable[[torch.Tensor], torch.Tensor] = _same,
+                  out: Callable[[torch.Tensor], torch.Tensor] = _same) -> torch.Tensor:
+    """A block's forward pass: :class:`Block`'s, and a TP rank's share of it (:class:`hetctl.train.tensor.ParallelBlock`).
+
+    ``blk`` holds ``heads``, ``groups`` and ``head_dim`` (its own heads: all, or one TP rank's) and the
+    layers; ``into`` is applied to each normed input before the projections, ``out`` to the attention
+    and MLP outputs before they are added back (identity here; the TP group's copy and reduce there).
+    """
+    b, s, _ = x.shape
+    y = into(blk.attn_norm(x))
+    q = blk.q(y).view(b, s, blk.heads, blk.head_dim).transpose(1, 2)
+    k = blk.k(y).view(b, s, blk.groups, blk.head_dim).transpose(1, 2)
+    v = blk.v(y).view(b, s, blk.groups, blk.head_dim).transpose(1, 2)
+    if blk.groups != blk.heads:
+        rep = blk.heads // blk.groups
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    x = x + out(blk.o(a.transpose(1, 2).reshape(b, s, -1)))
+    y = into(blk.mlp_norm(x))
+    return x + out(blk.down(F.silu(blk.gate(y)) * blk.up(y)))
 
 
 class Head(nn.Module):

@@ -35,7 +35,6 @@ from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 # Parameter name inside a block → the dimension its shards split (0: column-parallel rows, 1: row-parallel columns).
@@ -140,18 +139,9 @@ class ParallelBlock(nn.Module):
         self.down = nn.Linear(ffn, h, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        y = CopyToTP.apply(self.attn_norm(x), self.tg)
-        q = self.q(y).view(b, s, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k(y).view(b, s, self.groups, self.head_dim).transpose(1, 2)
-        v = self.v(y).view(b, s, self.groups, self.head_dim).transpose(1, 2)
-        if self.groups != self.heads:
-            rep = self.heads // self.groups
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + ReduceFromTP.apply(self.o(a.transpose(1, 2).reshape(b, s, -1)), self.tg)
-        y = CopyToTP.apply(self.mlp_norm(x), self.tg)
-        return x + ReduceFromTP.apply(self.down(F.silu(self.gate(y)) * self.up(y)), self.tg)
+        from hetctl.train.model import block_forward
+
+        return block_forward(self, x, lambda t: CopyToTP.apply(t, self.tg), lambda t: ReduceFromTP.apply(t, self.tg))
 
 
 def is_block(unit: str) -> bool:
