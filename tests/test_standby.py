@@ -152,7 +152,13 @@ def test_kill9_hands_every_rank_to_its_spare_and_matches_bit_for_bit(site, refer
     assert {e["rank"]: e["pid"] for e in used} == spares
     rec = r.events("recovery")
     assert len(rec) == 1 and rec[0]["standby"] == 2 and rec[0]["cold"] == 0, r.story()
-    assert rec[0]["first_step_s"] is not None and rec[0]["steps_lost"] >= 1
+    assert rec[0]["first_step_s"] is not None
+    # the steps lost are the resume point's own count (0 is right when the kill lands on a checkpoint or
+    # the survivors' just-in-time state is used): the recovery event repeats it, never a guess of its own
+    src = r.events("resume_source")
+    assert len(src) == 1 and rec[0]["steps_lost_from"] == "resume_source event", r.story()
+    assert rec[0]["steps_lost"] == src[0]["steps_lost"] == max(0, src[0]["last_step"] - (src[0]["resume_step"] or 0))
+    assert rec[0]["resume_step"] == (src[0]["resume_step"] or 0)
     assert summary["recoveries"] and summary["recoveries"][0]["attempt"] == 1
     assert gone(r.run_id) == []  # spares included: nothing of the run is left
 
