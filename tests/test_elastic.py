@@ -150,7 +150,9 @@ def test_a_rebalance_replans_with_measured_speeds_and_reports_the_speedup(site):
     events = {e["kind"]: e for e in read_events(prep.run.events_path)}
     assert events["replan"]["measured"] is True
     # speed = (best measured/planned ratio) / (this node's ratio): the slow node ran 4x its peers' ms
-    planned = {(s.replica, s.stage): s.est_ms for s in before.stages}
+    # (planned: the plan's compute per step, sends left out, the unit the heartbeats measure)
+    planned = {(s.replica, s.stage): s.compute_ms * before.micro_batches_of(s.replica) for s in before.stages}
+    assert all(s.compute_ms < s.est_ms for s in before.stages)  # a 3-stage pipeline: every stage sends
     ratio = {k: ms / planned[k] for k, ms in {(0, 0): 100.0, (0, 1): 400.0, (0, 2): 100.0}.items()}
     assert events["replan_layout"]["speed_factors"][slow] == pytest.approx(min(ratio.values()) / ratio[(0, 1)],
                                                                            abs=1e-3)
@@ -226,7 +228,7 @@ def test_every_attempt_that_trained_is_compared_with_its_plan(site):
     tmp_path, plan, _ = site
     prep = prepared(site)
     m = plan.parallel.micro_batches
-    measured_ms = {(s.replica, s.stage): s.est_ms * m * (2.0 + s.stage) for s in plan.stages}  # 2x, 3x, 4x the plan
+    measured_ms = {(s.replica, s.stage): s.compute_ms * m * (2.0 + s.stage) for s in plan.stages}  # 2x, 3x, 4x
     tokens = plan.parallel.global_batch * plan.model.seq_len
     step_s = plan.estimate.step_time_s * 5.0
 
@@ -254,8 +256,9 @@ def test_calibrate_plans_on_the_measured_speeds(site):
     from hetctl.elastic.linkfit import sends_per_step
 
     sends = sends_per_step(plan, cpu_cluster("a", "b", "c"))  # est_ms holds them, a heartbeat's compute does not
-    measured_ms = {(s.replica, s.stage): (s.est_ms * m - sends[(s.replica, s.stage)]) * (4.0 if s.node == slow else 1.0)
-                   for s in plan.stages}
+    for s in plan.stages:  # the plan's compute_ms is exactly its est_ms less the sends the cost model put in it
+        assert s.compute_ms * m == pytest.approx(s.est_ms * m - sends[(s.replica, s.stage)], rel=1e-3, abs=1e-3)
+    measured_ms = {(s.replica, s.stage): s.compute_ms * m * (4.0 if s.node == slow else 1.0) for s in plan.stages}
     ElasticRun(prep, attempt_fn=Script(ok(stage_ms=measured_ms))).run()
     # the run's plan points at the site's cluster file, as `hetctl plan` writes it
     r = subprocess.run([sys.executable, "-m", "hetctl", "plan", "--calibrate", str(prep.run.path), "-o", "plan2",
@@ -313,3 +316,33 @@ def test_report_draws_the_planned_and_the_measured_timeline(site):
     assert f"slowest stage as measured: <b>{slow.stage}: {slow.node}" in page
     assert "<script>" not in page and "b&lt;script&gt;" in page
     assert "rank_failed" in page or "restart" in page
+
+
+def test_a_warm_spare_importing_holds_the_straggler_watch_until_it_is_ready(site):
+    """The loop's listener: standby ``importing`` (any attempt's spare) holds the running attempt's watch;
+    its ``ready`` releases it, and only then is a slow stage judged."""
+    from hetctl.files.events import Standby
+
+    tmp_path, plan, _ = site
+    prep = prepared(site, straggler_window=2, straggler_patience=2)
+    slow = plan.stages[1]
+    timings = {(s.replica, s.stage): plan.compute_ms_per_step(s) * (3.0 if s is slow else 1.0) for s in plan.stages}
+    seen: dict[str, int] = {}
+
+    def attempt(req, **kw):
+        events, hook = kw["events"], kw["on_progress"]
+        events.emit(Standby(attempt=req.attempt, node=slow.node, rank=1, state="importing", pid=4242))
+        for _ in range(8):
+            hook(timings)
+        seen["while_importing"] = len([e for e in read_events(prep.run.events_path) if e["kind"] == "straggler"])
+        events.emit(Standby(attempt=req.attempt, node=slow.node, rank=1, state="ready", pid=4242))
+        for _ in range(3):
+            hook(timings)
+        return ok()(req)
+
+    ElasticRun(prep, attempt_fn=attempt).run()
+    found = [e for e in read_events(prep.run.events_path) if e["kind"] == "straggler"]
+    assert seen["while_importing"] == 0
+    assert [(e["node"], e["stage"]) for e in found] == [(slow.node, slow.stage)]
+    assert found[0]["planned_ms"] == pytest.approx(plan.compute_ms_per_step(slow), abs=1e-3)  # ms a step, as measured
+    assert found[0]["measured_ms"] == pytest.approx(3.0 * found[0]["planned_ms"], rel=1e-3)

@@ -21,6 +21,7 @@ import psutil
 import pytest
 import yaml
 
+from hetctl.files.cluster import Cluster
 from hetctl.files.plan import Plan
 from hetctl.node.manifest import latest_valid, steps as checkpoint_steps, validate
 from hetctl.files.events import read_events
@@ -216,7 +217,7 @@ def test_broken_node_is_a_clear_error_before_anything_starts(cluster, site, tmp_
 
 
 def test_demo_runs_the_whole_flow_on_this_machine(tmp_path):
-    """``hetctl demo``: local inventory → probe → plan tiny (node-a twice as fast) → launch → summary."""
+    """``hetctl demo``: local inventory → probe with the tiny layer profile → plan tiny from it → launch → summary."""
     (tmp_path / "home" / ".ssh").mkdir(parents=True)
     r = hetctl(tmp_path, "demo", "--dir", "demo", "--steps", "12", "--checkpoint-every", "6", "--no-inject-failure",
                "--json")
@@ -227,8 +228,16 @@ def test_demo_runs_the_whole_flow_on_this_machine(tmp_path):
     assert Path(summary["run_dir"]).parent == tmp_path / "demo" / "runs"
     plan = load_model(tmp_path / "demo" / "plan" / "plan.yaml", Plan)
     layers = {s.node: s.layers[1] - s.layers[0] for s in plan.stages}
-    assert set(layers) == {"node-a", "node-b", "node-c"}
-    assert layers["node-a"] > max(layers["node-b"], layers["node-c"])  # twice the TFLOPS, more layers
+    assert set(layers) == {"node-a", "node-b", "node-c"} and sum(layers.values()) == plan.model.num_layers
+    # planned from what the probe measured: every node's chip has the tiny layer profile at the plan's shape,
+    # the explain lines say so, and the inventory claims no speed
+    cluster = load_model(tmp_path / "demo" / "cluster.yaml", Cluster)
+    for n in cluster.nodes:
+        prof = n.chips[0].profile
+        assert n.tflops_override is None and prof is not None and prof.model == "tiny", n
+        assert prof.matches(plan.model, plan.parallel.micro_batch, "fp32") and prof.layer_fwd_ms > 0
+    assert any("layer profile" in line for line in plan.notes), plan.notes
+    assert "tiny layer measured" in r.stderr
     assert sorted(p.name for p in (tmp_path / "demo" / "plan" / "nodes").iterdir()) == [
         "node-a.sh", "node-b.sh", "node-c.sh"]
     assert "1/3 probe" in r.stderr and "3/3 launch" in r.stderr and "launched 3 ranks" in r.stderr

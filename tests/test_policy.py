@@ -273,6 +273,28 @@ def test_watch_reports_once_after_persisting_and_again_only_after_recovery():
     assert [s.node for s in again] == ["b"]
 
 
+def test_watch_judges_nothing_while_held_and_starts_its_windows_again_after():
+    w = StragglerWatch({(0, 0): 1.0, (0, 1): 1.0}, {(0, 0): "a", (0, 1): "b"}, tolerance=0.3, window=2, patience=2)
+    spare_a, spare_b = ("spare", "a", 0, 11), ("spare", "b", 1, 12)
+    w.hold(spare_a)
+    w.hold(spare_b)
+    for _ in range(6):  # b twice as slow, but a spare imports beside it: nothing is judged
+        w.observe(0, 0, 10.0)
+        assert w.observe(0, 1, 20.0) == []
+    w.release(spare_a)
+    w.release(("spare", "b", 1, 99))  # another pid: not what is held
+    for _ in range(4):
+        w.observe(0, 0, 10.0)
+        assert w.observe(0, 1, 20.0) == []  # still held by b's spare
+    w.release(spare_b)
+    out = []
+    for _ in range(3):
+        w.observe(0, 0, 10.0)
+        out.append(w.observe(0, 1, 20.0))
+    # the windows start empty at the release: full after 2 rounds, then 2 flagged checks → the 3rd round reports
+    assert [bool(r) for r in out] == [False, False, True] and out[2][0].node == "b"
+
+
 def test_watch_blip_below_patience_is_not_reported():
     w = StragglerWatch({(0, 0): 1.0, (0, 1): 1.0}, {(0, 0): "a", (0, 1): "b"}, tolerance=0.3, window=1, patience=3)
     seq = [20, 20, 10, 20, 20, 10]

@@ -1,11 +1,13 @@
 """``hetctl demo``: the whole flow on this machine, for a first look.
 
-Three "nodes" with ``transport: local`` share this machine; their inventory gives
-them different ``tflops`` so the planner has something to balance (node-a is
-twice as fast and gets about twice the layers). Each step is the real one: the
-probe collector runs on every node, the planner plans the ``tiny`` preset with a
-3-stage pipeline (``plan/plan.yaml`` and ``plan/nodes/*.sh``), and the launch
-goes through the per-node agents.
+Three "nodes" with ``transport: local`` share this machine. Each step is the real
+one: the probe collector runs on every node and times the ``tiny`` model's layer
+there (a layer profile, as ``probe --model tiny``; the three take turns, since
+they share this machine's CPUs), the planner plans ``tiny`` as a 3-stage pipeline
+from those measured figures (``plan/plan.yaml`` and ``plan/nodes/*.sh``), and the
+launch goes through the per-node agents. The inventory claims no speeds: a claim
+the nodes do not live up to is what the straggler check reports, and a healthy
+demo has none; the run's summary compares its measured step with the plan's.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from hetctl.errors import ConfigError, RemoteError
 from hetctl.files.plan import Plan
 from hetctl.files.yamlio import dump_yaml, save_model, written_by
 
-DEMO_NODES = (("node-a", 2.0), ("node-b", 1.0), ("node-c", 1.0))
+DEMO_NODES = ("node-a", "node-b", "node-c")
+DEMO_MODEL = "tiny"
 
 
 def _written_by_demo(path: Path) -> bool:
@@ -37,11 +40,11 @@ def write_inventory(directory: str | Path) -> Path:
     inv = {
         "defaults": {"transport": "local", "python": sys.executable, "env": {"OMP_NUM_THREADS": "1"}},
         "checkpoint_dir": "checkpoints",
-        "nodes": [{"name": name, "host": "localhost", "workdir": f"nodes/{name}", "tflops": tf,
-                   "labels": {"demo": "true"}} for name, tf in DEMO_NODES],
+        "nodes": [{"name": name, "host": "localhost", "workdir": f"nodes/{name}", "labels": {"demo": "true"}}
+                  for name in DEMO_NODES],
     }
     path = d / "inventory.yaml"
-    header = "# written by `hetctl demo`: three nodes on this machine; node-a claims twice the speed\n"
+    header = "# written by `hetctl demo`: three nodes on this machine, their speeds measured by the probe\n"
     # A demo folder is one whose inventory the demo wrote; anywhere else, never overwrite a user's files.
     theirs = [path] if path.exists() and not _written_by_demo(path) else \
         [p for p in (d / "cluster.yaml", d / "plan" / "plan.yaml") if p.exists() and not path.exists()]
@@ -53,17 +56,25 @@ def write_inventory(directory: str | Path) -> Path:
 
 
 def probe_nodes(inventory_path: Path) -> tuple[Any, Any]:
-    """Load the demo inventory and probe it; every node must answer."""
+    """Load the demo inventory and probe it with the layer profile of ``tiny``; every node must answer
+    and be profiled (the plan is made from those figures)."""
     from hetctl.files.inventory import load_inventory
+    from hetctl.plan.models import load_model
+    from hetctl.probe.assemble import ProfileShape
     from hetctl.probe.gather import probe
 
     inv = load_inventory(inventory_path)
-    cluster = probe(inv)
+    cluster = probe(inv, profile=ProfileShape(spec=load_model(DEMO_MODEL).model_dump(), micro_batch=1))
     cluster.inventory = str(inventory_path.resolve())
     down = [n for n in cluster.nodes if not n.reachable]
     if down:
         raise RemoteError(f"demo node {down[0].name} did not answer the probe: {down[0].error}",
                           "check that python3 runs here", node=down[0].name)
+    unmeasured = [n for n in cluster.nodes if not any(c.profile for c in n.chips)]
+    if unmeasured:
+        n = unmeasured[0]
+        raise RemoteError(f"demo node {n.name}: no layer profile of {DEMO_MODEL}: {n.bench_error or 'no chip to time'}",
+                          f"the demo trains with torch: `{sys.executable} -m pip install torch==2.13.0`", node=n.name)
     save_model(inventory_path.parent / "cluster.yaml", cluster, header="hetctl demo: probed")
     return inv, cluster
 
@@ -76,6 +87,7 @@ def plan_tiny(directory: str | Path, cluster: Any, stages: int = 3) -> tuple[Pla
     from hetctl.plan.search import Pins
 
     cluster_path = Path(directory) / "cluster.yaml"
-    plan = plan_cluster(cluster, load_model("tiny"), pins=Pins(pp=stages, dp=1), cluster_path=cluster_path)
+    plan = plan_cluster(cluster, load_model(DEMO_MODEL), pins=Pins(pp=stages, dp=1), micro_batch=1,
+                        cluster_path=cluster_path)
     written = write_plan_dir(plan, Path(directory) / "plan", hosts={n.name: n.host for n in cluster.nodes})
     return plan, written[0]

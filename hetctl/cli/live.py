@@ -228,6 +228,8 @@ _STYLE = {"rank_failed": "red", "node_lost": "red", "processes_left": "red", "no
 
 def event_line(ev: dict) -> str | None:
     """A one-line rendering of an event, or None for kinds not worth a line (and unknown kinds)."""
+    if ev.get("kind") == "standby" and ev.get("state") == "importing":
+        return None  # its ``ready`` line follows
     fn = _LINES.get(ev.get("kind"))
     return fn(ev) if fn is not None else None
 

@@ -194,8 +194,10 @@ def demo_cmd(
     err.print(text(("1/3 probe", "bold"), f" {inv_path}"), highlight=False)
     inv, cluster = demo.probe_nodes(inv_path)
     for n in cluster.nodes:
-        err.print(text(f"  {n.name}: {len(n.chips)} × {n.chips[0].model if n.chips else '?'}, "
-                       f"{n.tflops_override or '?'} TFLOPS (inventory override)"), highlight=False)
+        prof = next(c.profile for c in n.chips if c.profile)
+        err.print(text(f"  {n.name}: {len(n.chips)} × {n.chips[0].model}, {prof.model} layer measured "
+                       f"{prof.layer_fwd_ms:.3g} ms forward + {prof.layer_bwd_ms:.3g} ms backward "
+                       f"(micro-batch {prof.micro_batch})"), highlight=False)
     err.print(text(("2/3 plan", "bold"), " tiny"), highlight=False)
     plan, plan_path = demo.plan_tiny(directory, cluster)
     for s in plan.stages:

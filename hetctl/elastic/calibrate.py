@@ -50,8 +50,9 @@ class Calibration:
 def compare(plan: Plan, outcome: AttemptOutcome, attempt: int) -> Measured | None:
     """The attempt's measured stage compute and step times against the plan's; None when it trained no step.
 
-    Predicted per stage: ``est_ms`` (one micro-batch, forward + backward) × the plan's
-    micro-batches. Measured: the mean ``compute_ms`` the stage's heartbeats reported
+    Predicted per stage: the plan's compute of one step (``compute_ms``, one micro-batch's
+    forward + backward without the sends, × the replica's micro-batches:
+    :meth:`hetctl.files.plan.Plan.compute_ms_per_step`). Measured: the mean ``compute_ms`` the stage's heartbeats reported
     (warm-up step left out), and their ``step_ms`` (so the wait on peers is the
     difference). The step: the plan's simulated step time against tokens/s measured
     over the attempt.
@@ -61,7 +62,7 @@ def compare(plan: Plan, outcome: AttemptOutcome, attempt: int) -> Measured | Non
     stages = []
     for s in plan.stages:
         got = outcome.stage_step_ms.get((s.replica, s.stage))
-        want = s.est_ms * plan.micro_batches_of(s.replica)
+        want = plan.compute_ms_per_step(s)
         if got is None or want <= 0:
             continue
         wall = outcome.stage_wall_ms.get((s.replica, s.stage))
@@ -82,9 +83,9 @@ def compare(plan: Plan, outcome: AttemptOutcome, attempt: int) -> Measured | Non
 def node_factors(measured: Measured, sends_ms: dict[tuple[int, int], float] | None = None) -> dict[str, float]:
     """Per node, predicted ÷ measured compute (1/ratio), averaged over the node's stages.
 
-    ``sends_ms``: per (replica, stage), the part of the predicted figure that was the
-    stage's sends (``est_ms`` holds them; the heartbeats' compute does not), taken off
-    before comparing, so that a node's speed is compute against compute.
+    ``sends_ms``: for a plan written before ``compute_ms`` was recorded (its predicted
+    figure is ``est_ms``, sends included; the heartbeats' compute is not), per (replica,
+    stage) the sends taken off before comparing, so that a node's speed is compute against compute.
     """
     per: dict[str, list[float]] = {}
     for s in measured.stages:
@@ -125,7 +126,8 @@ def calibrate(run_dir: str | Path) -> Calibration:
         except HetctlError as e:
             raise ConfigError(f"cannot calibrate run {run.run_id}: {e.message}",
                               "keep the cluster file the run was planned from, or pass it with --cluster") from None
-    factors = node_factors(measured, sends_per_step(plan, cluster))
+    old_plan = any(s.compute_ms is None for s in plan.stages)  # its predicted figures hold the sends
+    factors = node_factors(measured, sends_per_step(plan, cluster) if old_plan else None)
     fit = fit_links(plan, measured, cluster)
     return Calibration(run.run_id, measured.attempt, plan, with_links(with_speeds(cluster, factors), fit), factors, fit)
 

@@ -185,10 +185,14 @@ def fit_links(plan: Plan, measured: Measured, cluster: Cluster) -> LinkFit:
 
 
 def _predicted_makespan(plan: Plan, hops: list[float], m: int) -> float:
-    """The plan's own pipeline phase, rebuilt from its stage estimates (``est_ms`` holds compute and sends)."""
+    """The plan's own pipeline phase, rebuilt from its stages' compute (``compute_ms``; in an older plan
+    ``est_ms`` less the modelled sends it holds) and ``hops``."""
     chain = plan.stages_of(0)
     comp = []
     for s, st in enumerate(chain):
+        if st.compute_ms is not None:
+            comp.append(st.compute_ms / 1e3)
+            continue
         sends = (hops[s - 1] if s > 0 else 0.0) + (hops[s] if s < len(hops) else 0.0)
         comp.append(max(0.0, st.est_ms / 1e3 - sends))
     return _makespan(comp, hops, m)

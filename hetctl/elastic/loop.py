@@ -184,6 +184,8 @@ class ElasticRun:
         self._pending: tuple[Plan, Plan, dict[str, float]] | None = None  # (old, new, factors) from the hook
         self._attempts_run = 0
         self._measured: Measured | None = None  # the newest attempt's comparison with its plan
+        self._watch: StragglerWatch | None = None  # the running attempt's
+        self._importing: set[tuple] = set()  # the warm spares importing now, whichever attempt started them
         self._last: tuple[int, Plan, int] | None = None  # the newest attempt run and its last step
         self._recoveries = list(prepared.info.summary.recoveries) if prepared.info.summary else []
         self._recoveries += [record_of(ev) for ev in prepared.opening if isinstance(ev, ResumeSource)]  # a resume's
@@ -233,7 +235,7 @@ class ElasticRun:
         inputs = p.info.inputs
         if attempt_default(self.attempt_fn) and standby_on(inputs.standby, inputs.entry):
             self.pool = AgentPool()
-        with EventLog(p.run.events_path, listeners=[*listeners, self.recovery.listen]) as events:
+        with EventLog(p.run.events_path, listeners=[*listeners, self.recovery.listen, self._spares]) as events:
             self.events = events
             self.recovery.emit = events.emit
             for ev in p.opening:
@@ -373,6 +375,9 @@ class ElasticRun:
             return True, f"re-planned as {split}, slowest stage predicted {gain:.2f}x shorter"
 
         hook = StragglerHook(watch, self.events.emit, attempt=attempt, rebalance=cfg.rebalance, confirm=confirm)
+        self._watch = watch
+        for what in list(self._importing):
+            watch.hold(what)
         extra = self.on_progress
         if extra is None:
             return hook
@@ -382,6 +387,25 @@ class ElasticRun:
 
         return both
 
+    def _spares(self, ev: dict) -> None:
+        """A listener: a warm spare importing holds the running attempt's straggler watch until it is
+        ready or gone (its import shares the nodes' CPUs with the ranks: see :class:`StragglerWatch`)."""
+        if ev.get("kind") != "standby":
+            return
+        what = ("spare", ev.get("node"), ev.get("rank"), ev.get("pid"))
+        watch = self._watch
+        if ev.get("state") == "importing":
+            self._importing.add(what)
+            if watch is not None:
+                watch.hold(what)
+            return
+        # ready or gone name the spare's pid; used, cold and none end whatever that rank's spare was doing
+        done = {w for w in self._importing if w[1:3] == what[1:3] and (ev.get("pid") in (None, w[3]))}
+        self._importing -= done
+        for w in done:
+            if watch is not None:
+                watch.release(w)
+
     def _survivors(self) -> Any:
         """The cluster facts of the inventory's nodes (loaded once: the plan's cluster file, else a probe)."""
         if self._cluster is None:
@@ -390,8 +414,7 @@ class ElasticRun:
         return self._cluster.model_copy(update={"nodes": [n for n in self._cluster.nodes if n.name in names]})
 
     def _measured_plan(self, old: Plan, means: Any, reason: str) -> tuple[Plan, dict[str, float]]:
-        m = old.parallel.micro_batches  # weighted by each replica's micro-batches, when replicas differ
-        planned = {(s.replica, s.stage): s.est_ms * (old.micro_batches_of(s.replica) / m) for s in old.stages}
+        planned = {(s.replica, s.stage): old.compute_ms_per_step(s) for s in old.stages}
         where = {(s.replica, s.stage): s.node for s in old.stages}
         factors = speed_factors(means, planned, where)
         return replan(old, self._survivors(), drop=self.tally.dropped, factors=factors, reason=reason), factors

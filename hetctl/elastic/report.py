@@ -30,16 +30,33 @@ STORY = {"launched": "#2b7", "restart": "#e90", "replan": "#e90", "rank_failed":
          "gave_up": "#d33", "stopped": "#888", "finished": "#2b7", "failed": "#d33", "straggler": "#c6c"}
 
 
-def _stage_times(plan: Plan, measured: Measured | None) -> tuple[list[float], list[float], list[float] | None]:
-    """Per stage of replica 0: planned forward and backward ms per micro-batch, and the measured scale."""
+def _stage_times(plan: Plan, measured: Measured | None
+                 ) -> tuple[list[float], list[float], tuple[list[float], list[float]] | None]:
+    """Per stage of replica 0, ms per micro-batch: the planned forward and backward, and the same
+    schedule's with each stage's measured compute (None: not measured).
+
+    A stage's compute splits 1:2 between forward and backward, as in the cost model; its sends
+    (``est_ms`` less ``compute_ms``) go to the forward on the first stage, the backward on the
+    last, and half to each between, and stay the planned ones in the measured schedule.
+    """
     stages = plan.stages_of(0)
-    fwd = [s.est_ms / 3.0 for s in stages]  # the cost model's backward is twice the forward
-    bwd = [2.0 * s.est_ms / 3.0 for s in stages]
-    scale = None
-    if measured is not None:
-        ratio = {(m.replica, m.stage): m.ratio for m in measured.stages}
-        scale = [ratio.get((0, s.stage), 1.0) for s in stages]
-    return fwd, bwd, scale
+    m = plan.micro_batches_of(0)
+
+    def split(comp: list[float]) -> tuple[list[float], list[float]]:
+        fwd, bwd = [], []
+        for i, (s, c) in enumerate(zip(stages, comp)):
+            sends = max(0.0, s.est_ms - (s.est_ms if s.compute_ms is None else s.compute_ms))
+            share = 1.0 if i == 0 else 0.0 if i == len(stages) - 1 else 0.5
+            fwd.append(c / 3.0 + sends * share)
+            bwd.append(2.0 * c / 3.0 + sends * (1.0 - share))
+        return fwd, bwd
+
+    planned = [s.est_ms if s.compute_ms is None else s.compute_ms for s in stages]
+    fwd, bwd = split(planned)
+    if measured is None:
+        return fwd, bwd, None
+    got = {(x.replica, x.stage): x.measured_ms / m for x in measured.stages}
+    return fwd, bwd, split([got.get((0, s.stage), c) for s, c in zip(stages, planned)])
 
 
 def _timeline_svg(ops: list[Op], stages: list[str], title: str, width: int = 900, row: int = 26) -> str:
@@ -89,16 +106,16 @@ def render(run_dir: str | Path) -> str:
     measured = parse_event(measured_evs[-1]) if measured_evs else None
     attempt = measured.attempt if measured else attempts[-1]
     plan = run.load_plan(attempt)
-    fwd, bwd, scale = _stage_times(plan, measured)
+    fwd, bwd, as_measured = _stage_times(plan, measured)
     m = plan.micro_batches_of(0)
     names = [f"{s.stage}: {s.node} [{s.layers[0]},{s.layers[1]})" for s in plan.stages_of(0)]
     body = [f"<h1>run {E(run.run_id)}</h1>", _summary(info)]
     body.append(_timeline_svg(timeline_1f1b(fwd, bwd, m), names, f"planned (attempt {attempt})"))
-    if scale is not None:
-        body.append(_timeline_svg(timeline_1f1b([f * k for f, k in zip(fwd, scale)],
-                                                [b * k for b, k in zip(bwd, scale)], m), names,
+    if as_measured is not None:
+        mf, mb = as_measured
+        body.append(_timeline_svg(timeline_1f1b(mf, mb, m), names,
                                   "measured (the schedule with each stage's measured compute)"))
-        slow = max(range(len(scale)), key=lambda i: scale[i] * (fwd[i] + bwd[i]))
+        slow = max(range(len(mf)), key=lambda i: mf[i] + mb[i])
         body.append(f"<p>slowest stage as measured: <b>{E(names[slow])}</b></p>")
     else:
         body.append("<p>no attempt of this run trained long enough to be measured</p>")
@@ -138,10 +155,11 @@ def _stage_table(plan: Plan, measured: Measured | None) -> str:
         x = got.get((s.replica, s.stage))
         rows.append("<tr>" + "".join(f"<td>{E(str(c))}</td>" for c in (
             s.replica, s.stage, s.node, s.vendor, f"{s.layers[0]}:{s.layers[1]}",
-            f"{s.est_ms * plan.micro_batches_of(s.replica):.4g}", f"{x.measured_ms:.4g}" if x else "-",
+            f"{plan.compute_ms_per_step(s):.4g}", f"{x.measured_ms:.4g}" if x else "-",
             f"{x.ratio:.3g}×" if x else "-")) + "</tr>")
-    head = "".join(f"<th>{h}</th>" for h in ("replica", "stage", "node", "vendor", "layers", "planned ms/step",
-                                             "measured ms/step", "measured ÷ planned"))
+    head = "".join(f"<th>{h}</th>" for h in ("replica", "stage", "node", "vendor", "layers",
+                                             "planned compute ms/step", "measured compute ms/step",
+                                             "measured ÷ planned"))
     return f"<h2>stages</h2><table class='stages'><tr>{head}</tr>{''.join(rows)}</table>"
 
 

@@ -58,7 +58,8 @@ def find_stragglers(
 
     Args:
         measured_ms: mean compute ms per step per (replica, stage).
-        planned_ms: the plan's ``est_ms`` per (replica, stage); non-positive entries are skipped.
+        planned_ms: the plan's compute ms per step per (replica, stage)
+            (:meth:`hetctl.files.plan.Plan.compute_ms_per_step`); non-positive entries are skipped.
         nodes: node per (replica, stage).
         tolerance: 0.25 flags a stage more than 25 % slower than its peers.
     """
@@ -86,8 +87,13 @@ class StragglerWatch:
     its window is full, and then not again until it has dropped back within
     the tolerance (no event storm). Purely step-driven: no clock.
 
+    While hetctl's own start-up work runs beside the ranks (a warm spare importing
+    torch: :meth:`hold`), the steps are not judged and the windows start again once
+    it is over (:meth:`release`): on a CPU-bound node the imports took more than half
+    the ranks' CPU, and not evenly, which read as a straggler in a healthy demo.
+
     Args:
-        planned_ms: ``est_ms`` per (replica, stage) from the plan.
+        planned_ms: planned compute ms per step per (replica, stage) (:meth:`from_plan`).
         nodes: node per (replica, stage).
         tolerance: relative slowdown that counts (0.25 = 25 %).
         window: steps averaged per stage before judging.
@@ -112,20 +118,20 @@ class StragglerWatch:
         self._streak: Counter = Counter()
         self._reported: set[tuple[int, int]] = set()
         self._fresh: set[tuple[int, int]] = set()
+        self._held: set[object] = set()
 
     @classmethod
     def from_plan(cls, plan, **kwargs) -> "StragglerWatch":
-        """Build from a :class:`hetctl.files.plan.Plan`'s stages."""
-        # Weighted by the replica's micro-batches (replicas of different shape run different counts).
-        m = plan.parallel.micro_batches
-        planned = {(s.replica, s.stage): s.est_ms * (plan.micro_batches_of(s.replica) / m) for s in plan.stages}
+        """Build from a :class:`hetctl.files.plan.Plan`'s stages: each stage's planned compute per step,
+        the unit the heartbeats measure (sends and waits left out, the replica's own micro-batches)."""
+        planned = {(s.replica, s.stage): plan.compute_ms_per_step(s) for s in plan.stages}
         nodes = {(s.replica, s.stage): s.node for s in plan.stages}
         return cls(planned, nodes, **kwargs)
 
     def observe(self, replica: int, stage: int, compute_ms: float) -> list[Straggler]:
         """Record one step's compute time of a stage; return newly persistent stragglers."""
         key = (replica, stage)
-        if key not in self._samples:
+        if key not in self._samples or self._held:
             return []
         self._samples[key].append(compute_ms)
         self._fresh.add(key)
@@ -134,6 +140,21 @@ class StragglerWatch:
             return []
         self._fresh.clear()
         return self._check()
+
+    def hold(self, what: object) -> None:
+        """Stop judging while ``what`` (e.g. ``("spare", rank)``) loads the nodes; steps meanwhile are dropped."""
+        self._held.add(what)
+
+    def release(self, what: object) -> None:
+        """``what`` is over; when nothing is held any more, every window starts again from empty."""
+        if what not in self._held:
+            return
+        self._held.discard(what)
+        if not self._held:
+            for q in self._samples.values():
+                q.clear()
+            self._fresh.clear()
+            self._streak.clear()
 
     def means(self) -> dict[tuple[int, int], float]:
         """Mean of the current window per (replica, stage), for rebalancing."""

@@ -93,7 +93,8 @@ class RankFailed(Event):
 
 @dataclass(frozen=True)
 class Standby(Event):
-    """A warm spare (hetctl.node.standby): ``ready`` (imported, waiting), ``used`` (a rank was handed to it:
+    """A warm spare (hetctl.node.standby): ``importing`` (started: ``pid``), ``ready`` (imported, waiting),
+    ``used`` (a rank was handed to it:
     ``pid`` is the spare's pre-started pid), ``cold`` (the rank started as a new process: ``reason``),
     ``none`` (no spare for this rank: ``reason``), ``gone`` (a waiting spare exited). ``t`` is the node's clock."""
 
@@ -173,7 +174,12 @@ class ProcessesLeft(Event):
 
 @dataclass(frozen=True)
 class StragglerFound(Event):
-    """A stage persistently slower than planned relative to its peers; ``rebalance``: the attempt ends for it."""
+    """A stage persistently slower than planned relative to its peers; ``rebalance``: the attempt ends for it.
+
+    ``measured_ms``: the stage's mean compute per step over the window (heartbeat ``compute_ms``);
+    ``planned_ms``: the plan's compute per step for it (:meth:`hetctl.files.plan.Plan.compute_ms_per_step`),
+    the same unit. ``slowdown``: measured ÷ planned against the median of the other stages'.
+    """
 
     kind: ClassVar[str] = "straggler"
     attempt: int
@@ -340,7 +346,8 @@ class Measured(Event):
     """An attempt that trained, compared with its plan: per stage and the whole step (ratio = measured ÷ predicted).
 
     Stage times are compute only (heartbeat ``compute_ms``: the step minus the waits
-    on pipeline peers) against the plan's ``est_ms`` × micro-batches; the step time
+    on pipeline peers) against the plan's compute of a step (``compute_ms`` × micro-batches:
+    no sends on either side; ``est_ms`` in a plan written before it); the step time
     is the run's tokens/s against the plan's simulated step. ``step_ms`` / ``wait_ms``: the
     same heartbeats' whole step and its waits (absent where the rank reported no compute).
     ``hetctl plan --calibrate`` fits per-node speeds from the stages and the links from the waits.

@@ -75,7 +75,11 @@ class Stage(_Strict):
     backend_next: str | None = Field(default=None, description="comm library to the next stage; None on the last")
     device_type: str = "cpu"
     visible_devices_env: str | None = None
-    est_ms: Amount = 0.0
+    est_ms: Amount = Field(default=0.0, description="the cost model's forward + backward of one micro-batch, the "
+                           "sends to the neighbour stages included (what the 1F1B simulation schedules)")
+    compute_ms: Amount | None = Field(default=None, description="the same without the sends: the stage's layers "
+                                      "(and the head on the last stage), what a rank's heartbeats measure as "
+                                      "compute; None in plans written before it was recorded")
     memory_gb: Amount = 0.0
     memory_limit_gb: Amount | None = None
 
@@ -146,6 +150,16 @@ class Plan(_Strict):
         if rows and replica < len(rows) and rows[replica].replica == replica:
             return rows[replica].micro_batches
         return self.parallel.micro_batches
+
+    def compute_ms_per_step(self, stage: Stage) -> float:
+        """The plan's compute of ``stage`` in one optimizer step (ms): ``compute_ms`` × its replica's micro-batches.
+
+        The same quantity as a rank's heartbeat ``compute_ms`` (the step less the waits on
+        its pipeline peers), so measured and planned compare like with like. A plan written
+        before ``compute_ms`` was recorded gives ``est_ms``, its sends included.
+        """
+        per = stage.est_ms if stage.compute_ms is None else stage.compute_ms
+        return per * self.micro_batches_of(stage.replica)
 
     def stages_of(self, replica: int) -> list[Stage]:
         return sorted((s for s in self.stages if s.replica == replica), key=lambda s: s.stage)

@@ -403,6 +403,7 @@ class Standby:
         finally:
             os.close(w)
         self.spares[rank] = Spare(rank, proc, r, argv, env, spec.get("cwd"), self.put)
+        self.emit("standby", rank=rank, state="importing", pid=proc.pid)  # the controller's straggler watch waits
 
     def on_status(self, spare: Spare, what: str, msg: dict) -> None:
         if what == "ready":

@@ -177,6 +177,14 @@ def stage_times(types: list[StageType], counts: list[int], links: list[float]):
     return fwd, bwd
 
 
+def stage_compute(types: list[StageType], counts: list[int]) -> list[float]:
+    """Per stage, forward + backward seconds of one micro-batch's own work: its layers, and the
+    head on the last stage; the sends left out (what a rank measures as compute, the plan's ``compute_ms``)."""
+    out = [n * (st.f_layer + st.b_layer) for st, n in zip(types, counts)]
+    out[-1] += types[-1].f_head + types[-1].b_head
+    return out
+
+
 def sync_times(types: list[StageType], counts: list[int]) -> list[float]:
     """Per stage, the data-parallel gradient sync after its last backward."""
     p = len(types)

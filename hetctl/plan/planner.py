@@ -27,7 +27,7 @@ from hetctl.plan.devices import Devices, ProfileUse, collect, subset
 from hetctl.plan.models import default_global_batch, model_cost
 from hetctl.plan.partition import proportional_split, ranges, uniform_split
 from hetctl.files.plan import Baseline, Estimate, ModelSpec, Parallel, Plan, Rank, Stage
-from hetctl.plan.layout import Found, Layout, memory_needed
+from hetctl.plan.layout import Found, Layout, memory_needed, stage_compute
 from hetctl.plan.search import Pins, Searcher
 from hetctl.plan.frameworks import capability
 from hetctl.plan.hetdp import HeteroSearch
@@ -315,6 +315,7 @@ def _baselines(lay: Layout, work, spec, total_flops, search: Searcher) -> dict[s
 def stage_rows(lay: Layout, stages: list[Stage], ranks: list[Rank], local: dict[str, int], first: int = 0) -> None:
     """Append the stages and ranks of ``lay``'s replicas, numbered from replica ``first``."""
     mem = memory_needed(lay)
+    compute = stage_compute(lay.types, lay.counts)
     spans = ranges(lay.counts)
     chunks: list[list[tuple[int, int]]] = [[] for _ in range(lay.pp)]
     if lay.vp > 1:  # virtual stage c·pp + s is chunk c of stage s
@@ -332,8 +333,8 @@ def stage_rows(lay: Layout, stages: list[Stage], ranks: list[Rank], local: dict[
                 replica=r, stage=s, node=group.node, vendor=group.vendor, model=group.model, chips=list(chips),
                 tp=st.tp, layers=spans[s], chunks=chunks[s], precision=st.kind.precision, backend=backend,
                 backend_next=nxt, device_type=info.device_type,
-                visible_devices_env=info.visible_devices_env, est_ms=round((lay.fwd[s] + lay.bwd[s]) * 1e3, 3),
-                memory_gb=round(mem[s] / 1e9, 2), memory_limit_gb=group.memory_gb,
+                visible_devices_env=info.visible_devices_env, est_ms=round((lay.fwd[s] + lay.bwd[s]) * 1e3, 6),
+                compute_ms=round(compute[s] * 1e3, 6), memory_gb=round(mem[s] / 1e9, 2), memory_limit_gb=group.memory_gb,
             ))
             for chip in chips:
                 lr = local.get(group.node, 0)

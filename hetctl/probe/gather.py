@@ -4,18 +4,22 @@ Each node gets one connection (its inventory transport), one run of the
 stdlib collector with its source on stdin, and, with ``--bench`` and torch on
 the node, one run of the matmul benchmark on the same connection. With
 ``--bench``, once every node is done, the links between the reachable nodes
-are measured too, in a ring (:mod:`hetctl.probe.links`). A node that
+are measured too, in a ring (:mod:`hetctl.probe.links`). Nodes on one machine
+(the collector's hostname: loopback hosts, ``transport: local``, a box split into
+several inventory nodes) run their benchmark and layer profile one at a time, so
+that none measures the others' load as its own speed. A node that
 cannot be reached or whose collector fails becomes a row with
 ``reachable: false`` and a one-line reason; it never stops the other nodes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
 from functools import lru_cache
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager
 
 from typing import TYPE_CHECKING
 
@@ -97,8 +101,27 @@ def _run_script(transport: Any, node: Any, script: str, args: str, timeout: floa
     return decode_output(result, python, what)
 
 
+class MachineTurns:
+    """One turn at a time per machine for the measurements (thread-safe).
+
+    ``turn(hostname)`` is a lock per hostname the collector reported: two inventory
+    nodes on one machine share its CPUs (and often its memory bandwidth), so a matmul or
+    a layer timed while the other node's runs would record the contention as the
+    node's speed — on the demo's three local nodes, 1.7x apart on one CPU.
+    """
+
+    def __init__(self) -> None:
+        self._guard = threading.Lock()
+        self._locks: dict[str, threading.Lock] = {}
+
+    def turn(self, hostname: str) -> ContextManager:
+        with self._guard:
+            return self._locks.setdefault(hostname, threading.Lock())
+
+
 def probe_node(node: Any, ssh: Any, *, bench: bool = False, args: str | None = None,
-               profile: ProfileShape | None = None, connected: Callable[[bool], None] | None = None) -> NodeFacts:
+               profile: ProfileShape | None = None, connected: Callable[[bool], None] | None = None,
+               turns: MachineTurns | None = None) -> NodeFacts:
     """Probe one inventory node; never raises for a node-side failure.
 
     Args:
@@ -109,6 +132,8 @@ def probe_node(node: Any, ssh: Any, *, bench: bool = False, args: str | None = N
         profile: also time the reference trainer's layer at this shape (with or without ``bench``).
         connected: called once the transport is made, just before the collector starts, with
             True (or with False when it cannot be made).
+        turns: the probe's per-machine turns: the benchmark and the profile wait for this
+            node's machine (None: no other node is measured meanwhile).
 
     Returns:
         The node's facts, or an unreachable row carrying the reason.
@@ -132,10 +157,14 @@ def probe_node(node: Any, ssh: Any, *, bench: bool = False, args: str | None = N
         from hetctl.probe.assemble import node_facts  # after the collector's ssh started (see _import_assembly)
 
         facts = node_facts(node, raw)
-        if bench:
-            facts = _bench(transport, node, facts)
-        if profile is not None:
-            facts = _profile(transport, node, facts, profile)
+        if not bench and profile is None:
+            return facts
+        machine = str(raw.get("hostname") or node.name)
+        with turns.turn(machine) if turns is not None else contextlib.nullcontext():
+            if bench:
+                facts = _bench(transport, node, facts)
+            if profile is not None:
+                facts = _profile(transport, node, facts, profile)
         return facts
     except HetctlError as e:
         from hetctl.probe.assemble import unreachable
@@ -201,8 +230,11 @@ def probe(inventory: Any, *, bench: bool = False, on_done: OnDone | None = None,
                             daemon=True)
     warm.start()
 
+    turns = MachineTurns()
+
     def work(node: Any) -> NodeFacts:
-        return probe_node(node, inventory.ssh, bench=bench, args=args, profile=profile, connected=first_wave.count_down)
+        return probe_node(node, inventory.ssh, bench=bench, args=args, profile=profile, connected=first_wave.count_down,
+                          turns=turns)
 
     def done(name: str, value: Any) -> None:
         if on_done is not None:
