@@ -116,6 +116,15 @@ def test_the_recorded_peak_scales_both_kinds_and_an_infeasible_plan_says_so():
         plan_cluster(RECORDED, MID, global_batch=8, pins=PINS)
 
 
+def test_the_inventory_tflops_does_not_turn_the_check_off():
+    """The user's TFLOPS figure wins over the profile's rate; the profile's peak still checks the memory."""
+    cluster = with_peaks({"a100-40": 2 * ANALYTIC_GB, "a100-80": ANALYTIC_GB})
+    pinned = Cluster(nodes=[n.model_copy(update={"tflops_override": 150.0}) for n in cluster.nodes])
+    plan = plan_cluster(pinned, MID, global_batch=8, pins=PINS)
+    assert "(ratio 2): scaled by 2" in memory_line(plan, "NVIDIA A100-SXM4-40GB")
+    assert "(inventory tflops)" in " ".join(plan.notes)
+
+
 def test_a_profile_at_another_shape_checks_nothing():
     """Micro-batch 2 was never profiled: neither its rate nor its peak counts."""
     plain = plan_cluster(with_peaks({"a100-40": None, "a100-80": None}), MID, global_batch=8, micro_batch=2, pins=PINS)

@@ -228,8 +228,8 @@ def node_groups(node: NodeFacts, use: ProfileUse | None = None, tcp_gbs: float |
                     f"node {node.name}: chip {c.index} ({vendor} {model}) has no known memory",
                     f"set `memory_gb:` for the chip in the cluster file or re-run `hetctl probe` on {node.name}",
                 )
-            if src == "layer profile":  # a profile at the plan's shape: its peak checks the memory model
-                checks.append(check(c.profile, use.spec))
+            if use is not None and c.profile is not None and c.profile.matches(use.spec, use.micro_batch, prec):
+                checks.append(check(c.profile, use.spec))  # a profile at the plan's shape checks the memory model
             rates.append(rate)
             mems.append(float(mem))
             sources.add(src)
