@@ -18,7 +18,9 @@ Assumptions, stated once:
   Activations of every micro-batch in flight: under 1F1B stage ``s`` of ``P``
   holds ``min(P − s, m)``. The last stage also holds its fp32 logits. A reserve
   of 5 % plus 1.5 GB (0.5 GB on CPUs) covers the runtime, communication buffers
-  and fragmentation.
+  and fragmentation. Where a kind's layer profile peaked above this model's
+  figure for the profile's own work by more than a tolerance
+  (:mod:`hetctl.plan.profmem`), its terms (not the reserve) are scaled by the ratio.
 - Data-parallel gradient sync once a stage's last backward is done:
   reduce-scatter of fp32 gradients and all-gather of 16-bit weights
   (``(d−1)/d · 6`` bytes per parameter; an fp32 all-reduce moves
@@ -30,6 +32,7 @@ Assumptions, stated once:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from hetctl.plan.devices import Group, Kind
 from hetctl.plan.models import ModelCost
@@ -128,6 +131,37 @@ class StageType:
                 + (self.sync_last if last else 0.0))
 
 
+def param_bytes(precision: str, dp: int) -> tuple[float, float, float]:
+    """Bytes per parameter per chip of the weights, the gradients and the optimizer state (module docstring)."""
+    if precision == "fp32":
+        return 4.0, 4.0, 8.0
+    return 2.0, 4.0, 12.0 / dp
+
+
+class MemoryTerms(NamedTuple):
+    """The memory model's per-chip terms in bytes (see :class:`StageType`; ``logits``: the fp32 part of ``mem_last``)."""
+
+    mem_layer: float
+    act_layer: float
+    mem_first: float
+    act_first: float
+    mem_last: float
+    logits: float
+
+
+def memory_terms(work: Workload, precision: str, tp: int = 1, dp: int = 1, vt: int = 1) -> MemoryTerms:
+    """The analytic memory terms of a ``tp``-chip stage with ``dp`` replicas, embedding and head split ``vt`` ways."""
+    c = work.cost
+    eb = elem_bytes(precision)
+    state = sum(param_bytes(precision, dp))
+    logits = work.tokens * c.vocab * 4.0 / vt
+    return MemoryTerms(
+        mem_layer=c.layer_params / tp * state, act_layer=work.tokens * c.hidden * c.act_coeff * (eb / 2.0) / tp,
+        mem_first=c.embed_params / vt * state, act_first=work.tokens * c.hidden * eb / vt,
+        mem_last=c.head_params / vt * state + logits, logits=logits,
+    )
+
+
 def stage_type(kind: Kind, tp: int, work: Workload, dp: int, tp_vocab: bool = True) -> StageType:
     """Per-layer time, memory and sync terms of a ``tp``-chip stage of ``kind``.
 
@@ -145,10 +179,7 @@ def stage_type(kind: Kind, tp: int, work: Workload, dp: int, tp_vocab: bool = Tr
         bw = min(vendor_info(v).intra_node_gbs for v in vendors) * GB
         tp_comm = 2 * (2 * (tp - 1) / tp) * act_bytes / bw
     compute = work.tokens * c.layer_flops / rate
-    if kind.precision == "fp32":
-        state, sync_bytes = 16.0, 2 * (dp - 1) / dp * 4.0
-    else:
-        state, sync_bytes = 2.0 + 4.0 + 12.0 / dp, (dp - 1) / dp * 6.0
+    sync_bytes = 2 * (dp - 1) / dp * 4.0 if kind.precision == "fp32" else (dp - 1) / dp * 6.0
     sync_bw = kind.nic_gbs * GB / kind.max_group() * (GLOO_EFFICIENCY if len(vendors) > 1 else 1.0)
     if kind.tcp_gbs and (len(vendors) > 1 or stage_backend(vendors[0]) == "gloo"):
         sync_bw = kind.tcp_gbs * GB / kind.max_group()  # gloo's TCP path, as measured (see link_seconds)
@@ -157,14 +188,14 @@ def stage_type(kind: Kind, tp: int, work: Workload, dp: int, tp_vocab: bool = Tr
     # each of a ring's 2(d−1) steps; the reference trainer reduces unit by unit (each layer, embedding, head).
     unit = 2 * (dp - 1) * kind.link_latency_s if dp > 1 and kind.link_latency_s is not None else 0.0
     limit = kind.memory_gb * GB
+    mem = memory_terms(work, kind.precision, tp, dp, vt)
+    k = kind.memory_scale  # > 1 where the chip's profile peaked above the analytic figure (plan.profmem)
     return StageType(
         kind=kind, tp=tp,
         f_layer=compute + tp_comm, b_layer=2 * compute + tp_comm, slope=3 * compute + 2 * tp_comm,
         f_head=work.tokens * c.head_flops * tp / vt / rate, b_head=2 * work.tokens * c.head_flops * tp / vt / rate,
-        mem_layer=c.layer_params / tp * state,
-        act_layer=work.tokens * c.hidden * c.act_coeff * (eb / 2.0) / tp,
-        mem_first=c.embed_params / vt * state, act_first=act_bytes / vt,
-        mem_last=c.head_params / vt * state + work.tokens * c.vocab * 4.0 / vt,
+        mem_layer=k * mem.mem_layer, act_layer=k * mem.act_layer, mem_first=k * mem.mem_first,
+        act_first=k * mem.act_first, mem_last=k * mem.mem_last,
         reserve=0.05 * limit + (0.5 if vendors == ("cpu",) else 1.5) * GB, limit=limit,
         sync_layer=per_param * c.layer_params + unit, sync_first=per_param * c.embed_params * tp / vt + unit,
         sync_last=per_param * c.head_params * tp / vt + unit, sync_fixed=3e-5 * dp if dp > 1 else 0.0,

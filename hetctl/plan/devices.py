@@ -23,6 +23,7 @@ from typing import Any
 
 from hetctl.errors import ConfigError
 from hetctl.files.cluster import Chip, Cluster, NodeFacts
+from hetctl.plan.profmem import MemoryCheck, check, strongest
 from hetctl.vendors import vendor_info
 
 SPEED_TOLERANCE = 1.05  # groups within 5 % of each other's TFLOPS and memory share a kind
@@ -55,6 +56,7 @@ class Group:
     sources: tuple[str, ...] = ()
     tcp_gbs: float | None = None  # GB/s: the slowest TCP link measured to or from the node (probe --bench)
     link_latency_s: float | None = None  # per message, the slowest calibrated link of the node (plan --calibrate)
+    memory_check: MemoryCheck | None = None  # a profile at the plan's shape against the memory model (plan.profmem)
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,12 @@ class Kind:
     groups: tuple[Group, ...]
     tcp_gbs: float | None = None  # the slowest measured TCP rate of its groups (None: some were not measured)
     link_latency_s: float | None = None  # the largest calibrated message latency of its groups (None: none)
+    memory_check: MemoryCheck | None = None  # the groups' check that scales most (plan.profmem)
+
+    @property
+    def memory_scale(self) -> float:
+        """The factor on the memory model's terms: a profile's peak over the analytic figure, or 1."""
+        return self.memory_check.scale if self.memory_check is not None else 1.0
 
     @property
     def label(self) -> str:
@@ -209,7 +217,7 @@ def node_groups(node: NodeFacts, use: ProfileUse | None = None, tcp_gbs: float |
         by_key.setdefault((chip.vendor, chip.model), []).append(chip)
     groups = []
     for (vendor, model), chips in by_key.items():
-        rates, mems, sources, precs = [], [], set(), set()
+        rates, mems, sources, precs, checks = [], [], set(), set(), []
         for c in chips:
             rate, prec, src = chip_rate(node, c, use)
             mem = c.memory_gb
@@ -220,6 +228,8 @@ def node_groups(node: NodeFacts, use: ProfileUse | None = None, tcp_gbs: float |
                     f"node {node.name}: chip {c.index} ({vendor} {model}) has no known memory",
                     f"set `memory_gb:` for the chip in the cluster file or re-run `hetctl probe` on {node.name}",
                 )
+            if use is not None and c.profile is not None and c.profile.matches(use.spec, use.micro_batch, prec):
+                checks.append(check(c.profile, use.spec))  # a profile at the plan's shape checks the memory model
             rates.append(rate)
             mems.append(float(mem))
             sources.add(src)
@@ -231,6 +241,7 @@ def node_groups(node: NodeFacts, use: ProfileUse | None = None, tcp_gbs: float |
             memory_gb=min(mems), nic_gbs=_nic_gbs(node),
             switch=str(node.labels.get("switch", "")), rack=str(node.labels.get("rack", "")),
             sources=tuple(sorted(sources)), tcp_gbs=tcp_gbs, link_latency_s=latency_s,
+            memory_check=strongest(checks),
         ))
     return groups
 
@@ -315,7 +326,7 @@ def _kind(kid: int, groups: list[Group]) -> Kind:
         id=kid, vendor=first.vendor, model=first.model, precision=first.precision,
         tflops=min(g.tflops for g in groups), memory_gb=min(g.memory_gb for g in groups),
         nic_gbs=min(g.nic_gbs for g in groups), groups=ordered, tcp_gbs=_min_tcp(groups),
-        link_latency_s=_max_latency(groups),
+        link_latency_s=_max_latency(groups), memory_check=strongest([g.memory_check for g in groups]),
     )
 
 
@@ -345,6 +356,7 @@ def merge(kinds: list[Kind]) -> Kind:
         tflops=min(k.tflops for k in kinds), memory_gb=min(k.memory_gb for k in kinds),
         nic_gbs=min(k.nic_gbs for k in kinds), groups=tuple(g for k in kinds for g in k.groups),
         tcp_gbs=_min_tcp(kinds), link_latency_s=_max_latency(kinds),
+        memory_check=strongest([k.memory_check for k in kinds]),
     )
 
 

@@ -98,6 +98,8 @@ def explain(plan: Plan, lay: Layout, devices: Devices, found: Found, homog, toke
             f"{st.kind.memory_gb:g} GB; torch backend {plan.stages[lay.types.index(st)].backend} inside the stage"
             + (f" ({_library(st.kind.vendors)})" if _library(st.kind.vendors) else "")
         )
+        if st.kind.memory_check is not None:  # a layer profile at the plan's shape (plan.profmem)
+            lines.append(f"{st.kind.label} memory: {st.kind.memory_check.line()}")
     switches = [{g.switch for g, _ in row if g.switch} for row in lay.placement]
     if any(switches):
         lines.append(f"switch labels: nodes are assigned to replicas switch by switch; a replica spans at most "

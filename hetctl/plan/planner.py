@@ -248,7 +248,9 @@ def _infeasible(found: Found, pins: Pins, work: Workload, spec: ModelSpec, devic
         f"no plan fits in memory: the nearest, pp {p} × dp {miss.dp} × tp {st.tp}, holds "
         f"{max(0, sum(max(0, c) for c in miss.caps))} of {spec.num_layers} layers; stage {worst_s} "
         f"({st.kind.label} on {node}…) needs {need / 1e9:.1f} GB per chip for {n} layers and "
-        f"{min(p - worst_s, miss.m)} micro-batches in flight, has {st.limit / 1e9:.1f} GB",
+        f"{min(p - worst_s, miss.m)} micro-batches in flight, has {st.limit / 1e9:.1f} GB"
+        + (f" (memory model scaled by {st.kind.memory_scale:.3g}: the chip's layer profile peaked above it)"
+           if st.kind.memory_scale > 1 else ""),
         HINT_MEMORY,
     )
 
