@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import shutil
 import subprocess
 import sys
@@ -142,10 +143,26 @@ def launch(d: Path, name: str, plan, steps: int, quiet: bool = False):
     folder = d / name
     write_plan_dir(plan, folder)
     args = [sys.executable, "-m", "hetctl", "launch", str(folder), "-i", "inventory.yaml", "--steps", str(steps),
-            "--checkpoint-every", "0", "--run-dir", "runs", "--json", "--hang-timeout", "600"]
+            "--checkpoint-every", "0", "--run-dir", "runs", "--json", "--hang-timeout", "600",
+            "--standby", "off"]  # a spare's torch import would run in the node's cgroup beside its rank
     proc = subprocess.Popen(args, cwd=d, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+    STARTED.append(proc)
     return proc if quiet else finish(name, plan, proc)
+
+
+STARTED: list[subprocess.Popen] = []  # every launch, stopped (SIGTERM: hetctl's clean stop) if the bench ends early
+
+
+def stop_launches() -> None:
+    for proc in STARTED:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in STARTED:
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def finish(name: str, plan, proc: subprocess.Popen) -> dict:
@@ -195,6 +212,7 @@ def main() -> int:
         print("needs root and the cgroup v1 cpu controller at /sys/fs/cgroup/cpu", file=sys.stderr)
         return 2
     quotas = [int(q) for q in args.quotas.split(":")]
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the finally below runs
     groups = make_groups(uuid.uuid4().hex[:6], quotas, args.top_cpu)
     t0 = time.monotonic()
     try:
@@ -243,6 +261,7 @@ def main() -> int:
                 procs[node] = (one_plan, launch(d, f"alone-{node}", one_plan, args.alone_steps, quiet=True))
             alone = {node: finish(f"alone-{node}", pl_, proc) for node, (pl_, proc) in procs.items()}
     finally:
+        stop_launches()
         remove_groups(groups)
 
     hom = sum(a["tokens_per_s"] for a in alone.values())

@@ -330,6 +330,29 @@ def test_success_outcome_carries_losses_speed_and_stage_times(plan, spec, tmp_pa
     assert progress[-1]["step"] == 4 and progress[-1]["loss"] == 2.0
 
 
+def test_stage_times_leave_out_the_steps_a_spare_imported_beside(plan, spec, tmp_path):
+    """Steps 2-3 run while node n1's spare imports (3x slower everywhere): the attempt's stage times are those
+    of steps 4-6; a spare that never stops importing leaves every step counted (no stage left unmeasured)."""
+    def run(states: dict[int, str]) -> dict:
+        clock = Clock()
+        mon, _ = make_monitor(plan, spec, tmp_path / str(len(states)), clock)
+        start_all(mon, clock, plan)
+        for step in range(1, 7):
+            if step in states:
+                feed(mon, clock, "n1", "standby", rank=1, state=states[step], pid=901)
+            slow = 3.0 if 2 <= step <= 3 else 1.0
+            for r in plan.ranks:
+                ms = slow * (40.0 + 10 * r.stage)
+                feed(mon, clock, r.node, "heartbeat", 0.01, rank=r.rank,
+                     hb={"step": step, "time": 100.0 + step, "compute_ms": ms, "step_ms": ms + 5})
+        return mon.outcome(RunState.SUCCEEDED).stage_step_ms
+
+    assert run({2: "importing", 4: "ready"}) == {(rep, s): 40.0 + 10 * s for rep in (0, 1) for s in (0, 1, 2)}
+    every = run({2: "importing"})  # still importing at the end: steps 2-6 all count
+    assert every == {(rep, s): (2 * 3 + 3) * (40.0 + 10 * s) / 5 for rep in (0, 1) for s in (0, 1, 2)}
+    assert run({}) == every  # no spare at all: the same five steps
+
+
 def test_on_progress_failure_ends_the_attempt(plan, spec, tmp_path):
     from hetctl.launch.outcome import FailureRecord
 

@@ -47,7 +47,8 @@ from hetctl.elastic.peers import record_of, recover
 from hetctl.elastic.recovery import RecoveryClock, with_timing
 from hetctl.elastic.policy import Decision, PolicyConfig, Tally, describe, run_loop
 from hetctl.elastic.replan import layer_split, load_cluster, replan
-from hetctl.elastic.straggler import StragglerHook, StragglerWatch, layout_of, predicted_gain, speed_factors
+from hetctl.elastic.straggler import (SpareImports, StragglerHook, StragglerWatch, layout_of, predicted_gain,
+                                     speed_factors)
 from hetctl.launch.controller import AttemptRequest, Thresholds, run_attempt
 from hetctl.launch.monitor import OnProgress, OnUpdate
 from hetctl.launch.pool import AgentPool, standby_on
@@ -184,8 +185,7 @@ class ElasticRun:
         self._pending: tuple[Plan, Plan, dict[str, float]] | None = None  # (old, new, factors) from the hook
         self._attempts_run = 0
         self._measured: Measured | None = None  # the newest attempt's comparison with its plan
-        self._watch: StragglerWatch | None = None  # the running attempt's
-        self._importing: set[tuple] = set()  # the warm spares importing now, whichever attempt started them
+        self._spares = SpareImports()  # a warm spare importing holds the running attempt's straggler watch
         self._last: tuple[int, Plan, int] | None = None  # the newest attempt run and its last step
         self._recoveries = list(prepared.info.summary.recoveries) if prepared.info.summary else []
         self._recoveries += [record_of(ev) for ev in prepared.opening if isinstance(ev, ResumeSource)]  # a resume's
@@ -235,7 +235,7 @@ class ElasticRun:
         inputs = p.info.inputs
         if attempt_default(self.attempt_fn) and standby_on(inputs.standby, inputs.entry):
             self.pool = AgentPool()
-        with EventLog(p.run.events_path, listeners=[*listeners, self.recovery.listen, self._spares]) as events:
+        with EventLog(p.run.events_path, listeners=[*listeners, self.recovery.listen, self._spares.listen]) as events:
             self.events = events
             self.recovery.emit = events.emit
             for ev in p.opening:
@@ -375,9 +375,7 @@ class ElasticRun:
             return True, f"re-planned as {split}, slowest stage predicted {gain:.2f}x shorter"
 
         hook = StragglerHook(watch, self.events.emit, attempt=attempt, rebalance=cfg.rebalance, confirm=confirm)
-        self._watch = watch
-        for what in list(self._importing):
-            watch.hold(what)
+        self._spares.attach(watch)
         extra = self.on_progress
         if extra is None:
             return hook
@@ -386,25 +384,6 @@ class ElasticRun:
             return list(hook(stage_ms)) + list(extra(stage_ms) or [])
 
         return both
-
-    def _spares(self, ev: dict) -> None:
-        """A listener: a warm spare importing holds the running attempt's straggler watch until it is
-        ready or gone (its import shares the nodes' CPUs with the ranks: see :class:`StragglerWatch`)."""
-        if ev.get("kind") != "standby":
-            return
-        what = ("spare", ev.get("node"), ev.get("rank"), ev.get("pid"))
-        watch = self._watch
-        if ev.get("state") == "importing":
-            self._importing.add(what)
-            if watch is not None:
-                watch.hold(what)
-            return
-        # ready or gone name the spare's pid; used, cold and none end whatever that rank's spare was doing
-        done = {w for w in self._importing if w[1:3] == what[1:3] and (ev.get("pid") in (None, w[3]))}
-        self._importing -= done
-        for w in done:
-            if watch is not None:
-                watch.release(w)
 
     def _survivors(self) -> Any:
         """The cluster facts of the inventory's nodes (loaded once: the plan's cluster file, else a probe)."""

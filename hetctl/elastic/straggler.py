@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
 from hetctl.files.events import Event, StragglerFound
+from hetctl.launch.spares import SparesImporting
 from hetctl.launch.outcome import FailureRecord, FaultKind
 
 
@@ -142,7 +143,7 @@ class StragglerWatch:
         return self._check()
 
     def hold(self, what: object) -> None:
-        """Stop judging while ``what`` (e.g. ``("spare", rank)``) loads the nodes; steps meanwhile are dropped."""
+        """Stop judging while ``what`` (a spare: ``(node, rank, pid)``) loads the nodes; steps meanwhile are dropped."""
         self._held.add(what)
 
     def release(self, what: object) -> None:
@@ -174,6 +175,37 @@ class StragglerWatch:
                 self._streak[key] = 0
                 self._reported.discard(key)
         return new
+
+
+class SpareImports:
+    """The ``standby`` events' spares importing (:mod:`hetctl.launch.spares`), holding the running attempt's watch.
+
+    Tracked whichever attempt started them: a spare still importing when the next
+    attempt starts holds that attempt's watch too.
+    """
+
+    def __init__(self) -> None:
+        self._watch: StragglerWatch | None = None
+        self.now = SparesImporting(on_start=self._hold, on_end=self._release)
+
+    def _hold(self, spare: object) -> None:
+        if self._watch is not None:
+            self._watch.hold(spare)
+
+    def _release(self, spare: object) -> None:
+        if self._watch is not None:
+            self._watch.release(spare)
+
+    def attach(self, watch: StragglerWatch) -> None:
+        """The running attempt's watch, held at once for the spares importing now."""
+        self._watch = watch
+        for spare in self.now:
+            watch.hold(spare)
+
+    def listen(self, ev: Mapping) -> None:
+        """An event listener (:class:`hetctl.files.events.EventLog`)."""
+        if ev.get("kind") == "standby":
+            self.now.update(str(ev.get("node")), int(ev.get("rank", -1)), str(ev.get("state")), ev.get("pid"))
 
 
 def speed_factors(

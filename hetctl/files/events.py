@@ -346,7 +346,8 @@ class Measured(Event):
     """An attempt that trained, compared with its plan: per stage and the whole step (ratio = measured ÷ predicted).
 
     Stage times are compute only (heartbeat ``compute_ms``: the step minus the waits
-    on pipeline peers) against the plan's compute of a step (``compute_ms`` × micro-batches:
+    on pipeline peers; the steps a warm spare imported beside are left out when every stage
+    has others: :mod:`hetctl.launch.spares`) against the plan's compute of a step (``compute_ms`` × micro-batches:
     no sends on either side; ``est_ms`` in a plan written before it); the step time
     is the run's tokens/s against the plan's simulated step. ``step_ms`` / ``wait_ms``: the
     same heartbeats' whole step and its waits (absent where the rank reported no compute).

@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterable, Mapping
 from hetctl.files.events import EventLog, NodeLost, ProcessesLeft, Progress, RankFailed, StageProgress, Standby
 from hetctl.launch.outcome import CAUSE_ORDER, AttemptOutcome, FailureRecord, FaultKind, RunState, classify
 from hetctl.files.run import RunDir
+from hetctl.launch.spares import SparesImporting
 from hetctl.launch.ranklogs import RankLogs
 
 class RankState(str, enum.Enum):
@@ -130,6 +131,11 @@ class Monitor:
             self.rep.setdefault((r.replica, r.stage), r.rank)
         self.stage_ms: dict[tuple[int, int], list[float]] = defaultdict(list)  # [n, sum] after the first step
         self.stage_wall: dict[tuple[int, int], list[float]] = defaultdict(list)  # [n, sum of step_ms], same steps
+        # The same, of the steps taken while no warm spare imported (hetctl.launch.spares): used when every
+        # stage has some, so that a spare's import is not measured as the stages' speed.
+        self.spares = SparesImporting()
+        self.quiet_ms: dict[tuple[int, int], list[float]] = defaultdict(lambda: [0, 0.0])
+        self.quiet_wall: dict[tuple[int, int], list[float]] = defaultdict(lambda: [0, 0.0])
         self.loss_span: dict[int, list[tuple[int, float]]] = {}  # replica → [(first step, loss), (last, loss)]
         self.walls: dict[int, list[tuple[int, float]]] = {}  # rank → [(first step, hb time), (last, time)]
         self.reported_tps: dict[int, float] = {}  # last-stage rank → tokens/s from its final heartbeat
@@ -225,6 +231,7 @@ class Monitor:
                 if int(r) in self.ranks:
                     self.ranks[int(r)].proc_state = letter
         elif ev == "standby":
+            self.spares.update(node, int(msg["rank"]), str(msg["state"]), msg.get("pid"))
             self.events.emit(Standby(attempt=self.attempt, node=node, rank=int(msg["rank"]), state=str(msg["state"]),
                                      pid=msg.get("pid"), reason=msg.get("reason"), import_s=msg.get("import_s"),
                                      t=msg.get("t")))
@@ -280,9 +287,16 @@ class Monitor:
             else:
                 acc[0] += 1
                 acc[1] += float(ms)
+                quiet = not self.spares.busy
+                if quiet:
+                    self.quiet_ms[key][0] += 1
+                    self.quiet_ms[key][1] += float(ms)
                 if hb.get("compute_ms") is not None and hb.get("step_ms") is not None:
                     wall = self.stage_wall[key] or [0, 0.0]
                     self.stage_wall[key] = [wall[0] + 1, wall[1] + float(hb["step_ms"])]
+                    if quiet:
+                        self.quiet_wall[key][0] += 1
+                        self.quiet_wall[key][1] += float(hb["step_ms"])
             if self.on_progress is not None:
                 for f in self.on_progress({key: float(ms)}) or []:
                     self._fail(f)
@@ -399,9 +413,17 @@ class Monitor:
             first_loss=span[0][1] if span else None,
             final_loss=span[1][1] if span else None,
             tokens_per_s=self.tokens_per_s(),
-            stage_step_ms={k: acc[1] / acc[0] for k, acc in self.stage_ms.items() if acc and acc[0]},
-            stage_wall_ms={k: acc[1] / acc[0] for k, acc in self.stage_wall.items() if acc and acc[0]},
+            **self._stage_means(),
         )
+
+    def _stage_means(self) -> dict:
+        """Mean compute and step ms per stage: of the steps no spare's import ran beside, when every
+        measured stage has some, else of every step (the first, the warm-up, left out either way)."""
+        measured = [k for k, acc in self.stage_ms.items() if acc and acc[0]]
+        quiet = bool(measured) and all(self.quiet_ms[k][0] for k in measured)
+        ms, wall = (self.quiet_ms, self.quiet_wall) if quiet else (self.stage_ms, self.stage_wall)
+        return {"stage_step_ms": {k: ms[k][1] / ms[k][0] for k in measured if ms[k] and ms[k][0]},
+                "stage_wall_ms": {k: acc[1] / acc[0] for k, acc in list(wall.items()) if acc and acc[0]}}
 
     def tokens_per_s(self) -> float | None:
         """Tokens per second over the attempt.
