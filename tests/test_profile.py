@@ -51,6 +51,30 @@ def test_recorded_profile_is_kept_with_the_shape_it_was_measured_at():
     assert not prof.matches(TINY, 1, "bf16")
 
 
+def test_a_resumes_re_probe_keeps_the_profile_and_matmul_figures_of_unchanged_chips():
+    """``hetctl resume`` re-probes without --bench/--model: a chip of the same node, index, vendor and model keeps
+    what was measured (else a CPU node planned from a profile alone has no TFLOPS); a changed chip does not."""
+    from hetctl.elastic.replan import keep_measured
+
+    def bare(name: str, model: str = "AMD EPYC") -> NodeFacts:
+        n = cpu_node(name, None)
+        return n.model_copy(update={"chips": [n.chips[0].model_copy(update={"measured_tflops": None, "model": model})]})
+
+    profiled_only = cpu_node("a", "full")
+    profiled_only = profiled_only.model_copy(update={"chips": [profiled_only.chips[0].model_copy(
+        update={"measured_tflops": None})]})
+    before = Cluster(nodes=[profiled_only, cpu_node("b", "full"), cpu_node("c", "full")])
+    fresh = Cluster(nodes=[bare("a"), bare("b"), bare("c", model="AMD EPYC 9654")])
+    kept, carried = keep_measured(fresh, before)
+    a, b, c = (n.chips[0] for n in kept.nodes)
+    assert a.profile == profiled_only.chips[0].profile and a.measured_tflops is None
+    assert b.profile == before.nodes[1].chips[0].profile and b.measured_tflops == before.nodes[1].chips[0].measured_tflops
+    assert c.profile is None and c.measured_tflops is None  # another chip model: measured again, not carried
+    assert carried == ["a", "b"]
+    use = ProfileUse(TINY, 1, model_cost(TINY).layer_flops)
+    assert chip_rate(kept.nodes[0], a, use)[2] == "layer profile"
+
+
 def test_a_failed_profile_says_why_and_keeps_the_matmul_figure():
     facts = cpu_node("a", None)
     request = profile_request(facts, ProfileShape(spec=RECORDED["args"]["spec"]))

@@ -69,27 +69,28 @@ def survivors(cluster: Cluster, drop: Sequence[str], keep_only: Sequence[str] | 
 
 
 def keep_measured(fresh: Cluster, before: Cluster | None) -> tuple[Cluster, list[str]]:
-    """Carry ``--bench`` figures from ``before`` into a fresh probe for chips that did not change.
+    """Carry ``--bench`` figures and layer profiles from ``before`` into a fresh probe for chips that did not change.
 
     A re-probe (``hetctl resume``) does not benchmark, so without this a node whose
-    TFLOPS were only ever measured (a CPU node, a chip missing from the spec table)
-    would become unplannable. A chip counts as unchanged when its node, index, vendor
-    and model are the same; anything else is measured again by ``probe --bench``.
+    TFLOPS were only ever measured (a CPU node, a chip missing from the spec table:
+    by ``probe --bench``, or by the layer profile of ``probe --model``, as the demo
+    does) would become unplannable. A chip counts as unchanged when its node, index,
+    vendor and model are the same; anything else is measured again by ``probe --bench``.
 
     Returns:
         The cluster with the carried figures, and the names of the nodes that got them.
     """
     if before is None:
         return fresh, []
-    old = {(n.name, c.index, c.vendor, c.model): c.measured_tflops
-           for n in before.nodes for c in n.chips if c.measured_tflops is not None}
+    old = {(n.name, c.index, c.vendor, c.model): c for n in before.nodes for c in n.chips}
     nodes, carried = [], []
     for n in fresh.nodes:
         chips = []
         for c in n.chips:
-            m = old.get((n.name, c.index, c.vendor, c.model))
-            chips.append(c.model_copy(update={"measured_tflops": m}) if m is not None and c.measured_tflops is None
-                         else c)
+            was = old.get((n.name, c.index, c.vendor, c.model))
+            keep = {} if was is None else {k: getattr(was, k) for k in ("measured_tflops", "profile")
+                                           if getattr(c, k) is None and getattr(was, k) is not None}
+            chips.append(c.model_copy(update=keep) if keep else c)
         if chips != list(n.chips):
             carried.append(n.name)
         nodes.append(n.model_copy(update={"chips": chips}))
