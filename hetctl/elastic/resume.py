@@ -301,7 +301,7 @@ def _prepare(run: Any, lock: Any, *, inventory: Any, steps: int | None, connect:
     down = [n.name for n in cluster.nodes if not n.reachable]
     why = "resumed" + (f"; unreachable now: {', '.join(down)}" if down else "")
     if carried:
-        why += f"; measured TFLOPS kept from the run's cluster facts for {', '.join(carried)}"
+        why += f"; measured figures (TFLOPS, layer profiles) kept from the run's cluster facts for {', '.join(carried)}"
     plan = replan(last, cluster, reason=why)
     if not fwckpt.reshards(last.framework) and fwckpt.plan_shape(plan) != fwckpt.plan_shape(last):
         plan = _same_shape(last, cluster, run.run_id)
