@@ -42,16 +42,17 @@ def _stage_times(plan: Plan, measured: Measured | None
     stages = plan.stages_of(0)
     m = plan.micro_batches_of(0)
 
+    planned = [s.est_ms if s.compute_ms is None else s.compute_ms for s in stages]
+
     def split(comp: list[float]) -> tuple[list[float], list[float]]:
         fwd, bwd = [], []
-        for i, (s, c) in enumerate(zip(stages, comp)):
-            sends = max(0.0, s.est_ms - (s.est_ms if s.compute_ms is None else s.compute_ms))
+        for i, (s, c, own) in enumerate(zip(stages, comp, planned)):
+            sends = max(0.0, s.est_ms - own)
             share = 1.0 if i == 0 else 0.0 if i == len(stages) - 1 else 0.5
             fwd.append(c / 3.0 + sends * share)
             bwd.append(2.0 * c / 3.0 + sends * (1.0 - share))
         return fwd, bwd
 
-    planned = [s.est_ms if s.compute_ms is None else s.compute_ms for s in stages]
     fwd, bwd = split(planned)
     if measured is None:
         return fwd, bwd, None

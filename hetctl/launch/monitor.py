@@ -32,6 +32,13 @@ from hetctl.files.run import RunDir
 from hetctl.launch.spares import SparesImporting
 from hetctl.launch.ranklogs import RankLogs
 
+def _add(sums: dict, key: tuple[int, int], ms: Any, also: dict | None = None) -> None:
+    """One more step of ``ms`` in the ``[n, sum]`` of ``key`` (and in ``also``'s)."""
+    for d in (sums, also) if also is not None else (sums,):
+        acc = d[key] or [0, 0.0]  # (stage_wall starts each key as an empty list)
+        d[key] = [acc[0] + 1, acc[1] + float(ms)]
+
+
 class RankState(str, enum.Enum):
     """What the controller believes of one rank (transitions in the module docstring)."""
 
@@ -285,18 +292,10 @@ class Monitor:
             if not acc:
                 acc.extend([0, 0.0])  # the first step (warm-up) is not counted
             else:
-                acc[0] += 1
-                acc[1] += float(ms)
                 quiet = not self.spares.busy
-                if quiet:
-                    self.quiet_ms[key][0] += 1
-                    self.quiet_ms[key][1] += float(ms)
+                _add(self.stage_ms, key, ms, also=self.quiet_ms if quiet else None)
                 if hb.get("compute_ms") is not None and hb.get("step_ms") is not None:
-                    wall = self.stage_wall[key] or [0, 0.0]
-                    self.stage_wall[key] = [wall[0] + 1, wall[1] + float(hb["step_ms"])]
-                    if quiet:
-                        self.quiet_wall[key][0] += 1
-                        self.quiet_wall[key][1] += float(hb["step_ms"])
+                    _add(self.stage_wall, key, hb["step_ms"], also=self.quiet_wall if quiet else None)
             if self.on_progress is not None:
                 for f in self.on_progress({key: float(ms)}) or []:
                     self._fail(f)
