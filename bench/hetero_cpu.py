@@ -12,7 +12,9 @@ not declared ones. The model is
 2. ``hetctl plan --calibrate`` on that run: per-node speeds from its measured
    stage compute, and the per-message cost of its links from its measured step
    (:mod:`hetctl.elastic.linkfit`); with ``--rounds 2`` (the default) the plan
-   made on them is run once and calibrated on again, as a user would, since a
+   made on them is run once and calibrated on again together with the uniform
+   run (``plan --calibrate RUN --calibrate RUN2``: each node's speed from the
+   run it was busiest in, the links from the newer), as a user would, since a
    node's per-micro-batch overheads (gloo's messages on a throttled CPU) do not
    scale with its layers; the **hetctl** plan made on the last calibration, and
    its predicted tokens/s;
@@ -90,6 +92,8 @@ def make_groups(tag: str, quotas: list[int], top_cpu: float) -> dict[str, Path]:
     for node, q in zip(NODES, quotas):
         g = CPU / f"hetctl-bench-{tag}-{node}"
         g.mkdir()
+        # (Tried: 1 ms of quota in a period of 1 ms ÷ share, 2/4/8 ms at 4:2:1, so that no burst runs over 1 ms at
+        # full speed: every run and node alone ran 10-25% slower, 76% of the homogeneous sum; bench/README.)
         (g / "cpu.cfs_period_us").write_text(str(PERIOD_US))
         (g / "cpu.cfs_quota_us").write_text(str(int(PERIOD_US * top_cpu * q / top)))
         # A large weight, so that other work on the machine cannot take a node below its quota (with the
@@ -207,6 +211,7 @@ def main() -> int:
                          "the final plan runs with)")
     ap.add_argument("--alone-steps", type=int, default=4, help="steps of each node-alone run (the slowest runs)")
     ap.add_argument("--keep-run", metavar="DIR", help="copy the uniform run's folder here (a recorded run for tests)")
+    ap.add_argument("--keep-runs", metavar="DIR", help="copy every run calibrated on here, as DIR/uniform, DIR/round1…")
     args = ap.parse_args()
     if os.geteuid() != 0 or not (CPU / "cgroup.procs").exists():
         print("needs root and the cgroup v1 cpu controller at /sys/fs/cgroup/cpu", file=sys.stderr)
@@ -234,15 +239,24 @@ def main() -> int:
             u = launch(d, "uniform", uniform, args.steps)
             if args.keep_run:
                 shutil.copytree(u["run_dir"], args.keep_run, dirs_exist_ok=True)
-            cal = calibrate(Path(u["run_dir"]))
+            runs, plans = [Path(u["run_dir"])], [uniform]
+            cal = calibrate(*runs)
             save_model(d / "cluster.calibrated.yaml", cal.cluster)
             het = plan_cluster(cal.cluster, spec, cluster_path=d / "cluster.calibrated.yaml", **shape)
             for r in range(1, args.rounds):  # calibrate again on the calibrated plan's own run, as a user would
                 first = launch(d, f"hetctl-round{r}", het, args.steps)
-                print(f"  {'':<14} (predicted {het.estimate.tokens_per_s:,.1f} tokens/s; calibrated again on it)")
-                cal = calibrate(Path(first["run_dir"]))
+                print(f"  {'':<14} (predicted {het.estimate.tokens_per_s:,.1f} tokens/s; calibrated again on it "
+                      "and the runs before: plan --calibrate RUN --calibrate RUN2)")
+                runs.append(Path(first["run_dir"]))
+                plans.append(het)
+                cal = calibrate(*runs)
                 save_model(d / f"cluster.calibrated-{r}.yaml", cal.cluster)
                 het = plan_cluster(cal.cluster, spec, cluster_path=d / f"cluster.calibrated-{r}.yaml", **shape)
+            if args.keep_runs:  # the runs calibrated on, with the facts each was planned from (a recorded set for tests)
+                for i, (run, planned) in enumerate(zip(runs, plans)):
+                    kept = Path(args.keep_runs) / ("uniform" if i == 0 else f"round{i}")
+                    shutil.copytree(run, kept, dirs_exist_ok=True, ignore=shutil.ignore_patterns("controller.lock"))
+                    shutil.copy(planned.cluster, kept / "attempts" / "0" / "cluster.yaml")
             predicted = het.estimate.tokens_per_s
             h = launch(d, "hetctl", het, args.steps)
             # The best plain pipeline (one shape, no replicas of different depth) on the same calibrated figures.

@@ -2,7 +2,10 @@
 
 Pure: a synthetic measurement on a planned three-node pipeline, and a recorded
 run of ``bench/hetero_cpu.py`` (three CPU nodes under 4:2:1 quotas, the uniform
-24-layer split) in ``fixtures/runs/hetero-uniform``.
+24-layer split) in ``fixtures/runs/hetero-uniform``; and for several runs at once, the two runs a
+``bench/hetero_cpu.py --keep-runs DIR`` calibrates on (the uniform 12-layer split and the first
+calibrated plan's 7:4:1, recorded 2026-12-02 with each run's cluster file as ``attempts/0/cluster.yaml``)
+in ``fixtures/runs/hetero-rounds``.
 """
 
 from __future__ import annotations
@@ -143,3 +146,67 @@ def test_calibrated_links_price_the_data_parallel_sync_too(tmp_path):
     without = plan_cluster(bare, cal.plan.model, **shape).estimate.step_time_s
     latency = max(h.latency_s for h in cal.links.hops)
     assert with_fit - without == pytest.approx(26 * 2 * latency, rel=0.05)
+
+
+ROUNDS = Path(__file__).parent / "fixtures/runs/hetero-rounds"  # bench/hetero_cpu.py --keep-runs: uniform, round1
+
+
+def _busy_from_events(run: Path) -> dict[str, float]:
+    """Each node's compute ÷ step in the run's last measured event, read straight from events.jsonl."""
+    last = [e for e in read_events(run / "events.jsonl") if e.get("kind") == "measured"][-1]
+    return {s["node"]: s["measured_ms"] / s["step_ms"] for s in last["stages"]}
+
+
+def test_several_runs_take_each_nodes_speed_from_the_run_it_was_busiest_in(tmp_path):
+    """Two recorded runs of the bench (uniform, then the first calibrated plan): per node the speed of the run whose
+    stages kept it busiest (ties within 5 points: the newer), the links of the newer run, in any order given."""
+    uniform, round1 = tmp_path / "uniform", tmp_path / "round1"
+    shutil.copytree(ROUNDS / "uniform", uniform)
+    shutil.copytree(ROUNDS / "round1", round1)
+    alone = {"uniform": calibrate(uniform), "round1": calibrate(round1)}
+    busy = {name: _busy_from_events(tmp_path / name) for name in alone}
+    both = calibrate(uniform, round1)
+    assert both.run_id == alone["round1"].run_id and both.links == alone["round1"].links
+    assert both.runs == (alone["uniform"].run_id, alone["round1"].run_id)
+    picked = set()
+    for node in busy["round1"]:
+        want = "uniform" if busy["uniform"][node] > busy["round1"][node] + 0.05 else "round1"
+        picked.add(want)
+        got = next(n for n in both.cluster.nodes if n.name == node)
+        src = next(n for n in alone[want].cluster.nodes if n.name == node)
+        assert got.tflops_override == src.tflops_override, (node, want)
+        assert both.sources[node] == (alone[want].run_id, pytest.approx(busy[want][node], abs=1e-9))
+    assert picked == {"uniform", "round1"}  # the recording has a node of each kind (else this tests half)
+    assert calibrate(round1, uniform).cluster == both.cluster
+    assert "busiest" in both.note() and alone["uniform"].run_id in both.note()
+    # Planned on: the links are the newer run's, the speeds a mix; the plan is made.
+    new = plan_cluster(both.cluster, both.plan.model, global_batch=both.plan.parallel.global_batch,
+                       micro_batch=both.plan.parallel.micro_batch)
+    assert sum(s.layers[1] - s.layers[0] for s in new.stages_of(0)) == both.plan.model.num_layers
+
+
+def test_calibrating_on_one_run_twice_is_an_error(tmp_path):
+    from hetctl.errors import ConfigError
+
+    run = tmp_path / "run"
+    shutil.copytree(ROUNDS / "uniform", run)
+    with pytest.raises(ConfigError, match="given twice"):
+        calibrate(run, run)
+
+
+def test_plan_calibrate_takes_several_runs(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    for name in ("uniform", "round1"):
+        shutil.copytree(ROUNDS / name, tmp_path / name)
+    r = subprocess.run([sys.executable, "-m", "hetctl", "plan", "--calibrate", "uniform", "--calibrate", "round1",
+                        "-o", "plan", "--json"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)
+    assert "from the run it was busiest in" in plan["notes"][0]
+    assert (tmp_path / "plan" / "cluster.calibrated.yaml").is_file()
+    r = subprocess.run([sys.executable, "-m", "hetctl", "plan", "--calibrate", "uniform", "--calibrate", "uniform"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "given twice" in r.stderr and "Traceback" not in r.stderr

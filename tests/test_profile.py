@@ -177,3 +177,25 @@ def test_gloo_hops_are_costed_at_the_measured_tcp_rate():
     assert link_seconds(1e6, "nvidia", "nvidia", False, 50.0, tcp_gbs=0.01) == link_seconds(1e6, "nvidia", "nvidia",
                                                                                            False, 50.0)
     assert link_seconds(1e6, "nvidia", "ascend", False, 50.0, tcp_gbs=0.01) > 1e6 / (0.01 * 1e9)
+
+
+def test_a_calibrated_speed_scales_a_profiled_chip_too():
+    """``plan --calibrate`` and ``--rebalance`` scale a node by its measured speed; for a chip planned from its layer
+    profile (which wins over the matmul figure) the profile's times are what must change, or nothing does."""
+    from hetctl.elastic.replan import with_speeds
+
+    cl = Cluster(nodes=[cpu_node("a", "full"), cpu_node("b", "full")])
+    use = ProfileUse(TINY, 1, model_cost(TINY).layer_flops)
+    before = chip_rate(cl.nodes[0], cl.nodes[0].chips[0], use)
+    slow = with_speeds(cl, {"a": 0.5})
+    a = slow.nodes[0]
+    after = chip_rate(a, a.chips[0], use)
+    assert before[2] == after[2] == "layer profile"
+    assert after[0] == pytest.approx(before[0] * 0.5, rel=1e-4)
+    assert a.chips[0].profile.layer_fwd_ms == pytest.approx(2 * cl.nodes[0].chips[0].profile.layer_fwd_ms, rel=1e-4)
+    assert a.chips[0].profile.peak_memory_gb == cl.nodes[0].chips[0].profile.peak_memory_gb
+    from hetctl.plan.search import Pins
+
+    plan = plan_cluster(slow, TINY, global_batch=4, pins=Pins(pp=2, dp=1))
+    layers = {s.node: s.layers[1] - s.layers[0] for s in plan.stages}
+    assert layers["a"] < layers["b"], layers

@@ -21,9 +21,11 @@ def plan_cmd(
     seq_len: int | None = typer.Option(None, "--seq-len", help="Sequence length (default: the model's)."),
     framework: str | None = typer.Option(None, "--framework", help="Launch scripts for hetctl (reference trainer, "
                                          "no TP; the default), megatron, flagscale, deepspeed or torchrun."),
-    calibrate: str | None = typer.Option(None, "--calibrate", metavar="RUN_DIR",
-                                         help="Plan on the speeds a run measured (its `measured` events) instead of "
-                                              "the cluster file's; model, batch and framework default to the run's."),
+    calibrate: list[str] | None = typer.Option(None, "--calibrate", metavar="RUN_DIR",
+                                               help="Plan on the speeds a run measured (its `measured` events) "
+                                                    "instead of the cluster file's; model, batch and framework default "
+                                                    "to the run's. Repeat it for several runs: each node's speed comes "
+                                                    "from the run it was busiest in, the links from the newest."),
     pp: int | None = typer.Option(None, "--pp", help="Pin the pipeline depth."),
     dp: int | None = typer.Option(None, "--dp", help="Pin the number of pipeline replicas."),
     tp: int | None = typer.Option(None, "--tp", help="Pin the tensor-parallel degree of every stage."),
@@ -59,7 +61,7 @@ def plan_cmd(
         from hetctl.elastic.calibrate import calibrate as calibrated
         from hetctl.files.yamlio import save_model
 
-        cal = calibrated(calibrate)
+        cal = calibrated(*calibrate)
         facts, note = cal.cluster, cal.note()
         cluster = str(save_model(Path(output) / "cluster.calibrated.yaml", facts, header=note))
         spec = load_spec(model, seq_len=seq_len) if model else cal.plan.model

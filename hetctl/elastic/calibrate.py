@@ -17,7 +17,7 @@ bubble stays the simulator's; ``--explain`` says which nodes and links were cali
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from hetctl.elastic.linkfit import LinkFit, fit_links, sends_per_step
@@ -40,8 +40,18 @@ class Calibration:
     cluster: Cluster
     factors: dict[str, float]  # node → measured speed ÷ the speed the plan assumed
     links: LinkFit | None = None  # the per-message cost of the plan's hops, fitted to the measured step
+    busy: dict[str, float] = field(default_factory=dict)  # node → share of its step spent computing
+    sources: dict[str, tuple[str, float]] = field(default_factory=dict)  # several runs: node → (run, busy share)
+    runs: tuple[str, ...] = ()  # several runs: their ids, oldest first
+    measured_ts: float = 0.0  # when the attempt's ``measured`` event was written (orders several runs)
 
     def note(self) -> str:
+        if self.sources:
+            nodes = ", ".join(f"{n} ×{self.factors[n]:.3g} from run {run} (busy {100 * share:.0f}%)"
+                              for n, (run, share) in sorted(self.sources.items()))
+            out = (f"calibrated on runs {', '.join(self.runs)}: each node's speed against its plan, from the run "
+                   f"it was busiest in: {nodes}")
+            return out + (f"; from run {self.run_id}: {self.links.note()}" if self.links is not None else "")
         nodes = ", ".join(f"{n} ×{f:.3g}" for n, f in sorted(self.factors.items()))
         out = f"calibrated on run {self.run_id} attempt {self.attempt}: speeds measured against the plan: {nodes}"
         return out + (f"; {self.links.note()}" if self.links is not None else "")
@@ -97,13 +107,16 @@ def node_factors(measured: Measured, sends_ms: dict[tuple[int, int], float] | No
     return {n: statistics.fmean(v) for n, v in per.items()}
 
 
-def calibrate(run_dir: str | Path) -> Calibration:
-    """The run's newest measured attempt turned into calibrated cluster facts.
+def calibrate(run_dir: str | Path, *more: str | Path) -> Calibration:
+    """The run's newest measured attempt turned into calibrated cluster facts; with ``more`` runs,
+    each node's speed from the run it was busiest in (:func:`combine`).
 
     Raises:
         ConfigError: not a run folder, no attempt measured, or the cluster facts it was
             planned from are gone.
     """
+    if more:
+        return combine([calibrate(d) for d in (run_dir, *more)])
     from hetctl.elastic.replan import load_cluster, with_speeds
 
     run = RunDir.open(run_dir)
@@ -129,7 +142,73 @@ def calibrate(run_dir: str | Path) -> Calibration:
     old_plan = any(s.compute_ms is None for s in plan.stages)  # its predicted figures hold the sends
     factors = node_factors(measured, sends_per_step(plan, cluster) if old_plan else None)
     fit = fit_links(plan, measured, cluster)
-    return Calibration(run.run_id, measured.attempt, plan, with_links(with_speeds(cluster, factors), fit), factors, fit)
+    return Calibration(run.run_id, measured.attempt, plan, with_links(with_speeds(cluster, factors), fit), factors, fit,
+                       busy=busy_shares(measured), measured_ts=float(found[-1].get("ts") or 0.0))
+
+
+SAME_BUSY = 0.05  # busy shares this close count as equal: the newer run's speed is taken
+
+
+def busy_shares(measured: Measured) -> dict[str, float]:
+    """Per node, the share of its stages' step time spent computing (compute ÷ step, over its stages)."""
+    comp: dict[str, float] = {}
+    wall: dict[str, float] = {}
+    for s in measured.stages:
+        if s.step_ms and s.step_ms > 0:
+            comp[s.node] = comp.get(s.node, 0.0) + s.measured_ms
+            wall[s.node] = wall.get(s.node, 0.0) + s.step_ms
+    return {n: min(1.0, comp[n] / wall[n]) for n in comp}
+
+
+def combine(cals: list[Calibration]) -> Calibration:
+    """Several runs' calibrations as one: the newest run's facts and links, and each node's speed
+    from the run where its stages were busiest.
+
+    A node that waited on its peers for most of a step ran in short bursts, and a chip can
+    run a short burst faster than it sustains (boost clocks; under a CFS quota, a burst
+    shorter than the quota runs at the whole CPU's speed); a balanced plan keeps every
+    node busy, so the speed it needs is the one measured under load. Shares within
+    ``SAME_BUSY`` of each other are taken as equal, and the newer run (by its ``measured``
+    event) wins.
+
+    Raises:
+        ConfigError: the same run given twice, or runs of different models.
+    """
+    ordered = sorted(cals, key=lambda c: (c.measured_ts, c.run_id, c.attempt))
+    for a, b in zip(ordered, ordered[1:]):
+        if (a.run_id, a.attempt) == (b.run_id, b.attempt):
+            raise ConfigError(f"--calibrate: run {a.run_id} is given twice", "give each run folder once")
+    newest = ordered[-1]
+    for c in ordered[:-1]:
+        if c.plan.model.name != newest.plan.model.name or c.plan.model.num_layers != newest.plan.model.num_layers:
+            raise ConfigError(f"--calibrate: run {c.run_id} trained {c.plan.model.name}, run {newest.run_id} "
+                              f"{newest.plan.model.name}", "calibrate on runs of one model")
+    chosen: dict[str, Calibration] = {}
+    for node in {n.name for n in newest.cluster.nodes}:
+        best = None
+        for c in ordered:  # oldest first: a later run at about the same share replaces an earlier one
+            share = c.busy.get(node)
+            if share is None or node not in c.factors:
+                continue
+            if best is None or share >= best.busy[node] - SAME_BUSY:
+                best = c
+        if best is not None:
+            chosen[node] = best
+    facts = {c.run_id: {n.name: n for n in c.cluster.nodes} for c in ordered}
+    nodes = []
+    for n in newest.cluster.nodes:
+        c = chosen.get(n.name)
+        if c is None or c is newest:
+            nodes.append(n)
+            continue
+        src = facts[c.run_id][n.name]
+        nodes.append(n.model_copy(update={"chips": src.chips, "tflops_override": src.tflops_override}))
+    cluster = newest.cluster.model_copy(update={"nodes": nodes})
+    sources = {node: (c.run_id, c.busy[node]) for node, c in chosen.items()}
+    factors = {node: c.factors[node] for node, c in chosen.items()}
+    return Calibration(newest.run_id, newest.attempt, newest.plan, cluster, factors, newest.links,
+                       busy={node: c.busy[node] for node, c in chosen.items()}, sources=sources,
+                       runs=tuple(c.run_id for c in ordered), measured_ts=newest.measured_ts)
 
 
 def with_links(cluster: Cluster, fit: LinkFit) -> Cluster:

@@ -21,7 +21,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from hetctl.errors import ConfigError, HetctlError, PlanInfeasible
 from hetctl.files.plan import Plan
-from hetctl.files.cluster import Cluster, NodeFacts, Tflops
+from hetctl.files.cluster import Cluster, LayerProfile, NodeFacts, Tflops
 
 PlanFn = Callable[..., Plan]
 
@@ -116,13 +116,22 @@ def with_speeds(cluster: Cluster, factors: Mapping[str, float]) -> Cluster:
         chips = []
         for c in _node_chips(n):
             rate, prec, _src = chip_rate(n, c)
-            measured = Tflops(**{prec: round(rate * f, 6)})
-            chips.append(c.model_copy(update={"measured_tflops": measured}))
+            update_chip: dict = {"measured_tflops": Tflops(**{prec: round(rate * f, 6)})}
+            if c.profile is not None:  # a layer profile wins over the matmul figure in the planner: scale it too
+                update_chip["profile"] = scaled_profile(c.profile, f)
+            chips.append(c.model_copy(update=update_chip))
         update: dict = {"chips": chips}
         if n.tflops_override:  # the inventory's figure wins over measurements in the planner: scale it too
             update["tflops_override"] = round(n.tflops_override * f, 6)
         nodes.append(n.model_copy(update=update))
     return cluster.model_copy(update={"nodes": nodes})
+
+
+def scaled_profile(prof: LayerProfile, f: float) -> LayerProfile:
+    """A layer profile of a chip ``f`` times as fast as it was measured: every time divided by ``f``."""
+    times = {k: round(getattr(prof, k) / f, 6) for k in ("layer_fwd_ms", "layer_bwd_ms", "edges_fwd_bwd_ms",
+                                                          "optimizer_ns_per_param") if getattr(prof, k) is not None}
+    return prof.model_copy(update=times)
 
 
 def replan(
