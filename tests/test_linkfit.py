@@ -185,13 +185,17 @@ def test_several_runs_take_each_nodes_speed_from_the_run_it_was_busiest_in(tmp_p
     assert sum(s.layers[1] - s.layers[0] for s in new.stages_of(0)) == both.plan.model.num_layers
 
 
-def test_calibrating_on_one_run_twice_is_an_error(tmp_path):
+def test_calibrating_on_one_run_twice_or_on_runs_of_two_models_is_an_error(tmp_path):
     from hetctl.errors import ConfigError
 
     run = tmp_path / "run"
     shutil.copytree(ROUNDS / "uniform", run)
     with pytest.raises(ConfigError, match="given twice"):
         calibrate(run, run)
+    other = tmp_path / "other"
+    shutil.copytree(RECORDED, other)  # the 24-layer uniform run
+    with pytest.raises(ConfigError, match="24 layers.*12 layers|12 layers.*24 layers"):
+        calibrate(run, other)
 
 
 def test_plan_calibrate_takes_several_runs(tmp_path):

@@ -12,6 +12,8 @@ those facts makes the planner's compute times the measured ones. The step time
 beyond that compute fits the cost of the messages between stages
 (:mod:`hetctl.elastic.linkfit`): ``calibrated`` links in the cluster file. The
 bubble stays the simulator's; ``--explain`` says which nodes and links were calibrated.
+With several runs (``--calibrate A --calibrate B``), :func:`combine` takes each node's
+speed from the run that kept it busiest and the links from the newest.
 """
 
 from __future__ import annotations
@@ -181,8 +183,9 @@ def combine(cals: list[Calibration]) -> Calibration:
     newest = ordered[-1]
     for c in ordered[:-1]:
         if c.plan.model.name != newest.plan.model.name or c.plan.model.num_layers != newest.plan.model.num_layers:
-            raise ConfigError(f"--calibrate: run {c.run_id} trained {c.plan.model.name}, run {newest.run_id} "
-                              f"{newest.plan.model.name}", "calibrate on runs of one model")
+            raise ConfigError(f"--calibrate: run {c.run_id} trained {c.plan.model.name} ({c.plan.model.num_layers} "
+                              f"layers), run {newest.run_id} {newest.plan.model.name} "
+                              f"({newest.plan.model.num_layers} layers)", "calibrate on runs of one model")
     chosen: dict[str, Calibration] = {}
     for node in {n.name for n in newest.cluster.nodes}:
         best = None
@@ -194,14 +197,14 @@ def combine(cals: list[Calibration]) -> Calibration:
                 best = c
         if best is not None:
             chosen[node] = best
-    facts = {c.run_id: {n.name: n for n in c.cluster.nodes} for c in ordered}
+    facts = {(c.run_id, c.attempt): {n.name: n for n in c.cluster.nodes} for c in ordered}
     nodes = []
     for n in newest.cluster.nodes:
         c = chosen.get(n.name)
         if c is None or c is newest:
             nodes.append(n)
             continue
-        src = facts[c.run_id][n.name]
+        src = facts[(c.run_id, c.attempt)][n.name]
         nodes.append(n.model_copy(update={"chips": src.chips, "tflops_override": src.tflops_override}))
     cluster = newest.cluster.model_copy(update={"nodes": nodes})
     sources = {node: (c.run_id, c.busy[node]) for node, c in chosen.items()}
