@@ -185,8 +185,9 @@ def stage_type(kind: Kind, tp: int, work: Workload, dp: int, tp_vocab: bool = Tr
         sync_bw = kind.tcp_gbs * GB / kind.max_group()  # gloo's TCP path, as measured (see link_seconds)
     per_param = sync_bytes / sync_bw / tp  # seconds per parameter of the stage
     # A calibrated per-message cost (plan --calibrate: what a message cost on these very nodes) bounds
-    # each of a ring's 2(d−1) steps; the reference trainer reduces unit by unit (each layer, embedding, head).
-    unit = 2 * (dp - 1) * kind.link_latency_s if dp > 1 and kind.link_latency_s is not None else 0.0
+    # each of a ring's 2(d−1) steps; the reference trainer sends a stage's units as one bucket
+    # (hetctl.train.dpreduce), so a stage pays them once.
+    ring = 2 * (dp - 1) * kind.link_latency_s if dp > 1 and kind.link_latency_s is not None else 0.0
     limit = kind.memory_gb * GB
     mem = memory_terms(work, kind.precision, tp, dp, vt)
     k = kind.memory_scale  # > 1 where the chip's profile peaked above the analytic figure (plan.profmem)
@@ -197,8 +198,8 @@ def stage_type(kind: Kind, tp: int, work: Workload, dp: int, tp_vocab: bool = Tr
         mem_layer=k * mem.mem_layer, act_layer=k * mem.act_layer, mem_first=k * mem.mem_first,
         act_first=k * mem.act_first, mem_last=k * mem.mem_last,
         reserve=0.05 * limit + (0.5 if vendors == ("cpu",) else 1.5) * GB, limit=limit,
-        sync_layer=per_param * c.layer_params + unit, sync_first=per_param * c.embed_params * tp / vt + unit,
-        sync_last=per_param * c.head_params * tp / vt + unit, sync_fixed=3e-5 * dp if dp > 1 else 0.0,
+        sync_layer=per_param * c.layer_params, sync_first=per_param * c.embed_params * tp / vt,
+        sync_last=per_param * c.head_params * tp / vt, sync_fixed=3e-5 * dp + ring if dp > 1 else 0.0,
         flops=rate, vocab_split=vt,
     )
 

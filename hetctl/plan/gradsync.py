@@ -26,7 +26,8 @@ every TP rank holds those whole: ``StageType.vocab_split``):
   group is one chip, it is the flat all-reduce, exactly.
 - **Latency**: :data:`STEP_LATENCY_S` per member of each ring all-reduce
   (half that for a reduce-scatter or an all-gather), as the stage syncs of
-  :mod:`hetctl.plan.costmodel`.
+  :mod:`hetctl.plan.costmodel`. Counted per unit: the trainer sends the flat
+  units of one holder set as one bucket, so for those it is an upper bound.
 - **When it runs**: the slowest holder sets a unit's time; each rank issues
   every unit's collectives at once, in one global unit order, so a unit waits
   for its holders' gradients but not for other ranks' earlier units, and a

@@ -1,4 +1,4 @@
-"""The data-parallel gradient all-reduce of the reference trainer: flat, or hierarchical across vendors.
+"""The data-parallel gradient all-reduce of the reference trainer: flat (bucketed), or hierarchical across vendors.
 
 Each checkpoint unit (the embedding, each layer, the head) is summed over the
 ranks holding it, one per replica (``Topology.unit_groups``). When those ranks
@@ -23,8 +23,16 @@ stay in step). The sum is the flat one up to float32 rounding (another order of
 additions); the order is fixed by the plan, so a run is reproducible bit for
 bit.
 
+The flat units of a rank that share a group (every unit of a stage, in a plain
+data-parallel layout) go as one bucket: one all-reduce of their gradients laid
+end to end, as DDP's buckets do, instead of one per unit (each costs the ring's
+2(d−1) message latencies, on a throttled CPU node milliseconds each: bench/README,
+hetero_cpu). Buckets are issued in the
+order of their first unit: every holder of a group holds the same units, so all
+issue them in one order.
+
 Collectives are issued asynchronously: a rank starts every unit's reduce-scatter
-(or flat all-reduce) at once after its last backward, then each unit's pieces
+(and every bucket's all-reduce) at once after its last backward, then each unit's pieces
 as its reduce-scatter completes, then the all-gathers, so a unit waits for its
 holders' gradients but not for another rank's earlier units. Every rank issues
 its collectives on a group in one global order (phase, unit, piece), so groups
@@ -167,14 +175,13 @@ class Reducer:
     def _reduce(self, units: nn.ModuleDict, device: torch.device) -> None:
         flats: dict[str, torch.Tensor] = {}
         work: dict[str, Any] = {}
-        for name, unit in units.items():  # phase 1: every flat all-reduce and reduce-scatter, in unit order
+        buckets: dict[int, tuple[Any, list[str]]] = {}  # flat units by group, in unit order
+        for name, unit in units.items():  # phase 1: every reduce-scatter, in unit order; flat units into buckets
             u = self.units[name]
-            flat = torch.cat([p.grad.reshape(-1) for p in unit.parameters()]).float()
             if u.flat is not None:
-                group, lib = u.flat
-                flats[name] = flat.to("cpu") if lib == "gloo" else flat
-                work[name] = dist.all_reduce(flats[name], group=group, async_op=True)
+                buckets.setdefault(id(u.flat[0]), (u.flat, []))[1].append(name)
                 continue
+            flat = torch.cat([p.grad.reshape(-1) for p in unit.parameters()]).float()
             on = "cpu" if u.intra_lib == "gloo" else device
             s = -(-u.numel // u.size)
             padded = torch.zeros(s * u.size, dtype=torch.float32, device=on)
@@ -185,6 +192,20 @@ class Reducer:
             else:
                 shard = torch.empty(s, dtype=torch.float32, device=on)
                 work[name] = (dist.reduce_scatter_tensor(shard, padded, group=u.intra, async_op=True), shard)
+        for (group, lib), names in buckets.values():  # one all-reduce per group, in the order of its first unit
+            grads = [p.grad for n in names for p in units[n].parameters()]
+            bucket = torch.empty(sum(g.numel() for g in grads), dtype=torch.float32,
+                                 device="cpu" if lib == "gloo" else device)
+            offset = 0
+            for g in grads:  # the unit's gradients end to end, as the flat copy of each unit was
+                bucket[offset:offset + g.numel()].copy_(g.reshape(-1))
+                offset += g.numel()
+            handle = dist.all_reduce(bucket, group=group, async_op=True)
+            offset = 0
+            for n in names:
+                k = sum(p.numel() for p in units[n].parameters())
+                flats[n], work[n] = bucket[offset:offset + k], handle
+                offset += k
         hosts: dict[str, tuple[torch.Tensor, list]] = {}
         for name in units:  # phase 2: each shard's pieces across vendors, on the host
             u = self.units[name]
