@@ -26,14 +26,13 @@ bit.
 The flat units of a rank that share a group (every unit of a stage, in a plain
 data-parallel layout) go as one bucket: one all-reduce of their gradients laid
 end to end, as DDP's buckets do, instead of one per unit (each costs the ring's
-2(d−1) message latencies, on a throttled CPU node milliseconds each: bench/README,
-hetero_cpu). Buckets are issued in the
-order of their first unit: every holder of a group holds the same units, so all
-issue them in one order.
+2(d−1) message latencies, milliseconds each on a throttled CPU node: bench/README,
+hetero_cpu). Buckets are issued in the order of their first unit: every holder
+of a group holds the same units, so all issue them in one order.
 
 Collectives are issued asynchronously: a rank starts every unit's reduce-scatter
-(and every bucket's all-reduce) at once after its last backward, then each unit's pieces
-as its reduce-scatter completes, then the all-gathers, so a unit waits for its
+(and every bucket's all-reduce) at once after its last backward, then each
+unit's pieces as its reduce-scatter completes, then the all-gathers, so a unit waits for its
 holders' gradients but not for another rank's earlier units. Every rank issues
 its collectives on a group in one global order (phase, unit, piece), so groups
 of different members cannot deadlock.
