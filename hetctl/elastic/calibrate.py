@@ -187,24 +187,19 @@ def combine(cals: list[Calibration]) -> Calibration:
                               f"layers), run {newest.run_id} {newest.plan.model.name} "
                               f"({newest.plan.model.num_layers} layers)", "calibrate on runs of one model")
     chosen: dict[str, Calibration] = {}
-    for node in {n.name for n in newest.cluster.nodes}:
-        best = None
-        for c in ordered:  # oldest first: a later run at about the same share replaces an earlier one
-            share = c.busy.get(node)
-            if share is None or node not in c.factors:
-                continue
-            if best is None or share >= best.busy[node] - SAME_BUSY:
-                best = c
-        if best is not None:
-            chosen[node] = best
-    facts = {(c.run_id, c.attempt): {n.name: n for n in c.cluster.nodes} for c in ordered}
     nodes = []
     for n in newest.cluster.nodes:
-        c = chosen.get(n.name)
-        if c is None or c is newest:
+        best = None
+        for c in ordered:  # oldest first: a later run at about the same share replaces an earlier one
+            share = c.busy.get(n.name)
+            if share is not None and n.name in c.factors and (best is None or share >= best.busy[n.name] - SAME_BUSY):
+                best = c
+        if best is not None:
+            chosen[n.name] = best
+        if best is None or best is newest:
             nodes.append(n)
             continue
-        src = facts[(c.run_id, c.attempt)][n.name]
+        src = next(m for m in best.cluster.nodes if m.name == n.name)
         nodes.append(n.model_copy(update={"chips": src.chips, "tflops_override": src.tflops_override}))
     cluster = newest.cluster.model_copy(update={"nodes": nodes})
     sources = {node: (c.run_id, c.busy[node]) for node, c in chosen.items()}

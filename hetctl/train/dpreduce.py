@@ -192,19 +192,19 @@ class Reducer:
                 shard = torch.empty(s, dtype=torch.float32, device=on)
                 work[name] = (dist.reduce_scatter_tensor(shard, padded, group=u.intra, async_op=True), shard)
         for (group, lib), names in buckets.values():  # one all-reduce per group, in the order of its first unit
-            grads = [p.grad for n in names for p in units[n].parameters()]
-            bucket = torch.empty(sum(g.numel() for g in grads), dtype=torch.float32,
+            grads = {n: [p.grad for p in units[n].parameters()] for n in names}
+            bucket = torch.empty(sum(g.numel() for gs in grads.values() for g in gs), dtype=torch.float32,
                                  device="cpu" if lib == "gloo" else device)
-            offset = 0
-            for g in grads:  # the unit's gradients end to end, as the flat copy of each unit was
-                bucket[offset:offset + g.numel()].copy_(g.reshape(-1))
-                offset += g.numel()
+            spans, offset = {}, 0
+            for n, gs in grads.items():  # each unit's gradients end to end, as its flat copy was
+                start = offset
+                for g in gs:
+                    bucket[offset:offset + g.numel()].copy_(g.reshape(-1))
+                    offset += g.numel()
+                spans[n] = (start, offset)
             handle = dist.all_reduce(bucket, group=group, async_op=True)
-            offset = 0
-            for n in names:
-                k = sum(p.numel() for p in units[n].parameters())
-                flats[n], work[n] = bucket[offset:offset + k], handle
-                offset += k
+            for n, (a, b) in spans.items():
+                flats[n], work[n] = bucket[a:b], handle
         hosts: dict[str, tuple[torch.Tensor, list]] = {}
         for name in units:  # phase 2: each shard's pieces across vendors, on the host
             u = self.units[name]
