@@ -106,9 +106,8 @@ def _which(name):
 def _die_with_collector():
     """A preexec_fn: the tool gets SIGKILL when the collector dies (Linux ``PR_SET_PDEATHSIG``), else None.
 
-    Tools run in their own session so that a timeout can kill a tool and its
-    children; without this a collector killed by an interrupted probe would leave
-    a hung tool (a stuck driver's nvidia-smi) running on the node for good.
+    A tool's own children are reached another way: they stay in the collector's
+    process group (see :func:`run_tool`).
     """
     if not sys.platform.startswith("linux"):
         return None
@@ -128,23 +127,70 @@ def _die_with_collector():
     return hook
 
 
-_TOOLS = set()  # tool processes running now (each the leader of its own session)
+def _children():
+    """``{pid: [child pids]}`` of every process, from ``/proc``; empty where there is none."""
+    kids = {}
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return kids
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open("/proc/%s/stat" % name) as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        kids.setdefault(ppid, []).append(int(name))
+    return kids
+
+
+def _kill_tree(pid):
+    """SIGKILL a tool and everything it started.
+
+    Each process is stopped before its children are looked up, so none can start
+    another behind the walk; then all of them are killed. Where there is no
+    ``/proc`` only the tool itself is killed.
+    """
+    stopped, todo = [], [pid]
+    while todo:
+        for p in todo:
+            try:
+                os.kill(p, signal.SIGSTOP)
+                stopped.append(p)
+            except OSError:
+                pass
+        kids = _children()
+        todo = [c for p in todo for c in kids.get(p, ()) if c not in stopped]
+    for p in stopped or [pid]:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+_TOOLS = set()  # tool processes running now
 _TOOLS_LOCK = threading.Lock()
 
 
 def _on_term(signum, frame):
-    """SIGTERM (an interrupted probe): end every running tool's whole session, then exit."""
+    """SIGTERM to the collector alone: end every running tool and what it started, then exit."""
     with _TOOLS_LOCK:
         for proc in list(_TOOLS):
-            try:
-                os.killpg(proc.pid, 9)
-            except OSError:
-                pass
+            _kill_tree(proc.pid)
     os._exit(128 + signum)
 
 
 def run_tool(argv, timeout):
-    """Run one vendor tool; never raises. Returns the record for ``raw["tools"]``."""
+    """Run one vendor tool; never raises. Returns the record for ``raw["tools"]``.
+
+    The tool stays in the collector's process group, so whatever ends that group
+    ends the tool and its children with it: the transports' timeouts and an
+    interrupted probe kill the group (SIGTERM, then SIGKILL), and neither a tool
+    nor a child it forked can outlive a collector killed that way. Its own timeout
+    kills just the tool's tree (:func:`_kill_tree`).
+    """
     rec = {"argv": list(argv), "rc": None, "stdout": "", "stderr": "", "timeout": False}
     exe = _which(argv[0])
     if exe is None:
@@ -152,7 +198,7 @@ def run_tool(argv, timeout):
     try:
         proc = subprocess.Popen(
             [exe] + list(argv[1:]), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, start_new_session=True, preexec_fn=_die_with_collector(),
+            stderr=subprocess.PIPE, preexec_fn=_die_with_collector(),
         )
     except OSError as e:
         rec["stderr"] = "cannot start %s: %s" % (exe, e)
@@ -163,10 +209,7 @@ def run_tool(argv, timeout):
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         rec["timeout"] = True
-        try:
-            os.killpg(proc.pid, 9)
-        except OSError:
-            proc.kill()
+        _kill_tree(proc.pid)
         out, err = proc.communicate()
     with _TOOLS_LOCK:
         _TOOLS.discard(proc)
