@@ -24,7 +24,10 @@ not declared ones. The model is
    split (layers rounded in proportion to the calibrated speeds, on the plain
    pipeline's stage order);
 4. launch the model on **each node alone**, the three at once (each in its own
-   cgroup: the homogeneous references).
+   cgroup: the homogeneous references); with ``--pairs N`` the hetctl plan and
+   the references are measured N times in turn, and the utilization is the
+   median of each pair's ratio (the machine's drift between runs cancels
+   within a pair).
 
 Each node's group also gets a large CFS weight (``cpu.shares``), so that other
 work on the machine cannot take it below its quota. The load average is printed
@@ -52,6 +55,7 @@ import json
 import os
 import signal
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -178,6 +182,12 @@ def finish(name: str, plan, proc: subprocess.Popen) -> dict:
     return summary
 
 
+def alone_set(d: Path, plans: dict, steps: int, tag: str) -> dict[str, dict]:
+    """Each node alone, the three at once (each in its own cgroup): the homogeneous references' summaries."""
+    procs = {node: launch(d, f"alone-{node}{tag}", plan, steps, quiet=True) for node, plan in plans.items()}
+    return {node: finish(f"alone-{node}{tag}", plans[node], proc) for node, proc in procs.items()}
+
+
 def split_of(plan) -> str:
     """Layers per node, replica by replica ("|" between replicas)."""
     return " | ".join(" ".join(f"{s.node}:{s.layers[1] - s.layers[0]}" for s in plan.stages_of(r))
@@ -210,6 +220,10 @@ def main() -> int:
                          "first calibrated plan's run (its layer counts, hence its per-node overheads, are the ones "
                          "the final plan runs with)")
     ap.add_argument("--alone-steps", type=int, default=4, help="steps of each node-alone run (the slowest runs)")
+    ap.add_argument("--pairs", type=int, default=1,
+                    help="measure the hetctl plan and the node-alone references this many times, one after the other "
+                         "(hetctl, alone, hetctl, alone, ...): the utilization is each pair's ratio, and its median is "
+                         "reported, so that drift between runs on a shared machine cancels within a pair")
     ap.add_argument("--keep-run", metavar="DIR", help="copy the uniform run's folder here (a recorded run for tests)")
     ap.add_argument("--keep-runs", metavar="DIR", help="copy every run calibrated on here, as DIR/uniform, DIR/round1…")
     args = ap.parse_args()
@@ -268,21 +282,23 @@ def main() -> int:
             counts = proportional_split(args.layers, speeds) if len(plain.stages_of(0)) > 1 else None
             p = launch(d, "proportional", with_split(plain, counts), args.steps) if counts else None
             # Each node alone, the three at once: each in its own cgroup, as independent as during the runs above.
-            procs = {}
+            alone_plans = {}
             for node in NODES:
                 one = cal.cluster.model_copy(update={"nodes": [n for n in cal.cluster.nodes if n.name == node]})
-                one_plan = plan_cluster(one, spec, cluster_path=d / "cluster.yaml", **shape)
-                procs[node] = (one_plan, launch(d, f"alone-{node}", one_plan, args.alone_steps, quiet=True))
-            alone = {node: finish(f"alone-{node}", pl_, proc) for node, (pl_, proc) in procs.items()}
+                alone_plans[node] = plan_cluster(one, spec, cluster_path=d / "cluster.yaml", **shape)
+            pairs = [(h, alone_set(d, alone_plans, args.alone_steps, ""))]
+            for k in range(2, args.pairs + 1):  # again, right after: hetctl, then the references
+                pairs.append((launch(d, f"hetctl#{k}", het, args.steps), alone_set(d, alone_plans, args.alone_steps, f"#{k}")))
     finally:
         stop_launches()
         remove_groups(groups)
 
-    hom = sum(a["tokens_per_s"] for a in alone.values())
+    ratios = [mixed["tokens_per_s"] / sum(a["tokens_per_s"] for a in refs.values()) for mixed, refs in pairs]
+    hom = sum(a["tokens_per_s"] for a in pairs[0][1].values())
     err = (predicted - h["tokens_per_s"]) / h["tokens_per_s"]
     vs_u = h["tokens_per_s"] / u["tokens_per_s"]
     vs_p = h["tokens_per_s"] / p["tokens_per_s"] if p else float("nan")
-    vs_h = h["tokens_per_s"] / hom
+    vs_h = statistics.median(ratios)
     vs_pl = h["tokens_per_s"] / pl["tokens_per_s"]
     print(f"hetctl plan: {split_of(het)} ({shape_of(het)}); {cal.note()}")
     print(f"predicted {predicted:,.1f} tokens/s, measured {h['tokens_per_s']:,.1f}: error {100 * err:+.1f}%")
@@ -292,7 +308,12 @@ def main() -> int:
         print(f"best plain pipeline: {split_of(plain)} ({shape_of(plain)}), predicted "
               f"{plain.estimate.tokens_per_s:,.1f} tokens/s, measured {pl['tokens_per_s']:,.1f}; chosen / plain {vs_pl:.3f}")
     print(f"hetctl / uniform {vs_u:.3f}; hetctl / proportional {vs_p:.3f}; "
-          f"measured utilization vs the homogeneous sum ({hom:,.1f} tokens/s) {100 * vs_h:.1f}%")
+          f"measured utilization vs the homogeneous sum ({hom:,.1f} tokens/s) {100 * ratios[0]:.1f}%")
+    if len(pairs) > 1:
+        print("utilization, pair by pair (hetctl / the sum of the node-alone runs right after it): "
+              + ", ".join(f"{m['tokens_per_s']:,.1f} / {sum(a['tokens_per_s'] for a in r.values()):,.1f} = "
+                          f"{100 * x:.1f}%" for (m, r), x in zip(pairs, ratios))
+              + f"; median {100 * vs_h:.1f}% (the last line's vs_homogeneous)")
     print(f"took {time.monotonic() - t0:.0f} s; at the end {load()}")
     print(f"hetero_cpu: prediction_error={100 * abs(err):.1f} vs_uniform={vs_u:.3f} vs_proportional={vs_p:.3f} "
           f"vs_homogeneous={100 * vs_h:.1f} vs_plain_pipeline={vs_pl:.3f}")

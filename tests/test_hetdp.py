@@ -74,7 +74,8 @@ def test_mixed_cluster_gets_replicas_of_different_shape():
     assert plan.estimate.step_time_s < uniform_step(cluster, 1024, "hetctl")
     # --explain says how the gradients are reduced: the reference trainer starts each stage's reduction after
     # its own last backward (frameworks.py: overlap_cross_vendor_dp), here inside one vendor's library.
-    assert any("over the vendor library; each stage starts it after its own last backward" in n for n in plan.notes)
+    assert any("one bucket, one ring over the vendor library (gloo on CPU); each stage starts it after its own last "
+               "backward" in n for n in plan.notes)
     # A faster chip kind's replica runs more micro-batches per step than a slower one of the same depth would.
     by_model = {}
     for row in plan.replicas:

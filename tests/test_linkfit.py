@@ -124,14 +124,24 @@ def test_recorded_run_on_a_mixed_speed_cluster_calibrates_speeds_and_links(tmp_p
     assert all(h.fitted_s > h.modeled_s and h.latency_s > 0 for h in hops.values())
     assert "links fitted to the measured step" in cal.note()
     spec = cal.plan.model
-    new = plan_cluster(cal.cluster, spec, global_batch=cal.plan.parallel.global_batch,
-                       micro_batch=cal.plan.parallel.micro_batch)
-    layers = {s.node: s.layers[1] - s.layers[0] for s in new.stages}
-    assert layers.get("node-c", 0) < layers["node-a"]
+    shape = {"global_batch": cal.plan.parallel.global_batch, "micro_batch": cal.plan.parallel.micro_batch}
+    new = plan_cluster(cal.cluster, spec, **shape)
+    work = layer_passes(new)
+    assert work.get("node-c", 0) < work["node-b"] < work["node-a"], work  # fewer layers, or fewer micro-batches
     assert any("links calibrated by plan --calibrate" in n for n in new.notes), new.notes
     # The calibrated planner predicts the very run it was calibrated on (its uniform split, same stage order).
-    assert [s.node for s in new.stages] == [s.node for s in cal.plan.stages]
-    assert new.baselines["uniform"].estimate.step_time_s == pytest.approx(cal.links.step_s_measured, rel=0.02)
+    piped = plan_cluster(cal.cluster, spec, **shape, pins=Pins(pp=3, dp=1))
+    assert [s.node for s in piped.stages] == [s.node for s in cal.plan.stages]
+    assert piped.baselines["uniform"].estimate.step_time_s == pytest.approx(cal.links.step_s_measured, rel=0.02)
+
+
+def layer_passes(plan) -> dict[str, int]:
+    """Per node, layers × micro-batches a step: what the plan gives it to compute."""
+    micro = {r.replica: r.micro_batches for r in plan.replicas}
+    out: dict[str, int] = {}
+    for s in plan.stages:
+        out[s.node] = out.get(s.node, 0) + (s.layers[1] - s.layers[0]) * micro.get(s.replica, plan.parallel.micro_batches)
+    return out
 
 
 def test_calibrated_links_price_the_data_parallel_sync_too(tmp_path):
@@ -215,3 +225,30 @@ def test_plan_calibrate_takes_several_runs(tmp_path):
     r = subprocess.run([sys.executable, "-m", "hetctl", "plan", "--calibrate", "uniform", "--calibrate", "uniform"],
                        cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "given twice" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_calibrated_links_price_the_replicas_gradient_ring_once_per_bucket(tmp_path):
+    """Replicas of different shape on the recorded CPU cluster: one node per replica, so every unit has the same
+    holders and the trainer sends them as one bucket (hetctl.train.dpreduce): its ring pays 2(d−1) fitted message
+    costs once, not once per unit."""
+    from hetctl.plan.devices import collect
+    from hetctl.plan.gradsync import reduce_seconds
+    from hetctl.plan.hetdp import HeteroSearch
+    from hetctl.plan.models import model_cost
+
+    run = tmp_path / "run"
+    shutil.copytree(RECORDED, run)
+    cal = calibrate(run)
+    bare = cal.cluster.model_copy(update={"links": [lk for lk in cal.cluster.links if lk.method != "calibrated"]})
+    spec = cal.plan.model
+    work = Workload(cost=model_cost(spec), micro_batch=2, global_batch=64)
+
+    def ring(cluster):
+        kinds = collect(cluster).kinds
+        search = HeteroSearch(kinds, spec, work, "hetctl")
+        parts = [search.part((i,), 10) for i in range(len(kinds))]
+        assert all(p.lay.pp == 1 for p in parts)
+        return reduce_seconds(parts, work, hierarchical=False, overlap=False)
+
+    latency = max(h.latency_s for h in cal.links.hops)
+    assert ring(cal.cluster) - ring(bare) == pytest.approx(2 * (3 - 1) * latency, rel=0.05)

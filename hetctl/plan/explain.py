@@ -113,11 +113,7 @@ def explain(plan: Plan, lay: Layout, devices: Devices, found: Found, homog, toke
     if tcp:
         lines.append("gloo across nodes is costed at the TCP rate measured by probe --bench or fitted by "
                      "plan --calibrate (slowest link of each node): " + ", ".join(f"{n} {8 * r:.3g} Gb/s" for n, r in tcp))
-    lat = sorted({(g.node, g.link_latency_s) for st in lay.types for g in st.kind.groups
-                  if g.link_latency_s is not None})
-    if lat:
-        lines.append("links calibrated by plan --calibrate (per-message latency fitted to a run's measured step; "
-                     "slowest link of each node): " + ", ".join(f"{n} {1e3 * x:.3g} ms" for n, x in lat))
+    lines.extend(calibrated_links(lay.types))
     mixed = [s for s, st in enumerate(lay.types) if len(st.kind.vendors) > 1 or st.kind.id < 0]
     if mixed:
         lines.append(f"stage position(s) {', '.join(map(str, mixed))} run on different chip kinds in different "
@@ -151,3 +147,12 @@ def explain(plan: Plan, lay: Layout, devices: Devices, found: Found, homog, toke
         parts = [f"{k}: {v:,.0f} tokens/s" if isinstance(v, float) else f"{k}: {v}" for k, v in homog.items()]
         lines.append("each chip type alone: " + "; ".join(parts))
     return lines
+
+
+def calibrated_links(types) -> list[str]:
+    """The line naming each node's per-message cost fitted by ``plan --calibrate``, if any (for stage types)."""
+    lat = sorted({(g.node, g.link_latency_s) for st in types for g in st.kind.groups if g.link_latency_s is not None})
+    if not lat:
+        return []
+    return ["links calibrated by plan --calibrate (per-message latency fitted to a run's measured step; "
+            "slowest link of each node): " + ", ".join(f"{n} {1e3 * x:.3g} ms" for n, x in lat)]

@@ -26,8 +26,12 @@ every TP rank holds those whole: ``StageType.vocab_split``):
   group is one chip, it is the flat all-reduce, exactly.
 - **Latency**: :data:`STEP_LATENCY_S` per member of each ring all-reduce
   (half that for a reduce-scatter or an all-gather), as the stage syncs of
-  :mod:`hetctl.plan.costmodel`. Counted per unit: the trainer sends the flat
-  units of one holder set as one bucket, so for those it is an upper bound.
+  :mod:`hetctl.plan.costmodel`; where ``plan --calibrate`` fitted a
+  per-message cost on the holders' nodes, a flat ring's ``2(d−1)`` messages
+  each cost the dearest holder's instead. The trainer sends a rank's flat
+  units of one holder set as one bucket, so a flat ring's latency is paid once
+  per bucket (:func:`reduce_seconds`); a hierarchical unit's pieces each pay
+  theirs.
 - **When it runs**: the slowest holder sets a unit's time; each rank issues
   every unit's collectives at once, in one global unit order, so a unit waits
   for its holders' gradients but not for other ranks' earlier units, and a
@@ -85,21 +89,35 @@ def groups_of(members: Sequence[Member]) -> list[tuple[int, list[Member]]]:
     return out
 
 
-def member_seconds(params: float, members: Sequence[Member], hierarchical: bool, vocab: bool = False) -> list[float]:
+def is_flat(members: Sequence[Member], hierarchical: bool) -> bool:
+    """Whether a unit held by ``members`` is one flat ring all-reduce (the trainer buckets those)."""
+    across = len({v for st, _ in members for v in st.kind.vendors}) > 1
+    return not across or len(groups_of(members) if hierarchical else []) in (0, 1, sum(n for _, n in members))
+
+
+def ring_latency(members: Sequence[Member]) -> float:
+    """Seconds of a flat ring's messages over ``members``: ``2(d−1)`` calibrated per-message costs where any holder
+    has one (the dearest), else :data:`STEP_LATENCY_S` per member."""
+    d = sum(n for _, n in members)
+    fitted = [st.kind.link_latency_s for st, _ in members if st.kind.link_latency_s is not None]
+    return 2 * (d - 1) * max(fitted) if fitted else STEP_LATENCY_S * d
+
+
+def member_seconds(params: float, members: Sequence[Member], hierarchical: bool, vocab: bool = False,
+                   latency: bool = True) -> list[float]:
     """Per member (stage position), seconds its chips spend in one unit's gradient all-reduce over ``members``.
 
     A ring runs at its slowest member's pace, so a flat all-reduce takes every member the slowest one's time;
     in the hierarchical one only the gloo phase across groups is shared, each group's reduce-scatter and
     all-gather run at its own vendor library's pace. ``vocab``: the unit is the embedding or the head, split
-    ``vocab_split`` ways over a stage's chips rather than ``tp``.
+    ``vocab_split`` ways over a stage's chips rather than ``tp``. ``latency`` False leaves a flat ring's
+    message latency out (a unit that joins a bucket already paying it).
     """
     d = sum(n for _, n in members)
     if d < 2:
         return [0.0] * len(members)
     across = len({v for st, _ in members for v in st.kind.vendors}) > 1
-    groups = groups_of(members) if across and hierarchical else []
-    k = len(groups)
-    if not across or k in (0, 1, d):  # one vendor library, or flat over gloo
+    if is_flat(members, hierarchical):  # one vendor library, or flat over gloo
         worst = 0.0
         for st, _ in members:
             nbytes = 4.0 * params / (st.vocab_split if vocab else st.tp)
@@ -107,8 +125,10 @@ def member_seconds(params: float, members: Sequence[Member], hierarchical: bool,
                 secs = 2 * (d - 1) / d * nbytes / _gloo(st) + 2 * nbytes / (PCIE_GBS * GB)
             else:
                 secs = 2 * (d - 1) / d * nbytes / _line(st)
-            worst = max(worst, secs + STEP_LATENCY_S * d)
-        return [worst] * len(members)
+            worst = max(worst, secs)
+        return [worst + (ring_latency(members) if latency else 0.0)] * len(members)
+    groups = groups_of(members)
+    k = len(groups)
     size = {id(st): g for g, ms in groups for st, _ in ms}  # a mixed position's chips: groups of one
     sizes = [g for g, _ in groups]
     intra, cross = [], 0.0
@@ -162,10 +182,14 @@ def reduce_seconds(parts: Sequence["Part"], work: Workload, hierarchical: bool, 
     own = [list(f) for f in free]  # per rank: free + its units' seconds so far
     late = [list(f) for f in free]  # per rank: its latest unit's end as paced by the unit's holders
     holders = [_units(p, work) for p in parts]
+    buckets: set[tuple[int, ...]] = set()  # holder sets whose flat ring already paid its latency
     for u in range(len(holders[0])):
         at = [h[u][0] for h in holders]
         members = [(p.lay.types[s], p.lay.dp) for p, s in zip(parts, at)]
-        secs = member_seconds(holders[0][u][1], members, hierarchical, vocab=u in (0, len(holders[0]) - 1))
+        first = not is_flat(members, hierarchical) or tuple(at) not in buckets
+        buckets.add(tuple(at))
+        secs = member_seconds(holders[0][u][1], members, hierarchical, vocab=u in (0, len(holders[0]) - 1),
+                              latency=first)
         end = max(f[s] for f, s in zip(free, at)) + max(secs)
         for k, s in enumerate(at):
             own[k][s] += secs[k]

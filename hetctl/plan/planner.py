@@ -120,11 +120,12 @@ def _hetero(plan: Plan, lay: Layout, spec: ModelSpec, work: Workload, devices: D
         return plan
     if any(k.vendor == "cpu" for k in devices.kinds):
         # On CPU "chips" gloo's reduction runs on the very cores that compute (and, under a quota, as
-        # slowly): the all-reduce model does not cover that. Measured by bench/hetero_cpu.py (4:2:1
-        # quotas): three uneven replicas predicted 2,390 tokens/s and ran at 1,369, below the pipeline.
-        # Tried again with calibrated links (each all-reduce ring step charged the fitted per-message
-        # cost; 24 layers, batch 64): the chosen b→c pipeline beside node-a alone predicted 545 tokens/s
-        # and ran at 471, then 441 after a second calibration, while the plain pipeline ran at 515.
+        # slowly). Measured by bench/hetero_cpu.py (4:2:1 quotas): uncalibrated, three uneven replicas
+        # predicted 2,390 tokens/s and ran at 1,369, below the pipeline. Calibrated, with the trainer's
+        # bucketed all-reduce priced per bucket (plan.gradsync), one replica per node predicted 1,539 and
+        # ran at 1,405 while the plain pipeline 8:3:1 ran at 1,743 in the same run (its prediction, from the
+        # uniform run's fitted message cost, was 26% low); one run earlier the replicas ran 1.15x a 7:4:1
+        # pipeline. Not chosen here until the pipeline's message cost is fitted as well as the replicas' is.
         return plan
     search = HeteroSearch(devices.kinds, spec, work, framework)
     hl = search.run()
