@@ -190,6 +190,9 @@ def test_several_runs_take_each_nodes_speed_from_the_run_it_was_busiest_in(tmp_p
     assert picked == {"uniform", "round1"}  # the recording has a node of each kind (else this tests half)
     assert calibrate(round1, uniform).cluster == both.cluster
     assert "busiest" in both.note() and alone["uniform"].run_id in both.note()
+    # Each node's resulting speed, comparable across nodes (a factor is relative to its own run's plan).
+    for n in both.cluster.nodes:
+        assert f"{n.name} ×" in both.note() and f"→ {n.tflops_override:.3g} TFLOPS" in both.note(), both.note()
     # Planned on: the links are the newer run's, the speeds a mix; the plan is made.
     new = plan_cluster(both.cluster, both.plan.model, global_batch=both.plan.parallel.global_batch,
                        micro_batch=both.plan.parallel.micro_batch)

@@ -48,15 +48,34 @@ class Calibration:
     measured_ts: float = 0.0  # when the attempt's ``measured`` event was written (orders several runs)
 
     def note(self) -> str:
+        """One line: where each node's speed came from, what it is now (comparable across nodes), and the links."""
         if self.sources:
-            nodes = ", ".join(f"{n} ×{self.factors[n]:.3g} from run {run} (busy {100 * share:.0f}%)"
+            nodes = ", ".join(f"{n} ×{self.factors[n]:.3g} from run {run} (busy {100 * share:.0f}%){self._speed(n)}"
                               for n, (run, share) in sorted(self.sources.items()))
             out = (f"calibrated on runs {', '.join(self.runs)}: each node's speed against its plan, from the run "
                    f"it was busiest in: {nodes}")
             return out + (f"; from run {self.run_id}: {self.links.note()}" if self.links is not None else "")
-        nodes = ", ".join(f"{n} ×{f:.3g}" for n, f in sorted(self.factors.items()))
+        nodes = ", ".join(f"{n} ×{f:.3g}{self._speed(n)}" for n, f in sorted(self.factors.items()))
         out = f"calibrated on run {self.run_id} attempt {self.attempt}: speeds measured against the plan: {nodes}"
         return out + (f"; {self.links.note()}" if self.links is not None else "")
+
+    def _speed(self, name: str) -> str:
+        """`` → <speed>`` of the node's first chip in the calibrated facts (a factor is relative to its own run's
+        plan; this is not): ms per layer from a layer profile, else TFLOPS; empty where there is none."""
+        from hetctl.plan.devices import _node_chips, chip_rate
+
+        node = next((n for n in self.cluster.nodes if n.name == name), None)
+        chips = _node_chips(node) if node is not None else []
+        if not chips:
+            return ""
+        prof = chips[0].profile
+        if prof is not None:
+            return f" → {prof.layer_fwd_ms + prof.layer_bwd_ms:.3g} ms a layer (micro-batch {prof.micro_batch})"
+        try:
+            rate, prec, _src = chip_rate(node, chips[0])
+        except HetctlError:
+            return ""
+        return f" → {rate:.3g} TFLOPS {prec}"
 
 
 def compare(plan: Plan, outcome: AttemptOutcome, attempt: int) -> Measured | None:
