@@ -5,7 +5,8 @@ run of ``bench/hetero_cpu.py`` (three CPU nodes under 4:2:1 quotas, the uniform
 24-layer split) in ``fixtures/runs/hetero-uniform``; and for several runs at once, the two runs a
 ``bench/hetero_cpu.py --keep-runs DIR`` calibrates on (the uniform 12-layer split and the first
 calibrated plan's 7:4:1, recorded 2026-12-02 with each run's cluster file as ``attempts/0/cluster.yaml``)
-in ``fixtures/runs/hetero-rounds``.
+in ``fixtures/runs/hetero-rounds``, and in ``fixtures/runs/hetero-replicas`` a uniform run followed by one of
+replicas of different shape (one per node, recorded the same way with the planner's CPU exclusion lifted).
 """
 
 from __future__ import annotations
@@ -255,3 +256,23 @@ def test_calibrated_links_price_the_replicas_gradient_ring_once_per_bucket(tmp_p
 
     latency = max(h.latency_s for h in cal.links.hops)
     assert ring(cal.cluster) - ring(bare) == pytest.approx(2 * (3 - 1) * latency, rel=0.05)
+
+
+REPLICAS = Path(__file__).parent / "fixtures/runs/hetero-replicas"  # --keep-runs: uniform, then one replica per node
+
+
+def test_after_a_run_of_replicas_the_links_stay_those_of_the_run_before(tmp_path):
+    """A run of one-node replicas has no pipeline hop to fit: combined with the uniform run before it, the links
+    are the uniform run's fit (not none), and the note says which run they came from."""
+    uniform, replicas = tmp_path / "uniform", tmp_path / "round1"
+    shutil.copytree(REPLICAS / "uniform", uniform)
+    shutil.copytree(REPLICAS / "round1", replicas)
+    alone = {"uniform": calibrate(uniform), "round1": calibrate(replicas)}
+    assert alone["round1"].plan.replicas and not alone["round1"].links.hops  # the recording is what it says
+    assert alone["uniform"].links.hops
+    both = calibrate(uniform, replicas)
+    assert both.run_id == alone["round1"].run_id and both.links == alone["uniform"].links
+    fitted = {(lk.src, lk.dst): lk for lk in alone["uniform"].links.links()}
+    got = {(lk.src, lk.dst): lk for lk in both.cluster.links if lk.method == "calibrated"}
+    assert got == fitted
+    assert f"from run {alone['uniform'].run_id}: links fitted to the measured step" in both.note(), both.note()

@@ -45,6 +45,7 @@ class Calibration:
     busy: dict[str, float] = field(default_factory=dict)  # node → share of its step spent computing
     sources: dict[str, tuple[str, float]] = field(default_factory=dict)  # several runs: node → (run, busy share)
     runs: tuple[str, ...] = ()  # several runs: their ids, oldest first
+    links_run: str = ""  # several runs: the run the links were fitted on (the newest with a fit)
     measured_ts: float = 0.0  # when the attempt's ``measured`` event was written (orders several runs)
 
     def note(self) -> str:
@@ -54,7 +55,8 @@ class Calibration:
                               for n, (run, share) in sorted(self.sources.items()))
             out = (f"calibrated on runs {', '.join(self.runs)}: each node's speed against its plan, from the run "
                    f"it was busiest in: {nodes}")
-            return out + (f"; from run {self.run_id}: {self.links.note()}" if self.links is not None else "")
+            return out + (f"; from run {self.links_run or self.run_id}: {self.links.note()}"
+                          if self.links is not None else "")
         nodes = ", ".join(f"{n} ×{f:.3g}{self._speed(n)}" for n, f in sorted(self.factors.items()))
         out = f"calibrated on run {self.run_id} attempt {self.attempt}: speeds measured against the plan: {nodes}"
         return out + (f"; {self.links.note()}" if self.links is not None else "")
@@ -182,8 +184,11 @@ def busy_shares(measured: Measured) -> dict[str, float]:
 
 
 def combine(cals: list[Calibration]) -> Calibration:
-    """Several runs' calibrations as one: the newest run's facts and links, and each node's speed
-    from the run where its stages were busiest.
+    """Several runs' calibrations as one: the newest run's facts, the links of the newest run that
+    fitted them, and each node's speed from the run where its stages were busiest.
+
+    A run of replicas of different shape has no pipeline hop to fit; after one, the links
+    stay those of the run before it rather than none.
 
     A node that waited on its peers for most of a step ran in short bursts, and a chip can
     run a short burst faster than it sustains (boost clocks; under a CFS quota, a burst
@@ -221,11 +226,16 @@ def combine(cals: list[Calibration]) -> Calibration:
         src = next(m for m in best.cluster.nodes if m.name == n.name)
         nodes.append(n.model_copy(update={"chips": src.chips, "tflops_override": src.tflops_override}))
     cluster = newest.cluster.model_copy(update={"nodes": nodes})
+    fitted = [c for c in ordered if c.links is not None and c.links.hops]
+    linked = fitted[-1] if fitted else newest
+    if linked is not newest:
+        cluster = with_links(cluster, linked.links)
     sources = {node: (c.run_id, c.busy[node]) for node, c in chosen.items()}
     factors = {node: c.factors[node] for node, c in chosen.items()}
-    return Calibration(newest.run_id, newest.attempt, newest.plan, cluster, factors, newest.links,
+    return Calibration(newest.run_id, newest.attempt, newest.plan, cluster, factors, linked.links,
                        busy={node: c.busy[node] for node, c in chosen.items()}, sources=sources,
-                       runs=tuple(c.run_id for c in ordered), measured_ts=newest.measured_ts)
+                       runs=tuple(c.run_id for c in ordered), links_run=linked.run_id,
+                       measured_ts=newest.measured_ts)
 
 
 def with_links(cluster: Cluster, fit: LinkFit) -> Cluster:
