@@ -227,6 +227,8 @@ def main() -> int:
     ap.add_argument("--keep-run", metavar="DIR", help="copy the uniform run's folder here (a recorded run for tests)")
     ap.add_argument("--keep-runs", metavar="DIR", help="copy every run calibrated on here, as DIR/uniform, DIR/round1…")
     args = ap.parse_args()
+    if args.pairs < 1:
+        ap.error("--pairs must be at least 1")
     if os.geteuid() != 0 or not (CPU / "cgroup.procs").exists():
         print("needs root and the cgroup v1 cpu controller at /sys/fs/cgroup/cpu", file=sys.stderr)
         return 2
@@ -293,8 +295,9 @@ def main() -> int:
         stop_launches()
         remove_groups(groups)
 
-    ratios = [mixed["tokens_per_s"] / sum(a["tokens_per_s"] for a in refs.values()) for mixed, refs in pairs]
-    hom = sum(a["tokens_per_s"] for a in pairs[0][1].values())
+    sums = [sum(a["tokens_per_s"] for a in refs.values()) for _, refs in pairs]  # each pair's homogeneous sum
+    ratios = [mixed["tokens_per_s"] / hom_k for (mixed, _), hom_k in zip(pairs, sums)]
+    hom = sums[0]
     err = (predicted - h["tokens_per_s"]) / h["tokens_per_s"]
     vs_u = h["tokens_per_s"] / u["tokens_per_s"]
     vs_p = h["tokens_per_s"] / p["tokens_per_s"] if p else float("nan")
@@ -311,8 +314,8 @@ def main() -> int:
           f"measured utilization vs the homogeneous sum ({hom:,.1f} tokens/s) {100 * ratios[0]:.1f}%")
     if len(pairs) > 1:
         print("utilization, pair by pair (hetctl / the sum of the node-alone runs right after it): "
-              + ", ".join(f"{m['tokens_per_s']:,.1f} / {sum(a['tokens_per_s'] for a in r.values()):,.1f} = "
-                          f"{100 * x:.1f}%" for (m, r), x in zip(pairs, ratios))
+              + ", ".join(f"{m['tokens_per_s']:,.1f} / {hom_k:,.1f} = {100 * x:.1f}%"
+                          for (m, _), hom_k, x in zip(pairs, sums, ratios))
               + f"; median {100 * vs_h:.1f}% (the last line's vs_homogeneous)")
     print(f"took {time.monotonic() - t0:.0f} s; at the end {load()}")
     print(f"hetero_cpu: prediction_error={100 * abs(err):.1f} vs_uniform={vs_u:.3f} vs_proportional={vs_p:.3f} "
