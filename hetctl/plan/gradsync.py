@@ -89,12 +89,6 @@ def groups_of(members: Sequence[Member]) -> list[tuple[int, list[Member]]]:
     return out
 
 
-def is_flat(members: Sequence[Member], hierarchical: bool) -> bool:
-    """Whether a unit held by ``members`` is one flat ring all-reduce (the trainer buckets those)."""
-    across = len({v for st, _ in members for v in st.kind.vendors}) > 1
-    return not across or len(groups_of(members) if hierarchical else []) in (0, 1, sum(n for _, n in members))
-
-
 def ring_latency(members: Sequence[Member]) -> float:
     """Seconds of a flat ring's messages over ``members``: ``2(d−1)`` calibrated per-message costs where any holder
     has one (the dearest), else :data:`STEP_LATENCY_S` per member."""
@@ -117,7 +111,9 @@ def member_seconds(params: float, members: Sequence[Member], hierarchical: bool,
     if d < 2:
         return [0.0] * len(members)
     across = len({v for st, _ in members for v in st.kind.vendors}) > 1
-    if is_flat(members, hierarchical):  # one vendor library, or flat over gloo
+    groups = groups_of(members) if across and hierarchical else []
+    k = len(groups)
+    if not across or k in (0, 1, d):  # one vendor library, or flat over gloo
         worst = 0.0
         for st, _ in members:
             nbytes = 4.0 * params / (st.vocab_split if vocab else st.tp)
@@ -127,8 +123,6 @@ def member_seconds(params: float, members: Sequence[Member], hierarchical: bool,
                 secs = 2 * (d - 1) / d * nbytes / _line(st)
             worst = max(worst, secs)
         return [worst + (ring_latency(members) if latency else 0.0)] * len(members)
-    groups = groups_of(members)
-    k = len(groups)
     size = {id(st): g for g, ms in groups for st, _ in ms}  # a mixed position's chips: groups of one
     sizes = [g for g, _ in groups]
     intra, cross = [], 0.0
@@ -182,14 +176,15 @@ def reduce_seconds(parts: Sequence["Part"], work: Workload, hierarchical: bool, 
     own = [list(f) for f in free]  # per rank: free + its units' seconds so far
     late = [list(f) for f in free]  # per rank: its latest unit's end as paced by the unit's holders
     holders = [_units(p, work) for p in parts]
-    buckets: set[tuple[int, ...]] = set()  # holder sets whose flat ring already paid its latency
+    # Holder sets seen: a later unit of one joins its bucket (only a flat ring's latency is per bucket; the
+    # holders decide whether a unit's reduction is flat, so a set's units are all flat or all not).
+    buckets: set[tuple[int, ...]] = set()
     for u in range(len(holders[0])):
-        at = [h[u][0] for h in holders]
+        at = tuple(h[u][0] for h in holders)
         members = [(p.lay.types[s], p.lay.dp) for p, s in zip(parts, at)]
-        first = not is_flat(members, hierarchical) or tuple(at) not in buckets
-        buckets.add(tuple(at))
         secs = member_seconds(holders[0][u][1], members, hierarchical, vocab=u in (0, len(holders[0]) - 1),
-                              latency=first)
+                              latency=at not in buckets)
+        buckets.add(at)
         end = max(f[s] for f, s in zip(free, at)) + max(secs)
         for k, s in enumerate(at):
             own[k][s] += secs[k]
