@@ -8,10 +8,15 @@ first:
   inventory, one SSH connection per node, the collector on stdin, parsing);
 * ``pdsh -R ssh -f F -w <hosts> '<python> -c <collector source> <args>'`` with
   OpenSSH under a generated ssh_config (same key, same known_hosts, strict
-  host keys) and the same fan-out.
+  host keys) and the same fan-out;
+* the Python floor: ``python -c <FLOOR>``, a stdlib-only Python process that starts
+  exactly pdsh's ``ssh`` commands (same arguments, same fan-out) and collects their
+  output, and does nothing else. No Python CLI can answer sooner than this one, so
+  its ratio to pdsh is the lowest hetctl's can be on this machine; it is printed
+  beside hetctl's, so that a goal below it is visible as such.
 
-Both run the same collector with the same tool table on the same hosts, and
-both are checked to have received one JSON answer per host, and after each
+All three run the same collector with the same tool table on the same hosts, and
+all are checked to have received one JSON answer per host, and after each
 ``hetctl probe`` no ssh process of it may be left (a master kept alive with
 ``ControlPersist`` would let a later repetition skip its handshakes). Prints the median
 wall time of each, the ratio hetctl/pdsh, and the time per host, so that
@@ -98,6 +103,39 @@ def leftover_ssh(ports: set[int], grace_s: float = 2.0) -> list[str]:
         time.sleep(0.05)
 
 
+# The Python floor (see the module's docstring): argv is PDSH_SSH_ARGS, the remote
+# command, the fan-out, then the host names. A sliding window of ``fanout`` clients,
+# as pdsh keeps; each answer is a few KiB, well under a pipe's buffer.
+FLOOR = """
+import shlex, subprocess, sys
+args, remote, fanout, names = shlex.split(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4:]
+running, rc = [], 0
+def finish(p):
+    global rc
+    sys.stdout.buffer.write(p.communicate()[0])
+    rc = max(rc, p.returncode)
+for name in names:
+    if len(running) >= fanout:
+        finish(running.pop(0))
+    running.append(subprocess.Popen(["ssh", *(a.replace("%h", name) for a in args), remote], stdout=subprocess.PIPE))
+for p in running:
+    finish(p)
+sys.exit(rc)
+"""
+
+
+def time_floor(names: list[str], command: str, env: dict[str, str], fanout: int) -> tuple[float, float]:
+    """Wall seconds and client CPU seconds (the Python process and its ssh processes) of the floor."""
+    c0, t0 = _children_cpu(), time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", FLOOR, env["PDSH_SSH_ARGS"], command, str(fanout), *names],
+                          capture_output=True, text=True, env=env)
+    elapsed, cpu = time.perf_counter() - t0, _children_cpu() - c0
+    answers = [ln for ln in proc.stdout.splitlines() if '"collector":1' in ln]
+    if proc.returncode != 0 or len(answers) != len(names):
+        raise SystemExit(f"the Python floor failed ({proc.returncode}, {len(answers)} answers):\n{proc.stderr[-2000:]}")
+    return elapsed, cpu
+
+
 def time_pdsh(names: list[str], command: str, env: dict[str, str], fanout: int) -> tuple[float, float]:
     """Wall seconds and client CPU seconds (pdsh and its ssh processes) of one pdsh run."""
     c0, t0 = _children_cpu(), time.perf_counter()
@@ -141,7 +179,7 @@ def main() -> None:
                   f"fan-out {opts.fanout}; {opts.reps} reps; {os.cpu_count()} CPUs")
             print(f"load average before: {os.getloadavg()[0]:.2f}")
             print(f"{'hosts':>5} {'hetctl s':>9} {'pdsh s':>8} {'ratio':>6} {'hetctl ms/host':>15} {'pdsh ms/host':>13}"
-                  f" {'hetctl cpu s':>13} {'pdsh cpu s':>11}")
+                  f" {'hetctl cpu s':>13} {'pdsh cpu s':>11} {'floor s':>8} {'floor/pdsh':>10}")
             rows = []
             for n in counts:
                 sub = cluster.hosts[:n]
@@ -150,9 +188,9 @@ def main() -> None:
                 data["nodes"] = data["nodes"][:n]
                 data["ssh"]["fanout"] = opts.fanout
                 inv.write_text(yaml.safe_dump(data))
-                het, pd, het_cpu, pd_cpu = [], [], [], []
+                het, pd, het_cpu, pd_cpu, floor = [], [], [], [], []
                 for rep in range(opts.reps):
-                    order = (0, 1) if rep % 2 == 0 else (1, 0)
+                    order = (0, 1, 2)[rep % 3:] + (0, 1, 2)[:rep % 3]  # each goes first in turn
                     for which in order:
                         if which == 0:
                             wall, cpu = time_hetctl(inv, n)
@@ -161,19 +199,24 @@ def main() -> None:
                                                  f"which later repetitions could reuse: {left[0]}")
                             het.append(wall)
                             het_cpu.append(cpu)
-                        else:
+                        elif which == 1:
                             wall, cpu = time_pdsh([h.name for h in sub], remote, env, opts.fanout)
                             pd.append(wall)
                             pd_cpu.append(cpu)
-                mh, mp = statistics.median(het), statistics.median(pd)
-                rows.append((n, mh, mp))
+                        else:
+                            floor.append(time_floor([h.name for h in sub], remote, env, opts.fanout)[0])
+                mh, mp, mf = statistics.median(het), statistics.median(pd), statistics.median(floor)
+                rows.append((n, mh, mp, mf))
                 print(f"{n:>5} {mh:>9.3f} {mp:>8.3f} {mh / mp:>6.2f} {1000 * mh / n:>15.1f} {1000 * mp / n:>13.1f}"
-                      f" {statistics.median(het_cpu):>13.3f} {statistics.median(pd_cpu):>11.3f}", flush=True)
-            n, mh, mp = rows[-1]
+                      f" {statistics.median(het_cpu):>13.3f} {statistics.median(pd_cpu):>11.3f}"
+                      f" {mf:>8.3f} {mf / mp:>10.2f}", flush=True)
             print(f"load average after: {os.getloadavg()[0]:.2f}")
-            print(f"\nratio hetctl/pdsh at {n} hosts: {mh / mp:.2f} (goal <= 1.0)")
+            print("\nthe Python floor (a stdlib process starting pdsh's ssh commands, nothing else) against pdsh: "
+                  + ", ".join(f"{f / p:.2f} at {k} hosts" for k, _, p, f in rows))
+            n, mh, mp, _ = rows[-1]
+            print(f"ratio hetctl/pdsh at {n} hosts: {mh / mp:.2f} (goal <= 1.0)")
             if len(rows) > 1:
-                n0, h0, p0 = rows[0]
+                n0, h0, p0, _ = rows[0]
                 print(f"growth {n0}->{n} hosts ({n / n0:.0f}x): hetctl {mh / h0:.2f}x, pdsh {mp / p0:.2f}x "
                       f"(linear would be {n / n0:.0f}x)")
 
