@@ -21,8 +21,9 @@ not declared ones. The model is
 3. launch the hetctl plan; the **best plain pipeline** on the same figures (one
    shape, no replicas of different depth: the issue-12 comparison; when the
    hetctl plan is one, it is said so and not run twice); the **proportional**
-   split (layers rounded in proportion to the calibrated speeds, on the plain
-   pipeline's stage order);
+   split (layers rounded in proportion to the calibrated speeds over every
+   node, in the plain pipeline's stage order where it has every node, else the
+   uniform split's);
 4. launch the model on **each node alone**, the three at once (each in its own
    cgroup: the homogeneous references); with ``--pairs N`` the hetctl plan and
    the references are measured N times in turn, and the utilization is the
@@ -89,8 +90,33 @@ def cli(d: Path, *args: str, timeout: float = 1800) -> subprocess.CompletedProce
     return r
 
 
-def make_groups(tag: str, quotas: list[int], top_cpu: float) -> dict[str, Path]:
-    """One cgroup per node; the largest quota is ``top_cpu`` of one CPU."""
+# ``--steady``: an idle-priority spinner in each node's cgroup, pinned to the node's CPU. It runs only while the
+# node's own processes wait, and so spends the quota they leave; a burst after a wait then runs at the quota's
+# rate, as a slower chip would, instead of at full speed on the quota the wait saved. argv: cgroup.procs, CPU.
+SPIN = """
+import os, sys
+with open(sys.argv[1], "w") as f:
+    f.write(str(os.getpid()))
+os.sched_setaffinity(0, {int(sys.argv[2])})
+os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+while True:
+    pass
+"""
+SPINNERS: list[subprocess.Popen] = []
+
+
+def pin_cpus(quotas: list[int]) -> dict[str, int]:
+    """Each node's CPU for ``--steady``: largest quota first, each on the CPU with the least quota so far."""
+    load = [0.0] * (os.cpu_count() or 1)
+    cpus = {}
+    for node, q in sorted(zip(NODES, quotas), key=lambda x: -x[1]):
+        cpus[node] = min(range(len(load)), key=lambda c: load[c])
+        load[cpus[node]] += q
+    return cpus
+
+
+def make_groups(tag: str, quotas: list[int], top_cpu: float, cpus: dict[str, int] | None = None) -> dict[str, Path]:
+    """One cgroup per node; the largest quota is ``top_cpu`` of one CPU (``cpus``: a spinner pinned in each)."""
     top = max(quotas)
     groups = {}
     for node, q in zip(NODES, quotas):
@@ -104,10 +130,15 @@ def make_groups(tag: str, quotas: list[int], top_cpu: float) -> dict[str, Path]:
         # default 1024, a loaded machine gave node-a about node-b's share and the speeds read 2.6:2:1).
         (g / "cpu.shares").write_text(str(SHARES))
         groups[node] = g
+        if cpus is not None:
+            SPINNERS.append(subprocess.Popen([sys.executable, "-c", SPIN, str(g / "cgroup.procs"), str(cpus[node])]))
     return groups
 
 
 def remove_groups(groups: dict[str, Path]) -> None:
+    for spinner in SPINNERS:
+        spinner.kill()
+        spinner.wait()
     for g in groups.values():
         for pid in (g / "cgroup.procs").read_text().split():
             try:
@@ -120,12 +151,14 @@ def remove_groups(groups: dict[str, Path]) -> None:
             print(f"note: could not remove {g}: {e.strerror}", file=sys.stderr)
 
 
-def write_site(d: Path, groups: dict[str, Path], layers: int) -> None:
-    """Inventory (each node's python enters its cgroup first), the model file, and the probe."""
+def write_site(d: Path, groups: dict[str, Path], layers: int, cpus: dict[str, int] | None = None) -> None:
+    """Inventory (each node's python enters its cgroup first, pinned to its CPU with ``cpus``), the model file,
+    and the probe."""
     nodes = []
     for node in NODES:
         wrap = d / f"python-{node}"
-        wrap.write_text(f"#!/bin/sh\necho $$ > {groups[node] / 'cgroup.procs'}\nexec {sys.executable} \"$@\"\n")
+        pin = f"taskset -c {cpus[node]} " if cpus is not None else ""
+        wrap.write_text(f"#!/bin/sh\necho $$ > {groups[node] / 'cgroup.procs'}\nexec {pin}{sys.executable} \"$@\"\n")
         wrap.chmod(0o755)
         nodes.append({"name": node, "host": "localhost", "python": str(wrap), "workdir": f"nodes/{node}", "tflops": 1.0})
     inv = {"defaults": {"transport": "local", "env": {"OMP_NUM_THREADS": "1"}}, "checkpoint_dir": "checkpoints",
@@ -224,6 +257,10 @@ def main() -> int:
                     help="measure the hetctl plan and the node-alone references this many times, one after the other "
                          "(hetctl, alone, hetctl, alone, ...): the utilization is each pair's ratio, and its median is "
                          "reported, so that drift between runs on a shared machine cancels within a pair")
+    ap.add_argument("--steady", action="store_true",
+                    help="pin each node to a CPU with an idle-priority spinner in its cgroup that spends the quota its "
+                         "ranks leave while they wait, so that a node computes at one speed whether or not its stage "
+                         "waits (without it, a burst after a wait runs faster than back-to-back work: bench/README)")
     ap.add_argument("--keep-run", metavar="DIR", help="copy the uniform run's folder here (a recorded run for tests)")
     ap.add_argument("--keep-runs", metavar="DIR", help="copy every run calibrated on here, as DIR/uniform, DIR/round1…")
     args = ap.parse_args()
@@ -234,12 +271,14 @@ def main() -> int:
         return 2
     quotas = [int(q) for q in args.quotas.split(":")]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the finally below runs
-    groups = make_groups(uuid.uuid4().hex[:6], quotas, args.top_cpu)
+    cpus = pin_cpus(quotas) if args.steady else None
     t0 = time.monotonic()
+    groups: dict[str, Path] = {}
     try:
+        groups = make_groups(uuid.uuid4().hex[:6], quotas, args.top_cpu, cpus)
         with tempfile.TemporaryDirectory(prefix="hetctl-hetero-") as tmp:
             d = Path(tmp)
-            write_site(d, groups, args.layers)
+            write_site(d, groups, args.layers, cpus)
             facts = load_model(d / "cluster.yaml", Cluster)
             spec = load_spec(str(d / "model.yaml"))
             shape = {"global_batch": args.global_batch, "micro_batch": args.micro_batch}
@@ -247,7 +286,9 @@ def main() -> int:
                   f"per rank, {os.cpu_count()} cores; model {args.layers} "
                   f"layers; global batch {args.global_batch}, micro-batch {args.micro_batch}; {args.steps} steps "
                   f"({args.alone_steps} alone); "
-                  f"{load()}")
+                  + (f"steady: pinned {', '.join(f'{n} CPU {c}' for n, c in cpus.items())}, an idle spinner in each; "
+                     if cpus else "")
+                  + load())
             base = plan_cluster(facts, spec, pins=Pins(pp=len(NODES), dp=1), cluster_path=d / "cluster.yaml", **shape)
             per = args.layers // len(NODES)
             uniform = with_split(base, [per + (1 if i < args.layers % len(NODES) else 0) for i in range(len(NODES))])
@@ -280,9 +321,11 @@ def main() -> int:
                 cal.cluster, spec, pins=Pins(dp=1), cluster_path=d / "cluster.calibrated.yaml", **shape)
             pl = h if plain is het else launch(d, "plain-pipeline", plain, args.steps)
             rate = {n.name: n.tflops_override or 1.0 for n in cal.cluster.nodes}  # the calibrated speeds
-            speeds = [rate[s.node] for s in plain.stages_of(0)]
-            counts = proportional_split(args.layers, speeds) if len(plain.stages_of(0)) > 1 else None
-            p = launch(d, "proportional", with_split(plain, counts), args.steps) if counts else None
+            # Over every node (Megatron-style: each gets layers in proportion to its speed), in the plain
+            # pipeline's stage order where it has every node, else the uniform split's.
+            order = plain if len(plain.stages_of(0)) == len(NODES) else uniform
+            counts = proportional_split(args.layers, [rate[s.node] for s in order.stages_of(0)])
+            p = launch(d, "proportional", with_split(order, counts), args.steps) if counts else None
             # Each node alone, the three at once: each in its own cgroup, as independent as during the runs above.
             alone_plans = {}
             for node in NODES:
