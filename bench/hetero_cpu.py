@@ -92,9 +92,13 @@ def cli(d: Path, *args: str, timeout: float = 1800) -> subprocess.CompletedProce
 
 # ``--steady``: an idle-priority spinner in each node's cgroup, pinned to the node's CPU. It runs only while the
 # node's own processes wait, and so spends the quota they leave; a burst after a wait then runs at the quota's
-# rate, as a slower chip would, instead of at full speed on the quota the wait saved. argv: cgroup.procs, CPU.
+# rate, as a slower chip would, instead of at full speed on the quota the wait saved. argv: cgroup.procs, CPU,
+# the bench's pid: the spinner dies with the bench (PR_SET_PDEATHSIG), also when the bench is killed.
 SPIN = """
-import os, sys
+import ctypes, os, signal, sys
+ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+if os.getppid() != int(sys.argv[3]):
+    sys.exit(0)  # the bench ended before the line above
 with open(sys.argv[1], "w") as f:
     f.write(str(os.getpid()))
 os.sched_setaffinity(0, {int(sys.argv[2])})
@@ -131,7 +135,8 @@ def make_groups(tag: str, quotas: list[int], top_cpu: float, cpus: dict[str, int
         (g / "cpu.shares").write_text(str(SHARES))
         groups[node] = g
         if cpus is not None:
-            SPINNERS.append(subprocess.Popen([sys.executable, "-c", SPIN, str(g / "cgroup.procs"), str(cpus[node])]))
+            SPINNERS.append(subprocess.Popen([sys.executable, "-c", SPIN, str(g / "cgroup.procs"), str(cpus[node]),
+                                             str(os.getpid())]))
     return groups
 
 
