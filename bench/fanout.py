@@ -124,28 +124,27 @@ sys.exit(rc)
 """
 
 
-def time_floor(names: list[str], command: str, env: dict[str, str], fanout: int) -> tuple[float, float]:
-    """Wall seconds and client CPU seconds (the Python process and its ssh processes) of the floor."""
+def time_answers(label: str, argv: list[str], env: dict[str, str], n: int) -> tuple[float, float]:
+    """Wall seconds and client CPU seconds (the process and its ssh children) of one run of ``argv``,
+    checked to print one collector answer for each of ``n`` hosts."""
     c0, t0 = _children_cpu(), time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", FLOOR, env["PDSH_SSH_ARGS"], command, str(fanout), *names],
-                          capture_output=True, text=True, env=env)
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env)
     elapsed, cpu = time.perf_counter() - t0, _children_cpu() - c0
     answers = [ln for ln in proc.stdout.splitlines() if '"collector":1' in ln]
-    if proc.returncode != 0 or len(answers) != len(names):
-        raise SystemExit(f"the Python floor failed ({proc.returncode}, {len(answers)} answers):\n{proc.stderr[-2000:]}")
+    if proc.returncode != 0 or len(answers) != n:
+        raise SystemExit(f"{label} failed ({proc.returncode}, {len(answers)} answers):\n{proc.stderr[-2000:]}")
     return elapsed, cpu
+
+
+def time_floor(names: list[str], command: str, env: dict[str, str], fanout: int) -> tuple[float, float]:
+    """One run of the Python floor (the process and its ssh processes)."""
+    return time_answers("the Python floor", [sys.executable, "-c", FLOOR, env["PDSH_SSH_ARGS"], command, str(fanout),
+                                             *names], env, len(names))
 
 
 def time_pdsh(names: list[str], command: str, env: dict[str, str], fanout: int) -> tuple[float, float]:
-    """Wall seconds and client CPU seconds (pdsh and its ssh processes) of one pdsh run."""
-    c0, t0 = _children_cpu(), time.perf_counter()
-    proc = subprocess.run(["pdsh", "-R", "ssh", "-f", str(fanout), "-w", ",".join(names), command],
-                          capture_output=True, text=True, env=env)
-    elapsed, cpu = time.perf_counter() - t0, _children_cpu() - c0
-    answers = [ln for ln in proc.stdout.splitlines() if '"collector":1' in ln]
-    if proc.returncode != 0 or len(answers) != len(names):
-        raise SystemExit(f"pdsh failed ({proc.returncode}, {len(answers)} answers):\n{proc.stderr[-2000:]}")
-    return elapsed, cpu
+    """One pdsh run (pdsh and its ssh processes)."""
+    return time_answers("pdsh", ["pdsh", "-R", "ssh", "-f", str(fanout), "-w", ",".join(names), command], env, len(names))
 
 
 def main() -> None:
