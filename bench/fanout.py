@@ -22,8 +22,14 @@ all are checked to have received one JSON answer per host, and after each
 wall time of each, the ratio hetctl/pdsh, and the time per host, so that
 growth with host count at fixed fan-out is visible. The CPU columns are the
 client side only (the hetctl process; pdsh and its ssh processes): the server
-side (sshd, the collector) is the same work for both. Wall times on a shared
-machine move with its load; the load average is printed before and after.
+side (sshd, the collector) is the same work for both. ``busy`` is how much of the
+machine's cores pdsh's runs kept busy (all processes: with the servers on the same
+cores, near 100% means the runs are CPU-bound), and ``cpu bound`` the lowest
+hetctl/pdsh that hetctl's own CPU allows here: pdsh's run's machine CPU seconds plus
+hetctl's client CPU beyond pdsh's, over the cores and pdsh's wall time (no run is
+shorter than its machine CPU seconds over the cores, however its processes overlap).
+Wall times on a shared machine move with its load; the load average is printed
+before and after.
 
 Needs root (sshd), ``/usr/sbin/sshd``, ``ssh`` and ``pdsh``. Run from the repo root::
 
@@ -71,6 +77,12 @@ def write_ssh_config(cluster: SshdCluster, path: Path) -> Path:
 def _children_cpu() -> float:
     r = resource.getrusage(resource.RUSAGE_CHILDREN)
     return r.ru_utime + r.ru_stime
+
+
+def machine_cpu() -> float:
+    """Busy CPU seconds of the whole machine so far, every core: the servers' side (sshd, the collector) too."""
+    t = psutil.cpu_times()
+    return t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
 
 
 def time_hetctl(inventory: Path, n: int) -> tuple[float, float]:
@@ -178,7 +190,7 @@ def main() -> None:
                   f"fan-out {opts.fanout}; {opts.reps} reps; {os.cpu_count()} CPUs")
             print(f"load average before: {os.getloadavg()[0]:.2f}")
             print(f"{'hosts':>5} {'hetctl s':>9} {'pdsh s':>8} {'ratio':>6} {'hetctl ms/host':>15} {'pdsh ms/host':>13}"
-                  f" {'hetctl cpu s':>13} {'pdsh cpu s':>11} {'floor s':>8} {'floor/pdsh':>10}")
+                  f" {'hetctl cpu s':>13} {'pdsh cpu s':>11} {'floor s':>8} {'floor/pdsh':>10} {'busy':>5} {'cpu bound':>9}")
             rows = []
             for n in counts:
                 sub = cluster.hosts[:n]
@@ -187,7 +199,7 @@ def main() -> None:
                 data["nodes"] = data["nodes"][:n]
                 data["ssh"]["fanout"] = opts.fanout
                 inv.write_text(yaml.safe_dump(data))
-                het, pd, het_cpu, pd_cpu, floor = [], [], [], [], []
+                het, pd, het_cpu, pd_cpu, floor, pd_machine = [], [], [], [], [], []
                 for rep in range(opts.reps):
                     order = (0, 1, 2)[rep % 3:] + (0, 1, 2)[:rep % 3]  # each goes first in turn
                     for which in order:
@@ -199,23 +211,35 @@ def main() -> None:
                             het.append(wall)
                             het_cpu.append(cpu)
                         elif which == 1:
+                            before = machine_cpu()
                             wall, cpu = time_pdsh([h.name for h in sub], remote, env, opts.fanout)
+                            pd_machine.append(machine_cpu() - before)
                             pd.append(wall)
                             pd_cpu.append(cpu)
                         else:
                             floor.append(time_floor([h.name for h in sub], remote, env, opts.fanout)[0])
                 mh, mp, mf = statistics.median(het), statistics.median(pd), statistics.median(floor)
-                rows.append((n, mh, mp, mf))
+                # The CPU bound: with the servers' work the same for both, hetctl's run costs the machine pdsh's
+                # CPU seconds plus hetctl's client CPU beyond pdsh's, and no run is shorter than its machine
+                # CPU seconds / cores, however its processes overlap.
+                cpus = os.cpu_count() or 1
+                busy = statistics.median(pd_machine) / (cpus * mp)
+                bound = (statistics.median(pd_machine) + statistics.median(het_cpu) - statistics.median(pd_cpu)) / cpus / mp
+                rows.append((n, mh, mp, mf, busy, bound))
                 print(f"{n:>5} {mh:>9.3f} {mp:>8.3f} {mh / mp:>6.2f} {1000 * mh / n:>15.1f} {1000 * mp / n:>13.1f}"
                       f" {statistics.median(het_cpu):>13.3f} {statistics.median(pd_cpu):>11.3f}"
-                      f" {mf:>8.3f} {mf / mp:>10.2f}", flush=True)
+                      f" {mf:>8.3f} {mf / mp:>10.2f} {100 * busy:>4.0f}% {bound:>9.2f}", flush=True)
             print(f"load average after: {os.getloadavg()[0]:.2f}")
             print("\nthe Python floor (a stdlib process starting pdsh's ssh commands, nothing else) against pdsh: "
-                  + ", ".join(f"{f / p:.2f} at {k} hosts" for k, _, p, f in rows))
-            n, mh, mp, _ = rows[-1]
+                  + ", ".join(f"{f / p:.2f} at {k} hosts" for k, _, p, f, _, _ in rows))
+            print("the CPU bound (pdsh's run's machine CPU plus hetctl's client CPU beyond pdsh's, over the cores: "
+                  "the lowest hetctl/pdsh its own CPU allows here): "
+                  + ", ".join(f"{b:.2f} at {k} hosts ({100 * u:.0f}% of the cores busy under pdsh)"
+                              for k, _, _, _, u, b in rows))
+            n, mh, mp, _, _, _ = rows[-1]
             print(f"ratio hetctl/pdsh at {n} hosts: {mh / mp:.2f} (goal <= 1.0)")
             if len(rows) > 1:
-                n0, h0, p0, _ = rows[0]
+                n0, h0, p0 = rows[0][:3]
                 print(f"growth {n0}->{n} hosts ({n / n0:.0f}x): hetctl {mh / h0:.2f}x, pdsh {mp / p0:.2f}x "
                       f"(linear would be {n / n0:.0f}x)")
 

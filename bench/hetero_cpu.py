@@ -41,7 +41,7 @@ training, here measured). Needs root and ``/sys/fs/cgroup/cpu``.
 
 From the repo root::
 
-    python bench/hetero_cpu.py --layers 24 --global-batch 64 --steps 6
+    python bench/hetero_cpu.py            # 24 layers, global batch 64 in micro-batches of 2, 8 steps (3 alone)
 
 Last line, for scripts::
 
@@ -249,15 +249,16 @@ def main() -> int:
     ap.add_argument("--top-cpu", type=float, default=0.5,
                     help="share of one CPU the largest quota gets; keep the sum of all quotas well under the "
                          "machine's cores, so that the nodes are as independent as separate machines")
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--layers", type=int, default=24,
+                    help="layers of the model: 24 lets the split follow 4:2:1 closely (14:7:3; 12 layers allow 8:3:1 at best)")
+    ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--global-batch", type=int, default=64)
     ap.add_argument("--micro-batch", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2,
                     help="calibrations before the measured hetctl run: 1 = on the uniform run only; 2 = again on the "
                          "first calibrated plan's run (its layer counts, hence its per-node overheads, are the ones "
                          "the final plan runs with)")
-    ap.add_argument("--alone-steps", type=int, default=4, help="steps of each node-alone run (the slowest runs)")
+    ap.add_argument("--alone-steps", type=int, default=3, help="steps of each node-alone run (the slowest runs)")
     ap.add_argument("--pairs", type=int, default=1,
                     help="measure the hetctl plan and the node-alone references this many times, one after the other "
                          "(hetctl, alone, hetctl, alone, ...): the utilization is each pair's ratio, and its median is "
