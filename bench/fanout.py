@@ -192,6 +192,7 @@ def main() -> None:
             print(f"{'hosts':>5} {'hetctl s':>9} {'pdsh s':>8} {'ratio':>6} {'hetctl ms/host':>15} {'pdsh ms/host':>13}"
                   f" {'hetctl cpu s':>13} {'pdsh cpu s':>11} {'floor s':>8} {'floor/pdsh':>10} {'busy':>5} {'cpu bound':>9}")
             rows = []
+            cpus = os.cpu_count() or 1
             for n in counts:
                 sub = cluster.hosts[:n]
                 inv = tmp_path / f"inventory-{n}.yaml"
@@ -222,7 +223,6 @@ def main() -> None:
                 # The CPU bound: with the servers' work the same for both, hetctl's run costs the machine pdsh's
                 # CPU seconds plus hetctl's client CPU beyond pdsh's, and no run is shorter than its machine
                 # CPU seconds / cores, however its processes overlap.
-                cpus = os.cpu_count() or 1
                 busy = statistics.median(pd_machine) / (cpus * mp)
                 bound = (statistics.median(pd_machine) + statistics.median(het_cpu) - statistics.median(pd_cpu)) / cpus / mp
                 rows.append((n, mh, mp, mf, busy, bound))
