@@ -11,13 +11,15 @@ not declared ones. The model is
    (equal layers per stage, Megatron's default) — the run a user starts with;
 2. ``hetctl plan --calibrate`` on that run: per-node speeds from its measured
    stage compute, and the per-message cost of its links from its measured step
-   (:mod:`hetctl.elastic.linkfit`); with ``--rounds 2`` (the default) the plan
-   made on them is run once and calibrated on again together with the uniform
-   run (``plan --calibrate RUN --calibrate RUN2``: each node's speed from the
-   run it was busiest in, the links from the newer), as a user would, since a
-   node's per-micro-batch overheads (gloo's messages on a throttled CPU) do not
-   scale with its layers; the **hetctl** plan made on the last calibration, and
-   its predicted tokens/s;
+   (:mod:`hetctl.elastic.linkfit`); then, up to ``--rounds`` (3) calibrations in
+   all, the plan just made is run and calibrated on again together with every run
+   before it, as a user would (``plan --calibrate RUN --calibrate RUN2 ...``: each
+   node's speed from the run it was busiest in, the links from the newest): a
+   node whose stage waits computes in short bursts, which a CFS quota (like a
+   chip's boost clock) runs faster than it sustains, so a node's speed is only
+   right once a plan has made it the busy one. The rounds stop early when a
+   calibration makes a plan that has run already. The **hetctl** plan is the one
+   made on the last calibration, with its predicted tokens/s;
 3. launch the hetctl plan; the **best plain pipeline** on the same figures (one
    shape, no replicas of different depth: the issue-12 comparison; when the
    hetctl plan is one, it is said so and not run twice); the **proportional**
@@ -25,10 +27,12 @@ not declared ones. The model is
    node, in the plain pipeline's stage order where it has every node, else the
    uniform split's);
 4. launch the model on **each node alone**, the three at once (each in its own
-   cgroup: the homogeneous references); with ``--pairs N`` the hetctl plan and
-   the references are measured N times in turn, and the utilization is the
-   median of each pair's ratio (the machine's drift between runs cancels
-   within a pair).
+   cgroup: the homogeneous references), the slowest for ``--alone-steps`` steps
+   and the others for as many more as their calibrated speed allows in the same
+   time, so that all three are busy together throughout, as in the mixed runs;
+   with ``--pairs N`` the hetctl plan and the references are measured N times in
+   turn, and the utilization is the median of each pair's ratio (the machine's
+   drift between runs cancels within a pair).
 
 Each node's group also gets a large CFS weight (``cpu.shares``), so that other
 work on the machine cannot take it below its quota. The load average is printed
@@ -220,10 +224,18 @@ def finish(name: str, plan, proc: subprocess.Popen) -> dict:
     return summary
 
 
-def alone_set(d: Path, plans: dict, steps: int, tag: str) -> dict[str, dict]:
+def alone_set(d: Path, plans: dict, steps: dict[str, int], tag: str) -> dict[str, dict]:
     """Each node alone, the three at once (each in its own cgroup): the homogeneous references' summaries."""
-    procs = {node: launch(d, f"alone-{node}{tag}", plan, steps, quiet=True) for node, plan in plans.items()}
+    procs = {node: launch(d, f"alone-{node}{tag}", plan, steps[node], quiet=True) for node, plan in plans.items()}
     return {node: finish(f"alone-{node}{tag}", plans[node], proc) for node, proc in procs.items()}
+
+
+def alone_steps(rate: dict[str, float], slowest: int, matched: bool) -> dict[str, int]:
+    """Steps of each node-alone run: ``slowest`` for the slowest node; with ``matched``, the others in proportion
+    to their calibrated speed, so that the three run over about the same wall time, all busy together as in the
+    mixed runs (otherwise the fast nodes finish early, and the slow one runs its last steps on an idle machine)."""
+    low = min(rate[n] for n in NODES)
+    return {n: max(slowest, round(slowest * rate[n] / low)) if matched else slowest for n in NODES}
 
 
 def split_of(plan) -> str:
@@ -252,13 +264,21 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=24,
                     help="layers of the model: 24 lets the split follow 4:2:1 closely (14:7:3; 12 layers allow 8:3:1 at best)")
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--global-batch", type=int, default=64)
+    ap.add_argument("--global-batch", type=int, default=64,
+                    help="32 micro-batches of 2: the 1F1B bubble of 3 stages is (3-1)/34 = 6%% (3%% at 128, whose "
+                         "runs take half as long again: bench/README)")
     ap.add_argument("--micro-batch", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=2,
-                    help="calibrations before the measured hetctl run: 1 = on the uniform run only; 2 = again on the "
-                         "first calibrated plan's run (its layer counts, hence its per-node overheads, are the ones "
-                         "the final plan runs with)")
-    ap.add_argument("--alone-steps", type=int, default=3, help="steps of each node-alone run (the slowest runs)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="calibrations before the measured hetctl run, at most: 1 = on the uniform run only; each "
+                         "more runs the plan just made and calibrates on every run so far (a node's speed from the "
+                         "run it was busiest in: a stage that waits runs in short bursts, faster than it sustains); "
+                         "fewer when a calibration makes a plan that has run already")
+    ap.add_argument("--alone-steps", type=int, default=3,
+                    help="steps of the slowest node's alone run; the faster nodes run as many more as their calibrated "
+                         "speed allows in the same time (see --no-matched-alone)")
+    ap.add_argument("--no-matched-alone", dest="matched_alone", action="store_false",
+                    help="every node-alone run takes --alone-steps steps (the fast ones then finish first, and the "
+                         "slow ones' last steps run on a machine the others have left)")
     ap.add_argument("--pairs", type=int, default=1,
                     help="measure the hetctl plan and the node-alone references this many times, one after the other "
                          "(hetctl, alone, hetctl, alone, ...): the utilization is each pair's ratio, and its median is "
@@ -307,6 +327,10 @@ def main() -> int:
             save_model(d / "cluster.calibrated.yaml", cal.cluster)
             het = plan_cluster(cal.cluster, spec, cluster_path=d / "cluster.calibrated.yaml", **shape)
             for r in range(1, args.rounds):  # calibrate again on the calibrated plan's own run, as a user would
+                if any(split_of(het) == split_of(ran) for ran in plans):
+                    print(f"  {'':<14} (calibration {r}'s plan {split_of(het)} has run already: no new figures, "
+                          "no more rounds)")
+                    break
                 first = launch(d, f"hetctl-round{r}", het, args.steps)
                 print(f"  {'':<14} (predicted {het.estimate.tokens_per_s:,.1f} tokens/s; calibrated again on it "
                       "and the runs before: plan --calibrate RUN --calibrate RUN2)")
@@ -337,9 +361,13 @@ def main() -> int:
             for node in NODES:
                 one = cal.cluster.model_copy(update={"nodes": [n for n in cal.cluster.nodes if n.name == node]})
                 alone_plans[node] = plan_cluster(one, spec, cluster_path=d / "cluster.yaml", **shape)
-            pairs = [(h, alone_set(d, alone_plans, args.alone_steps, ""))]
+            steps_alone = alone_steps(rate, args.alone_steps, args.matched_alone)
+            if args.matched_alone:
+                print(f"  {'':<14} (node-alone steps, in proportion to the calibrated speeds: "
+                      + ", ".join(f"{n} {k}" for n, k in steps_alone.items()) + ")", flush=True)
+            pairs = [(h, alone_set(d, alone_plans, steps_alone, ""))]
             for k in range(2, args.pairs + 1):  # again, right after: hetctl, then the references
-                pairs.append((launch(d, f"hetctl#{k}", het, args.steps), alone_set(d, alone_plans, args.alone_steps, f"#{k}")))
+                pairs.append((launch(d, f"hetctl#{k}", het, args.steps), alone_set(d, alone_plans, steps_alone, f"#{k}")))
     finally:
         stop_launches()
         remove_groups(groups)
