@@ -133,11 +133,26 @@ EXPECTED: dict[str, Expect] = {
     "npu-smi_info_t_board_doc-examples.txt": Expect(npu_smi.parse_detail, "ascend", ("xxx",), _n(None, 2), "0000:81:00.0"),
     "npu-smi_info_t_common_doc-examples.txt": Expect(npu_smi.parse_detail, "ascend", ("unknown",), _n(None, 3)),
     "npu-smi_info_t_usages_doc-examples.txt": Expect(npu_smi.parse_detail, "ascend", ("unknown",), (32768, 44280, 43693)),
+    # the 310B4 SoC prints Bus-Id "NA"; its Memory-Usage (on-board DDR) is the device memory
+    "npu-smi_info_310b4_bus-na_v23.0.0_nputop.txt": Expect(npu_smi.parse_info, "ascend", ("310B4",), (15609,)),
+    "npu-smi_info_a3-ascend910x4_v25.2.0_procs_nputop.txt":
+        Expect(npu_smi.parse_info, "ascend", ("Ascend910",), _n(65536, 4), "0000:9c:00.0"),
+    "npu-smi_info_910b2x2_v26.0.rc1_procs-in-container.txt":
+        Expect(npu_smi.parse_info, "ascend", ("910B2",), _n(65536, 2), "0000:c1:00.0"),
+    "npu-smi_info_910b1x8_v23.0.rc2.2_hwcfgmap.txt": Expect(npu_smi.parse_info, "ascend", ("910B1",), _n(65536, 8), "0000:c1:00.0"),
+    # Memory-Usage is a 15 GB host-side pool here; HBM-Usage (32768) is the device memory
+    "npu-smi_info_910premiuma-x8_v23.0.rc2_procs_hwcfgmap.txt":
+        Expect(npu_smi.parse_info, "ascend", ("910PremiumA",), _n(32768, 8), "0000:c1:00.0"),
+    "npu-smi_info_310p3x8-duo_v25.3.rc1_procs_vllm-ascend-6063.txt":
+        Expect(npu_smi.parse_info, "ascend", ("310P3",), (44278, 43693) * 4, "0000:01:00.0"),
+    "npu-smi_info_310x20_v20.2.2_jsc-notes.txt": Expect(npu_smi.parse_info, "ascend", ("310",), _n(8192, 20), "0000:81:00.0"),
+    "npu-smi_info_310p3x2_v25.5.1_hami-vnpu-lab.txt": Expect(npu_smi.parse_info, "ascend", ("310P3",), _n(21525, 2), "0000:81:00.0"),
     # Iluvatar
     "ixsmi_bi-v150s.txt": Expect(ixsmi.parse_plain, "iluvatar", ("Iluvatar BI-V150S",), (32768,), "0000:8a:00.0"),
     "ixsmi_bi-v100x7_after-reset.txt": Expect(ixsmi.parse_plain, "iluvatar", ("Iluvatar BI-V100",), _n(32768, 7), "0000:14:00.0"),
     "ixsmi_query-gpu_csv_mr-v50_mr-v100.txt": Expect(
         lambda t: ixsmi.parse_csv(t, _IXSMI_SAMPLE_FIELDS), "iluvatar", ("Iluvatar MR-V100", "Iluvatar MR-V50"), (16384, 32768)),
+    "ixsmi_bi-v150x16_v4.3.0_ernie-docs.txt": Expect(ixsmi.parse_plain, "iluvatar", ("Iluvatar BI-V150",), _n(32768, 16), "0000:13:00.0"),
     # MetaX
     "mx-smi_c500_v2.2.4_docflowai.txt": Expect(mx_smi.parse, "metax", ("MetaX C500",), (65536,), "0000:01:00.0"),
     "mx-smi_c500_v2.2.9_newlayout_internvl.txt": Expect(mx_smi.parse, "metax", ("MetaX C500",), (65536,), "0000:10:00.0"),
@@ -156,6 +171,8 @@ EXPECTED: dict[str, Expect] = {
     "cnmon_mlu370-x4x2_v5.10.10_paddle-docs.txt": Expect(cnmon.parse, "cambricon", ("MLU370-X4",), _n(23308, 2), "0000:1b:00.0"),
     "cnmon_mlu370-x8x2_v5.10.22_kylin.txt": Expect(cnmon.parse, "cambricon", ("MLU370-X8",), _n(20638, 2), "0000:13:00.0"),
     "cnmon_mlu370-x8_paddle-docs.txt": Expect(cnmon.parse, "cambricon", ("MLU370-X8",), _n(23374, 2), "0000:39:00.0"),
+    # name and memory total redacted in the source ("MLUXXX-XX", "xxxxx MiB")
+    "cnmon_mluxxx-x8_v5.10.31_masked_paddlenlp.txt": Expect(cnmon.parse, "cambricon", ("MLUXXX-XX",), _n(None, 8), "0000:4f:00.0"),
     # Enflame: the two S60s print different totals
     "efsmi_s60_paddle-docs.txt": Expect(efsmi.parse, "enflame", ("S60",), (49120, 42976), "0000:01:00.0"),
     "efsmi_s60g-sriov_v1.6.3.12_flagtree.txt": Expect(efsmi.parse, "enflame", ("Enflame S60G",), _n(23552, 2), "0000:2e:00.0"),
@@ -164,6 +181,8 @@ EXPECTED: dict[str, Expect] = {
     # Intel Gaudi
     "hl-smi_gaudi2_hl-225_ray-docs.txt": Expect(hl_smi.parse, "gaudi", ("HL-225",), _n(98304, 8), "0000:33:00.0"),
     "hl-smi_gaudi3_hl-325l_excerpt.txt": Expect(hl_smi.parse, "gaudi", ("HL-325L",), _n(131072, 2), "0000:e9:00.0"),
+    "hl-smi_gaudi2_hl-225_v1.12.1_procs-na.txt": Expect(hl_smi.parse, "gaudi", ("HL-225",), _n(98304, 8), "0000:43:00.0"),
+    "hl-smi_gaudi2_hl-225_v1.16.0_wrapped-proc_denvr.txt": Expect(hl_smi.parse, "gaudi", ("HL-225",), _n(98304, 8), "0000:b3:00.0"),
     # Intel Gaudi 1: hl-smi up to 1.6 prints "Mib"
     "hl-smi_gaudi1_hl-205_rm-runner-readme.txt": Expect(hl_smi.parse, "gaudi", ("HL-205",), _n(32768, 8), "0000:20:1d.0"),
     "hl-smi_gaudi1_hl-205_v1.6.0_busy.txt": Expect(hl_smi.parse, "gaudi", ("HL-205",), _n(32768, 8), "0000:19:00.0"),
@@ -272,6 +291,23 @@ def test_ascend_two_chip_packages() -> None:
     assert len({c.bus_id for c in a3}) == 3
     duo = npu_smi.parse_info(sample("npu-smi_info_310p3_excerpt.txt"))
     assert [(c.package, c.chip_in_package, c.bus_id) for c in duo] == [("1", 0, "0000:01:00.0"), ("1", 1, "0000:01:00.0")]
+
+
+def test_ascend_soc_without_a_pci_address() -> None:
+    """A 310B SoC prints Bus-Id "NA": still a chip (no address), and its "NA" row is not a second one."""
+    (soc,) = npu_smi.parse_info(sample("npu-smi_info_310b4_bus-na_v23.0.0_nputop.txt"))
+    assert (soc.index, soc.model, soc.bus_id, soc.package, soc.chip_in_package) == (0, "310B4", None, "0", 0)
+
+
+def test_ascend_process_rows_are_not_chips() -> None:
+    """Process tables (four and five columns, empty names) list NPU/Chip ids like the device rows do."""
+    premium = npu_smi.parse_info(sample("npu-smi_info_910premiuma-x8_v23.0.rc2_procs_hwcfgmap.txt"))
+    assert [c.package for c in premium] == [str(i) for i in range(8)]
+    new = npu_smi.parse_info(sample("npu-smi_info_910b2x2_v26.0.rc1_procs-in-container.txt"))
+    assert [(c.package, c.bus_id) for c in new] == [("0", "0000:c1:00.0"), ("1", "0000:01:00.0")]
+    duo = npu_smi.parse_info(sample("npu-smi_info_310p3x8-duo_v25.3.rc1_procs_vllm-ascend-6063.txt"))
+    assert [c.index for c in duo] == list(range(8))  # the Device column
+    assert [(c.package, c.chip_in_package) for c in duo[:4]] == [("0", 0), ("0", 1), ("96", 0), ("96", 1)]
 
 
 def test_partitioned_mi300_functions_share_one_device() -> None:

@@ -95,6 +95,11 @@ def test_ascend_a3_chips_get_half_a_package_each() -> None:
     assert [(c.model, c.memory_gb, c.tflops.bf16) for c in chips] == [("Ascend910", 64.0, 376)] * 3
 
 
+def test_ascend_soc_without_bus_id_is_one_chip() -> None:
+    (chip,) = chips_from_raw(raw(npu_smi=sample("npu-smi_info_310b4_bus-na_v23.0.0_nputop.txt")))
+    assert (chip.vendor, chip.model, chip.memory_gb, chip.pci_bus_id, chip.spec) == ("ascend", "310B4", 15.24, None, None)
+
+
 def test_hygon_prefers_hy_smi_and_fills_from_rocminfo() -> None:
     chips = chips_from_raw(raw(hy_smi_json=sample("hy-smi_json_k100-ai_excerpt.txt"),
                                rocm_smi=sample("rocm-smi_hygon-dcu_plain_flagperf.txt")))

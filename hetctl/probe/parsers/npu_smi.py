@@ -33,9 +33,26 @@ from hetctl.probe.parsers._common import (
 )
 
 
+# What the Bus-Id cell holds for a chip that is not a PCIe device (the 310B SoC of an
+# Atlas 200I A2 / Orange Pi AIpro prints "NA").
+_NO_BUS = frozenset({"NA", "N/A", "-"})
+
+
+def _bus_cell(cell: str) -> tuple[bool, str | None]:
+    """``(is a Bus-Id cell, the address)``: a PCI address, or a not-available marker (address ``None``)."""
+    bus = normalize_bdf(cell)
+    if bus is not None:
+        return True, bus
+    return cell.strip() in _NO_BUS, None
+
+
 def parse_info(text: str) -> list[ParsedChip]:
     """Parse ``npu-smi info``; chips are numbered by logical id where the table shows one.
 
+    A chip is a pair of rows: ``NPU-id Name | Health | …`` then ``Chip [Device|Phy-ID] |
+    Bus-Id | …``. The Bus-Id is ``NA`` on SoC boards (310B), so the pair is recognised by
+    its shape (numeric ids, a health word, a Bus-Id cell), not by an address. Process rows
+    (``NPU Chip | PID | name | MB``) never match: their second cell is a number.
     Without a Device column the position in the table is used, which is the
     order of logical ids on the layouts seen so far.
     """
@@ -48,8 +65,10 @@ def parse_info(text: str) -> list[ParsedChip]:
         if len(top) < 3 or len(bottom) < 3:
             continue
         head = top[0].split(None, 1)
-        bus = normalize_bdf(bottom[1])
-        if len(head) != 2 or not head[0].isdigit() or bus is None or not top[1].isalpha():
+        is_bus, bus = _bus_cell(bottom[1])
+        # The health word also tells a top row from a bottom row whose Bus-Id is "NA".
+        health = top[1]
+        if len(head) != 2 or not head[0].isdigit() or not is_bus or not health.isalpha() or health in _NO_BUS:
             continue
         ids = bottom[0].split()
         if not ids or not ids[0].isdigit():
