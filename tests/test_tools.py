@@ -100,6 +100,12 @@ def test_ascend_soc_without_bus_id_is_one_chip() -> None:
     assert (chip.vendor, chip.model, chip.memory_gb, chip.pci_bus_id, chip.spec) == ("ascend", "310B4", 15.24, None, None)
 
 
+def test_ascend_910_premium_a_uses_hbm_not_the_host_pool() -> None:
+    chips = chips_from_raw(raw(npu_smi=sample("npu-smi_info_910premiuma-x8_v23.0.rc2_procs_hwcfgmap.txt")))
+    assert {(c.model, c.memory_gb, c.spec) for c in chips} == {("910PremiumA", 32.0, "ascend/ascend-910premiuma")}
+    assert [c.index for c in chips] == list(range(8))
+
+
 def test_hygon_prefers_hy_smi_and_fills_from_rocminfo() -> None:
     chips = chips_from_raw(raw(hy_smi_json=sample("hy-smi_json_k100-ai_excerpt.txt"),
                                rocm_smi=sample("rocm-smi_hygon-dcu_plain_flagperf.txt")))
