@@ -152,6 +152,7 @@ EXPECTED: dict[str, Expect] = {
     "ixsmi_bi-v100x7_after-reset.txt": Expect(ixsmi.parse_plain, "iluvatar", ("Iluvatar BI-V100",), _n(32768, 7), "0000:14:00.0"),
     "ixsmi_query-gpu_csv_mr-v50_mr-v100.txt": Expect(
         lambda t: ixsmi.parse_csv(t, _IXSMI_SAMPLE_FIELDS), "iluvatar", ("Iluvatar MR-V100", "Iluvatar MR-V50"), (16384, 32768)),
+    "ixsmi_mr-v100-duo_v4.4.0_test-notes.txt": Expect(ixsmi.parse_plain, "iluvatar", ("Iluvatar MR-V100 DUO",), _n(32768, 2), "0000:35:00.0"),
     "ixsmi_bi-v150x16_v4.3.0_ernie-docs.txt": Expect(ixsmi.parse_plain, "iluvatar", ("Iluvatar BI-V150",), _n(32768, 16), "0000:13:00.0"),
     # MetaX
     "mx-smi_c500_v2.2.4_docflowai.txt": Expect(mx_smi.parse, "metax", ("MetaX C500",), (65536,), "0000:01:00.0"),

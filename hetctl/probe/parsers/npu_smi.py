@@ -11,6 +11,12 @@ The ``info`` table has three layouts (vendors.md):
   own Bus-Id and HBM. A 310P3 Duo also shows two chips per NPU id, with the
   same Bus-Id.
 
+A 310B SoC (Atlas 200I A2) is not a PCIe device: its Bus-Id reads ``NA`` and
+its chip gets no address. The 910 A-series (``910PremiumA``) can show the A2
+layout with a ~15 GB host pool in Memory-Usage; HBM-Usage is still the device
+memory. Process tables below the chips (four or, from npu-smi 26, five
+columns) repeat NPU and chip ids but are never taken as chips.
+
 Each chip row pair becomes one :class:`ParsedChip` whose ``package`` is the NPU
 id, so that chips of one card can be told apart from separate cards.
 ``info -m`` maps (NPU ID, Chip ID) to the logical id and the long chip name
