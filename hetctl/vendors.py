@@ -93,8 +93,10 @@ _ROWS = (
     VendorInfo("enflame", "gcu", "TOPS_VISIBLE_DEVICES", "ECCL", "eccl", True, "bf16", 32.0,
                "vendors.md §1: TOPS_VISIBLE_DEVICES (vllm-gcu), ECCL (PaddleCustomDevice links libeccl), torch_gcu",
                torch_module="torch_gcu", plugin_dist="torch_gcu", driver_modules=("enflame",)),
-    VendorInfo("biren", "supa", "SUPA_VISIBLE_DEVICES", None, None, True, "bf16", 32.0,
-               "vendors.md §1: SUPA_VISIBLE_DEVICES (Ray biren_gpu.py); collective library not public",
+    VendorInfo("biren", "supa", "SUPA_VISIBLE_DEVICES", "BCCL", "bccl", True, "bf16", 32.0,
+               "vendors.md §1: SUPA_VISIBLE_DEVICES (Ray biren_gpu.py; BIRENSUPA/vllm-supa env-var guide); "
+               "BCCL registered as torch backend 'bccl' for device 'supa' (BIRENSUPA/torch-supa "
+               "torch_supa/distributed/distributed_c10d.py @ 68fb624a)",
                torch_module="torch_supa", plugin_dist="torch_supa", driver_modules=("biren",)),
     VendorInfo("gaudi", "hpu", "HABANA_VISIBLE_MODULES", "HCCL (Habana)", "hccl", True, "bf16", 100.0,
                "vendors.md §1: HABANA_VISIBLE_MODULES (Ray hpu.py), Habana HCCL",

@@ -262,7 +262,7 @@ def test_software_names_plugin_comm_library_and_driver_of_the_vendor():
          "drivers": {"ascend": "24.1.rc2", "nvidia": "550"}}, "ascend")
     assert (sw.vendor_plugin, sw.comm_library, sw.driver) == ("torch_npu 2.1.0.post3", "HCCL", "ascend 24.1.rc2")
     sw = assemble._software({"plugins": {}, "drivers": {}}, "biren")
-    assert sw.comm_library is None and sw.vendor_plugin is None
+    assert sw.comm_library == "BCCL" and sw.vendor_plugin is None
     assert assemble._software({}, "cpu").comm_library == "gloo"
 
 

@@ -160,11 +160,22 @@ EXPECTED: dict[str, Expect] = {
     "mx-smi_c550x8.txt": Expect(mx_smi.parse, "metax", ("MetaX C550",), _n(65536, 8), "0000:0f:00.0"),
     "mx-smi_c500_v2.3.1_newlayout.txt": Expect(mx_smi.parse, "metax", ("MetaX C500",), (65536,), "0000:12:00.0"),
     "mx-smi_mxc500_flagperf-html-escaped.txt": Expect(mx_smi.parse, "metax", ("MXC500",), (65536,), "0000:1b:00.0"),
+    "mx-smi_c500x8_v2.1.12_qwen3-smvl.txt": Expect(mx_smi.parse, "metax", ("MetaX C500",), _n(65536, 8), "0000:0e:00.0"),
+    "mx-smi_mxc500x4_v2.1.6_power-only_wang-junjian.txt": Expect(mx_smi.parse, "metax", ("MXC500",), _n(65536, 4), "0000:05:00.0"),
+    "mx-smi_c500x8_v2.2.9_newlayout_ms-swift.txt": Expect(mx_smi.parse, "metax", ("MetaX C500",), _n(65536, 8), "0000:0e:00.0"),
+    # mx-smi 2.2.6-2.2.8: "GPU NAME Persistence-M" share one cell; the trailing "Off" is not part of the name
+    "mx-smi_c500_v2.2.6_persistence-m.txt": Expect(mx_smi.parse, "metax", ("MetaX C500",), (65536,), "0000:38:00.0"),
+    "mx-smi_n260x2_v2.2.8_go-test-fixture.txt": Expect(mx_smi.parse, "metax", ("MetaX N260",), _n(65536, 2), "0000:01:00.0"),
     # Moore Threads (the S4000 reports 32768 MiB with the IOMMU off, as its FAQ says)
     "mthreads-gmi_s4000.txt": Expect(mthreads_gmi.parse, "mthreads", ("MTT S4000",), (32768,), "0000:08:00.0"),
     "mthreads-gmi_s5000x8.txt": Expect(mthreads_gmi.parse, "mthreads", ("MTT S5000",), _n(81920, 8), "0000:18:00.0"),
     "mthreads-gmi_s80_v2.0.0.txt": Expect(mthreads_gmi.parse, "mthreads", ("MTT S80",), (16384,), "0000:01:00.0"),
     "mthreads-gmi_s80.txt": Expect(mthreads_gmi.parse, "mthreads", ("MTT S80",), (16384,), "0000:04:00.0"),
+    "mthreads-gmi_s80_v1.14.0_busy_gpustack.txt": Expect(mthreads_gmi.parse, "mthreads", ("MTT S80",), (16384,), "0000:01:00.0"),
+    "mthreads-gmi_s5000_v2.3.3_cut_ms-swift.txt": Expect(mthreads_gmi.parse, "mthreads", ("MTT S5000",), (81920,), "0000:18:00.0"),
+    # a 1 GB vGPU of an S3000 inside a VM: the name as printed, the slice's memory
+    "mthreads-gmi_s3000-vgpu-guest_v2.3.4_mt-vgpu-docs.txt": Expect(
+        mthreads_gmi.parse, "mthreads", ("MTT S3000 MtvGPU-1101",), (1024,), "0000:00:0d.0"),
     # FlagPerf's awk pipeline output is not a tool format: the parser must not mistake it for one.
     "mthreads-gmi_q_flagperf-awk-derived.txt": Expect(mthreads_gmi.parse, "mthreads", (), ()),
     # Cambricon: an MLU370-X8 board is two chips; each cnmon row is one
@@ -178,6 +189,7 @@ EXPECTED: dict[str, Expect] = {
     "efsmi_s60_paddle-docs.txt": Expect(efsmi.parse, "enflame", ("S60",), (49120, 42976), "0000:01:00.0"),
     "efsmi_s60g-sriov_v1.6.3.12_flagtree.txt": Expect(efsmi.parse, "enflame", ("Enflame S60G",), _n(23552, 2), "0000:2e:00.0"),
     "efsmi_l300_v1.7.2.14_flagtree.txt": Expect(efsmi.parse, "enflame", ("Enflame L300",), (147456,), "0000:2d:00.0"),
+    "efsmi_s60x2_v1.4.0.505_vllm-gcu.txt": Expect(efsmi.parse, "enflame", ("Enflame S60",), _n(49120, 2), "0000:3d:00.0"),
     "lspci_enflame-s60_excerpt.txt": Expect(lspci.parse, "enflame", ("S60",), _n(None, 2), "0000:01:00.0"),
     # Intel Gaudi
     "hl-smi_gaudi2_hl-225_ray-docs.txt": Expect(hl_smi.parse, "gaudi", ("HL-225",), _n(98304, 8), "0000:33:00.0"),

@@ -171,5 +171,6 @@ def test_vendor_table_covers_every_vendor_of_the_cluster_schema():
     assert VENDOR_TABLE["ascend"].visible_devices_env == "ASCEND_RT_VISIBLE_DEVICES"
     assert VENDOR_TABLE["mthreads"].torch_backend == "mccl" and VENDOR_TABLE["mthreads"].device_type == "musa"
     assert VENDOR_TABLE["cpu"].visible_devices_env is None
-    assert stage_backend("biren") == "gloo"  # library not public: gloo, not a guess
+    assert stage_backend("biren") == "bccl"  # torch_supa registers BCCL under this name
+    assert stage_backend("cpu") == "gloo"
     assert link_backend("nvidia", "nvidia") == "nccl" and link_backend("nvidia", "ascend") == "gloo"

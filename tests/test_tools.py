@@ -297,3 +297,17 @@ def test_pci_vendor_id_relabels_a_chip_and_is_not_counted_again() -> None:
     chips = chips_from_raw({**raw(rocm_smi_json=sample("rocm-smi_json_a_mi210-aldebaran_mock.json.txt")), "pci": pci})
     assert len(chips) == 4 and {c.vendor for c in chips} == {"hygon"}
     assert [c.pci_bus_id for c in chips] == ["0000:03:00.0", "0000:43:00.0", "0000:83:00.0", "0000:a3:00.0"]
+
+
+@pytest.mark.parametrize(("key", "name", "want"), [
+    # mx-smi 2.2.6-2.2.8 put the persistence mode in the name's cell
+    ("mx-smi", "mx-smi_n260x2_v2.2.8_go-test-fixture.txt", ("MetaX N260", 64.0, "metax/n260", 2)),
+    ("mx-smi", "mx-smi_c500_v2.2.6_persistence-m.txt", ("MetaX C500", 64.0, "metax/c500", 1)),
+    ("mx-smi", "mx-smi_mxc500x4_v2.1.6_power-only_wang-junjian.txt", ("MXC500", 64.0, "metax/c500", 4)),
+    ("mthreads-gmi", "mthreads-gmi_s5000_v2.3.3_cut_ms-swift.txt", ("MTT S5000", 80.0, "mthreads/mtt-s5000", 1)),
+    ("efsmi", "efsmi_s60x2_v1.4.0.505_vllm-gcu.txt", ("Enflame S60", 47.97, "enflame/s60", 2)),
+])
+def test_metax_mthreads_enflame_tables_reach_their_spec_rows(key: str, name: str, want: tuple) -> None:
+    chips = chips_from_raw(raw(**{key.replace("-", "_"): sample(name)}))
+    assert {(c.model, c.memory_gb, c.spec) for c in chips} == {want[:3]}
+    assert len(chips) == want[3] and [c.index for c in chips] == list(range(want[3]))

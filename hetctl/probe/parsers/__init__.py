@@ -9,7 +9,7 @@ module             tool and formats
 ``amd_smi``        ``amd-smi static``/``list`` text, GPU list, ``partition``
 ``rocminfo``       ``rocminfo`` agents
 ``npu_smi``        ``npu-smi info``, ``info -m``, ``info -t …``
-``mx_smi``         MetaX ``mx-smi`` (both table layouts)
+``mx_smi``         MetaX ``mx-smi`` (all three table layouts)
 ``mthreads_gmi``   Moore Threads ``mthreads-gmi``
 ``cnmon``          Cambricon ``cnmon``
 ``efsmi``          Enflame ``efsmi``
