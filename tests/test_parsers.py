@@ -82,6 +82,20 @@ EXPECTED: dict[str, Expect] = {
     "nvidia-smi_plain_l40s.txt": Expect(nvidia_smi.parse_plain, "nvidia", ("NVIDIA L40S",), (46068,), "0000:01:00.0"),
     "nvidia-smi_q_x_a100-sxm4-80gb.xml.txt": Expect(nvidia_smi.parse_xml, "nvidia", ("NVIDIA A100-SXM4-80GB",), (81920,), "0000:01:00.0"),
     "nvidia-smi_q_x_tesla-t4.xml.txt": Expect(nvidia_smi.parse_xml, "nvidia", ("Tesla T4",), (15360,), "0000:00:1e.0"),
+    # MIG: the slices in "MIG devices:" and the indented "MIG …" lines of -L are not GPUs
+    "nvidia-smi_L_a100-sxm4-40gb-x8-mig_580_ssup2-blog.txt": Expect(nvidia_smi.parse_list, "nvidia", ("NVIDIA A100-SXM4-40GB",), _n(None, 8)),
+    "nvidia-smi_plain_a100-sxm4-40gb-mig_580_ssup2-blog.txt":
+        Expect(nvidia_smi.parse_plain, "nvidia", ("NVIDIA A100-SXM4-40GB",), (40960,), "0000:10:1c.0"),
+    "nvidia-smi_plain_a100-80gb-pcie-mig_570_openshift-dra-doc.txt":
+        Expect(nvidia_smi.parse_plain, "nvidia", ("NVIDIA A100 80GB PCIe",), (81920,), "0000:b6:00.0"),
+    "nvidia-smi_plain_a800-80gb-pcie_580_hami-1903.txt": Expect(nvidia_smi.parse_plain, "nvidia", ("NVIDIA A800 80GB PCIe",), _n(81920, 2), "0000:01:00.0"),
+    "nvidia-smi_plain_b200x8_580_intern-s1-recipe.txt": Expect(nvidia_smi.parse_plain, "nvidia", ("NVIDIA B200",), _n(183359, 8), "0000:1b:00.0"),
+    "nvidia-smi_plain_gh200-480gb_555_diehl-blog.txt": Expect(nvidia_smi.parse_plain, "nvidia", ("NVIDIA GH200 480GB",), (97871,), "0009:01:00.0"),
+    # the name column cut the name; the power cell reads ERR!; a Hyper-V PCI domain
+    "nvidia-smi_plain_tesla-v100-pcie_err-truncated_azhpc-diagnostics-77.txt":
+        Expect(nvidia_smi.parse_plain, "nvidia", ("Tesla V100-PCIE...",), (16160,), "8ed0:00:00.0"),
+    # a header without index or memory.total is still a header, not a chip
+    "nvidia-smi_csv_rtx2080ti_unknown-error_mindminer-627.txt": Expect(nvidia_smi.parse_csv, "nvidia", ("GeForce RTX 2080 Ti",), (None,)),
     # AMD
     "rocm-smi_json_mi100_rocm571.json.txt": Expect(rocm_smi.parse_json, "amd", ("Arcturus GL-XL [Instinct MI100]",), _n(32752, 6), "0000:1e:00.0"),
     "rocm-smi_json_mi100_rocm602.json.txt": Expect(rocm_smi.parse_json, "amd", ("Arcturus GL-XL [Instinct MI100]",), _n(32752, 4), "0000:83:00.0"),
@@ -281,6 +295,25 @@ def test_partitioned_mi300_functions_share_one_device() -> None:
     assert {device_key(c.bus_id) for c in tpx} == {"0000:01:00"}
     listed = amd_smi.parse_gpu_list(sample("amd-smi_gpu-id-bdf-uuid-list_mi300x-partitioned.txt"))
     assert len({device_key(c.bus_id) for c in listed}) == 2
+
+
+def test_mig_slices_are_not_gpus() -> None:
+    listed = nvidia_smi.parse_list(sample("nvidia-smi_L_a100-sxm4-40gb-x8-mig_580_ssup2-blog.txt"))
+    assert [c.index for c in listed] == list(range(8))
+    assert all(c.uuid.startswith("GPU-") for c in listed)  # no MIG-… UUID was taken for a GPU
+    (plain,) = nvidia_smi.parse_plain(sample("nvidia-smi_plain_a100-80gb-pcie-mig_570_openshift-dra-doc.txt"))
+    assert plain.memory_mib == 81920  # the GPU's memory, not a slice's 40192MiB
+
+
+def test_csv_header_is_found_whatever_fields_it_names() -> None:
+    """A header without ``index``/``memory.total`` is a header; the same row without it needs the query's fields."""
+    text = sample("nvidia-smi_csv_rtx2080ti_unknown-error_mindminer-627.txt")
+    (chip,) = nvidia_smi.parse_csv(text)
+    assert (chip.index, chip.model, chip.memory_mib) == (0, "GeForce RTX 2080 Ti", None)
+    query = ("gpu_name", "utilization.gpu", "utilization.memory", "temperature.gpu", "power.draw", "power.limit",
+             "fan.speed", "clocks.current.graphics", "clocks.current.memory", "power.default_limit")
+    (row,) = nvidia_smi.parse_csv(text.splitlines()[-1], query)  # gpu_name is nvidia-smi's alias of name
+    assert (row.index, row.model) == (0, "GeForce RTX 2080 Ti")
 
 
 @pytest.mark.parametrize(("text", "want"), [
