@@ -114,6 +114,12 @@ EXPECTED: dict[str, Expect] = {
     "amd-smi_static_text_mi350x.txt": Expect(amd_smi.parse_static, "amd", ("AMD Instinct MI350X",), (None,), "0000:05:00.0"),
     "amd-smi_gpu-id-bdf-uuid-list_mi300x-partitioned.txt": Expect(amd_smi.parse_gpu_list, "amd", ("unknown",), _n(None, 4), "0000:05:00.0"),
     "amd-smi_partition_mi300.txt": Expect(amd_smi.parse_partition, "amd", ("unknown",), _n(None, 4)),
+    "amd-smi_static_text_mi300a_amdsmi-docs.txt": Expect(amd_smi.parse_static, "amd", ("AMD Instinct MI300A",), (96434,), "0000:01:00.0"),
+    "amd-smi_static_text_mi300x-o_rocm-blogs.txt": Expect(amd_smi.parse_static, "amd", ("MI300X-O",), (None,), "0000:05:00.0"),
+    "amd-smi_static_text_mi300x_gim-host-docs.txt": Expect(amd_smi.parse_static, "amd", ("MI300X",), (196592,), "0000:0c:00.0"),
+    "amd-smi_list_mi300x_rocm-blogs.txt": Expect(amd_smi.parse_static, "amd", ("unknown",), _n(None, 3), "0000:05:00.0"),
+    # the VF nested under GPU 0 is not a GPU of this host, and its BDF is not GPU 0's
+    "amd-smi_list_mi300x-vf_gim-host-docs.txt": Expect(amd_smi.parse_static, "amd", ("unknown",), (None,), "0000:0c:00.0"),
     # Hygon (DTK rocm-smi, hy-smi, rocminfo)
     "rocm-smi_json_hygon-dcu_dtk-24.04.3.json.txt": Expect(rocm_smi.parse_json, "hygon", ("DCU xxxx",), (65520,)),
     "hy-smi_json_k100-ai_excerpt.txt": Expect(rocm_smi.parse_hy_json, "hygon", ("K100_AI",), _n(65520, 2)),  # card2 is cut off
@@ -314,6 +320,14 @@ def test_csv_header_is_found_whatever_fields_it_names() -> None:
              "fan.speed", "clocks.current.graphics", "clocks.current.memory", "power.default_limit")
     (row,) = nvidia_smi.parse_csv(text.splitlines()[-1], query)  # gpu_name is nvidia-smi's alias of name
     assert (row.index, row.model) == (0, "GeForce RTX 2080 Ti")
+
+
+def test_amd_smi_nested_vf_does_not_overwrite_its_gpu() -> None:
+    (gpu,) = amd_smi.parse_static(sample("amd-smi_list_mi300x-vf_gim-host-docs.txt"))
+    assert (gpu.bus_id, gpu.uuid) == ("0000:0c:00.0", "67ff74a1-0000-1000-8081-b5b9fd6edd00")
+    (mi300a,) = amd_smi.parse_static(sample("amd-smi_static_text_mi300a_amdsmi-docs.txt"))
+    assert mi300a.device_id == "0x74a0"  # CACHE_INFO's CACHE_SIZE lines do not touch VRAM.SIZE either
+    assert mi300a.memory_mib == 96434
 
 
 @pytest.mark.parametrize(("text", "want"), [
