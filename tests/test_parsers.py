@@ -114,6 +114,11 @@ EXPECTED: dict[str, Expect] = {
     "amd-smi_static_text_mi350x.txt": Expect(amd_smi.parse_static, "amd", ("AMD Instinct MI350X",), (None,), "0000:05:00.0"),
     "amd-smi_gpu-id-bdf-uuid-list_mi300x-partitioned.txt": Expect(amd_smi.parse_gpu_list, "amd", ("unknown",), _n(None, 4), "0000:05:00.0"),
     "amd-smi_partition_mi300.txt": Expect(amd_smi.parse_partition, "amd", ("unknown",), _n(None, 4)),
+    "rocm-smi_concise-name-row_mi300x-x4_thamada-sim.txt": Expect(rocm_smi.parse_plain, "amd", ("AMD Instinct MI300X",), _n(None, 4)),
+    "rocm-smi_concise_w7800x2_monitor-errors_rocm-4134.txt": Expect(rocm_smi.parse_plain, "amd", ("unknown",), _n(None, 2)),
+    "rocm-smi_csv_rx6800-raphael-igpu_localai-7761.txt":
+        Expect(rocm_smi.parse_csv, "amd", ("Navi 21 [Radeon RX 6800/6800 XT / 6900 XT]", "Raphael"), (16368, 64)),
+    "rocminfo_mi300x-x4_thamada-sim.txt": Expect(rocminfo.parse, "amd", ("AMD Instinct MI300X",), _n(196592, 4)),
     "amd-smi_static_text_mi300a_amdsmi-docs.txt": Expect(amd_smi.parse_static, "amd", ("AMD Instinct MI300A",), (96434,), "0000:01:00.0"),
     "amd-smi_static_text_mi300x-o_rocm-blogs.txt": Expect(amd_smi.parse_static, "amd", ("MI300X-O",), (None,), "0000:05:00.0"),
     "amd-smi_static_text_mi300x_gim-host-docs.txt": Expect(amd_smi.parse_static, "amd", ("MI300X",), (196592,), "0000:0c:00.0"),
@@ -126,6 +131,10 @@ EXPECTED: dict[str, Expect] = {
     "rocm-smi_hygon-dcu_plain_flagperf.txt": Expect(rocm_smi.parse_plain, "hygon", ("unknown",), _n(None, 8)),
     "rocm-smi_hygon-dcu_z100_paddle-docs.txt": Expect(rocm_smi.parse_plain, "hygon", ("unknown",), _n(None, 4)),
     "rocminfo_hygon-dcu_dtk-24.04.3.txt": Expect(rocminfo.parse, "hygon", ("K1xx_AI",), (65520,)),
+    # DTK prints HCU[N] where AMD's rocm-smi prints GPU[N]
+    "rocm-smi_showid_hygon-k100-ai-x8_hcu-prefix_ops-manual.txt": Expect(rocm_smi.parse_text, "hygon", ("unknown",), _n(None, 8)),
+    # vendor "Chengdu C-3000 IC Design" (no "Haiguang"); card1 is cut off
+    "rocm-smi_json_hygon-k100-ai_c3000-vendor_gpustack-3257.txt": Expect(rocm_smi.parse_json, "hygon", ("K100_AI",), (65520,)),
     # Huawei Ascend
     "npu-smi_info_310p3_excerpt.txt": Expect(npu_smi.parse_info, "ascend", ("310P3",), (44280, 43693), "0000:01:00.0"),
     "npu-smi_info_910a_flagperf.txt": Expect(npu_smi.parse_info, "ascend", ("910A",), (21534,), "0000:81:00.0"),
@@ -320,6 +329,27 @@ def test_csv_header_is_found_whatever_fields_it_names() -> None:
              "fan.speed", "clocks.current.graphics", "clocks.current.memory", "power.default_limit")
     (row,) = nvidia_smi.parse_csv(text.splitlines()[-1], query)  # gpu_name is nvidia-smi's alias of name
     assert (row.index, row.model) == (0, "GeForce RTX 2080 Ti")
+
+
+def test_rocm_smi_name_row_table_gives_name_id_and_partitions() -> None:
+    chips = rocm_smi.parse_plain(sample("rocm-smi_concise-name-row_mi300x-x4_thamada-sim.txt"))
+    assert [(c.index, c.device_id, c.partitions) for c in chips] == [(i, "0x74a1", 1) for i in range(4)]  # NPS1, SPX
+
+
+def test_dtk_hcu_text_lines_are_hygon_chips() -> None:
+    text = sample("rocm-smi_showid_hygon-k100-ai-x8_hcu-prefix_ops-manual.txt")
+    for chips in (rocm_smi.parse_text(text), rocm_smi.parse_plain(text)):
+        assert [(c.index, c.vendor, c.device_id) for c in chips] == [(i, "hygon", "0x6210") for i in range(8)]
+
+
+def test_c3000_vendor_string_is_hygon_without_hcu_keys() -> None:
+    """gpustack#3257's card0 in the shape of hetctl's own rocm-smi-json query: no HCU/DCU key is left to tell."""
+    import json
+
+    card = json.loads(sample("rocm-smi_json_hygon-k100-ai_c3000-vendor_gpustack-3257.txt").split(', "card1"')[0] + "}")["card0"]
+    narrowed = {k: card[k] for k in ("Device ID", "Card Series", "Card Vendor", "vram Total Memory (MiB)")}
+    (chip,) = rocm_smi.parse_json(json.dumps({"card0": narrowed}))
+    assert (chip.vendor, chip.model, chip.memory_mib, chip.device_id) == ("hygon", "K100_AI", 65520, "0x6210")
 
 
 def test_amd_smi_nested_vf_does_not_overwrite_its_gpu() -> None:
