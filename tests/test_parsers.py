@@ -82,6 +82,20 @@ EXPECTED: dict[str, Expect] = {
     "nvidia-smi_plain_l40s.txt": Expect(nvidia_smi.parse_plain, "nvidia", ("NVIDIA L40S",), (46068,), "0000:01:00.0"),
     "nvidia-smi_q_x_a100-sxm4-80gb.xml.txt": Expect(nvidia_smi.parse_xml, "nvidia", ("NVIDIA A100-SXM4-80GB",), (81920,), "0000:01:00.0"),
     "nvidia-smi_q_x_tesla-t4.xml.txt": Expect(nvidia_smi.parse_xml, "nvidia", ("Tesla T4",), (15360,), "0000:00:1e.0"),
+    # MIG: the slices in "MIG devices:" and the indented "MIG …" lines of -L are not GPUs
+    "nvidia-smi_L_a100-sxm4-40gb-x8-mig_580_ssup2-blog.txt": Expect(nvidia_smi.parse_list, "nvidia", ("NVIDIA A100-SXM4-40GB",), _n(None, 8)),
+    "nvidia-smi_plain_a100-sxm4-40gb-mig_580_ssup2-blog.txt":
+        Expect(nvidia_smi.parse_plain, "nvidia", ("NVIDIA A100-SXM4-40GB",), (40960,), "0000:10:1c.0"),
+    "nvidia-smi_plain_a100-80gb-pcie-mig_570_openshift-dra-doc.txt":
+        Expect(nvidia_smi.parse_plain, "nvidia", ("NVIDIA A100 80GB PCIe",), (81920,), "0000:b6:00.0"),
+    "nvidia-smi_plain_a800-80gb-pcie_580_hami-1903.txt": Expect(nvidia_smi.parse_plain, "nvidia", ("NVIDIA A800 80GB PCIe",), _n(81920, 2), "0000:01:00.0"),
+    "nvidia-smi_plain_b200x8_580_intern-s1-recipe.txt": Expect(nvidia_smi.parse_plain, "nvidia", ("NVIDIA B200",), _n(183359, 8), "0000:1b:00.0"),
+    "nvidia-smi_plain_gh200-480gb_555_diehl-blog.txt": Expect(nvidia_smi.parse_plain, "nvidia", ("NVIDIA GH200 480GB",), (97871,), "0009:01:00.0"),
+    # the name column cut the name; the power cell reads ERR!; a Hyper-V PCI domain
+    "nvidia-smi_plain_tesla-v100-pcie_err-truncated_azhpc-diagnostics-77.txt":
+        Expect(nvidia_smi.parse_plain, "nvidia", ("Tesla V100-PCIE...",), (16160,), "8ed0:00:00.0"),
+    # a header without index or memory.total is still a header, not a chip
+    "nvidia-smi_csv_rtx2080ti_unknown-error_mindminer-627.txt": Expect(nvidia_smi.parse_csv, "nvidia", ("GeForce RTX 2080 Ti",), (None,)),
     # AMD
     "rocm-smi_json_mi100_rocm571.json.txt": Expect(rocm_smi.parse_json, "amd", ("Arcturus GL-XL [Instinct MI100]",), _n(32752, 6), "0000:1e:00.0"),
     "rocm-smi_json_mi100_rocm602.json.txt": Expect(rocm_smi.parse_json, "amd", ("Arcturus GL-XL [Instinct MI100]",), _n(32752, 4), "0000:83:00.0"),
@@ -100,12 +114,27 @@ EXPECTED: dict[str, Expect] = {
     "amd-smi_static_text_mi350x.txt": Expect(amd_smi.parse_static, "amd", ("AMD Instinct MI350X",), (None,), "0000:05:00.0"),
     "amd-smi_gpu-id-bdf-uuid-list_mi300x-partitioned.txt": Expect(amd_smi.parse_gpu_list, "amd", ("unknown",), _n(None, 4), "0000:05:00.0"),
     "amd-smi_partition_mi300.txt": Expect(amd_smi.parse_partition, "amd", ("unknown",), _n(None, 4)),
+    "rocm-smi_concise-name-row_mi300x-x4_thamada-sim.txt": Expect(rocm_smi.parse_plain, "amd", ("AMD Instinct MI300X",), _n(None, 4)),
+    "rocm-smi_concise_w7800x2_monitor-errors_rocm-4134.txt": Expect(rocm_smi.parse_plain, "amd", ("unknown",), _n(None, 2)),
+    "rocm-smi_csv_rx6800-raphael-igpu_localai-7761.txt":
+        Expect(rocm_smi.parse_csv, "amd", ("Navi 21 [Radeon RX 6800/6800 XT / 6900 XT]", "Raphael"), (16368, 64)),
+    "rocminfo_mi300x-x4_thamada-sim.txt": Expect(rocminfo.parse, "amd", ("AMD Instinct MI300X",), _n(196592, 4)),
+    "amd-smi_static_text_mi300a_amdsmi-docs.txt": Expect(amd_smi.parse_static, "amd", ("AMD Instinct MI300A",), (96434,), "0000:01:00.0"),
+    "amd-smi_static_text_mi300x-o_rocm-blogs.txt": Expect(amd_smi.parse_static, "amd", ("MI300X-O",), (None,), "0000:05:00.0"),
+    "amd-smi_static_text_mi300x_gim-host-docs.txt": Expect(amd_smi.parse_static, "amd", ("MI300X",), (196592,), "0000:0c:00.0"),
+    "amd-smi_list_mi300x_rocm-blogs.txt": Expect(amd_smi.parse_static, "amd", ("unknown",), _n(None, 3), "0000:05:00.0"),
+    # the VF nested under GPU 0 is not a GPU of this host, and its BDF is not GPU 0's
+    "amd-smi_list_mi300x-vf_gim-host-docs.txt": Expect(amd_smi.parse_static, "amd", ("unknown",), (None,), "0000:0c:00.0"),
     # Hygon (DTK rocm-smi, hy-smi, rocminfo)
     "rocm-smi_json_hygon-dcu_dtk-24.04.3.json.txt": Expect(rocm_smi.parse_json, "hygon", ("DCU xxxx",), (65520,)),
     "hy-smi_json_k100-ai_excerpt.txt": Expect(rocm_smi.parse_hy_json, "hygon", ("K100_AI",), _n(65520, 2)),  # card2 is cut off
     "rocm-smi_hygon-dcu_plain_flagperf.txt": Expect(rocm_smi.parse_plain, "hygon", ("unknown",), _n(None, 8)),
     "rocm-smi_hygon-dcu_z100_paddle-docs.txt": Expect(rocm_smi.parse_plain, "hygon", ("unknown",), _n(None, 4)),
     "rocminfo_hygon-dcu_dtk-24.04.3.txt": Expect(rocminfo.parse, "hygon", ("K1xx_AI",), (65520,)),
+    # DTK prints HCU[N] where AMD's rocm-smi prints GPU[N]
+    "rocm-smi_showid_hygon-k100-ai-x8_hcu-prefix_ops-manual.txt": Expect(rocm_smi.parse_text, "hygon", ("unknown",), _n(None, 8)),
+    # vendor "Chengdu C-3000 IC Design" (no "Haiguang"); card1 is cut off
+    "rocm-smi_json_hygon-k100-ai_c3000-vendor_gpustack-3257.txt": Expect(rocm_smi.parse_json, "hygon", ("K100_AI",), (65520,)),
     # Huawei Ascend
     "npu-smi_info_310p3_excerpt.txt": Expect(npu_smi.parse_info, "ascend", ("310P3",), (44280, 43693), "0000:01:00.0"),
     "npu-smi_info_910a_flagperf.txt": Expect(npu_smi.parse_info, "ascend", ("910A",), (21534,), "0000:81:00.0"),
@@ -330,6 +359,54 @@ def test_partitioned_mi300_functions_share_one_device() -> None:
     assert {device_key(c.bus_id) for c in tpx} == {"0000:01:00"}
     listed = amd_smi.parse_gpu_list(sample("amd-smi_gpu-id-bdf-uuid-list_mi300x-partitioned.txt"))
     assert len({device_key(c.bus_id) for c in listed}) == 2
+
+
+def test_mig_slices_are_not_gpus() -> None:
+    listed = nvidia_smi.parse_list(sample("nvidia-smi_L_a100-sxm4-40gb-x8-mig_580_ssup2-blog.txt"))
+    assert [c.index for c in listed] == list(range(8))
+    assert all(c.uuid.startswith("GPU-") for c in listed)  # no MIG-… UUID was taken for a GPU
+    (plain,) = nvidia_smi.parse_plain(sample("nvidia-smi_plain_a100-80gb-pcie-mig_570_openshift-dra-doc.txt"))
+    assert plain.memory_mib == 81920  # the GPU's memory, not a slice's 40192MiB
+
+
+def test_csv_header_is_found_whatever_fields_it_names() -> None:
+    """A header without ``index``/``memory.total`` is a header; the same row without it needs the query's fields."""
+    text = sample("nvidia-smi_csv_rtx2080ti_unknown-error_mindminer-627.txt")
+    (chip,) = nvidia_smi.parse_csv(text)
+    assert (chip.index, chip.model, chip.memory_mib) == (0, "GeForce RTX 2080 Ti", None)
+    query = ("gpu_name", "utilization.gpu", "utilization.memory", "temperature.gpu", "power.draw", "power.limit",
+             "fan.speed", "clocks.current.graphics", "clocks.current.memory", "power.default_limit")
+    (row,) = nvidia_smi.parse_csv(text.splitlines()[-1], query)  # gpu_name is nvidia-smi's alias of name
+    assert (row.index, row.model) == (0, "GeForce RTX 2080 Ti")
+
+
+def test_rocm_smi_name_row_table_gives_name_id_and_partitions() -> None:
+    chips = rocm_smi.parse_plain(sample("rocm-smi_concise-name-row_mi300x-x4_thamada-sim.txt"))
+    assert [(c.index, c.device_id, c.partitions) for c in chips] == [(i, "0x74a1", 1) for i in range(4)]  # NPS1, SPX
+
+
+def test_dtk_hcu_text_lines_are_hygon_chips() -> None:
+    text = sample("rocm-smi_showid_hygon-k100-ai-x8_hcu-prefix_ops-manual.txt")
+    for chips in (rocm_smi.parse_text(text), rocm_smi.parse_plain(text)):
+        assert [(c.index, c.vendor, c.device_id) for c in chips] == [(i, "hygon", "0x6210") for i in range(8)]
+
+
+def test_c3000_vendor_string_is_hygon_without_hcu_keys() -> None:
+    """gpustack#3257's card0 in the shape of hetctl's own rocm-smi-json query: no HCU/DCU key is left to tell."""
+    import json
+
+    card = json.loads(sample("rocm-smi_json_hygon-k100-ai_c3000-vendor_gpustack-3257.txt").split(', "card1"')[0] + "}")["card0"]
+    narrowed = {k: card[k] for k in ("Device ID", "Card Series", "Card Vendor", "vram Total Memory (MiB)")}
+    (chip,) = rocm_smi.parse_json(json.dumps({"card0": narrowed}))
+    assert (chip.vendor, chip.model, chip.memory_mib, chip.device_id) == ("hygon", "K100_AI", 65520, "0x6210")
+
+
+def test_amd_smi_nested_vf_does_not_overwrite_its_gpu() -> None:
+    (gpu,) = amd_smi.parse_static(sample("amd-smi_list_mi300x-vf_gim-host-docs.txt"))
+    assert (gpu.bus_id, gpu.uuid) == ("0000:0c:00.0", "67ff74a1-0000-1000-8081-b5b9fd6edd00")
+    (mi300a,) = amd_smi.parse_static(sample("amd-smi_static_text_mi300a_amdsmi-docs.txt"))
+    assert mi300a.device_id == "0x74a0"  # CACHE_INFO's CACHE_SIZE lines do not touch VRAM.SIZE either
+    assert mi300a.memory_mib == 96434
 
 
 @pytest.mark.parametrize(("text", "want"), [

@@ -254,6 +254,42 @@ def test_rocm6_concise_table_gives_the_id_and_the_partition_mode() -> None:
     assert {(c.vendor, c.model, c.spec, c.tflops.bf16) for c in chips} == {("amd", "Instinct MI350X", "amd/instinct-mi350x", 1150)}
 
 
+def test_rocm6_name_row_table_names_the_chips() -> None:
+    chips = chips_from_raw(raw(rocm_smi=sample("rocm-smi_concise-name-row_mi300x-x4_thamada-sim.txt")))
+    assert [(c.vendor, c.index, c.model, c.spec) for c in chips] == [
+        ("amd", i, "AMD Instinct MI300X", "amd/instinct-mi300x") for i in range(4)]
+    assert {c.tflops.bf16 for c in chips} == {1307.4}  # SPX: one whole MI300X each
+
+
+def test_c3000_vendor_keeps_a_hygon_card_hygon() -> None:
+    """A DTK driver that prints "Chengdu C-3000" as vendor: the K100_AI is still a Hygon chip with its spec."""
+    (chip,) = chips_from_raw(raw(rocm_smi_json=sample("rocm-smi_json_hygon-k100-ai_c3000-vendor_gpustack-3257.txt")))
+    assert (chip.vendor, chip.model, chip.spec, chip.memory_gb) == ("hygon", "K100_AI", "hygon/dcu-k100-ai", 63.98)
+
+
+def test_dtk_hcu_lines_name_the_dcus_from_the_device_id() -> None:
+    chips = chips_from_raw(raw(rocm_smi=sample("rocm-smi_showid_hygon-k100-ai-x8_hcu-prefix_ops-manual.txt")))
+    assert {(c.vendor, c.model, c.spec) for c in chips} == {("hygon", "DCU K100-AI", "hygon/dcu-k100-ai")}
+    assert len(chips) == 8
+
+
+def test_new_nvidia_tables_find_their_spec_rows() -> None:
+    cases = {
+        "nvidia-smi_plain_gh200-480gb_555_diehl-blog.txt": ("nvidia/gh200", "0009:01:00.0", 1),
+        "nvidia-smi_plain_b200x8_580_intern-s1-recipe.txt": ("nvidia/b200", "0000:1b:00.0", 8),
+        "nvidia-smi_plain_a800-80gb-pcie_580_hami-1903.txt": ("nvidia/a800", "0000:01:00.0", 2),
+    }
+    for name, (spec, bus, count) in cases.items():
+        chips = chips_from_raw(raw(nvidia_smi=sample(name)))
+        assert len(chips) == count and {c.spec for c in chips} == {spec} and chips[0].pci_bus_id == bus, name
+
+
+def test_truncated_v100_pcie_name_is_not_taken_for_the_sxm2_row() -> None:
+    """The table cut the name to "Tesla V100-PCIE...", but it says PCIe: the SXM2 row's figures are not its figures."""
+    (chip,) = chips_from_raw(raw(nvidia_smi=sample("nvidia-smi_plain_tesla-v100-pcie_err-truncated_azhpc-diagnostics-77.txt")))
+    assert (chip.model, chip.spec, chip.tflops.fp16, chip.pci_bus_id) == ("Tesla V100-PCIE...", None, None, "8ed0:00:00.0")
+
+
 def test_rocm_smi_id_lines_name_the_chips() -> None:
     chips = chips_from_raw(raw(rocm_smi=sample("rocm-smi_i_mi300x-partitioned_rocm-6.4.1.txt")))
     assert [(c.index, c.model, c.spec) for c in chips] == [(i, "AMD Instinct MI300X", "amd/instinct-mi300x") for i in range(6)]

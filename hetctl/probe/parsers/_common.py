@@ -30,6 +30,16 @@ _NAME_VENDORS = (
 )
 
 
+# Vendor strings Hygon's tools print: "Chengdu Haiguang IC Design Co., Ltd." and, on newer
+# DTK drivers, "Chengdu C-3000 IC Design Co., Ltd." (gpustack#3257: a K100_AI).
+_HYGON_VENDOR_RE = re.compile(r"haiguang|hygon|\bc-3000\b", re.I)
+
+
+def is_hygon_vendor(text: str | None) -> bool:
+    """True for a vendor string (rocm-smi ``Card Vendor``, rocminfo ``Vendor Name``) that names Hygon."""
+    return bool(text) and bool(_HYGON_VENDOR_RE.search(text))
+
+
 @dataclass(frozen=True)
 class ParsedChip:
     """One device as a tool lists it.

@@ -4,6 +4,12 @@
 blocks (ASIC, BUS, VRAM, BOARD…). On a partitioned MI300 every logical GPU is
 listed, and the logical GPUs of one card differ only in the PCI function
 (``0000:05:00.0`` / ``0000:05:00.1``); :mod:`hetctl.probe.tools` groups them.
+
+Nesting is by indentation alone, and a key with a value can still have
+children: the host-side ``amd-smi list`` of AMD's SR-IOV driver prints
+``VF: 0`` under a GPU with the virtual function's own ``BDF``/``UUID`` one
+level deeper. Every key is therefore stored under its full path
+(``VF.BDF``), so a nested block never overwrites its parent's fields.
 """
 
 from __future__ import annotations
@@ -22,27 +28,31 @@ def _na(v: str | None) -> str | None:
 
 
 def _sections(text: str) -> list[tuple[int, dict[str, str]]]:
-    """(gpu index, {"ASIC.MARKET_NAME": …, "BDF": …}) per ``GPU: N`` section."""
+    """(gpu index, {"ASIC.MARKET_NAME": …, "BDF": …, "VF.BDF": …}) per ``GPU: N`` section.
+
+    Keys are dotted paths of the enclosing keys, found by indentation; the
+    first value of a path wins.
+    """
     out: list[tuple[int, dict[str, str]]] = []
     cur: dict[str, str] | None = None
-    section = ""
+    parents: list[tuple[int, str]] = []  # (indent, key) of the enclosing keys
     for line in text.splitlines():
         m = _GPU_RE.match(line)
         if m:
             cur = {}
             out.append((int(m.group(1)), cur))
-            section = ""
+            parents = []
             continue
         kv = _KV_RE.match(line)
         if cur is None or not kv:
             continue
-        indent, key, value = len(kv.group(1)), kv.group(2), kv.group(3)
-        if not value and indent <= 4:
-            section = key
-            continue
-        if indent <= 4:
-            section = ""
-        cur[f"{section}.{key}" if section else key] = value
+        indent, key, value = len(kv.group(1).expandtabs()), kv.group(2), kv.group(3)
+        while parents and parents[-1][0] >= indent:
+            parents.pop()
+        path = ".".join([k for _, k in parents] + [key])
+        if value:
+            cur.setdefault(path, value)
+        parents.append((indent, key))
     return out
 
 

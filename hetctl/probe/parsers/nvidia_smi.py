@@ -26,6 +26,11 @@ from hetctl.probe.parsers._common import (
 # Field order of the query hetctl runs (``--format=csv,noheader,nounits``).
 CSV_FIELDS: tuple[str, ...] = ("index", "name", "memory.total", "pci.bus_id", "pci.device_id", "uuid")
 
+# A --query-gpu header cell: a field name, with its unit in brackets unless nounits.
+# Names start lower case but may have capitals inside (``encoder.stats.sessionCount``).
+_FIELD_RE = re.compile(r"^[a-z][A-Za-z0-9_]*(?:\.[A-Za-z0-9_]+)*(?:\s*\[[^\]]*\])?$")
+# Query-field aliases nvidia-smi accepts (``--help-query-gpu``); its header prints the first name.
+_FIELD_ALIASES = {"gpu_name": "name", "gpu_bus_id": "pci.bus_id", "gpu_uuid": "uuid"}
 _LIST_RE = re.compile(r"^GPU\s+(\d+):\s+(.+?)(?:\s+\(UUID:\s*([^)]+)\))?\s*$")
 _PERSIST_RE = re.compile(r"\s+(On|Off|N/A)$")
 # Case-insensitive: hl-smi (which reuses this parser) printed "Mib" up to 1.6 and "MiB" later.
@@ -54,11 +59,12 @@ def parse_csv(text: str, fields: tuple[str, ...] | None = None, vendor: str = "n
     """Parse ``--query-gpu=… --format=csv[,noheader][,nounits]`` output.
 
     Args:
-        text: tool output. A header line (``index, name, memory.total [MiB]``)
-            is recognised and used; lines starting with ``$`` (a shell prompt
+        text: tool output. A header line (``index, name, memory.total [MiB]``,
+            any row whose every cell is a field name) is recognised and used,
+            whatever fields it names; lines starting with ``$`` (a shell prompt
             echoed into a capture) are ignored.
         fields: the query's field names in order, for output without a header;
-            defaults to :data:`CSV_FIELDS`.
+            defaults to :data:`CSV_FIELDS`. Aliases (``gpu_name``) are accepted.
         vendor: vendor for names that do not reveal one.
 
     Raises:
@@ -70,9 +76,10 @@ def parse_csv(text: str, fields: tuple[str, ...] | None = None, vendor: str = "n
         return []
     names = list(fields or CSV_FIELDS)
     first = [c.strip() for c in next(csv.reader([lines[0]], skipinitialspace=True))]
-    if "name" in first and ("index" in first or any(c.startswith("memory.total") for c in first)):
+    if first and all(_FIELD_RE.match(c) for c in first):
         names = [re.sub(r"\s*\[.*\]$", "", c) for c in first]
         lines = lines[1:]
+    names = [_FIELD_ALIASES.get(n, n) for n in names]
     chips = []
     for pos, row in enumerate(csv.reader(io.StringIO("\n".join(lines)), skipinitialspace=True)):
         if len(row) < len(names):

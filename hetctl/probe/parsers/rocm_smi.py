@@ -8,8 +8,10 @@ Pitfalls handled here (see vendors.md):
   (MiB)`` in MiB: the unit is read from the key;
 * ``Card Model`` is the PCI device id on some versions and a subsystem id on
   others, so it only serves as a device id when no ``Device ID`` key exists;
-* DTK's ``rocm-smi`` on a Hygon node prints ``DCU``/``HCU`` keys and the vendor
-  "Chengdu Haiguang", which makes the chip a Hygon one whatever the tool name;
+* DTK's ``rocm-smi`` on a Hygon node prints ``DCU``/``HCU`` keys, text lines
+  ``HCU[0] : …`` instead of ``GPU[0] : …``, and the vendor "Chengdu Haiguang"
+  (or, on newer drivers, "Chengdu C-3000"), any of which makes the chip a Hygon
+  one whatever the tool name;
 * a cut-off JSON document (a log excerpt, a killed tool) still yields every
   complete ``cardN`` object;
 * ``Card series`` may be a codename (``Aldebaran``), the bare device id
@@ -19,7 +21,9 @@ Pitfalls handled here (see vendors.md):
   table;
 * the ROCm 6 concise table (``Device  Node  IDs (DID, GUID) … Partitions``)
   carries the device id and the compute partition mode (``DPX`` = 2 logical
-  GPUs) but no name.
+  GPUs) but no name; the ROCm 6.2-era variant (``Device  [Model : Revision]``
+  over ``Name (20 chars)``) prints the device id in brackets and the name on
+  an indented line under each device row.
 """
 
 from __future__ import annotations
@@ -30,20 +34,22 @@ import json
 import re
 from dataclasses import replace
 
-from hetctl.probe.parsers._common import ParsedChip, first_int, hex_id, normalize_bdf
+from hetctl.probe.parsers._common import ParsedChip, first_int, hex_id, is_hygon_vendor, normalize_bdf
 
 _CARD_RE = re.compile(r'"card(\d+)"\s*:\s*\{')
-_TEXT_RE = re.compile(r"^GPU\[(\d+)\]\s*:\s*([^:]+?)\s*:\s*(.*?)\s*$")
+# ``GPU[0] : Card Series: …``; Hygon's DTK/hy-smi print HCU[0] (newer) or DCU[0].
+_TEXT_RE = re.compile(r"^(GPU|HCU|DCU)\[(\d+)\]\s*:\s*([^:]+?)\s*:\s*(.*?)\s*$")
 _MEM_KEY_RE = re.compile(r"^vram total memory \((b|mib|mb)\)$", re.I)
 _HEX_RE = re.compile(r"^0x[0-9a-f]{3,4}$", re.I)
-_DID_RE = re.compile(r"^(0x[0-9a-f]{4}),?$", re.I)
+# ``0x74a1,`` (IDs column) or ``[0x74a1`` (``[Model : Revision]`` column).
+_DID_RE = re.compile(r"^\[?(0x[0-9a-f]{4})[,\]]?$", re.I)
 # Compute partition mode → logical GPUs per physical one (AMD Instinct docs: SPX/DPX/TPX/QPX/CPX).
 COMPUTE_PARTITIONS = {"SPX": 1, "DPX": 2, "TPX": 3, "QPX": 4, "CPX": 8}
 
 
 def _vendor(rec: dict[str, str], default: str) -> str:
     blob = " ".join(str(v) for k, v in rec.items() if "vendor" in k.lower()).lower()
-    if "haiguang" in blob or "hygon" in blob:
+    if is_hygon_vendor(blob):
         return "hygon"
     if any(re.search(r"\b(dcu|hcu)\b", k, re.I) for k in rec):
         return "hygon"
@@ -137,26 +143,35 @@ def parse_csv(text: str, default_vendor: str = "amd") -> list[ParsedChip]:
 
 
 def parse_text(text: str, default_vendor: str = "amd") -> list[ParsedChip]:
-    """Parse rocm-smi's text form, ``GPU[0]  : PCI Bus: 0000:01:00.0`` lines."""
+    """Parse rocm-smi's text form, ``GPU[0]  : PCI Bus: 0000:01:00.0`` lines.
+
+    ``HCU[0]``/``DCU[0]`` lines (Hygon DTK's rocm-smi, hy-smi) are read the
+    same way and make the chip a Hygon one.
+    """
     recs: dict[int, dict[str, str]] = {}
+    hygon: set[int] = set()
     for line in text.splitlines():
         m = _TEXT_RE.match(line.strip())
         if m:
-            recs.setdefault(int(m.group(1)), {})[m.group(2)] = m.group(3)
-    return [chip_from_record(i, rec, default_vendor) for i, rec in sorted(recs.items())]
+            idx = int(m.group(2))
+            recs.setdefault(idx, {})[m.group(3)] = m.group(4)
+            if m.group(1) != "GPU":
+                hygon.add(idx)
+    return [chip_from_record(i, rec, "hygon" if i in hygon else default_vendor) for i, rec in sorted(recs.items())]
 
 
 def _partition_count(line: str, previous: int | None) -> int | None:
     """Logical GPUs per physical one from a concise-table row's ``Partitions`` cell.
 
-    ``NPS1, DPX, 0`` → 2; the secondary partitions print ``N/A, N/A, 1``, so a
-    row with a partition id above 0 and no mode inherits the previous row's.
+    ``NPS1, DPX, 0`` → 2 (``NPS1, SPX`` without the id column → 1); the
+    secondary partitions print ``N/A, N/A, 1``, so a row with a partition id
+    above 0 and no mode inherits the previous row's.
     """
-    m = re.search(r"\b(N/A|NPS\d+),\s*(\w+|N/A),\s*(\d+)\b", line)
+    m = re.search(r"\b(N/A|NPS\d+),\s*(N/A|\w+)(?:,\s*(\d+))?\b", line)
     if not m:
         return None
     mode = COMPUTE_PARTITIONS.get(m.group(2).upper())
-    if mode is None and int(m.group(3)) > 0:
+    if mode is None and m.group(3) and int(m.group(3)) > 0:
         return previous
     return mode
 
@@ -166,8 +181,10 @@ def parse_plain(text: str) -> list[ParsedChip]:
 
     The older table names no model, no memory and no id; it still counts the
     devices, and a ``DCU``/``HCU`` first column marks DTK on a Hygon node.
-    The ROCm 6 concise table adds ``IDs (DID, GUID)``, read as the device id,
-    and ``Partitions``, read as the compute partition count. Text lines in the
+    The ROCm 6 concise table adds ``IDs (DID, GUID)`` or ``[Model : Revision]``,
+    read as the device id, ``Partitions``, read as the compute partition count,
+    and (under a ``Name (20 chars)`` header) an indented name line below each
+    device row, read as the model (the tool cuts it at 20 characters). Text lines in the
     same output (``GPU[0] : Device Name: …``, as ``rocm-smi -i`` or
     ``--showproductname`` print them) fill the name, id and bus of the chip
     with that index.
@@ -175,9 +192,12 @@ def parse_plain(text: str) -> list[ParsedChip]:
     chips: list[ParsedChip] = []
     vendor = None
     parts: int | None = None
+    name_rows = False  # the header's second line starts with "Name": each device row has a name line
+    after_device = False
     for line in text.splitlines():
         cols = line.split()
         if not cols:
+            after_device = False
             continue
         if vendor is None:
             if cols[0] in ("GPU", "DCU", "HCU", "Device") and len(cols) > 2:
@@ -191,6 +211,13 @@ def parse_plain(text: str) -> list[ParsedChip]:
             dev = next((hex_id(m.group(1)) for c in cols[1:4] if (m := _DID_RE.match(c))), None)
             parts = _partition_count(line, parts)
             chips.append(ParsedChip(index=int(cols[0]), vendor=vendor, device_id=dev, partitions=parts))
+            after_device = True
+            continue
+        if cols[0] == "Name" and not chips:
+            name_rows = True
+        elif name_rows and after_device and line[:1].isspace():
+            chips[-1] = replace(chips[-1], model=" ".join(cols))
+        after_device = False
     texts = {c.index: c for c in parse_text(text, default_vendor=vendor or "amd")}
     if not chips:
         return list(texts.values())

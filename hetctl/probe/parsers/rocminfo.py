@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from hetctl.probe.parsers._common import ParsedChip, hex_id
+from hetctl.probe.parsers._common import ParsedChip, hex_id, is_hygon_vendor
 
 _AGENT_RE = re.compile(r"^\*+\s*$")
 _KV_RE = re.compile(r"^(\s*)([^:]+?):\s*(.*?)\s*$")
@@ -39,7 +39,7 @@ def parse(text: str) -> list[ParsedChip]:
         top = {k: v for indent, k, v in block if indent <= 2}
         if top.get("Device Type", "").upper() not in ("GPU", "DCU"):
             continue
-        vendor = "hygon" if "hygon" in top.get("Vendor Name", "").lower() or top["Device Type"].upper() == "DCU" else "amd"
+        vendor = "hygon" if is_hygon_vendor(top.get("Vendor Name")) or top["Device Type"].upper() == "DCU" else "amd"
         name = top.get("Marketing Name") or top.get("Name") or "unknown"
         chip_id = re.search(r"\((0x[0-9a-fA-F]+)\)", top.get("Chip ID", ""))
         mem = None
