@@ -285,9 +285,10 @@ def test_new_nvidia_tables_find_their_spec_rows() -> None:
 
 
 def test_truncated_v100_pcie_name_is_not_taken_for_the_sxm2_row() -> None:
-    """The table cut the name to "Tesla V100-PCIE...", but it says PCIe: the SXM2 row's figures are not its figures."""
+    """The table cut the name to "Tesla V100-PCIE...", but it says PCIe: the PCIe row's figures, not the SXM2 row's."""
     (chip,) = chips_from_raw(raw(nvidia_smi=sample("nvidia-smi_plain_tesla-v100-pcie_err-truncated_azhpc-diagnostics-77.txt")))
-    assert (chip.model, chip.spec, chip.tflops.fp16, chip.pci_bus_id) == ("Tesla V100-PCIE...", None, None, "8ed0:00:00.0")
+    assert (chip.spec, chip.tflops.fp16, chip.tflops.fp32, chip.pci_bus_id) == ("nvidia/v100-pcie", 112.0, 14.0, "8ed0:00:00.0")
+    assert round(chip.memory_gb) == 16  # the tool's own total (the card is sold with 16 and 32 GB)
 
 
 def test_rocm_smi_id_lines_name_the_chips() -> None:
