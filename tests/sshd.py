@@ -22,7 +22,8 @@ Site variants (keyword arguments of :class:`SshdCluster`): ``sftp=False`` (no sf
 subsystem, as on hardened sites), ``shared_home=True`` (every host's ``HOME`` is the
 same folder, like an NFS home), ``host_ca=True`` (host certificates signed by a CA made
 with ``ssh-keygen -s``; :attr:`SshdCluster.host_ca`), ``user_ca=True`` (the servers
-trust user certificates signed by :attr:`SshdCluster.user_ca`).
+trust user certificates signed by :attr:`SshdCluster.user_ca`), ``sshd_extra`` (per host
+name, more ``sshd_config`` lines: a ``Banner``, a ``ForceCommand``).
 
 Needs root (sshd's privilege separation) and ``ssh-keygen``.
 """
@@ -252,6 +253,7 @@ class SshdHost:
             extra += f"HostCertificate {self.host_key}-cert.pub\n"
         if self.cluster.user_ca:
             extra += f"TrustedUserCAKeys {self.cluster.user_ca}.pub\n"
+        extra += "".join(f"{line}\n" for line in self.cluster.sshd_extra.get(self.name, ()))
         self.config.write_text(
             f"""# sshd for hetctl tests: host {self.name}
 ListenAddress {self.addr}
@@ -471,6 +473,8 @@ class SshdCluster(Members):
             each connection's sshd (and so its TCP forwarding) runs in the second.
         addrs: per host name, the address it listens on instead of ``127.0.0.<N>``
             (a :class:`ShapedNetNs` address).
+        sshd_extra: per host name, more ``sshd_config`` lines (before ``SetEnv``, which must
+            stay last: a ``Match`` block would swallow it).
     """
 
     def __init__(
@@ -487,8 +491,10 @@ class SshdCluster(Members):
         user_ca: bool = False,
         netns: Mapping[str, tuple[NetNs | None, NetNs | None]] | None = None,
         addrs: Mapping[str, str] | None = None,
+        sshd_extra: Mapping[str, list[str]] | None = None,
     ) -> None:
         self.root = Path(root)
+        self.sshd_extra = {k: list(v) for k, v in (sshd_extra or {}).items()}
         self.root.mkdir(parents=True, exist_ok=True)
         self.sftp, self.shared_home = sftp, shared_home
         self.netns = dict(netns or {})

@@ -46,6 +46,14 @@ DNS = "ssh: Could not resolve hostname no-such.invalid: Name or service not know
 DENIED = "root@127.0.0.2: Permission denied (publickey).\n"
 JUMP_CLOSED = "kex_exchange_identification: Connection closed by remote host\nConnection closed by UNKNOWN port 65535\n"
 BAD_OPTION = "/tmp/x/config: line 3: Bad configuration option: hostnme\n/tmp/x/config: terminating, 1 bad configuration options\n"
+# The ssh a ProxyJump runs, with the user's ControlMaster auto and a ControlPath whose folder is missing, or too long.
+NO_SOCKET_DIR = ("unix_listener: cannot bind to path /home/u/.ssh/sockets/root@127.0.0.2-42197.jK0SrdvPBLXo230N: "
+                 "No such file or directory\n" + JUMP_CLOSED)
+SOCKET_TOO_LONG = ('unix_listener: path "/tmp/pytest-of-root/pytest-37/test_users_own_control_master_0/no-such-dir/'
+                   'root@127.0.0.2-42197.F925CjUu1q9Oxqvi" too long for Unix domain socket\n' + JUMP_CLOSED)
+# A ProxyCommand whose tool is not installed (developers.cloudflare.com's example path), on a node with a noisy rc file.
+PROXY_TOOL_MISSING = ("module: command not found\n/bin/bash: line 1: /usr/local/bin/cloudflared: No such file or directory\n"
+                      "kex_exchange_identification: Connection closed by remote host\n")
 
 DUMP = """host n1
 user root
@@ -81,12 +89,13 @@ def test_generated_config_order_inventory_first_then_user_config_then_defaults()
     text = config_text(SshSettings(config="/etc/site/ssh_config", known_hosts="/inv/kh", host_key_policy="accept-new",
                                    connect_timeout=2.5))
     lines = [ln.strip() for ln in text.splitlines() if not ln.startswith("#")]
-    assert lines[:4] == ["BatchMode yes", "StrictHostKeyChecking accept-new", "ConnectTimeout 3", "Include /etc/site/ssh_config"]
+    assert lines[:5] == ["BatchMode yes", "LogLevel INFO", "StrictHostKeyChecking accept-new", "ConnectTimeout 3",
+                         "Include /etc/site/ssh_config"]
     assert lines.index("Host *") > lines.index("Include /etc/site/ssh_config")
     assert "UserKnownHostsFile /inv/kh ~/.ssh/known_hosts ~/.ssh/known_hosts2" in lines
     # Unset values are not written before the Include: the user's config decides them.
     bare = [ln.strip() for ln in config_text(SshSettings(config=None)).splitlines()]
-    assert bare[1:3] == ["BatchMode yes", "Host *"] and not any(ln.startswith("Include") for ln in bare)
+    assert bare[1:4] == ["BatchMode yes", "LogLevel INFO", "Host *"] and not any(ln.startswith("Include") for ln in bare)
     assert "ConnectTimeout 10" in bare and "ServerAliveInterval 5" in bare and "StrictHostKeyChecking yes" in bare
     default = config_text(SshSettings(config=SSH_CONFIG_DEFAULT))
     assert "/.ssh/config" in default and default.count("Include ") == 2  # the user's file and the system one
@@ -161,3 +170,30 @@ def test_control_dir_is_private_and_a_foreign_one_is_refused(monkeypatch):
             control_dir()
     finally:
         shutil.rmtree(runtime)
+
+
+def test_proxy_and_control_socket_failures_name_their_cause():
+    e = classify(NO_SOCKET_DIR, "n1", eff(proxy_jump="bastion"))
+    assert isinstance(e, ConfigError)
+    assert e.message == ("n1: ssh cannot create the control socket /home/u/.ssh/sockets/root@127.0.0.2-42197 that "
+                         "ControlPath in your ssh config names (No such file or directory)")
+    assert e.hint.startswith("create its folder (mkdir -p -m 700 /home/u/.ssh/sockets)")
+    assert "too long for a unix socket" in classify(SOCKET_TOO_LONG, "n1", eff(proxy_jump="bastion")).message
+    e = classify(PROXY_TOOL_MISSING, "n1", eff(proxy_command="/usr/local/bin/cloudflared access ssh --hostname %h"))
+    assert isinstance(e, Unreachable) and e.message == (
+        "n1: the ProxyCommand for 127.0.0.2:42793 closed before the SSH banner "
+        "(/bin/bash: line 1: /usr/local/bin/cloudflared: No such file or directory)")
+    assert e.hint.endswith(": /usr/local/bin/cloudflared access ssh --hostname %h")
+
+
+def test_a_users_strict_host_key_checking_no_is_read_as_accept_new():
+    from hetctl.remote.sshconfig import checking_off
+
+    for value in ("false", "no", "off"):
+        dump = parse_dump(DUMP.replace("stricthostkeychecking true", f"stricthostkeychecking {value}"))
+        e = effective_from_dump("n1", "n1", dump, None)
+        assert checking_off(dump) and e.strict_host_key_checking == "accept-new"
+        assert e.raw["stricthostkeychecking"] == (value,)  # what the user's config says, kept for comparison
+    for value in ("true", "accept-new", "ask"):
+        dump = parse_dump(DUMP.replace("stricthostkeychecking true", f"stricthostkeychecking {value}"))
+        assert not checking_off(dump) and effective_from_dump("n1", "n1", dump, None).strict_host_key_checking == value

@@ -14,7 +14,9 @@ own options (see :mod:`hetctl.remote.sshconfig` for the precedence):
   as it runs, as pdsh's one ``ssh`` per host is — no backgrounded master, no ``ssh -O
   exit`` — and commands started meanwhile are still multiplexed over it; a lazy transport
   asks ``ssh -G`` only when something needs its answer (a message, ``effective``), unless
-  the command line depends on it (the inventory's known_hosts added to a user config's list);
+  the command line depends on it: a user config is read and the inventory's known_hosts
+  must go in front of its list, or the inventory sets no ``host_key_policy`` (a user
+  config's ``StrictHostKeyChecking no`` is held to ``accept-new``: a changed key is refused);
 * every later command is multiplexed over that master (its control socket is private
   to this transport: :meth:`SshTransport.close` ends it with ``ssh -O exit`` without
   touching another transport's sessions); if the master is gone, the next command
@@ -22,12 +24,22 @@ own options (see :mod:`hetctl.remote.sshconfig` for the precedence):
 * ``BatchMode yes``: ssh never waits for a prompt; ssh's exit code 255 with its
   stderr becomes :class:`Unreachable`, :class:`AuthFailed` or :class:`HostKeyMismatch`
   with a one-line hint (:mod:`hetctl.remote.ssherrors`);
-* files travel as a piped exec (``cat`` into a temp name, then ``mv``): no SFTP.
+* files travel as a piped exec (``cat`` into a temp name, then ``mv``): no SFTP;
+* what only makes sense in a terminal is off for hetctl's sessions, whatever ssh_config
+  says: ``RemoteCommand``, a tty (``RequestTTY``), port, agent and X11 forwarding (a
+  run's sessions last days; a forwarded agent would serve the user's keys to anyone
+  with root on a node all that time).
 
 Commands run through the node's login shell, which must be POSIX (sh, bash, zsh): the
 line comes from :func:`hetctl.remote.local.shell_command`, so every value is quoted,
-behind one ``echo hetctl-pid:$$ >&2`` that tells the transport the command started
-and which process group to kill on a timeout.
+behind ``echo hetctl-pid:$$ >&2; echo hetctl-pid:$$``: the start line on both streams.
+It tells the transport that hetctl's own command runs (and which process group to kill
+on a timeout), and it divides what the login shell printed first (a ``~/.bashrc`` that
+echoes a greeting or sets the terminal title, a ``LocalCommand``) from the command's own
+output, which alone is returned. Nothing is written to the command's stdin (its
+environment, its input) before that line arrives: a node whose start-up files ``exec``
+another shell, whose sshd has a ``ForceCommand``, or whose login shell is not POSIX
+never reads hetctl's data, and fails with one line saying so.
 """
 
 from __future__ import annotations
@@ -51,6 +63,11 @@ from hetctl.remote.ssherrors import classify
 CONTROL_PERSIST_S = 60  # an idle master outlives a crashed hetctl by this long, no longer
 PID_MARKER = b"hetctl-pid:"
 _PID_LINE = re.compile(rb"hetctl-pid:(\d+)\r?\n")
+_PROXY_CLOSED = re.compile(r"kex_exchange_identification|UNKNOWN port 65535")  # a proxied stream closed before the banner
+_START = "echo hetctl-pid:$$ >&2; echo hetctl-pid:$$; "  # the start line, on stderr and on stdout
+_NOT_RUN_HINT = ("`ssh HOST echo ok` must print just ok: a start-up file (~/.bashrc, ~/.profile) that execs another "
+                 "shell or waits for input, sshd's ForceCommand, or a login shell that is not POSIX sh (csh, fish) "
+                 "prevents that")
 SSH_FAILED = 255  # ssh's own exit code for its errors (also a command's exit 255 or a signal)
 # ssh's words when a session's connection dropped (it then exits 255 with no exit status).
 _LOST = re.compile(r"closed by remote host|Connection reset|Broken pipe|client_loop: |not responding|"
@@ -152,8 +169,12 @@ class SshTransport:
         opts = list(self._node_opts)
         self._effective: sshconfig.EffectiveSsh | None = None
         self._effective_lock = threading.Lock()
-        if not lazy or (settings.known_hosts and settings.config is not None):
-            self._effective_now()  # ssh -G now: a failure is the connection's, or the known_hosts list needs it
+        if not lazy or (settings.config is not None and (settings.known_hosts or settings.host_key_policy is None)):
+            # ssh -G now: a failure is the connection's, or the command line depends on the user's config:
+            # the known_hosts list, or a StrictHostKeyChecking it may turn off (held to accept-new here).
+            self._effective_now()
+        if settings.config is not None and settings.host_key_policy is None and sshconfig.checking_off(self.effective.raw):
+            opts += ["-o", "StrictHostKeyChecking=accept-new"]  # never a changed key, whatever ssh_config says
         if settings.known_hosts:  # added in front of the node's own list (ssh -G), never in its place
             if settings.config is None:
                 # No user config is read: the generated file's own `Host *` list (the inventory's file
@@ -168,7 +189,8 @@ class SshTransport:
         self.control_path = os.path.join(sshconfig.control_dir(), secrets.token_hex(6))
         persist_opt = f"ControlPersist={CONTROL_PERSIST_S}" if persist else "ControlPersist=no"
         self._opts = [*opts, "-o", f"ControlPath={self.control_path}", "-o", persist_opt,
-                      "-o", "ClearAllForwardings=yes", "-o", "RemoteCommand=none", "-T"]
+                      "-o", "ClearAllForwardings=yes", "-o", "ForwardAgent=no", "-o", "ForwardX11=no",
+                      "-o", "RemoteCommand=none", "-T"]
         if not lazy:
             self._connect()
 
@@ -206,7 +228,7 @@ class SshTransport:
         return [self._ssh, "-F", self._config, "-o", f"ControlMaster={master}", *self._opts, *flags, "--", self.spec.host, *tail]
 
     def _connect(self) -> None:
-        limit = max(30.0, 3 * float(self.effective.connect_timeout if self.effective.connect_timeout.isdigit() else 10))
+        limit = self._start_limit()
         try:
             proc = subprocess.run(self._argv("yes", "-N", "-f"), stdin=subprocess.DEVNULL, capture_output=True,
                                   timeout=limit, start_new_session=True)
@@ -217,11 +239,32 @@ class SshTransport:
             raise self._error(proc.stderr.decode(errors="replace"), proc.returncode)
 
     def _error(self, stderr: str, code: int) -> HetctlError:
-        err = classify(stderr, self.node, self.effective)
+        eff = self.effective
+        if self.persist and (eff.proxy_jump or eff.proxy_command) and _PROXY_CLOSED.search(stderr):
+            stderr = self._proxy_stderr() or stderr
+        err = classify(stderr, self.node, eff)
         if err is not None:
             return err
         tail = "; ".join(ln.strip() for ln in stderr.strip().splitlines()[-2:]) or f"ssh exited {code}"
         return Unreachable(f"{self.node}: {self.effective.where}: {tail}", "check the network path to the node", node=self.node)
+
+    def _proxy_stderr(self) -> str | None:
+        """ssh's stderr for one more try without ControlPersist, or None when that try connects.
+
+        With ControlPersist, ssh sends a ProxyCommand's stderr (and that of the ssh a ProxyJump
+        runs) to /dev/null, so a persistent master through a proxy fails with only "Connection
+        closed": this try, made only after such a failure, keeps the proxy's own words (a
+        missing proxy tool, a jump host that cannot reach the node or cannot create its
+        ControlPath socket).
+        """
+        argv = [self._ssh, "-F", self._config, "-o", "ControlMaster=no", "-o", "ControlPersist=no", *self._opts,
+                "--", self.spec.host, "true"]
+        try:
+            proc = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, timeout=self._start_limit(),
+                                  start_new_session=True)
+        except subprocess.TimeoutExpired:
+            return None
+        return proc.stderr.decode(errors="replace") if proc.returncode == SSH_FAILED else None
 
     @property
     def connected(self) -> bool:
@@ -252,7 +295,7 @@ class SshTransport:
                               node=self.node)
         wrapped, prefix = env_on_stdin(self.spec.python, argv, command_env(self.spec, env) if node_env else
                                        dict(env or {}))
-        line = "echo hetctl-pid:$$ >&2; " + shell_command(wrapped, None, cwd)
+        line = _START + shell_command(wrapped, None, cwd)
         self._used = True
         popen = subprocess.Popen(self._argv("auto", command=line), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, start_new_session=True)
@@ -300,31 +343,45 @@ class SshTransport:
         popen, prefix = self._popen(argv, env, cwd, node_env)
         track(popen)
         chunks: dict[str, list[bytes]] = {"out": [], "err": []}
+        started = _Started()
         readers = [threading.Thread(target=_drain, args=(popen.stdout, chunks["out"]), daemon=True),
-                   threading.Thread(target=_drain, args=(popen.stderr, chunks["err"]), daemon=True),
-                   threading.Thread(target=_feed, args=(popen.stdin, prefix + (input or b"")), daemon=True)]
+                   threading.Thread(target=_drain, args=(popen.stderr, chunks["err"], started), daemon=True),
+                   threading.Thread(target=_feed, args=(popen.stdin, prefix + (input or b""), started), daemon=True)]
         for t in readers:
             t.start()
+        start_limit = self._start_limit()
+        limit = start_limit if timeout is None else min(timeout, start_limit)
+        master_up = stalled = False
         try:
-            code = popen.wait(timeout)
+            if not started.wait(limit):  # no start line yet: is the link up (the shell ran something else)?
+                master_up = self.connected
+                stalled = limit == start_limit  # the start limit passed, not only the caller's own timeout
+                raise subprocess.TimeoutExpired(popen.args, limit)
+            code = popen.wait(None if timeout is None else max(0.0, timeout - (time.monotonic() - t0)))
             finished = True
         except subprocess.TimeoutExpired:
             finished = False
-            self._kill_remote(b"".join(chunks["err"]))
+            if started.pid is not None:
+                self._kill_remote(started.pid)
+            master_up = master_up or self.connected
             popen.kill()
             code = popen.wait()
         finally:
             untrack(popen)
+        started.end()
         for t in readers:
             t.join(None if finished else 5)
-        raw_err = b"".join(chunks["err"])
-        pid, err_bytes = _strip_marker(raw_err)
+        pid, err_bytes = _strip_marker(b"".join(chunks["err"]))
         err = err_bytes.decode("utf-8", errors="replace")
-        out = b"".join(chunks["out"]).decode("utf-8", errors="replace")
+        out_bytes = _after_start(b"".join(chunks["out"]), pid)
+        out = out_bytes.decode("utf-8", errors="replace")
         command = shlex.join(argv)
-        if not finished and pid is None and not self.connected:  # never connected (lazy): say so
-            raise Unreachable(f"{self.node}: {self.effective.where}: no connection within {timeout:g} s",
-                              "check that the node is up and answers SSH", node=self.node)
+        if pid is None and not (code == SSH_FAILED and finished):  # the start line never came
+            if not finished and not master_up:  # never connected (lazy): say so
+                raise Unreachable(f"{self.node}: {self.effective.where}: no connection within {limit:g} s",
+                                  "check that the node is up and answers SSH", node=self.node)
+            if finished or stalled:
+                raise self._not_run(out, err, None if not finished else code, limit)
         if not finished:
             code = TIMEOUT_EXIT
             err += f"\nhetctl: timed out after {timeout:g} s"
@@ -335,10 +392,9 @@ class SshTransport:
                 raise Unreachable(f"{self.node}: connection lost while running `{command}`", node=self.node)
         return finish(Result(self.node, command, code, out, err, time.monotonic() - t0), check, timeout)
 
-    def _kill_remote(self, stderr_so_far: bytes) -> None:
+    def _kill_remote(self, pid: int) -> None:
         """SIGKILL the timed-out command's process group on the node (best effort, over the master)."""
-        pid, _ = _strip_marker(stderr_so_far)
-        if pid is None or not self.connected:
+        if not self.connected:
             return
         try:
             kill, _ = self._popen(["sh", "-c", 'kill -s KILL -- "-$1" 2>/dev/null || kill -s KILL "$1"', "sh", str(pid)],
@@ -364,32 +420,61 @@ class SshTransport:
             Unreachable, AuthFailed, HostKeyMismatch: the command could not be started.
         """
         popen, prefix = self._popen(argv, env, cwd)
-        write_first(popen, prefix + (input or b""))
-        pid, early = self._await_marker(popen)
+        limit = self._start_limit()
+        state = {"killed": False, "master_up": False}
+
+        def give_up() -> None:  # no start line within the limit: is the link up (the shell ran something else)?
+            state["master_up"] = self.connected
+            state["killed"] = True
+            popen.kill()
+
+        timer = threading.Timer(limit, give_up)
+        timer.start()
+        try:
+            pid, early = _await_marker(popen)
+            if pid is not None:  # the command runs: what the login shell printed before it is not its output
+                _skip_to_start(popen.stdout, pid)
+        finally:
+            timer.cancel()
         if pid is None:
             popen.kill()
             code = popen.wait()
             rest = popen.stderr.read() if popen.stderr else b""
-            raise self._error((early + rest).decode(errors="replace"), code)
+            stderr = (early + rest).decode(errors="replace")
+            if code == SSH_FAILED and not state["killed"]:
+                raise self._error(stderr, code)
+            if state["killed"] and not state["master_up"]:
+                raise Unreachable(f"{self.node}: {self.effective.where}: no connection within {limit:g} s",
+                                  "check that the node is up and answers SSH", node=self.node)
+            out = popen.stdout.read() if popen.stdout else b""
+            raise self._not_run(out.decode(errors="replace"), stderr, None if state["killed"] else code, limit)
+        write_first(popen, prefix + (input or b""))  # only now: hetctl's own command reads it
         return SshProcess(popen, self, shlex.join(argv), pid)
 
-    def _await_marker(self, popen: subprocess.Popen) -> tuple[int | None, bytes]:
-        """Read stderr up to the marker line; the rest stays buffered for the caller."""
-        seen = b""
-        limit = max(30.0, 3 * float(self.effective.connect_timeout if self.effective.connect_timeout.isdigit() else 10))
-        timer = threading.Timer(limit, popen.kill)
-        timer.start()
-        try:
-            while True:
-                line = popen.stderr.readline()
-                if not line:
-                    return None, seen
-                m = _PID_LINE.search(line)
-                if m:
-                    return int(m.group(1)), seen
-                seen += line
-        finally:
-            timer.cancel()
+    def _start_limit(self) -> float:
+        """Seconds a command may take to start: to connect (a lazy first command) and run the login shell."""
+        if self.settings.connect_timeout is not None:
+            seconds = float(self.settings.connect_timeout)
+        elif self._effective is not None and self._effective.connect_timeout.isdigit():
+            seconds = float(self._effective.connect_timeout)
+        else:
+            seconds = sshconfig.DEFAULT_CONNECT_TIMEOUT
+        return max(30.0, 3 * seconds)
+
+    def _not_run(self, stdout: str, stderr: str, code: int | None, limit: float) -> RemoteError:
+        """The node answered but did not run hetctl's command (no start line): one line saying what it did.
+
+        It quotes the first line the node printed on stdout, else the last on stderr (a server's
+        banner comes first there, a shell's complaint last); none of it can be hetctl's data,
+        which is never written before the start line.
+        """
+        out = [ln.strip() for ln in stdout.splitlines() if ln.strip()]
+        err = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+        said = out[0] if out else err[-1] if err else ""
+        how = f"it ended with exit code {code}" if code is not None else f"no start within {limit:g} s"
+        return RemoteError(f"{self.node}: the node's login shell did not run hetctl's command ({how}"
+                           + (f"; it printed: {said[:200]}" if said else "") + ")",
+                           _NOT_RUN_HINT.replace("HOST", shlex.quote(self.spec.host)), node=self.node)
 
     # --- files ---------------------------------------------------------------
 
@@ -435,29 +520,94 @@ def _end_with_newline(path: str) -> None:
         pass  # absent or read-only: ssh reports what it cannot do
 
 
+class _Started:
+    """Set once the start line arrives on stderr (``pid``), or when it never will (``end``)."""
+
+    def __init__(self) -> None:
+        self.pid: int | None = None
+        self._event = threading.Event()
+        self._seen = b""
+
+    def wait(self, timeout: float | None) -> bool:
+        return self._event.wait(timeout)
+
+    def see(self, data: bytes) -> None:
+        if self._event.is_set():
+            return
+        self._seen += data
+        m = _PID_LINE.search(self._seen)
+        if m:
+            self.pid = int(m.group(1))
+            self._seen = b""
+            self._event.set()
+
+    def end(self) -> None:
+        self._event.set()
+
+
+def _await_marker(popen: subprocess.Popen) -> tuple[int | None, bytes]:
+    """Read stderr up to the start line; the rest stays buffered for the caller."""
+    seen = b""
+    while True:
+        line = popen.stderr.readline()
+        if not line:
+            return None, seen
+        m = _PID_LINE.search(line)
+        if m:
+            return int(m.group(1)), seen
+        seen += line
+
+
+def _skip_to_start(stdout: IO[bytes], pid: int) -> None:
+    """Read stdout past the start line: what the login shell printed before it is not the command's."""
+    mark = b"hetctl-pid:%d" % pid
+    while True:
+        line = stdout.readline()
+        if not line or line.rstrip(b"\r\n").endswith(mark):
+            return
+
+
+def _after_start(stdout: bytes, pid: int | None) -> bytes:
+    """``stdout`` after the start line (the whole of it when there is none)."""
+    if pid is None:
+        return stdout
+    m = re.search(rb"hetctl-pid:%d\r?\n" % pid, stdout)
+    return stdout[m.end():] if m else stdout
+
+
 def _strip_marker(stderr: bytes) -> tuple[int | None, bytes]:
-    """The command's pid from the marker line, and stderr without that line."""
+    """The command's pid from the start line, and stderr after it (before it: ssh's notices, a server's
+    banner, what the login shell's start-up files printed; none of it is the command's)."""
     m = _PID_LINE.search(stderr)
     if not m:
         return None, stderr
-    return int(m.group(1)), stderr[: m.start()] + stderr[m.end():]
+    return int(m.group(1)), stderr[m.end():]
 
 
-def _drain(stream: IO[bytes], sink: list[bytes]) -> None:
-    while True:
-        try:
-            data = stream.read1(65536) if hasattr(stream, "read1") else stream.read(65536)
-        except (OSError, ValueError):
-            return
-        if not data:
-            return
-        sink.append(data)
+def _drain(stream: IO[bytes], sink: list[bytes], started: _Started | None = None) -> None:
+    try:
+        while True:
+            try:
+                data = stream.read1(65536) if hasattr(stream, "read1") else stream.read(65536)
+            except (OSError, ValueError):
+                return
+            if not data:
+                return
+            sink.append(data)
+            if started is not None:
+                started.see(data)
+    finally:
+        if started is not None:
+            started.end()
 
 
-def _feed(stream: IO[bytes], data: bytes | None) -> None:
+def _feed(stream: IO[bytes], data: bytes | None, started: _Started) -> None:
+    """Write ``data`` once hetctl's command has started (never to whatever else the node ran), then EOF."""
     try:
         if data:
-            stream.write(data)
+            started.wait(None)
+            if started.pid is not None:
+                stream.write(data)
         stream.close()
     except (OSError, ValueError):
         pass  # the command exited without reading its input; its status tells the rest

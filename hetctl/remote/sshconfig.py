@@ -8,8 +8,12 @@ file, so the order of precedence is:
 1. what the inventory sets on a node (``user``, ``port``, ``identity_file``,
    ``proxy_jump``): ``-o`` options on that node's command line only;
 2. what the inventory's ``ssh:`` block sets (``host_key_policy``, ``connect_timeout``,
-   ``keepalive``) and ``BatchMode yes``: the top of the generated file, so they also
-   reach jump hosts (``ssh`` hands its ``-F`` file to the ssh it runs for ProxyJump);
+   ``keepalive``), ``BatchMode yes`` and ``LogLevel INFO``: the top of the generated file,
+   so they also reach jump hosts (``ssh`` hands its ``-F`` file to the ssh it runs for
+   ProxyJump). ``LogLevel INFO`` is ssh's own default: a user's ``QUIET``/``FATAL``/``ERROR``
+   would hide the messages hetctl turns into errors (an unknown host key, a refused
+   connection, a server that stopped answering), and ``VERBOSE``/``DEBUG`` would fill every
+   command's stderr with ssh's chatter;
 3. the user's ssh config, ``Include``d: ``ssh.config`` when set, else
    ``~/.ssh/config`` and the system file, exactly what ``ssh`` reads by default;
    nothing when ``ssh.config`` is null;
@@ -19,6 +23,12 @@ file, so the order of precedence is:
 The inventory's ``known_hosts`` is *added* to the user's ``UserKnownHostsFile`` list
 (first, so that ``accept-new`` records new keys there): as a built-in default for hosts
 whose config names no files, and, for a node, prepended to the list ``ssh -G`` reports.
+
+A user config's ``StrictHostKeyChecking no`` (or ``off``) is read as ``accept-new`` for
+the node itself (an ``-o`` option, after ``ssh -G`` told): unknown keys are accepted and
+recorded as the user asked, but a changed key is refused, as it always is in hetctl
+(``no`` would connect to it with a warning). Jump hosts keep the user's value: the node's
+own key, checked end to end through them, is what protects the session.
 """
 
 from __future__ import annotations
@@ -43,6 +53,7 @@ DEFAULT_KEEPALIVE = 5.0
 DEFAULT_HOST_KEY_POLICY = "strict"
 SSH_CONFIG_DEFAULT = "~/.ssh/config"  # the inventory default: read what plain ssh reads
 _POLICY = {"strict": "yes", "accept-new": "accept-new"}
+CHECKING_OFF = ("false", "no", "off")  # StrictHostKeyChecking values (ssh -G says "false") that hetctl reads as accept-new
 _G_TIMEOUT_S = 30.0
 _MAX_HOPS = 8
 
@@ -124,7 +135,8 @@ def policy_value(host_key_policy: str | None) -> str:
 
 def config_text(settings: Any) -> str:
     """The generated client config for an inventory's ``ssh:`` settings (see the module docstring)."""
-    lines = ["# written by hetctl for one inventory's ssh: settings; see hetctl/remote/sshconfig.py", "BatchMode yes"]
+    lines = ["# written by hetctl for one inventory's ssh: settings; see hetctl/remote/sshconfig.py", "BatchMode yes",
+             "LogLevel INFO"]
     if settings.host_key_policy is not None:
         lines.append(f"StrictHostKeyChecking {_POLICY[settings.host_key_policy]}")
     if settings.connect_timeout is not None:
@@ -288,6 +300,18 @@ class EffectiveSsh:
         }
 
 
+def host_key_checking(dump: Mapping[str, tuple[str, ...]]) -> str:
+    """The StrictHostKeyChecking hetctl connects with: ssh -G's value, but ``accept-new`` where it is off
+    (a changed key is always refused; see the module docstring)."""
+    value = _first(dump, "stricthostkeychecking")
+    return "accept-new" if value.lower() in CHECKING_OFF else value
+
+
+def checking_off(dump: Mapping[str, tuple[str, ...]]) -> bool:
+    """Whether the user's config turns host-key checking off for this host (hetctl then passes accept-new)."""
+    return _first(dump, "stricthostkeychecking").lower() in CHECKING_OFF
+
+
 def effective_from_dump(node: str, host: str, dump: Mapping[str, tuple[str, ...]], known_hosts: str | None) -> EffectiveSsh:
     """Build :class:`EffectiveSsh` from a parsed ``ssh -G`` dump."""
     jump = _first(dump, "proxyjump") or None
@@ -299,7 +323,7 @@ def effective_from_dump(node: str, host: str, dump: Mapping[str, tuple[str, ...]
         proxy_command=None if (command or "").lower() == "none" else command,
         identity_files=dump.get("identityfile", ()), certificate_files=dump.get("certificatefile", ()),
         known_hosts=known_hosts_files(dump, known_hosts),
-        strict_host_key_checking=_first(dump, "stricthostkeychecking"),
+        strict_host_key_checking=host_key_checking(dump),
         connect_timeout=_first(dump, "connecttimeout"), server_alive_interval=_first(dump, "serveraliveinterval"),
         host_key_alias=_first(dump, "hostkeyalias") or None, raw=dict(dump),
     )

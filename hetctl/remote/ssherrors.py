@@ -7,6 +7,7 @@ must never be reported as a mere connection failure.
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 from typing import Any
@@ -74,6 +75,38 @@ def host_key_error(stderr: str, node: str, eff: Any) -> HostKeyMismatch | None:
     return None
 
 
+# ssh's own words around a proxied connection that closed early; the other lines are the proxy's.
+_SSH_OWN = re.compile(r"^(kex_exchange_identification|ssh_exchange_identification|Connection closed by|"
+                      r"Connection timed out during banner|debug\d|Warning: Permanently added|Pseudo-terminal)")
+
+
+def proxy_said(stderr: str) -> str | None:
+    """The last line a ProxyCommand (or the shell running it) printed before ssh gave up, if any."""
+    lines = stderr.strip().splitlines()
+    cut = next((i for i, ln in enumerate(lines) if re.search(r"kex_exchange_identification|UNKNOWN port 65535", ln)),
+               len(lines))
+    said = [ln.strip() for ln in lines[:cut] if ln.strip() and not _SSH_OWN.match(ln.strip())]
+    return said[-1] if said else None
+
+
+def control_socket_error(stderr: str, node: str) -> ConfigError | None:
+    """A ControlPath from the user's ssh config that ssh cannot create (hetctl's own sockets are its own:
+    this is the ssh a ProxyJump runs, which reads the user's ControlMaster/ControlPath)."""
+    m = re.search(r"unix_listener: cannot bind to path (\S+?): (.+)", stderr)
+    if m:
+        path, why = re.sub(r"\.[A-Za-z0-9]{16}$", "", m.group(1)), m.group(2).strip()
+        folder = os.path.dirname(path) or "."
+        return ConfigError(f"{node}: ssh cannot create the control socket {path} that ControlPath in your ssh config "
+                           f"names ({why})",
+                           f"create its folder (mkdir -p -m 700 {shlex.quote(folder)}) or change ControlPath; "
+                           "hetctl's own connections use their own sockets, a ProxyJump's ssh uses yours")
+    m = re.search(r'unix_listener: path "(.+?)" too long for Unix domain socket', stderr)
+    if m:
+        return ConfigError(f"{node}: ControlPath in your ssh config makes a socket path too long for a unix socket "
+                           f"({m.group(1)})", "use a shorter ControlPath, e.g. ~/.ssh/cm-%C")
+    return None
+
+
 def classify(stderr: str, node: str, eff: Any) -> HetctlError | None:
     """The error ssh reported on ``stderr`` (exit code 255), or None when it names none.
 
@@ -89,6 +122,8 @@ def classify(stderr: str, node: str, eff: Any) -> HetctlError | None:
     if ln := _line(stderr, r"Bad owner or permissions|Bad configuration option|terminating, \d+ bad configuration|"
                    r"garbage at end of line|Unsupported option|keyword \S+ extra arguments"):
         return ConfigError(f"{node}: ssh refuses its configuration: {ln}", "fix the ssh config file it names")
+    if err := control_socket_error(stderr, node):
+        return err
     if ln := _line(stderr, r"Permission denied|Too many authentication failures|no mutual signature|"
                    r"Authentication failed|No more authentication methods"):
         return AuthFailed(f"{node}: {where} refused authentication ({ln})", _AUTH_HINT, node=node)
@@ -107,6 +142,12 @@ def classify(stderr: str, node: str, eff: Any) -> HetctlError | None:
         return Unreachable(f"{node}: jump host {via} cannot reach {eff.hostname}:{eff.port} ({ln})",
                            f"the node, or a hop on the way, is down or does not forward TCP; "
                            f"`ssh -v {shlex.quote(eff.host)}` shows where it stops", node=node)
+    if eff.proxy_command and (ln := _line(stderr, r"kex_exchange_identification|UNKNOWN port 65535")):
+        said = proxy_said(stderr)
+        return Unreachable(f"{node}: the ProxyCommand for {eff.hostname}:{eff.port} closed before the SSH banner "
+                           f"({said or ln})",
+                           f"run it by hand to see why (`ssh -v {shlex.quote(eff.host)}` shows it): {eff.proxy_command}",
+                           node=node)
     if _line(stderr, r"connect to host .* Connection refused"):
         return Unreachable(f"{node}: {where}: connection refused",
                            "check that sshd runs on the node and listens on that port", node=node)
