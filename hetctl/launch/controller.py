@@ -280,10 +280,21 @@ class AttemptController:
             if state == RunState.FAILED and monitor.confirm_nodes:
                 from hetctl.launch.confirm import settle, slurm_ask
 
-                settle(monitor, unanswered, self.confirm_ask or slurm_ask)
+                settle(monitor, unanswered, self.confirm_ask or slurm_ask, self._het_ended())
             return dataclasses.replace(monitor.outcome(state), stopped_at=stopped_at)
         finally:
             self._teardown()
+
+    def _het_ended(self) -> Any:
+        """The question about the job parts of the plan's nodes in a heterogeneous Slurm job (None: no such node)."""
+        if self.confirm_ask is not None:
+            return None  # the caller answers for the scheduler
+        from hetctl.launch.confirm import slurm_ended
+        from hetctl.remote.slurm import step_target
+
+        places = {n.name: place for n in self.plan_nodes if n.transport == "slurm"
+                  for place in [step_target(n)[1]] if place is not None}
+        return slurm_ended(places) if places else None
 
     def _prepare(self) -> list[FailureRecord]:
         """Connect, pre-flight and ship on every node; START failures, or [] when all is ready."""
