@@ -15,7 +15,9 @@ In a heterogeneous job the node's component is asked about as well
 single-node component when a node fails, so a node that reads IDLE may belong
 to a component that is gone; it is lost for this run, with the job's word, e.g.
 ``slurm: c1's job component 11+0 is NODE_FAIL (NodeDown)``, and the next plan
-leaves it out instead of failing to start there.
+leaves it out instead of failing to start there. Slurm ends those components
+when it marks the failed node DOWN, not at NOT_RESPONDING, so there the wait
+goes on to DOWN (within the same bound).
 
 :func:`settle` runs after the attempt stopped (nothing is running any more), so
 waiting for slurmctld, which marks a silent node only at its next ping, holds up
@@ -50,11 +52,13 @@ def slurm_ended(places: Mapping[str, Any]) -> Ended:
     return lambda names: slurmq.ended_components({n: places[n] for n in names if n in places})
 
 
-def slurm_ask(names: list[str]) -> Mapping[str, Any]:
-    """Slurm's word on ``names`` (:func:`hetctl.remote.slurmq.confirm_lost`), within SlurmdTimeout plus slack."""
+def slurm_ask(names: list[str], until_down: bool = False) -> Mapping[str, Any]:
+    """Slurm's word on ``names`` (:func:`hetctl.remote.slurmq.confirm_lost`), within SlurmdTimeout plus slack;
+    ``until_down``: a NOT_RESPONDING node is waited on until DOWN (a heterogeneous job)."""
     from hetctl.remote import slurmq
 
-    return slurmq.confirm_lost(names, min(slurmq.slurmd_timeout() + CONFIRM_SLACK_S, MAX_CONFIRM_S))
+    return slurmq.confirm_lost(names, min(slurmq.slurmd_timeout() + CONFIRM_SLACK_S, MAX_CONFIRM_S),
+                               until_down=until_down)
 
 
 def settle(monitor: Any, unanswered: Iterable[str], ask: Ask = slurm_ask, ended: Ended | None = None) -> None:

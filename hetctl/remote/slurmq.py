@@ -114,6 +114,12 @@ class SlurmNode:
         parts = re.split(r"[+*]", self.state.upper())
         return any(p in LOST_STATES for p in parts if p) or self.state.endswith("*")
 
+    @property
+    def down(self) -> bool:
+        """Lost in a state Slurm acts on (DOWN, DRAIN, FAIL …), not merely NOT_RESPONDING (``*``), which
+        becomes DOWN after SlurmdTimeout."""
+        return any(p in LOST_STATES and p != "NOT_RESPONDING" for p in re.split(r"[+*]", self.state.upper()))
+
 
 def parse_nodes(text: str) -> list[SlurmNode]:
     """``scontrol show node -o`` → nodes."""
@@ -124,7 +130,7 @@ def parse_nodes(text: str) -> list[SlurmNode]:
         features = _none(rec.get("AvailableFeatures", rec.get("Features")))  # Features= before Slurm 17.11
         nodes.append(SlurmNode(
             name=rec["NodeName"], addr=_none(rec.get("NodeAddr")) or rec["NodeName"],
-            cpus=_int(rec.get("CPUTot")), memory_mb=_int(rec.get("RealMemory")),
+            cpus=_int(rec.get("CPUTot", rec.get("CPUs"))), memory_mb=_int(rec.get("RealMemory")),
             gres=_none(rec.get("Gres")), features=tuple(f for f in features.split(",") if f),
             state=rec.get("State", ""), partitions=tuple(p for p in _none(rec.get("Partitions")).split(",") if p),
             reason=_none(rec.get("Reason")),
@@ -334,21 +340,28 @@ def slurmd_timeout(default: float = 300.0) -> float:
 
 
 def confirm_lost(names: Sequence[str], within_s: float, poll_s: float = 0.5, *, show=None, clock=time.monotonic,
-                 sleep=time.sleep) -> dict[str, SlurmNode | None]:
+                 sleep=time.sleep, until_down: bool = False) -> dict[str, SlurmNode | None]:
     """Ask slurmctld about ``names`` until each is in a lost state or ``within_s`` passed.
 
     slurmctld marks a node that stops answering NOT_RESPONDING at its next ping and
     DOWN after ``SlurmdTimeout``, so a node that died a moment ago still reads
-    healthy: the answer is polled, never taken once. Returns name → the node as
-    Slurm last described it (``.lost`` says the verdict); None when Slurm could not
-    be asked at all (then the caller keeps what it saw itself).
+    healthy: the answer is polled, never taken once. ``until_down``: NOT_RESPONDING
+    alone does not end the wait (a heterogeneous job: Slurm ends the job's other
+    components only when it marks the node DOWN). Returns name → the node as Slurm
+    last described it (``.lost`` says the verdict); None when Slurm could not be
+    asked at all (then the caller keeps what it saw itself).
     """
     show = show or show_nodes
     names = list(dict.fromkeys(names))
     seen: dict[str, SlurmNode | None] = {n: None for n in names}
     deadline = clock() + within_s
+
+    def done(n: str) -> bool:
+        node = seen[n]
+        return node is not None and (node.down if until_down else node.lost)
+
     while True:
-        pending = [n for n in names if seen[n] is None or not seen[n].lost]
+        pending = [n for n in names if not done(n)]
         if not pending:
             return seen
         try:
@@ -356,7 +369,7 @@ def confirm_lost(names: Sequence[str], within_s: float, poll_s: float = 0.5, *, 
                 seen[node.name] = node
         except HetctlError:
             pass
-        if all(seen[n] is not None and seen[n].lost for n in pending) or clock() >= deadline:
+        if all(done(n) for n in pending) or clock() >= deadline:
             return seen
         sleep(poll_s)
 
