@@ -201,13 +201,19 @@ def het_allocation_env(cluster: SlurmCluster, job: str, home: Path) -> dict[str,
     """The environment of a shell inside heterogeneous job ``job``, as salloc gives it (seen on this very
     cluster): SLURM_JOB_ID = the leader, SLURM_HET_SIZE, SLURM_JOB_ID_HET_GROUP_<n> and
     SLURM_JOB_NODELIST_HET_GROUP_<n> per component, and no SLURM_JOB_NODELIST at all."""
-    parts = slurmq.parse_jobs(cluster.client("scontrol", "show", "job", "-o", job).stdout)
+    parts = het_components(cluster, job)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k != "SSH_AUTH_SOCK"}
     env.update(cluster.env, SLURM_JOB_ID=job, SLURM_HET_SIZE=str(len(parts)), HOME=str(home), COLUMNS="200")
     for part in parts:
-        env[f"SLURM_JOB_ID_HET_GROUP_{part.het_offset}"] = part.job_id
-        env[f"SLURM_JOB_NODELIST_HET_GROUP_{part.het_offset}"] = part.node_list
+        env[f"SLURM_JOB_ID_HET_GROUP_{part['HetJobOffset']}"] = part["JobId"]
+        env[f"SLURM_JOB_NODELIST_HET_GROUP_{part['HetJobOffset']}"] = part["NodeList"]
     return env
+
+
+def het_components(cluster: SlurmCluster, job: str) -> list[dict[str, str]]:
+    """``scontrol show job -o <leader>``: one record per component."""
+    out = cluster.client("scontrol", "show", "job", "-o", job).stdout
+    return [slurmq.parse_record(ln) for ln in out.splitlines() if ln.strip()]
 
 
 def hetctl(d: Path, env: dict, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -332,10 +338,11 @@ def test_a_het_job_named_from_outside_runs_each_step_in_the_component_holding_th
     for k in [k for k in os.environ if k.startswith("SLURM_") and k != "SLURM_CONF"]:
         monkeypatch.delenv(k)  # outside any allocation
     try:
-        component = slurmq.parse_jobs(c.client("scontrol", "show", "job", "-o", job).stdout)[1].job_id
+        component = het_components(c, job)[1]["JobId"]
         inv_file = tmp_path / "inventory.yaml"
         inv_file.write_text(yaml.safe_dump({"defaults": {"python": sys.executable}, "slurm": {"job": job}}))
         inv = load_inventory(inv_file)
+        assert inv.names == ["n1", "n3"]  # both components
         assert [(n.name, n.slurm_job, n.slurm_het_group, n.slurm_het_component, n.labels["slurm_gres"])
                 for n in inv.nodes] == [("n1", job, 0, job, "gpu:2"), ("n3", job, 1, component, "")]
         for name in (component, f"{job}+1"):  # one component, named by its own id or as Slurm writes it
