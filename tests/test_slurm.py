@@ -430,6 +430,21 @@ def test_probe_inside_a_het_salloc_finds_every_components_nodes_and_chips(chips_
     assert {n.name: n.labels["slurm_gres"] for n in facts.nodes} == {"n1": "gpu:1", "n2": "npu:2"}
     assert "2/2 nodes answered" in r.stdout
     assert not c.steps()
+    # the same job as an sbatch het job, where SLURM_JOB_NODELIST names component 0 only
+    script = d / "het-probe.sbatch"
+    script.write_text("#!/bin/sh\n#SBATCH -N1 -C nvidia\n#SBATCH hetjob\n#SBATCH -N1 -C ascend\n"
+                      'echo "nodelist=$SLURM_JOB_NODELIST"\n'
+                      # the batch shell runs as a task of n1: drop n1's fake tools, which srun would export to n2
+                      f"PATH={shlex.quote(env['PATH'])}; export PATH; unset HETCTL_SYSFS_ROOT\n"
+                      f"exec {shlex.quote(sys.executable)} -m hetctl probe -i inventory.yaml -o het-batch.yaml\n")
+    r = subprocess.run(["sbatch", "--wait", "-D", str(d), "-o", str(d / "het-probe.out"), str(script)], cwd=d, env=env,
+                       capture_output=True, text=True, timeout=120)
+    out = (d / "het-probe.out").read_text()
+    assert r.returncode == 0, (r.stderr, out)
+    assert "nodelist=n1\n" in out and "2/2 nodes answered" in out, out
+    batch = load_model(d / "het-batch.yaml", Cluster)
+    assert {n.name: [(ch.vendor, ch.model) for ch in n.chips] for n in batch.nodes} == got
+    assert not c.steps()
 
 
 @e2e
