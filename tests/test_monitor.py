@@ -291,6 +291,30 @@ def test_slurm_blames_a_node_whose_agent_did_not_answer_when_slurm_says_it_is_do
                                                                                 (FaultKind.CRASH, "n0")]
 
 
+def test_slurm_drops_a_node_whose_het_job_component_ended_with_the_jobs_word(plan, spec, tmp_path):
+    """n1 goes DOWN; Slurm then ends n2's one-node component of the het job: n2 reads IDLE but is lost too."""
+    from hetctl.launch.confirm import settle
+    from hetctl.remote.slurmq import SlurmNode
+
+    mon, run, clock = _slurm_monitor(plan, spec, tmp_path)
+    feed(mon, clock, "n0", "exited", 1.0, rank=0, code=1, signal=None)
+    feed(mon, clock, "n1", None, 0.1)
+    asked = []
+
+    def ended(names):
+        asked.append(names)
+        return {"n2": "slurm: n2's job component 7+0 is NODE_FAIL (NodeDown)"}
+
+    settle(mon, [], lambda names: {"n1": SlurmNode("n1", "n1", state="DOWN*", reason="Not responding")}, ended)
+    assert asked == [["n0", "n2", "n3", "n4", "n5"]]  # every Slurm node of the plan not already lost
+    got = {e["node"]: e["reason"] for e in read_events(run.events_path, "node_lost")}
+    assert got == {"n1": "slurm: node n1 is DOWN+NOT_RESPONDING (Not responding); the agent's stream ended",
+                   "n2": "slurm: n2's job component 7+0 is NODE_FAIL (NodeDown)"}
+    assert [(f.kind, f.node) for f in mon.outcome(RunState.FAILED).failures] == [
+        (FaultKind.NODE_LOST, "n1"), (FaultKind.NODE_LOST, "n2"), (FaultKind.CRASH, "n0")]  # losses explain the crash
+    assert mon.node_state["n2"] == "lost"
+
+
 def test_slurm_confirm_polls_until_the_node_reads_lost():
     from hetctl.remote.slurmq import SlurmNode, confirm_lost
 
@@ -305,6 +329,22 @@ def test_slurm_confirm_polls_until_the_node_reads_lost():
     healthy = confirm_lost(["c2"], 3, 1.0, show=lambda ns: [SlurmNode("c2", "c2", state="IDLE")], clock=clock,
                            sleep=lambda s: setattr(clock, "t", clock.t + s))
     assert not healthy["c2"].lost  # the bound passed: Slurm's last word stands
+
+
+def test_slurm_confirm_in_a_het_job_waits_past_not_responding_until_down():
+    """In a het job Slurm ends the other components only once it marks the node DOWN."""
+    from hetctl.remote.slurmq import SlurmNode, confirm_lost
+
+    clock = Clock()
+    answers = iter(["ALLOCATED*", "ALLOCATED*", "DOWN*"])
+    tick = {"clock": clock, "sleep": lambda s: setattr(clock, "t", clock.t + s)}
+    got = confirm_lost(["c2"], 30, 1.0, show=lambda ns: [SlurmNode("c2", "c2", state=next(answers))], until_down=True,
+                       **tick)
+    assert got["c2"].state == "DOWN*" and clock.t == 1002.0
+    got = confirm_lost(["c2"], 30, 1.0, show=lambda ns: [SlurmNode("c2", "c2", state="ALLOCATED*")], **tick)
+    assert got["c2"].lost and clock.t == 1002.0  # a plain job: NOT_RESPONDING is Slurm's word already
+    got = confirm_lost(["c2"], 3, 1.0, show=lambda ns: [SlurmNode("c2", "c2", state="IDLE*")], until_down=True, **tick)
+    assert got["c2"].lost and not got["c2"].down and clock.t == 1005.0  # the bound passed: still lost
 
 
 def test_success_outcome_carries_losses_speed_and_stage_times(plan, spec, tmp_path):

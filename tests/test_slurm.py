@@ -74,6 +74,98 @@ def test_lost_states(state, lost):
     assert slurmq.SlurmNode("x", "x", state=state).lost is lost
 
 
+def test_a_het_job_reads_as_one_record_per_component_with_its_leader_and_offset():
+    """``scontrol show job <leader>`` of ``salloc -N2 -C nvidia : -N1 -C ascend``, one-line and multi-line."""
+    one_line = slurmq.parse_jobs(capture("scontrol_show_job_het_o.txt"))
+    multi = slurmq.parse_jobs(capture("scontrol_show_job_het.txt"))
+    for jobs in (one_line, multi):
+        assert [(j.job_id, j.state, j.node_list, j.num_nodes, j.features, j.het_job_id, j.het_offset) for j in jobs] == [
+            ("3", "RUNNING", "n[1-2]", 2, "nvidia", "3", 0), ("4", "RUNNING", "n3", 1, "ascend", "3", 1)]
+        assert [j.het for j in jobs] == [slurmq.HetPlace("3", 0, "3"), slurmq.HetPlace("3", 1, "4")]
+        assert jobs[1].het.label == "3+1" and jobs[0].extra["HetJobIdSet"] == "3-4"
+    assert slurmq.parse_job(capture("scontrol_show_job_het.txt")).job_id == "3"
+    plain = slurmq.parse_job(capture("scontrol_show_job_o.txt"))
+    assert plain.het is None and plain.het_job_id == ""
+
+
+def test_after_a_node_failure_the_other_single_node_component_is_gone_and_says_so():
+    """Slurm removed the DOWN n4 from 1+1 but killed 1+0 (n1 alone), --no-kill on both."""
+    jobs = slurmq.parse_jobs(capture("scontrol_show_job_het_node_fail_o.txt"))
+    assert [(j.job_id, j.state, j.node_list, j.het.label) for j in jobs] == [("1", "NODE_FAIL", "n1", "1+0"),
+                                                                          ("2", "RUNNING", "n3", "1+1")]
+    text = capture("scontrol_show_job_het_node_fail_o.txt").splitlines()
+    answers = {"1": text[0], "2": text[1]}
+
+    def run(argv, what):
+        return subprocess.CompletedProcess(argv, 0, answers[argv[-1]] + "\n", "")
+
+    places = {"n1": jobs[0].het, "n3": jobs[1].het}
+    assert slurmq.ended_components(places, run=run) == {"n1": "slurm: n1's job component 1+0 is NODE_FAIL (NodeDown)"}
+    purged = subprocess.CompletedProcess([], 1, "", "slurm_load_jobs error: Invalid job id specified\n")
+    assert slurmq.ended_components({"n1": jobs[0].het}, run=lambda argv, what: purged) == {
+        "n1": "slurm: n1's job component 1+0 is gone"}
+
+
+# name, NodeAddr, CPUs, RealMemory, Gres, features, state, lost, reason
+NODE_CAPTURES = {
+    "scontrol_show_node_15.08_mcs_doc.txt": ("node0001", "noder0001", 8, 23780, "", (), "IDLE", False, ""),
+    "scontrol_show_node_down_star_quickstart_doc.txt": ("adev1", "adev1", 8, 4000, "", ("intel",), "DOWN*", True,
+                                                        "Not responding [slurm@06/02-14:01:24]"),
+    "scontrol_show_node_21.08_cloud_powered_down.txt": (
+        "queue1-dy-compute-resource-1-10", "queue1-dy-compute-resource-1-10", 8, 1, "",
+        ("dynamic", "c5n.4xlarge", "compute-resource-1"), "IDLE+CLOUD+POWERED_DOWN", True, ""),
+    "scontrol_show_node_24.11_cloud.txt": ("gpu-st-ml-1", "10.0.10.160", 32, 249036, "gpu:rtxproserver6000:1",
+                                           ("static", "g7e.8xlarge", "dist-ml", "efa", "gpu"), "IDLE+CLOUD", False,
+                                           "Node start up [root@2026-03-11T11:05:51]"),
+    "scontrol_show_node_24.11_down_cloud.txt": (
+        "gpu-st-ml-1", "10.0.10.166", 32, 249036, "gpu:rtxproserver6000:1", ("static", "g7e.8xlarge", "ml", "efa", "gpu"),
+        "DOWN+CLOUD+POWERED_DOWN", True, "Static node maintenance: unhealthy node is being replaced "
+                                         "[root@2026-03-13T04:18:07]"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NODE_CAPTURES))
+def test_multi_line_show_node_of_other_slurm_versions(name):
+    """Public captures (Slurm 15.08 to 24.11) of plain ``scontrol show node``: one record over indented lines."""
+    (node,) = slurmq.parse_nodes(capture(name))
+    assert (node.name, node.addr, node.cpus, node.memory_mb, node.gres, node.features, node.state, node.lost,
+            node.reason) == NODE_CAPTURES[name]
+    assert slurmq.gres_fits(node.gres, "gpu:1") is bool(node.gres)
+
+
+def test_records_follow_each_other_even_with_a_blank_line_inside_one():
+    """Slurm 24.11 prints a blank line inside a record (before Reason=); two records in one output."""
+    text = capture("scontrol_show_node_24.11_cloud.txt") + "\n\n" + capture("scontrol_show_node_24.11_down_cloud.txt")
+    nodes = slurmq.parse_nodes(text)
+    assert [(n.addr, n.state, n.reason[:11]) for n in nodes] == [("10.0.10.160", "IDLE+CLOUD", "Node start "),
+                                                                ("10.0.10.166", "DOWN+CLOUD+POWERED_DOWN", "Static node")]
+    assert slurmq.lost_words(nodes[1]).startswith("slurm: node gpu-st-ml-1 is DOWN+POWERED_DOWN (Static node")
+    one_line = slurmq.parse_nodes("\n".join(" ".join(ln.split()) for ln in text.split("\n\n\n")))
+    assert one_line == nodes  # the same records as -o would print them
+
+
+def test_inside_a_het_allocation_its_variables_say_which_component_holds_a_node():
+    """What salloc -N2 -C nvidia : -N1 -C ascend sets (no SLURM_JOB_NODELIST at all)."""
+    env = {"SLURM_JOB_ID": "3", "SLURM_HET_SIZE": "2", "SLURM_JOB_ID_HET_GROUP_0": "3", "SLURM_JOB_ID_HET_GROUP_1": "4",
+           "SLURM_JOB_NODELIST_HET_GROUP_0": "n[1-2]", "SLURM_JOB_NODELIST_HET_GROUP_1": "n3"}
+    assert slurmq.env_het_place("n2", env) == slurmq.HetPlace("3", 0, "3")
+    assert slurmq.env_het_place("n3", env) == slurmq.HetPlace("3", 1, "4")
+    assert slurmq.env_het_place("n9", env) is None and slurmq.env_het_place("n1", {"SLURM_JOB_ID": "3"}) is None
+
+
+def test_srun_argv_of_a_het_node_names_its_component():
+    from hetctl.remote.slurm import srun_argv
+
+    node = slurm_node("n3", "3")
+    line, _ = srun_argv(node, ["true"], job="3", step_name="hetctl-x", het_group=1)
+    assert line[:4] == ["srun", "--jobid=3", "--het-group=1", "--nodes=1"]
+    plain, _ = srun_argv(node, ["true"], job="3", step_name="hetctl-x")
+    assert plain[:3] == ["srun", "--jobid=3", "--nodes=1"]  # a plain job's line is unchanged
+    failed = step_failure("n3", "3", 1, "srun: error: No directives to start application on any available hetjob "
+                                        "components\n", slurmq.HetPlace("3", 1, "4"))
+    assert isinstance(failed, Unreachable) and "n3: srun cannot start a step in job 3 (component 3+1)" in failed.message
+
+
 def test_srun_status_lines_are_not_the_commands_stderr():
     err = "boom\nsrun: error: n1: task 0: Exited with exit code 3\n"
     assert clean_stderr(err) == "boom\n"
@@ -103,6 +195,25 @@ def allocation_env(cluster: SlurmCluster, job: str, home: Path) -> dict[str, str
            "SLURM_JOB_NUM_NODES": str(info.num_nodes), "HOME": str(home), "COLUMNS": "200"}
     env.pop("SSH_AUTH_SOCK", None)
     return env
+
+
+def het_allocation_env(cluster: SlurmCluster, job: str, home: Path) -> dict[str, str]:
+    """The environment of a shell inside heterogeneous job ``job``, as salloc gives it (seen on this very
+    cluster): SLURM_JOB_ID = the leader, SLURM_HET_SIZE, SLURM_JOB_ID_HET_GROUP_<n> and
+    SLURM_JOB_NODELIST_HET_GROUP_<n> per component, and no SLURM_JOB_NODELIST at all."""
+    parts = het_components(cluster, job)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k != "SSH_AUTH_SOCK"}
+    env.update(cluster.env, SLURM_JOB_ID=job, SLURM_HET_SIZE=str(len(parts)), HOME=str(home), COLUMNS="200")
+    for part in parts:
+        env[f"SLURM_JOB_ID_HET_GROUP_{part['HetJobOffset']}"] = part["JobId"]
+        env[f"SLURM_JOB_NODELIST_HET_GROUP_{part['HetJobOffset']}"] = part["NodeList"]
+    return env
+
+
+def het_components(cluster: SlurmCluster, job: str) -> list[dict[str, str]]:
+    """``scontrol show job -o <leader>``: one record per component."""
+    out = cluster.client("scontrol", "show", "job", "-o", job).stdout
+    return [slurmq.parse_record(ln) for ln in out.splitlines() if ln.strip()]
 
 
 def hetctl(d: Path, env: dict, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -214,6 +325,48 @@ def test_started_step_stops_on_eof_then_term_then_kill(slurm_cluster, tmp_path, 
         slurm_cluster.client("scancel", job, check=False)
 
 
+@e2e
+def test_a_het_job_named_from_outside_runs_each_step_in_the_component_holding_the_node(slurm_cluster, tmp_path,
+                                                                                       monkeypatch):
+    """``slurm.job: <leader>`` of ``salloc -N1 -w n1 : -N1 -w n3``: srun takes only the leader's id, needs
+    --het-group outside the allocation, and lists the step under the component's own id."""
+    from hetctl.files.inventory import load_inventory
+
+    c = slurm_cluster
+    job = allocate(c, "-N1", "-w", "n1", ":", "-N1", "-w", "n3")
+    monkeypatch.setenv("SLURM_CONF", c.env["SLURM_CONF"])
+    for k in [k for k in os.environ if k.startswith("SLURM_") and k != "SLURM_CONF"]:
+        monkeypatch.delenv(k)  # outside any allocation
+    try:
+        component = het_components(c, job)[1]["JobId"]
+        inv_file = tmp_path / "inventory.yaml"
+        inv_file.write_text(yaml.safe_dump({"defaults": {"python": sys.executable}, "slurm": {"job": job}}))
+        inv = load_inventory(inv_file)
+        assert inv.names == ["n1", "n3"]  # both components
+        assert [(n.name, n.slurm_job, n.slurm_het_group, n.slurm_het_component, n.labels["slurm_gres"])
+                for n in inv.nodes] == [("n1", job, 0, job, "gpu:2"), ("n3", job, 1, component, "")]
+        for name in (component, f"{job}+1"):  # one component, named by its own id or as Slurm writes it
+            got, only = slurmq.allocation_nodes(inv.slurm.model_copy(update={"job": name}))
+            assert got == job and [(n.name, n.het) for n in only] == [("n3", slurmq.HetPlace(job, 1, component))]
+        for node in inv.nodes:
+            r = SlurmTransport(node).run(["sh", "-c", 'echo "$SLURMD_NODENAME $SLURM_JOB_ID"'])
+            assert r.stdout.split() == [node.name, job]
+        t = SlurmTransport(inv.node("n3"))
+        p = t.start(["sh", "-c", 'trap "echo got-term; exit 0" TERM; echo ready; while :; do sleep 0.1; done'])
+        assert p.stdout.readline() == b"ready\n"
+        assert hetctl_steps(c, component) and not hetctl_steps(c, job)  # listed under the component's id
+        p.kill()  # scancel --signal=TERM <component>.<step>
+        assert p.stdout.read() == b"got-term\n" and not hetctl_steps(c, component)
+        env = {**os.environ, "HOME": str(tmp_path), "COLUMNS": "200"}
+        r = subprocess.run([sys.executable, "-m", "hetctl", "probe", "-i", str(inv_file), "-o",
+                            str(tmp_path / "cluster.yaml"), "--json"], env=env, capture_output=True, text=True,
+                           timeout=120)
+        rows = json.loads(r.stdout)["nodes"]
+        assert [(n["name"], n["reachable"]) for n in rows] == [("n1", True), ("n3", True)], r.stderr
+    finally:
+        c.client("scancel", job, check=False)
+
+
 # --- probe through srun on nodes with different Gres ----------------------------------------------
 
 
@@ -260,6 +413,38 @@ def test_probe_inside_salloc_finds_each_nodes_chips_through_srun(chips_site):
     assert labels["n2"]["slurm_gres"] == "npu:2" and labels["n3"]["slurm_gres"] == ""
     assert "3/3 nodes answered" in r.stdout
     assert not c.steps()  # salloc ended: every step of the probe ended with it
+
+
+@e2e
+def test_probe_inside_a_het_salloc_finds_every_components_nodes_and_chips(chips_site):
+    """``salloc -N1 -C nvidia : -N1 -C ascend``, as a mixed site asks; inside it SLURM_JOB_NODELIST is unset."""
+    c, d = chips_site
+    env = {**os.environ, **c.env, "HOME": str(d / "home"), "COLUMNS": "200"}
+    r = subprocess.run(["salloc", "-Q", "-N1", "-C", "nvidia", ":", "-N1", "-C", "ascend", sys.executable, "-m",
+                        "hetctl", "probe", "-i", "inventory.yaml", "-o", "het-cluster.yaml"], cwd=d, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    facts = load_model(d / "het-cluster.yaml", Cluster)
+    got = {n.name: [(ch.vendor, ch.model) for ch in n.chips] for n in facts.nodes}
+    assert got == {"n1": [("nvidia", "NVIDIA H200")], "n2": [("ascend", "910B2C")] * 2}  # n2: component 1
+    assert {n.name: n.labels["slurm_gres"] for n in facts.nodes} == {"n1": "gpu:1", "n2": "npu:2"}
+    assert "2/2 nodes answered" in r.stdout
+    assert not c.steps()
+    # the same job as an sbatch het job, where SLURM_JOB_NODELIST names component 0 only
+    script = d / "het-probe.sbatch"
+    script.write_text("#!/bin/sh\n#SBATCH -N1 -C nvidia\n#SBATCH hetjob\n#SBATCH -N1 -C ascend\n"
+                      'echo "nodelist=$SLURM_JOB_NODELIST"\n'
+                      # the batch shell runs as a task of n1: drop n1's fake tools, which srun would export to n2
+                      f"PATH={shlex.quote(env['PATH'])}; export PATH; unset HETCTL_SYSFS_ROOT\n"
+                      f"exec {shlex.quote(sys.executable)} -m hetctl probe -i inventory.yaml -o het-batch.yaml\n")
+    r = subprocess.run(["sbatch", "--wait", "-D", str(d), "-o", str(d / "het-probe.out"), str(script)], cwd=d, env=env,
+                       capture_output=True, text=True, timeout=120)
+    out = (d / "het-probe.out").read_text()
+    assert r.returncode == 0, (r.stderr, out)
+    assert "nodelist=n1\n" in out and "2/2 nodes answered" in out, out
+    batch = load_model(d / "het-batch.yaml", Cluster)
+    assert {n.name: [(ch.vendor, ch.model) for ch in n.chips] for n in batch.nodes} == got
+    assert not c.steps()
 
 
 @e2e
@@ -593,6 +778,44 @@ def test_lost_node_replans_on_the_survivors_of_the_allocation(make_slurm_cluster
     # slurmctld keeps listing the dead node's step (its slurmd never confirms the end): no step runs elsewhere
     r = c.client("squeue", "-h", "-s", "-j", job, "-o", "%i %j %N", check=False)
     assert [ln.split()[2] for ln in r.stdout.splitlines() if " hetctl-" in ln] in ([], [lost]), r.stdout
+    assert rank_procs(run.run_id) == []
+
+
+@e2e
+def test_launch_in_a_het_job_starts_each_step_in_its_component_and_drops_a_component_slurm_ended(
+        make_slurm_cluster, tmp_path):
+    """``salloc --no-kill -N1 -w c1 : --no-kill -N2 -w c2,c3``, pp 3: kill c3. Slurm removes c3 from
+    component 1 and ends component 0 (c1 alone) although c1 is healthy; the run goes on on c2."""
+    c = make_slurm_cluster(nodes=[NodeSpec(n, 2, "", "cpu") for n in CPU_NODES])
+    d = tmp_path
+    job = allocate(c, "--no-kill", "-N1", "-w", "c1", ":", "--no-kill", "-N2", "-w", "c2,c3")
+    env = het_allocation_env(c, job, d / "home")
+    component = env["SLURM_JOB_ID_HET_GROUP_1"]
+    write_site(d, {"slurm": {}})
+    for args in (("probe", "-i", "inventory.yaml", "-o", "cluster.yaml"),
+                 ("plan", "-c", "cluster.yaml", "--model", "tiny", "--pp", "3", "--dp", "1", "-o", "plan")):
+        r = hetctl(d, env, *args)
+        assert r.returncode == 0, r.stderr
+    dry = json.loads(hetctl(d, env, "launch", "plan", "--dry-run", "--json").stdout)["srun"]
+    assert {n: s["argv"][1:3] for n, s in dry.items()} == {"c1": [f"--jobid={job}", "--het-group=0"],
+                                                           "c2": [f"--jobid={job}", "--het-group=1"],
+                                                           "c3": [f"--jobid={job}", "--het-group=1"]}
+    run = Launch(d, env, "het")
+    run.wait_checkpoint(EVERY * 2)
+    assert len(hetctl_steps(c, job)) == 1 and len(hetctl_steps(c, component)) == 2  # c1 | c2, c3
+    c["c3"].kill()
+    summary = run.finish()
+    assert summary["state"] == "succeeded" and summary["steps"] == STEPS
+    story = "\n".join(json.dumps(e) for e in run.events() if e["kind"] != "progress")
+    lost = {e["node"]: e["reason"] for e in run.events("node_lost")}
+    assert sorted(lost) == ["c1", "c3"], story
+    assert re.match(r"slurm: node c3 is \S*DOWN", lost["c3"]), story  # waited for DOWN: then Slurm ends 1+0
+    assert lost["c1"].startswith(f"slurm: c1's job component {job}+0 is NODE_FAIL (NodeDown)"), story
+    (replan,) = run.events("replan")
+    assert sorted(replan["dropped"]) == ["c1", "c3"] and not run.events("agent_lost"), story
+    last = run.events("launched")[-1]["attempt"]
+    final = load_model(run.run / "attempts" / str(last) / "plan.yaml", Plan)
+    assert {r_.node for r_ in final.ranks} == {"c2"} and last == 1, story  # no attempt tried c1 again
     assert rank_procs(run.run_id) == []
 
 

@@ -31,7 +31,9 @@ Resolution rules (the README repeats them):
   the job ``slurm.job``, else the one hetctl runs in (``SLURM_JOB_ID``). Each gets
   ``transport: slurm``, ``hostname`` = Slurm's ``NodeAddr``, the ``defaults:`` and
   the labels ``slurm_gres``, ``slurm_features``, ``slurm_cpus``, ``slurm_memory_mb``
-  (:mod:`hetctl.remote.slurmq`).
+  (:mod:`hetctl.remote.slurmq`). In a heterogeneous job (``salloc … : …``) the
+  nodes of every component, each with its component (``slurm_het_group``), and
+  ``slurm_job`` = the job's leader.
 """
 
 from __future__ import annotations
@@ -180,6 +182,8 @@ class Node(_Strict):
     transport: TransportName = "ssh"
     tflops: float | None = None
     slurm_job: str | None = None
+    slurm_het_group: int | None = None  # a heterogeneous job's component holding the node (srun --het-group)
+    slurm_het_component: str | None = None  # that component's own job id (its steps are listed under it)
 
     @model_validator(mode="after")
     def _fill_hostname(self) -> Node:
@@ -335,8 +339,9 @@ def _slurm_nodes(f: InventoryFile, base: Path) -> tuple[list[Node], str]:
         labels = {**defaults.get("labels", {}), "slurm_gres": sn.gres, "slurm_features": ",".join(sn.features),
                   "slurm_cpus": str(sn.cpus), "slurm_memory_mb": str(sn.memory_mb)}
         fields = {**defaults, "labels": labels, "env": dict(defaults.get("env", {}))}
+        het = {"slurm_het_group": sn.het.group, "slurm_het_component": sn.het.component} if sn.het else {}
         nodes.append(Node(name=sn.name, host=sn.name, hostname=sn.addr, transport="slurm", workdir=workdir,
-                          slurm_job=job, **fields))
+                          slurm_job=job, **het, **fields))
     return nodes, job
 
 

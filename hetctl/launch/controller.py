@@ -29,6 +29,7 @@ in :mod:`hetctl.launch.monitor`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import queue
@@ -278,12 +279,26 @@ class AttemptController:
             unanswered = self._stop_all(monitor)
             stopped_at = time.time()
             if state == RunState.FAILED and monitor.confirm_nodes:
-                from hetctl.launch.confirm import settle, slurm_ask
+                from hetctl.launch.confirm import settle
 
-                settle(monitor, unanswered, self.confirm_ask or slurm_ask)
+                settle(monitor, unanswered, *self._confirm_questions())
             return dataclasses.replace(monitor.outcome(state), stopped_at=stopped_at)
         finally:
             self._teardown()
+
+    def _confirm_questions(self) -> tuple[Any, Any]:
+        """What to ask the scheduler about suspected nodes, and about the job parts of the plan's nodes of a
+        heterogeneous Slurm job (None without one): :func:`hetctl.launch.confirm.settle`'s ``ask`` and ``ended``."""
+        from hetctl.launch.confirm import slurm_ask, slurm_ended
+        from hetctl.remote.slurm import step_target
+
+        if self.confirm_ask is not None:
+            return self.confirm_ask, None  # the caller answers for the scheduler
+        places = {n.name: place for n in self.plan_nodes if n.transport == "slurm"
+                  for place in [step_target(n)[1]] if place is not None}
+        if not places:
+            return slurm_ask, None  # a plain job: as always
+        return functools.partial(slurm_ask, until_down=True), slurm_ended(places)
 
     def _prepare(self) -> list[FailureRecord]:
         """Connect, pre-flight and ship on every node; START failures, or [] when all is ready."""

@@ -5,6 +5,13 @@ A command for node ``N`` of job ``J`` runs as::
     srun --jobid=J --nodes=1 --ntasks=1 -w N --overlap --quiet --job-name=hetctl-<id> \\
          /bin/sh -c '<the same quoted line as over ssh>'
 
+In a heterogeneous job (``salloc … : …``, one component per partition or chip
+kind) ``J`` is the job's leader and ``--het-group=K`` follows it, K being the
+component that holds ``N`` (:class:`hetctl.remote.slurmq.HetPlace`): srun refuses
+a component's own id, starts steps only on component 0 without ``--het-group``
+inside the allocation, and none at all outside it. The step is then listed
+under the component's own job id, which is where the stop escalation looks.
+
 Why one step per node and per command, rather than one step over the whole
 allocation with one task per node: the Transport contract is per node (probe,
 pre-flight, shipping, the agent, resume's liveness check are separate commands
@@ -48,6 +55,7 @@ from typing import Mapping, Sequence
 from hetctl.errors import HetctlError, RemoteError, Unreachable
 from hetctl.remote.base import Result
 from hetctl.remote.base import track, untrack
+from hetctl.remote.slurmq import HetPlace
 from hetctl.remote.local import TIMEOUT_EXIT, LocalProcess, command_env, env_on_stdin, finish, shell_command, write_first
 
 TERM_WAIT_S = 3.0  # after scancel --signal=TERM: the agent's own SIGTERM handling (its grace is spent already)
@@ -58,7 +66,8 @@ _SRUN_ERROR = re.compile(r"^srun: error: (.*)$")
 # Step-creation problems: the node or the allocation is not usable (never the command's fault).
 _STEP_FAILED = re.compile(r"Unable to create step|Invalid job id|Job has already finished|Invalid node name|"
                           r"Requested node configuration is not available|not allocated to|Unable to confirm allocation|"
-                          r"Task launch for StepId=\S+ failed|Application launch failed|Node failure on")
+                          r"Task launch for StepId=\S+ failed|Application launch failed|Node failure on|"
+                          r"No directives to start application|het-group offset exceeds|has expired")
 
 _PUT_SCRIPT = (
     'set -e; p=$1; case $p in "~") p=$HOME ;; "~/"*) p=$HOME/${p#"~/"} ;; esac; '
@@ -111,30 +120,53 @@ def clean_stderr(text: str) -> str:
     return "".join(ln for ln in text.splitlines(keepends=True) if not _TASK_STATUS.match(ln))
 
 
-def step_failure(node: str, job: str, code: int, stderr: str) -> Unreachable | None:
+def step_failure(node: str, job: str, code: int, stderr: str, het: HetPlace | None = None) -> Unreachable | None:
     """An Unreachable when srun could not start a step on ``node`` at all (the node or allocation is unusable)."""
     if code == 0:
         return None
+    where = f"job {job}" + (f" (component {het.label})" if het is not None else "")
     for line in stderr.splitlines():
         m = _SRUN_ERROR.match(line.strip())
         if m and not _TASK_STATUS.match(line.strip()) and _STEP_FAILED.search(m.group(1)):
-            return Unreachable(f"{node}: srun cannot start a step in job {job}: {m.group(1)}",
+            return Unreachable(f"{node}: srun cannot start a step in {where}: {m.group(1)}",
                                "check the allocation with `squeue -j " + job + "` and the node with `sinfo -n " + node + "`",
                                node=node)
     return None
 
 
+def step_target(node) -> tuple[str, HetPlace | None]:
+    """The job ``node``'s steps run in (its ``slurm_job``, else ``SLURM_JOB_ID``; "" when neither) and, in a
+    heterogeneous job, the component that holds the node.
+
+    The component is the inventory's (``slurm_het_group``, from ``scontrol``), else,
+    for a node listed by hand inside a heterogeneous allocation, the one whose
+    ``SLURM_JOB_NODELIST_HET_GROUP_<n>`` names it.
+    """
+    from hetctl.remote.slurmq import env_het_place
+
+    env_job = os.environ.get("SLURM_JOB_ID", "")
+    job = str(getattr(node, "slurm_job", None) or env_job)
+    group = getattr(node, "slurm_het_group", None)
+    if group is not None:
+        return job, HetPlace(job, int(group), str(getattr(node, "slurm_het_component", None) or job))
+    if job and job == env_job:
+        return job, env_het_place(node.name)
+    return job, None
+
+
 def srun_argv(node, argv: Sequence[str], env: Mapping[str, str] | None = None, cwd: str | None = None, *,
-              job: str, step_name: str, srun: str = "srun") -> tuple[list[str], bytes]:
+              job: str, step_name: str, srun: str = "srun", het_group: int | None = None) -> tuple[list[str], bytes]:
     """The srun command line that runs ``argv`` on ``node`` (a list: nothing is pasted into a local shell),
     and the bytes to write first on its stdin.
 
     The environment (the node's inventory ``env``, then ``env``) travels on stdin
     (:func:`hetctl.remote.local.env_on_stdin`), never on srun's or the step's command
-    line; ``node`` is a :class:`hetctl.files.inventory.Node`.
+    line; ``node`` is a :class:`hetctl.files.inventory.Node`. ``het_group``: the
+    component of a heterogeneous job ``job`` that holds the node (``--het-group``).
     """
     wrapped, prefix = env_on_stdin(node.python, argv, command_env(node, env))
-    return [srun, f"--jobid={job}", "--nodes=1", "--ntasks=1", "-w", node.name, "--overlap",
+    het = [] if het_group is None else [f"--het-group={het_group}"]
+    return [srun, f"--jobid={job}", *het, "--nodes=1", "--ntasks=1", "-w", node.name, "--overlap",
             "--quiet", f"--job-name={step_name}", "/bin/sh", "-c", shell_command(wrapped, None, cwd)], prefix
 
 
@@ -150,7 +182,11 @@ def _with_node_state(err: Unreachable, node: str) -> Unreachable:
 
 
 class SlurmProcess(LocalProcess):
-    """A started step: the local srun's pipes (as a local command's), plus the step's Slurm-side stop and kill."""
+    """A started step: the local srun's pipes (as a local command's), plus the step's Slurm-side stop and kill.
+
+    ``job`` is the job the step is listed under: the job, or in a heterogeneous job
+    the component's own id.
+    """
 
     def __init__(self, popen: subprocess.Popen, node: str, job: str, step_name: str) -> None:
         super().__init__(popen)
@@ -195,7 +231,8 @@ class SlurmTransport:
     def __init__(self, node, ssh=None) -> None:
         self.spec = node
         self.node: str = node.name
-        self.job: str = str(getattr(node, "slurm_job", None) or os.environ.get("SLURM_JOB_ID", ""))
+        self.job, self.het = step_target(node)
+        self.step_job = self.het.component if self.het is not None else self.job  # where squeue lists its steps
         if not self.job:
             raise HetctlError(f"{self.node}: no Slurm allocation to run in",
                               "run hetctl inside salloc/sbatch, or set slurm.job in the inventory")
@@ -204,7 +241,8 @@ class SlurmTransport:
     def _popen(self, argv: Sequence[str], env: Mapping[str, str] | None,
                cwd: str | None) -> tuple[subprocess.Popen, str, bytes]:
         name = f"hetctl-{uuid.uuid4().hex[:10]}"
-        line, prefix = srun_argv(self.spec, argv, env, cwd, job=self.job, step_name=name, srun=self.srun)
+        line, prefix = srun_argv(self.spec, argv, env, cwd, job=self.job, step_name=name, srun=self.srun,
+                                 het_group=self.het.group if self.het is not None else None)
         try:
             popen = subprocess.Popen(line, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      start_new_session=True)
@@ -234,14 +272,14 @@ class SlurmTransport:
             out, err = popen.communicate(prefix + (input or b""), timeout=timeout)
             code = popen.returncode
         except subprocess.TimeoutExpired:
-            SlurmProcess(popen, self.node, self.job, name).kill()
+            SlurmProcess(popen, self.node, self.step_job, name).kill()
             out, err = popen.communicate()
             err += f"\nhetctl: timed out after {timeout:g} s".encode()
             code = TIMEOUT_EXIT
         finally:
             untrack(popen)
         stderr = err.decode("utf-8", errors="replace")
-        failed = step_failure(self.node, self.job, code, stderr)
+        failed = step_failure(self.node, self.job, code, stderr, self.het)
         if failed is not None:
             raise _with_node_state(failed, self.node)
         res = Result(self.node, shlex.join(argv), code, out.decode("utf-8", errors="replace"), clean_stderr(stderr),
@@ -262,7 +300,7 @@ class SlurmTransport:
         """
         popen, name, prefix = self._popen(argv, env, cwd)
         write_first(popen, prefix + (input or b""))
-        return SlurmProcess(popen, self.node, self.job, name)
+        return SlurmProcess(popen, self.node, self.step_job, name)
 
     def put(self, data: bytes | Path, remote_path: str, mode: int = 0o644) -> None:
         """Write ``data`` atomically on the node (``cat`` into a temp file, then ``mv``), creating folders."""
@@ -284,10 +322,11 @@ def dry_run_step(node, launch) -> dict:
     name's random part (``hetctl-<id>``); ``env_on_stdin`` names the variables that
     travel on the step's stdin (their values never appear on a command line).
     """
-    job = str(getattr(node, "slurm_job", None) or os.environ.get("SLURM_JOB_ID", "") or "<job>")
+    job, het = step_target(node)
     env = command_env(node, launch.env or None)
-    line, _ = srun_argv(node, list(launch.agent_argv), launch.env or None, launch.workdir, job=job,
-                        step_name="hetctl-<id>", srun=shutil.which("srun") or "srun")
+    line, _ = srun_argv(node, list(launch.agent_argv), launch.env or None, launch.workdir, job=job or "<job>",
+                        step_name="hetctl-<id>", srun=shutil.which("srun") or "srun",
+                        het_group=het.group if het is not None else None)
     return {"argv": line, "env_on_stdin": sorted(env)}
 
 

@@ -12,8 +12,8 @@ import re
 import shutil
 import subprocess
 import time
-from dataclasses import dataclass, field
-from typing import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Mapping, Sequence
 
 from hetctl.errors import HetctlError
 
@@ -24,7 +24,7 @@ LOST_STATES = ("DOWN", "DRAIN", "DRAINED", "DRAINING", "FAIL", "FAILING", "NOT_R
 
 
 def parse_record(line: str) -> dict[str, str]:
-    """One ``scontrol show … -o`` record: ``Key=value`` tokens; a token without ``=`` continues the last value."""
+    """One ``scontrol show …`` record: ``Key=value`` tokens; a token without ``=`` continues the last value."""
     out: dict[str, str] = {}
     last = None
     for tok in line.split():
@@ -37,13 +37,60 @@ def parse_record(line: str) -> dict[str, str]:
     return out
 
 
+def _record_lines(text: str) -> list[str]:
+    """Each record of ``scontrol show …`` output as one line.
+
+    With ``-o`` every line is a record. Without it a record starts at an unindented
+    line (``NodeName=…``, ``JobId=…``) and goes on over indented ones; blank lines
+    separate records but may also fall inside one (Slurm 24.05 puts one before a
+    node's ``Reason=``), so only indentation decides.
+    """
+    records: list[str] = []
+    for ln in text.splitlines():
+        if not ln.strip():
+            continue
+        if ln[:1].isspace() and records:
+            records[-1] += " " + ln.strip()
+        else:
+            records.append(ln.strip())
+    return records
+
+
 def parse_records(text: str) -> list[dict[str, str]]:
-    """Every one-line record of ``scontrol show … -o`` output."""
-    return [parse_record(ln) for ln in text.splitlines() if "=" in ln]
+    """Every record of ``scontrol show …`` output, one-line (``-o``) or multi-line."""
+    return [parse_record(ln) for ln in _record_lines(text) if "=" in ln]
 
 
 def _none(value: str | None) -> str:
     return "" if value in (None, "(null)", "N/A", "none") else value
+
+
+def _int(value: str | None) -> int:
+    """A count as scontrol prints it (``4``, ``2-2`` for a range: its low end); 0 when absent or not a number."""
+    m = re.match(r"\d+", value or "")
+    return int(m.group()) if m else 0
+
+
+@dataclass(frozen=True)
+class HetPlace:
+    """Where a node sits in a heterogeneous job (``salloc … : …``, ``#SBATCH hetjob``).
+
+    Steps go to ``srun --jobid=<leader> --het-group=<group>``: srun takes only the
+    leader's id (a component's own id is refused: "Job not heterogeneous job
+    leader"), and without ``--het-group`` it starts nothing outside the allocation
+    ("No directives to start application on any available hetjob components") and
+    only on component 0 inside it. squeue lists a step of component K under the
+    component's own job id (``<component>.<step>``), never under the leader's.
+    """
+
+    leader: str  # HetJobId, the id srun --jobid takes
+    group: int  # HetJobOffset, srun's --het-group
+    component: str  # the component's own JobId (squeue -s -j, scancel <component>.<step>)
+
+    @property
+    def label(self) -> str:
+        """Slurm's own name of the component: ``<leader>+<offset>``."""
+        return f"{self.leader}+{self.group}"
 
 
 @dataclass(frozen=True)
@@ -59,12 +106,19 @@ class SlurmNode:
     state: str = ""
     partitions: tuple[str, ...] = ()
     reason: str = ""  # why slurmctld set the state (DOWN/DRAIN), e.g. "Not responding"
+    het: HetPlace | None = None  # set by job_nodes for a node of a heterogeneous job: which component holds it
 
     @property
     def lost(self) -> bool:
         """True when the state says the node is unusable (DOWN, DRAIN, FAIL, not responding …)."""
         parts = re.split(r"[+*]", self.state.upper())
         return any(p in LOST_STATES for p in parts if p) or self.state.endswith("*")
+
+    @property
+    def down(self) -> bool:
+        """Lost in a state Slurm acts on (DOWN, DRAIN, FAIL …), not merely NOT_RESPONDING (``*``), which
+        becomes DOWN after SlurmdTimeout."""
+        return any(p in LOST_STATES and p != "NOT_RESPONDING" for p in re.split(r"[+*]", self.state.upper()))
 
 
 def parse_nodes(text: str) -> list[SlurmNode]:
@@ -73,10 +127,11 @@ def parse_nodes(text: str) -> list[SlurmNode]:
     for rec in parse_records(text):
         if "NodeName" not in rec:
             continue
+        features = _none(rec.get("AvailableFeatures", rec.get("Features")))  # Features= before Slurm 17.11
         nodes.append(SlurmNode(
             name=rec["NodeName"], addr=_none(rec.get("NodeAddr")) or rec["NodeName"],
-            cpus=int(rec.get("CPUTot", "0") or 0), memory_mb=int(rec.get("RealMemory", "0") or 0),
-            gres=_none(rec.get("Gres")), features=tuple(f for f in _none(rec.get("AvailableFeatures")).split(",") if f),
+            cpus=_int(rec.get("CPUTot", rec.get("CPUs"))), memory_mb=_int(rec.get("RealMemory")),
+            gres=_none(rec.get("Gres")), features=tuple(f for f in features.split(",") if f),
             state=rec.get("State", ""), partitions=tuple(p for p in _none(rec.get("Partitions")).split(",") if p),
             reason=_none(rec.get("Reason")),
         ))
@@ -93,17 +148,37 @@ class SlurmJob:
     num_nodes: int
     partition: str = ""
     features: str = ""
+    het_job_id: str = ""  # HetJobId: the leader of the heterogeneous job this is a component of ("" for a plain job)
+    het_offset: int | None = None  # HetJobOffset: the component's index (srun --het-group)
     extra: dict[str, str] = field(default_factory=dict, compare=False)
+
+    @property
+    def het(self) -> HetPlace | None:
+        """Where this component sits in its heterogeneous job; None for a plain job."""
+        if not self.het_job_id or self.het_offset is None:
+            return None
+        return HetPlace(self.het_job_id, self.het_offset, self.job_id)
+
+
+def parse_jobs(text: str) -> list[SlurmJob]:
+    """Every record of ``scontrol show job`` (``-o`` or not): one for a plain job, one per component of a
+    heterogeneous job asked for by its leader's id (``HetJobId``, ``HetJobOffset``)."""
+    out = []
+    for rec in parse_records(text):
+        if "JobId" not in rec:
+            continue
+        offset = rec.get("HetJobOffset", "")
+        out.append(SlurmJob(job_id=rec["JobId"], state=rec.get("JobState", ""), node_list=_none(rec.get("NodeList")),
+                            num_nodes=_int(rec.get("NumNodes")), partition=rec.get("Partition", ""),
+                            features=_none(rec.get("Features")), het_job_id=_none(rec.get("HetJobId")),
+                            het_offset=int(offset) if offset.isdigit() else None, extra=rec))
+    return out
 
 
 def parse_job(text: str) -> SlurmJob | None:
-    """The first record of ``scontrol show job -o``."""
-    for rec in parse_records(text):
-        if "JobId" in rec:
-            return SlurmJob(job_id=rec["JobId"], state=rec.get("JobState", ""), node_list=_none(rec.get("NodeList")),
-                            num_nodes=int(rec.get("NumNodes", "0").split("-")[0] or 0), partition=rec.get("Partition", ""),
-                            features=_none(rec.get("Features")), extra=rec)
-    return None
+    """The first record of ``scontrol show job``."""
+    jobs = parse_jobs(text)
+    return jobs[0] if jobs else None
 
 
 def _client(tool: str) -> str:
@@ -133,17 +208,32 @@ def _tail(r: subprocess.CompletedProcess) -> str:
     return lines[-1] if lines else f"exit code {r.returncode}"
 
 
-def show_job(job: str) -> SlurmJob:
-    """The job ``job``; a one-line error when Slurm does not know it or it is not running."""
+def show_jobs(job: str) -> list[SlurmJob]:
+    """The running records of ``job``: the job itself, or the running components of a heterogeneous job.
+
+    Slurm answers a heterogeneous job's leader id with every component, a
+    component's own id (or ``J+K``) with that component only. A component that
+    ended (a node failure ends every other component of one node, even with
+    ``--no-kill``) is left out while another one runs. A one-line error when Slurm
+    does not know the job or no part of it runs.
+    """
     r = _run(["scontrol", "show", "job", "-o", job], f"Slurm job {job}")
-    info = parse_job(r.stdout) if r.returncode == 0 else None
-    if info is None:
+    parts = parse_jobs(r.stdout) if r.returncode == 0 else []
+    if not parts:
         raise HetctlError(f"Slurm job {job} not found: {_tail(r)}",
                           "run hetctl inside a live allocation (salloc/sbatch) or fix slurm.job in the inventory")
-    if info.state != "RUNNING":
-        raise HetctlError(f"Slurm job {job} is {info.state or 'not running'}, not RUNNING",
+    running = [p for p in parts if p.state == "RUNNING"]
+    if not running:
+        states = ", ".join(dict.fromkeys(p.state or "not running" for p in parts))
+        raise HetctlError(f"Slurm job {job} is {states}, not RUNNING",
                           "wait for it to start (squeue -j " + job + ") or ask for a new allocation")
-    return info
+    return running
+
+
+def show_job(job: str) -> SlurmJob:
+    """The job ``job`` (a heterogeneous job's first running component); a one-line error when Slurm does not
+    know it or it is not running."""
+    return show_jobs(job)[0]
 
 
 def hostnames(node_list: str) -> list[str]:
@@ -175,15 +265,49 @@ def job_nodes(job: str) -> list[SlurmNode]:
     """The nodes of the running job ``job``, with their Gres, features, CPUs and memory.
 
     Inside that job's own allocation ``SLURM_JOB_NODELIST`` gives the list without
-    asking slurmctld; otherwise the job's ``NodeList``.
+    asking slurmctld; otherwise the job's ``NodeList``. A heterogeneous job
+    (``SLURM_HET_SIZE`` set, or several records) is always asked about: there
+    ``SLURM_JOB_NODELIST`` is unset (salloc) or names component 0 only (sbatch).
+    Its nodes are those of every running component, in component order, each with
+    its :class:`HetPlace` (a node in two components: the first).
     """
-    node_list = os.environ.get("SLURM_JOB_NODELIST") if current_job() == job else None
-    if not node_list:
-        node_list = show_job(job).node_list
-    names = hostnames(node_list)
+    node_list = None
+    if current_job() == job and not os.environ.get("SLURM_HET_SIZE"):
+        node_list = os.environ.get("SLURM_JOB_NODELIST")
+    place: dict[str, HetPlace | None] = {}
+    if node_list:
+        names = hostnames(node_list)
+    else:
+        names = []
+        for part in show_jobs(job):
+            for name in hostnames(part.node_list) if part.node_list else []:
+                if name not in place:
+                    place[name] = part.het
+                    names.append(name)
     if not names:
         raise HetctlError(f"Slurm job {job} holds no nodes")
-    return show_nodes(names)
+    return [replace(n, het=place.get(n.name)) for n in show_nodes(names)]
+
+
+def env_het_place(name: str, environ=os.environ) -> HetPlace | None:
+    """The component of the heterogeneous allocation hetctl runs in that holds node ``name``, from the
+    variables salloc/sbatch set (``SLURM_HET_SIZE``, ``SLURM_JOB_NODELIST_HET_GROUP_<n>``,
+    ``SLURM_JOB_ID_HET_GROUP_<n>``); None in a plain allocation or when no component lists the node."""
+    import hostlist
+
+    try:
+        size = int(environ.get("SLURM_HET_SIZE", "0"))
+    except ValueError:
+        return None
+    leader = environ.get("SLURM_JOB_ID", "")
+    for group in range(size if leader else 0):
+        try:
+            names = hostlist.expand_hostlist(environ.get(f"SLURM_JOB_NODELIST_HET_GROUP_{group}", ""))
+        except (hostlist.BadHostlist, ValueError):
+            continue
+        if name in names:
+            return HetPlace(leader, group, environ.get(f"SLURM_JOB_ID_HET_GROUP_{group}", "") or leader)
+    return None
 
 
 def node_state(name: str) -> SlurmNode | None:
@@ -216,21 +340,28 @@ def slurmd_timeout(default: float = 300.0) -> float:
 
 
 def confirm_lost(names: Sequence[str], within_s: float, poll_s: float = 0.5, *, show=None, clock=time.monotonic,
-                 sleep=time.sleep) -> dict[str, SlurmNode | None]:
+                 sleep=time.sleep, until_down: bool = False) -> dict[str, SlurmNode | None]:
     """Ask slurmctld about ``names`` until each is in a lost state or ``within_s`` passed.
 
     slurmctld marks a node that stops answering NOT_RESPONDING at its next ping and
     DOWN after ``SlurmdTimeout``, so a node that died a moment ago still reads
-    healthy: the answer is polled, never taken once. Returns name → the node as
-    Slurm last described it (``.lost`` says the verdict); None when Slurm could not
-    be asked at all (then the caller keeps what it saw itself).
+    healthy: the answer is polled, never taken once. ``until_down``: NOT_RESPONDING
+    alone does not end the wait (a heterogeneous job: Slurm ends the job's other
+    components only when it marks the node DOWN). Returns name → the node as Slurm
+    last described it (``.lost`` says the verdict); None when Slurm could not be
+    asked at all (then the caller keeps what it saw itself).
     """
     show = show or show_nodes
     names = list(dict.fromkeys(names))
     seen: dict[str, SlurmNode | None] = {n: None for n in names}
     deadline = clock() + within_s
+
+    def done(n: str) -> bool:
+        node = seen[n]
+        return node is not None and (node.down if until_down else node.lost)
+
     while True:
-        pending = [n for n in names if seen[n] is None or not seen[n].lost]
+        pending = [n for n in names if not done(n)]
         if not pending:
             return seen
         try:
@@ -238,9 +369,40 @@ def confirm_lost(names: Sequence[str], within_s: float, poll_s: float = 0.5, *, 
                 seen[node.name] = node
         except HetctlError:
             pass
-        if all(seen[n] is not None and seen[n].lost for n in pending) or clock() >= deadline:
+        if all(done(n) for n in pending) or clock() >= deadline:
             return seen
         sleep(poll_s)
+
+
+def ended_components(places: Mapping[str, HetPlace], run=None) -> dict[str, str]:
+    """Slurm's word on each node whose heterogeneous-job component no longer runs (node → words).
+
+    When a node fails, Slurm ends every other component of the job that holds a
+    single node, even with ``--no-kill`` (slurmctld's ``_het_job_on_node`` counts
+    the whole job as on the failed node; a component of several nodes only drops
+    the failed one): such a node reads IDLE, yet no step can start there any more.
+    A component Slurm cannot be asked about is left out.
+    """
+    run = run or _run
+    out: dict[str, str] = {}
+    for component in dict.fromkeys(p.component for p in places.values()):
+        try:
+            r = run(["scontrol", "show", "job", "-o", component], f"Slurm job {component}")
+        except HetctlError:
+            continue
+        info = parse_job(r.stdout) if r.returncode == 0 else None
+        if info is None:
+            if "Invalid job id" not in (r.stderr or ""):
+                continue  # not an answer about the job
+            state, reason = "gone", ""
+        elif info.state in ("RUNNING", "SUSPENDED"):
+            continue
+        else:
+            state, reason = info.state, _none(info.extra.get("Reason", "")).replace("None", "")
+        for node, place in places.items():
+            if place.component == component:
+                out[node] = f"slurm: {node}'s job component {place.label} is {state}" + (f" ({reason})" if reason else "")
+    return out
 
 
 def check_plan_fits(plan_nodes: Sequence[str], inventory) -> None:
@@ -296,6 +458,7 @@ def allocation_nodes(s) -> tuple[str, list[SlurmNode]]:
                               f"run hetctl inside one (salloc {want + ' ' if want else ''}hetctl …) or set slurm.job"
                               + ("; `hetctl launch` and `hetctl resume` ask for one themselves" if want else ""))
     found = job_nodes(job)
+    job = next((n.het.leader for n in found if n.het is not None), job)  # the id srun takes: a het job's leader
     lacking = [(n.name, ft) for n in found for ft in s.features if ft not in n.features]
     if lacking:
         raise AllocationError(("features",), f"node {lacking[0][0]} of job {job} lacks feature {lacking[0][1]!r}",
