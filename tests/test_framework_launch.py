@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -223,7 +224,8 @@ def test_resume_picks_up_a_megatron_checkpoint_folder_and_megatron_accepts_the_r
     out = tmp_path / "records"
     out.mkdir()
     wrapper = tmp_path / "megatron-python"
-    wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} {HERE / "framework_check.py"} "$CHECK_OUT" "$@"\n')
+    wrapper.write_text(f'#!/bin/sh\ncase "$1" in -c) exec {sys.executable} "$@";; esac\n'  # launch's argument check
+                       f'exec {sys.executable} {HERE / "framework_check.py"} "$CHECK_OUT" "$@"\n')
     wrapper.chmod(0o755)
     inv = yaml.safe_load((site / "inventory.yaml").read_text())
     mlm = FLAG_SCALE / "third_party/Megatron-LM"
@@ -382,3 +384,127 @@ def test_a_torchrun_script_that_writes_heartbeats_is_watched_without_progress_pa
     assert proc.returncode == 5, err
     failed = events(run, "rank_failed")
     assert failed[0]["rank"] == 0 and "hang" in failed[0]["reason"] and "SIGSTOP" in failed[0]["reason"]
+
+
+def megatron_site(tmp_path: Path, mlm: Path, pythonpath: str) -> tuple[Path, Path]:
+    """The demo's three local nodes with a Megatron-LM plan (PP=3) in ``plan-megatron``, ``MEGATRON_DIR`` = ``mlm``.
+
+    The ranks' python (``HETCTL_PYTHON``) is this one behind a wrapper that leaves a file in ``starts/`` each time
+    it runs: ``check.*`` for launch's argument check (``python -c``), ``rank.*`` for a rank.
+    """
+    from hetctl.files.cluster import Cluster
+    from hetctl.files.yamlio import load_model
+    from hetctl.plan.models import load_model as load_preset
+    from hetctl.plan.planner import plan_cluster
+    from hetctl.plan.render import write_plan_dir
+    from hetctl.plan.search import Pins
+
+    site = local_site(tmp_path)
+    starts = tmp_path / "starts"
+    starts.mkdir()
+    wrapper = tmp_path / "ranks-python"
+    wrapper.write_text(f'#!/bin/sh\ncase "$1" in -c) kind=check;; *) kind=rank;; esac\n'
+                       f'mktemp {shlex.quote(str(starts))}/"$kind".XXXXXX >/dev/null\n'
+                       f'exec {shlex.quote(sys.executable)} "$@"\n')
+    wrapper.chmod(0o755)
+    inv = yaml.safe_load((site / "inventory.yaml").read_text())
+    inv["defaults"]["env"].update({"HETCTL_PYTHON": str(wrapper), "MEGATRON_DIR": str(mlm), "PYTHONPATH": pythonpath})
+    (site / "inventory.yaml").write_text(yaml.safe_dump(inv))
+    cluster = load_model(site / "cluster.yaml", Cluster)
+    plan = plan_cluster(cluster, load_preset("tiny"), pins=Pins(pp=3, dp=1), framework="megatron",
+                        cluster_path=site / "cluster.yaml")
+    write_plan_dir(plan, site / "plan-megatron")
+    return site, starts
+
+
+def refused_before_any_rank(r: subprocess.CompletedProcess, site: Path, starts: Path) -> str:
+    """The launch's one error line, after checking that it exited 3 with no rank started, logged or beating."""
+    assert r.returncode == 3, r.stderr
+    assert "Traceback" not in r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "cannot launch on 3 nodes: " in errors[0], r.stderr
+    assert "hint: nothing was started on any node" in r.stderr
+    assert sorted(p.name.split(".")[0] for p in starts.iterdir()) == ["check"]  # once for the 3 nodes; no rank
+    assert not list(site.glob("runs/*/logs/*/rank-*.log"))
+    assert not [p for p in site.glob("nodes/*/runs/**/*") if p.parent.name in ("hb", "logs")]
+    return errors[0]
+
+
+@pytest.mark.timeout(600)
+@needs_megatron_lm
+def test_a_flag_megatron_does_not_know_in_args_is_refused_by_its_own_parser_before_any_rank_starts(tmp_path):
+    from tests.test_frameworks import FLAG_SCALE
+
+    mlm = FLAG_SCALE / "third_party/Megatron-LM"
+    site, starts = megatron_site(tmp_path, mlm, f"{FLAG_SCALE}:{mlm}")
+    r = local_cli(site, "launch", "plan-megatron", "--run-dir", "runs", "--steps", "5", "--args",
+                  "--mock-data --tokenizer-type NullTokenizer --vocab-size 256 --bogus-flag 1", timeout=600)
+    line = refused_before_any_rank(r, site, starts)
+    assert all(n in line for n in ("node-a", "node-b", "node-c"))
+    assert (f"Megatron-LM at {mlm} rejects the ranks' arguments: unrecognized arguments: --bogus-flag 1 "
+            "(--bogus-flag comes from --args: fix --args)") in line
+    assert "update Megatron-LM" not in line  # every flag hetctl rendered was accepted
+
+
+def older_megatron(tmp_path: Path, mlm: Path, unknown: list[str]) -> Path:
+    """The installed Megatron-LM as a release that predates ``unknown``: the same files, linked (the scripts
+    copied, so that Python puts this folder first on sys.path), with a parser that has other names for them."""
+    old = tmp_path / "Megatron-LM-older"
+    for sub, own in (("", "megatron"), ("megatron", "training"), ("megatron/training", "arguments.py")):
+        (old / sub).mkdir(exist_ok=True)
+        for src in (mlm / sub).iterdir():
+            dst = old / sub / src.name
+            if src.name == own:  # made here
+                continue
+            if src.suffix == ".py" and not sub:
+                dst.write_bytes(src.read_bytes())
+            else:
+                dst.symlink_to(src)
+    text = (mlm / "megatron/training/arguments.py").read_text()
+    for flag in unknown:
+        assert text.count(f"'{flag}'") == 1, flag
+        text = text.replace(f"'{flag}'", f"'--not-yet{flag[1:]}'")
+    (old / "megatron/training/arguments.py").write_text(text)
+    return old
+
+
+@pytest.mark.timeout(600)
+@needs_megatron_lm
+def test_a_megatron_lm_older_than_the_flags_hetctl_renders_is_refused_naming_the_release_that_has_them(tmp_path):
+    from tests.test_frameworks import FLAG_SCALE
+
+    new = ["--pipeline-model-parallel-layout", "--dist-ckpt-optim-fully-reshardable"]
+    old = older_megatron(tmp_path, FLAG_SCALE / "third_party/Megatron-LM", new)
+    site, starts = megatron_site(tmp_path, old, str(FLAG_SCALE))  # its Megatron-LM imports flagscale
+    r = local_cli(site, "launch", "plan-megatron", "--run-dir", "runs", "--steps", "5", timeout=600)
+    line = refused_before_any_rank(r, site, starts)
+    assert f"Megatron-LM at {old} rejects the ranks' arguments: unrecognized arguments: " \
+        "--pipeline-model-parallel-layout E," in line
+    assert ("hetctl renders --pipeline-model-parallel-layout (new in Megatron-LM core_v0.13.0) and "
+            "--dist-ckpt-optim-fully-reshardable (new in core_v0.15.0): update Megatron-LM on the node to "
+            "core_v0.15.0 or later") in line
+    assert "--args" not in line
+
+
+def test_a_megatron_lm_path_without_an_importable_megatron_is_one_clear_line(tmp_path):
+    mlm = tmp_path / "Megatron-LM"
+    mlm.mkdir()
+    (mlm / "pretrain_gpt.py").write_text("# a checkout's script without its megatron package\n")
+    site, starts = megatron_site(tmp_path, mlm, str(tmp_path / "nothing-here"))
+    r = local_cli(site, "launch", "plan-megatron", "--run-dir", "runs", "--steps", "5", timeout=600)
+    line = refused_before_any_rank(r, site, starts)
+    assert f"Megatron-LM at {mlm} cannot be imported by the ranks' python: ModuleNotFoundError: No module " \
+        "named 'megatron" in line
+    assert "set MEGATRON_DIR in the inventory's env: to a working checkout" in line
+
+
+def test_a_dry_run_says_megatrons_argument_check_is_not_run(tmp_path):
+    site, starts = megatron_site(tmp_path, tmp_path / "Megatron-LM", str(tmp_path))
+    r = local_cli(site, "launch", "plan-megatron", "--dry-run")
+    assert r.returncode == 0, r.stderr
+    note = ("not checked in a dry run: that each node has megatron's files and modules, and that Megatron-LM's own "
+            "parse_args there accepts a rank's arguments (once per python and checkout)")
+    assert note in " ".join(r.stdout.split())
+    r = local_cli(site, "launch", "plan-megatron", "--dry-run", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["not_checked"] == note
+    assert not list(starts.iterdir())

@@ -255,3 +255,99 @@ def test_deepspeed_accepts_the_rendered_scripts_and_places_every_rank(tmp_path):
         assert (rec["train_batch_size"], rec["micro_batch"], rec["grad_acc"]) == \
             (par.global_batch, par.micro_batch, par.micro_batches)
         assert rec["local_rank"] == rec["env_local_rank"]
+
+
+def launch_check(tmp_path: Path, plan: Plan, env: dict[str, str], args: list[str]) -> tuple[dict, list[str]]:
+    """``hetctl launch``'s argument check for the node of the plan's rank 0, run through the local transport.
+
+    Returns its answer and the argv the same rank gets on a restart (``HETCTL_RESUME_STEP`` set, as in the
+    check), from the rank's own command with a python that prints its arguments.
+    """
+    from hetctl.files.inventory import Node
+    from hetctl.launch import fwargs
+    from hetctl.launch.controller import AttemptRequest
+    from hetctl.launch.materialize import materialize
+    from hetctl.remote.local import LocalTransport
+
+    printer = tmp_path / "print-argv"
+    printer.write_text(f"#!{sys.executable}\nimport json, sys\nprint(json.dumps(sys.argv[2:]))\n")
+    printer.chmod(0o755)
+    nodes = {n: Node(name=n, host="localhost", transport="local", python=sys.executable, workdir=str(tmp_path),
+                     env=env) for n in plan.nodes}
+    req = AttemptRequest(plan=plan, attempt=0, steps=20, checkpoint_every=5, ckpt_dir=str(tmp_path / "ckpt"),
+                         script_args=tuple(args))
+    name = min(plan.ranks, key=lambda r: r.rank).node
+    t = LocalTransport(nodes[name])
+    argv, check_env = fwargs.command(req, nodes, name, str(tmp_path), "run-1", hetctl_found=True)
+    res = t.run(argv, env=check_env, cwd=str(tmp_path), timeout=600, check=False)
+    assert fwargs.problem(plan.framework, res.stdout, res.stderr, res.exit_code, args) is None, res.stderr[-3000:]
+    answer = json.loads(res.stdout.strip().splitlines()[-1])
+    spec = materialize(plan, nodes, run_id="run-1", attempt=1, master_addr="127.0.0.1", master_port=0, steps=20,
+                       checkpoint_every=5, resume_step=1, ckpt_dir=str(tmp_path / "ckpt"), script_args=args,
+                       workdirs={name: str(tmp_path)})
+    rank = spec.node(name).ranks[0]
+    res = t.run(list(rank.argv), env={**rank.env, "HETCTL_PYTHON": str(printer)}, cwd=str(tmp_path), timeout=60)
+    return answer, json.loads(res.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(900)
+@needs_flagscale
+def test_the_installed_megatron_lm_accepts_every_rendered_plans_exact_argv_in_launchs_check(tmp_path):
+    """Plain, tensor-parallel, interleaved and FlagScale hetero plans, with and without --args: the node's own
+    parse_args (FlagScale's Megatron-LM) takes the very argv a rank runs, resume flags included."""
+    mlm = FLAG_SCALE / "third_party/Megatron-LM"
+    megatron_env = {"MEGATRON_DIR": str(mlm), "PYTHONPATH": f"{FLAG_SCALE}:{mlm}"}
+    hetero = Cluster(nodes=[node("gpu-a", "nvidia", "NVIDIA A100-SXM4-80GB", 4, 80.0, 312.0, 312.0),
+                            node("npu-b", "ascend", "910B2C", 2, 64.0, 376.0, 376.0)])
+    cases = [
+        (plan_cluster(Cluster(nodes=a100s(2, 2)), SMALL, global_batch=16, framework="megatron", homogeneous=False,
+                      pins=Pins(tp=2)), megatron_env, CPU_ARGS),
+        (plan_cluster(Cluster(nodes=a100s(2, 4)), SMALL, global_batch=32, framework="megatron", homogeneous=False),
+         megatron_env, []),
+        (plan_cluster(hetero, SMALL, global_batch=16, framework="flagscale", homogeneous=False, pins=Pins(dp=2)),
+         {"FLAGSCALE_DIR": str(FLAG_SCALE)}, CPU_ARGS),
+    ]
+    assert cases[1][0].parallel.virtual_stages > 1
+    for i, (plan, env, args) in enumerate(cases):
+        d = tmp_path / str(i)
+        d.mkdir()
+        answer, rank_argv = launch_check(d, plan, env, args)
+        assert answer["ok"] and answer["megatron"] == str(mlm)
+        assert answer["argv"] == rank_argv
+        rendered = rank_argv[:len(rank_argv) - len(args)] if args else rank_argv
+        assert {"--ckpt-format", "--dist-ckpt-optim-fully-reshardable", "--ckpt-step"} <= set(rendered)
+        assert ("--pipeline-model-parallel-layout" in rendered) == (plan.framework == "megatron")
+        assert ("--mock-data" in rendered) == (not args)  # the script's own default without --args
+
+
+def test_a_refusal_says_who_passed_each_flag_and_which_release_has_it():
+    from hetctl.launch.fwargs import problem
+
+    argv = ["--num-layers", "8", "--pipeline-model-parallel-layout", "E,t*4|t*4,L", "--ckpt-step", "3",
+            "--lr", "3e-4", "--mock-data", "--lr", "x", "--typo", "1"]
+    user = ["--mock-data", "--lr", "x", "--typo", "1"]
+
+    def answer(message: str, framework: str = "megatron", args: list[str] = user) -> str:
+        report = {"script": "/opt/mlm/pretrain_gpt.py", "megatron": "/opt/mlm", "argv": argv, "rejected": message}
+        line, hint = problem(framework, json.dumps(report), "", 0, args)
+        what = {"megatron": "Megatron-LM", "flagscale": "FlagScale's Megatron-LM"}[framework]
+        assert line == f"{what} at /opt/mlm rejects the ranks' arguments: {message}"
+        return hint
+
+    assert answer("unrecognized arguments: --pipeline-model-parallel-layout E,t*4|t*4,L --ckpt-step 3 --typo 1") == (
+        "hetctl renders --pipeline-model-parallel-layout (new in Megatron-LM core_v0.13.0) and --ckpt-step (new in "
+        "core_v0.6.0, passed when resuming): update Megatron-LM on the node to core_v0.13.0 or later; "
+        "--typo comes from --args: fix --args")
+    assert answer("argument --lr: invalid float value: 'x'") == "--lr comes from --args: fix --args"
+    assert answer("unrecognized arguments: --mock-data", args=[]) == \
+        "hetctl renders --mock-data (new in Megatron-LM core_v0.5.0): update Megatron-LM on the node to core_v0.5.0 " \
+        "or later"
+    assert answer("unrecognized arguments: --num-layers 8", "flagscale") == \
+        "hetctl renders --num-layers: update FlagScale (its third_party/Megatron-LM) on the node"
+    # no answer in time: the ranks' own parse decides; an answer of import trouble is one line with what to do
+    assert problem("megatron", "", "hetctl: timed out after 120 s", 124) is None
+    line, hint = problem("flagscale", json.dumps({"script": "/fs/flagscale/train/train_gpt.py",
+                                                  "import": "ModuleNotFoundError: No module named 'torch'"}), "", 0)
+    assert line == "FlagScale's Megatron-LM at /fs cannot be imported by the ranks' python: ModuleNotFoundError: " \
+        "No module named 'torch'" and "FLAGSCALE_DIR" in hint

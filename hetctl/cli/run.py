@@ -107,10 +107,15 @@ def launch_cmd(
         spec = launcher.dry_run(plan, inv, steps=steps, checkpoint_every=checkpoint_every, run_root=run_dir,
                                 master_port=master_port, entry=words, ssh=ssh, progress=progress, script=script,
                                 script_args=extra)
+        from hetctl.launch.fwargs import dry_run_note
+
+        note = dry_run_note(plan, words)
         if json_out:
             import json
 
             data = spec.to_dict()
+            if note:
+                data["not_checked"] = note
             data["ssh"] = {n: (e if isinstance(e, str) else e.to_dict()) for n, e in ssh.items()}
             if any(n.transport == "slurm" for n in spec.nodes):  # the step each agent runs in, argv exactly
                 from hetctl.remote.slurm import dry_run_step
@@ -118,7 +123,7 @@ def launch_cmd(
                 data["srun"] = {n.node: dry_run_step(inv.node(n.node), n) for n in spec.nodes if n.transport == "slurm"}
             print_json(json.dumps(data, indent=2))
         else:
-            _print_dry_run(spec, inv, ssh)
+            _print_dry_run(spec, inv, ssh, note)
 
 
 def _launch(plan, inv, pf, alloc, *, run_dir, steps, checkpoint_every, entry, max_restarts, max_node_failures,
@@ -274,8 +279,9 @@ def _finish_launch(result, json_out: bool) -> None:
         raise typer.Exit(130 if s.state == "stopped" else RunFailed.exit_code)
 
 
-def _print_dry_run(spec, inv=None, ssh=None) -> None:
-    """Per node: the agent command, then each rank's argv and environment (secrets masked)."""
+def _print_dry_run(spec, inv=None, ssh=None, note=None) -> None:
+    """Per node: the agent command, then each rank's argv and environment (secrets masked); ``note``: the node
+    checks a launch would run first."""
     import shlex
 
     from hetctl.launch.materialize import mask_env
@@ -283,6 +289,8 @@ def _print_dry_run(spec, inv=None, ssh=None) -> None:
     out.print(text(("dry run", "bold"), f": attempt {spec.attempt}, {sum(len(n.ranks) for n in spec.nodes)} ranks on "
               f"{len(spec.nodes)} nodes; rendezvous {spec.master_addr}:{spec.master_port}; "
               f"checkpoints {spec.ckpt_dir}; nothing started"), highlight=False, soft_wrap=True)
+    if note:
+        out.print(text(note), highlight=False, soft_wrap=True)
     for n in spec.nodes:
         out.print(text("\n", (n.node, "bold"), f" ({n.transport} {n.host}, workdir {n.workdir})"), highlight=False)
         eff = (ssh or {}).get(n.node)

@@ -308,6 +308,9 @@ class AttemptController:
             return [_start_failure(n, "not in the inventory") for n in dict.fromkeys(missing)]
         rank0 = min(plan.ranks, key=lambda r: r.rank).node
         needs = ("hetctl", "torch") if mat.reference(plan, self.req.entry) else ()
+        from hetctl.launch.fwargs import Once
+
+        argchecks = Once()  # Megatron-LM's argument check: once per distinct environment
 
         def check(node: Any) -> dict[str, Any]:
             kept = self.pool.preflight(node.name) if self.pool is not None else None  # drops a dead agent first
@@ -337,16 +340,11 @@ class AttemptController:
             if lacking:
                 raise HetctlError(f"{' and '.join(lacking)} not importable by `{node.python}`",
                                   "the reference trainer needs `pip install 'hetctl[train]'` on the node")
-            if mat.rendered(plan, self.req.entry):  # the framework (its checkout) and the user's script
+            if mat.rendered(plan, self.req.entry):  # the framework (its checkout), the user's script, the arguments
                 from hetctl.launch import fwcheck
 
-                spec = fwcheck.requirements(plan.framework, info.get("workdir") or str(node.workdir), self.req.script)
-                if spec is not None:
-                    res = t.run(fwcheck.check_argv(node.python, spec), env=node.env or None,
-                                timeout=self.th.connect_timeout, check=False)
-                    why = fwcheck.problem(plan.framework, spec, res.stdout)
-                    if why:
-                        raise HetctlError(why)
+                fwcheck.check_node(t, node, info, self.req, self.nodes, self.run_dir.run_id, self.th.connect_timeout,
+                                   argchecks)
             if self.pool is not None:
                 self.pool.remember(node.name, info)
             return info

@@ -67,3 +67,25 @@ def problem(framework: str, spec: dict[str, Any], stdout: str) -> str | None:
             hint = _HINT.get(var or "HETCTL_SCRIPT", "")
             return f"{name} not found: {path} does not exist on the node (workdir {spec['workdir']}); {hint}"
     return None
+
+
+def check_node(t: Any, node: Any, info: dict, req: Any, nodes: Any, run_id: str, timeout: float, argchecks: Any) -> None:
+    """On one node, before anything starts: the framework's files and modules, then (Megatron-LM,
+    FlagScale) its own ``parse_args`` on a rank's arguments (:mod:`hetctl.launch.fwargs`).
+
+    Raises:
+        HetctlError: one line naming what the node lacks or what its Megatron-LM refuses.
+    """
+    from hetctl.errors import HetctlError
+    from hetctl.launch import fwargs
+
+    framework = req.plan.framework
+    spec = requirements(framework, info.get("workdir") or str(node.workdir), req.script)
+    if spec is None:
+        return
+    res = t.run(check_argv(node.python, spec), env=node.env or None, timeout=timeout, check=False)
+    why = problem(framework, spec, res.stdout)
+    if why:
+        raise HetctlError(why)
+    if fwargs.wanted(req.plan, req.entry):
+        fwargs.check_node(t, node, info, req, nodes, run_id, timeout, argchecks)

@@ -148,6 +148,7 @@ def materialize(
     script: str | None = None,
     script_args: Sequence[str] = (),
     resume_env: Mapping[str, str] | None = None,
+    only: set[int] | None = None,
 ) -> LaunchSpec:
     """Build the exact launch of one attempt (pure: no network, no files).
 
@@ -170,6 +171,7 @@ def materialize(
             script (``HETCTL_SCRIPT``, torchrun/DeepSpeed) and the arguments of every rank's command.
         resume_env: where to resume from, for a framework's own checkpoints
             (:func:`hetctl.elastic.fwckpt.resume_env`).
+        only: just these plan ranks (and their nodes); all when None.
 
     A plan for ``megatron``, ``flagscale``, ``deepspeed`` or ``torchrun`` launched
     without ``--entry`` runs each rank's rendered command: its node script rendered
@@ -196,7 +198,7 @@ def materialize(
     if rendered(plan, entry):
         from hetctl.plan.render import render_rank_scripts
 
-        scripts = render_rank_scripts(plan)
+        scripts = render_rank_scripts(plan, only=only)
         progress = progress or DEFAULT_PROGRESS.get(plan.framework)
     out: list[NodeLaunch] = []
     order = list(dict.fromkeys([r.node for r in sorted(plan.ranks, key=lambda r: r.rank)]))
@@ -207,6 +209,8 @@ def materialize(
         plan_path = f"{base}/plan.json"
         ranks = []
         for r in sorted(plan.ranks_on(name), key=lambda r: r.rank):
+            if only is not None and r.rank not in only:
+                continue
             hb = f"{base}/hb/rank-{r.rank}.json"
             env = rank_env(
                 plan, r, master_addr=master_addr, master_port=master_port, run_id=run_id, attempt=attempt,
@@ -234,11 +238,12 @@ def materialize(
                 argv=argv, env=env,
                 log=f"{base}/logs/rank-{r.rank}.log", heartbeat=hb, progress=progress,
             ))
-        out.append(NodeLaunch(
-            node=name, host=node.host, transport=node.transport, python=node.python, workdir=workdir,
-            agent_argv=(node.python, agent_path(workdir)), env=dict(node.env or {}),
-            plan_path=plan_path, ranks=tuple(ranks),
-        ))
+        if ranks or only is None:
+            out.append(NodeLaunch(
+                node=name, host=node.host, transport=node.transport, python=node.python, workdir=workdir,
+                agent_argv=(node.python, agent_path(workdir)), env=dict(node.env or {}),
+                plan_path=plan_path, ranks=tuple(ranks),
+            ))
     return LaunchSpec(
         run_id=run_id, attempt=attempt, master_addr=master_addr, master_port=str(master_port),
         resume_step=resume_step, steps=steps, checkpoint_every=checkpoint_every, ckpt_dir=ckpt_dir,

@@ -272,21 +272,25 @@ class RankScript:
     text: str
 
 
-def render_rank_scripts(plan: Plan, hosts: dict[str, str] | None = None,
-                        plan_path: str = "plan.yaml") -> dict[int, RankScript]:
-    """Per plan rank, its node script rendered for that rank alone (the same template and values).
+def render_rank_scripts(plan: Plan, hosts: dict[str, str] | None = None, plan_path: str = "plan.yaml", *,
+                        only: set[int] | None = None, check: bool = False) -> dict[int, RankScript]:
+    """Per plan rank (those in ``only``), its node script rendered for that rank alone (the same template and values).
 
     The script runs the node script's setup (paths, framework arguments, the
     DeepSpeed config) and then execs the rank's command with the rank's
     environment, so the agent's child *is* the rank: its exit status and
     signals, its process state (a SIGSTOP), its output. One source of truth:
-    :func:`render_node_scripts` renders the same per-rank values.
+    :func:`render_node_scripts` renders the same per-rank values. With ``check``
+    (Megatron-LM, FlagScale) the command runs ``$HETCTL_ARGCHECK`` as ``python -c``
+    in front of the training script, with the same arguments, and the script
+    creates no folder (``hetctl/node/fwargs.py``).
     """
     template, common, by_node = _prepare(plan, hosts or {}, plan_path)
     out = {}
     for node, ranks in by_node.items():
-        for r in ranks:
-            text = check_script(template.render(node=node, ranks=[r], single=True, **common), script_name(node))
+        for r in (r for r in ranks if only is None or r["plan_rank"] in only):
+            text = check_script(template.render(node=node, ranks=[r], single=True, **{**common, "check": check}),
+                                script_name(node))
             out[r["plan_rank"]] = RankScript(r["plan_rank"], r["rank"], node, r["heartbeat"], text)
     return out
 
@@ -325,7 +329,7 @@ def _prepare(plan: Plan, hosts: dict[str, str], plan_path: str):
         "model_args": _model_args(plan), "train_args": TRAIN_ARGS, "layout": megatron_layout(virtual),
         "meshes": mesh_list, "vendors": vendors, "layer_split": split,
         "mesh_args": [n for m in mesh_list for n in (m.tp, 1, 1, plan.parallel.dp, m.stages)],
-        "uniform_tp": len({s.tp for s in plan.stages}) == 1,
+        "uniform_tp": len({s.tp for s in plan.stages}) == 1, "check": False,
         "ds_config": json.dumps(_ds_config(plan), sort_keys=True),
         "ds_launcher": _ds_launcher(plan, hosts, mesh_list)[1] if fw == "deepspeed" else None,
     }
