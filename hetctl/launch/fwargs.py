@@ -16,7 +16,6 @@ time does not hold the launch (the ranks' own parse still decides).
 
 from __future__ import annotations
 
-import json
 import posixpath
 import re
 import threading
@@ -120,22 +119,11 @@ def check_node(t: Any, node: Any, info: dict, req: Any, nodes: Any, run_id: str,
         raise HetctlError(*why)
 
 
-def _answer(stdout: str) -> dict | None:
-    for line in reversed((stdout or "").strip().splitlines()):
-        try:
-            data = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(data, dict):
-            return data
-    return None
-
-
 def problem(framework: str, stdout: str, stderr: str, exit_code: int, script_args: Any = ()
             ) -> tuple[str, str | None] | None:
     """``(line, hint)`` for a node whose Megatron-LM refuses the argv (None when it accepts it, or gave no answer)."""
     what, var, _ = FRAMEWORKS[framework]
-    report = _answer(stdout)
+    report = mat.parse_preflight(stdout)
     if report is None:
         if exit_code == TIMEOUT_EXIT:
             return None  # no answer in time: the ranks' own parse decides

@@ -339,7 +339,7 @@ def have_argv(python: str, files: Mapping[str, str]) -> list[str]:
 
 
 def parse_preflight(stdout: str) -> dict[str, Any] | None:
-    """The preflight's JSON line, or None when it printed none."""
+    """The last JSON object line a node program printed (the preflight's, a check's), or None when it printed none."""
     for line in reversed((stdout or "").strip().splitlines()):
         try:
             data = json.loads(line)
