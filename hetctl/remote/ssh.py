@@ -32,14 +32,8 @@ own options (see :mod:`hetctl.remote.sshconfig` for the precedence):
 
 Commands run through the node's login shell, which must be POSIX (sh, bash, zsh): the
 line comes from :func:`hetctl.remote.local.shell_command`, so every value is quoted,
-behind ``echo hetctl-pid:$$ >&2; echo hetctl-pid:$$``: the start line on both streams.
-It tells the transport that hetctl's own command runs (and which process group to kill
-on a timeout), and it divides what the login shell printed first (a ``~/.bashrc`` that
-echoes a greeting or sets the terminal title, a ``LocalCommand``) from the command's own
-output, which alone is returned. Nothing is written to the command's stdin (its
-environment, its input) before that line arrives: a node whose start-up files ``exec``
-another shell, whose sshd has a ``ForceCommand``, or whose login shell is not POSIX
-never reads hetctl's data, and fails with one line saying so.
+behind the start line of :mod:`hetctl.remote.startline` (what the login shell printed
+before it is not the command's output; nothing reaches the node's stdin before it).
 """
 
 from __future__ import annotations
@@ -55,16 +49,13 @@ from pathlib import Path, PurePosixPath
 from typing import IO, Mapping, Sequence
 
 from hetctl.errors import AuthFailed, HetctlError, RemoteError, Unreachable
-from hetctl.remote import sshconfig
+from hetctl.remote import sshconfig, startline
 from hetctl.remote.base import Result, track, untrack
 from hetctl.remote.local import TIMEOUT_EXIT, command_env, env_on_stdin, finish, shell_command, write_first
 from hetctl.remote.ssherrors import classify
 
 CONTROL_PERSIST_S = 60  # an idle master outlives a crashed hetctl by this long, no longer
-PID_MARKER = b"hetctl-pid:"
-_PID_LINE = re.compile(rb"hetctl-pid:(\d+)\r?\n")
 _PROXY_CLOSED = re.compile(r"kex_exchange_identification|UNKNOWN port 65535")  # a proxied stream closed before the banner
-_START = "echo hetctl-pid:$$ >&2; echo hetctl-pid:$$; "  # the start line, on stderr and on stdout
 _NOT_RUN_HINT = ("`ssh HOST echo ok` must print just ok: a start-up file (~/.bashrc, ~/.profile) that execs another "
                  "shell or waits for input, sshd's ForceCommand, or a login shell that is not POSIX sh (csh, fish) "
                  "prevents that")
@@ -295,7 +286,7 @@ class SshTransport:
                               node=self.node)
         wrapped, prefix = env_on_stdin(self.spec.python, argv, command_env(self.spec, env) if node_env else
                                        dict(env or {}))
-        line = _START + shell_command(wrapped, None, cwd)
+        line = startline.START + shell_command(wrapped, None, cwd)
         self._used = True
         popen = subprocess.Popen(self._argv("auto", command=line), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, start_new_session=True)
@@ -343,10 +334,10 @@ class SshTransport:
         popen, prefix = self._popen(argv, env, cwd, node_env)
         track(popen)
         chunks: dict[str, list[bytes]] = {"out": [], "err": []}
-        started = _Started()
-        readers = [threading.Thread(target=_drain, args=(popen.stdout, chunks["out"]), daemon=True),
-                   threading.Thread(target=_drain, args=(popen.stderr, chunks["err"], started), daemon=True),
-                   threading.Thread(target=_feed, args=(popen.stdin, prefix + (input or b""), started), daemon=True)]
+        started = startline.Started()
+        readers = [threading.Thread(target=startline.drain, args=(popen.stdout, chunks["out"]), daemon=True),
+                   threading.Thread(target=startline.drain, args=(popen.stderr, chunks["err"], started), daemon=True),
+                   threading.Thread(target=startline.feed, args=(popen.stdin, prefix + (input or b""), started), daemon=True)]
         for t in readers:
             t.start()
         start_limit = self._start_limit()
@@ -371,9 +362,9 @@ class SshTransport:
         started.end()
         for t in readers:
             t.join(None if finished else 5)
-        pid, err_bytes = _strip_marker(b"".join(chunks["err"]))
+        pid, err_bytes = startline.strip_marker(b"".join(chunks["err"]))
         err = err_bytes.decode("utf-8", errors="replace")
-        out_bytes = _after_start(b"".join(chunks["out"]), pid)
+        out_bytes = startline.after_start(b"".join(chunks["out"]), pid)
         out = out_bytes.decode("utf-8", errors="replace")
         command = shlex.join(argv)
         if pid is None and not (code == SSH_FAILED and finished):  # the start line never came
@@ -431,9 +422,9 @@ class SshTransport:
         timer = threading.Timer(limit, give_up)
         timer.start()
         try:
-            pid, early = _await_marker(popen)
+            pid, early = startline.await_marker(popen)
             if pid is not None:  # the command runs: what the login shell printed before it is not its output
-                _skip_to_start(popen.stdout, pid)
+                startline.skip_to_start(popen.stdout, pid)
         finally:
             timer.cancel()
         if pid is None:
@@ -518,96 +509,3 @@ def _end_with_newline(path: str) -> None:
                 f.write(b"\n")
     except OSError:
         pass  # absent or read-only: ssh reports what it cannot do
-
-
-class _Started:
-    """Set once the start line arrives on stderr (``pid``), or when it never will (``end``)."""
-
-    def __init__(self) -> None:
-        self.pid: int | None = None
-        self._event = threading.Event()
-        self._seen = b""
-
-    def wait(self, timeout: float | None) -> bool:
-        return self._event.wait(timeout)
-
-    def see(self, data: bytes) -> None:
-        if self._event.is_set():
-            return
-        self._seen += data
-        m = _PID_LINE.search(self._seen)
-        if m:
-            self.pid = int(m.group(1))
-            self._seen = b""
-            self._event.set()
-
-    def end(self) -> None:
-        self._event.set()
-
-
-def _await_marker(popen: subprocess.Popen) -> tuple[int | None, bytes]:
-    """Read stderr up to the start line; the rest stays buffered for the caller."""
-    seen = b""
-    while True:
-        line = popen.stderr.readline()
-        if not line:
-            return None, seen
-        m = _PID_LINE.search(line)
-        if m:
-            return int(m.group(1)), seen
-        seen += line
-
-
-def _skip_to_start(stdout: IO[bytes], pid: int) -> None:
-    """Read stdout past the start line: what the login shell printed before it is not the command's."""
-    mark = b"hetctl-pid:%d" % pid
-    while True:
-        line = stdout.readline()
-        if not line or line.rstrip(b"\r\n").endswith(mark):
-            return
-
-
-def _after_start(stdout: bytes, pid: int | None) -> bytes:
-    """``stdout`` after the start line (the whole of it when there is none)."""
-    if pid is None:
-        return stdout
-    m = re.search(rb"hetctl-pid:%d\r?\n" % pid, stdout)
-    return stdout[m.end():] if m else stdout
-
-
-def _strip_marker(stderr: bytes) -> tuple[int | None, bytes]:
-    """The command's pid from the start line, and stderr after it (before it: ssh's notices, a server's
-    banner, what the login shell's start-up files printed; none of it is the command's)."""
-    m = _PID_LINE.search(stderr)
-    if not m:
-        return None, stderr
-    return int(m.group(1)), stderr[m.end():]
-
-
-def _drain(stream: IO[bytes], sink: list[bytes], started: _Started | None = None) -> None:
-    try:
-        while True:
-            try:
-                data = stream.read1(65536) if hasattr(stream, "read1") else stream.read(65536)
-            except (OSError, ValueError):
-                return
-            if not data:
-                return
-            sink.append(data)
-            if started is not None:
-                started.see(data)
-    finally:
-        if started is not None:
-            started.end()
-
-
-def _feed(stream: IO[bytes], data: bytes | None, started: _Started) -> None:
-    """Write ``data`` once hetctl's command has started (never to whatever else the node ran), then EOF."""
-    try:
-        if data:
-            started.wait(None)
-            if started.pid is not None:
-                stream.write(data)
-        stream.close()
-    except (OSError, ValueError):
-        pass  # the command exited without reading its input; its status tells the rest
