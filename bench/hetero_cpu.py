@@ -114,7 +114,7 @@ SPINNERS: list[subprocess.Popen] = []
 
 
 def pin_cpus(quotas: list[int]) -> dict[str, int]:
-    """Each node's CPU for ``--steady``: largest quota first, each on the CPU with the least quota so far."""
+    """Each node's CPU for ``--steady`` and ``--pin``: largest quota first, each on the CPU with the least quota so far."""
     load = [0.0] * (os.cpu_count() or 1)
     cpus = {}
     for node, q in sorted(zip(NODES, quotas), key=lambda x: -x[1]):
@@ -123,8 +123,10 @@ def pin_cpus(quotas: list[int]) -> dict[str, int]:
     return cpus
 
 
-def make_groups(tag: str, quotas: list[int], top_cpu: float, cpus: dict[str, int] | None = None) -> dict[str, Path]:
-    """One cgroup per node; the largest quota is ``top_cpu`` of one CPU (``cpus``: a spinner pinned in each)."""
+def make_groups(tag: str, quotas: list[int], top_cpu: float, cpus: dict[str, int] | None = None,
+                spin: bool = True) -> dict[str, Path]:
+    """One cgroup per node; the largest quota is ``top_cpu`` of one CPU (``cpus`` and ``spin``: a spinner pinned in
+    each)."""
     top = max(quotas)
     groups = {}
     for node, q in zip(NODES, quotas):
@@ -138,7 +140,7 @@ def make_groups(tag: str, quotas: list[int], top_cpu: float, cpus: dict[str, int
         # default 1024, a loaded machine gave node-a about node-b's share and the speeds read 2.6:2:1).
         (g / "cpu.shares").write_text(str(SHARES))
         groups[node] = g
-        if cpus is not None:
+        if cpus is not None and spin:
             SPINNERS.append(subprocess.Popen([sys.executable, "-c", SPIN, str(g / "cgroup.procs"), str(cpus[node]),
                                              str(os.getpid())]))
     return groups
@@ -287,6 +289,10 @@ def main() -> int:
                     help="pin each node to a CPU with an idle-priority spinner in its cgroup that spends the quota its "
                          "ranks leave while they wait, so that a node computes at one speed whether or not its stage "
                          "waits (without it, a burst after a wait runs faster than back-to-back work: bench/README)")
+    ap.add_argument("--pin", action="store_true",
+                    help="pin each node to a CPU (largest quota first, each on the least-loaded CPU), no spinner: "
+                         "pipeline neighbours wake each other with every message, and the scheduler's wake-affine "
+                         "placement can put two nodes on one CPU while the other idles")
     ap.add_argument("--keep-run", metavar="DIR", help="copy the uniform run's folder here (a recorded run for tests)")
     ap.add_argument("--keep-runs", metavar="DIR", help="copy every run calibrated on here, as DIR/uniform, DIR/round1…")
     args = ap.parse_args()
@@ -297,11 +303,11 @@ def main() -> int:
         return 2
     quotas = [int(q) for q in args.quotas.split(":")]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the finally below runs
-    cpus = pin_cpus(quotas) if args.steady else None
+    cpus = pin_cpus(quotas) if args.steady or args.pin else None
     t0 = time.monotonic()
     groups: dict[str, Path] = {}
     try:
-        groups = make_groups(uuid.uuid4().hex[:6], quotas, args.top_cpu, cpus)
+        groups = make_groups(uuid.uuid4().hex[:6], quotas, args.top_cpu, cpus, spin=args.steady)
         with tempfile.TemporaryDirectory(prefix="hetctl-hetero-") as tmp:
             d = Path(tmp)
             write_site(d, groups, args.layers, cpus)
@@ -312,8 +318,8 @@ def main() -> int:
                   f"per rank, {os.cpu_count()} cores; model {args.layers} "
                   f"layers; global batch {args.global_batch}, micro-batch {args.micro_batch}; {args.steps} steps "
                   f"({args.alone_steps} alone); "
-                  + (f"steady: pinned {', '.join(f'{n} CPU {c}' for n, c in cpus.items())}, an idle spinner in each; "
-                     if cpus else "")
+                  + (f"{'steady' if args.steady else 'pin'}: pinned {', '.join(f'{n} CPU {c}' for n, c in cpus.items())}"
+                     + (", an idle spinner in each; " if args.steady else "; ") if cpus else "")
                   + load())
             base = plan_cluster(facts, spec, pins=Pins(pp=len(NODES), dp=1), cluster_path=d / "cluster.yaml", **shape)
             per = args.layers // len(NODES)
