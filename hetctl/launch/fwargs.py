@@ -153,7 +153,7 @@ def hint(framework: str, message: str, argv: list[str], user: list[str]) -> str:
     given = {a.split("=", 1)[0] for a in user if a.startswith("-")}
     named = re.match(r"argument ([^:]+):", message)
     if named:  # a bad value: the flag's own (from --args when given there)
-        flags = [f for f in _FLAG.findall(named.group(1))][:1]
+        flags = _FLAG.findall(named.group(1))[:1]
         hetctls = [f for f in flags if f not in given]
     else:
         flags = list(dict.fromkeys(f for f in _FLAG.findall(message) if f in rendered | given))

@@ -47,14 +47,10 @@ def check_argv(python: str, spec: dict[str, Any]) -> list[str]:
 
 def problem(framework: str, spec: dict[str, Any], stdout: str) -> str | None:
     """One line naming what the node lacks, or None when it has everything."""
-    report = None
-    for line in reversed((stdout or "").strip().splitlines()):
-        try:
-            report = json.loads(line)
-            break
-        except ValueError:
-            continue
-    if not isinstance(report, dict):
+    from hetctl.launch.materialize import parse_preflight
+
+    report = parse_preflight(stdout)
+    if report is None:
         return f"cannot check for {_NEEDS[framework][0]} on the node: no answer from the check"
     what = _NEEDS[framework][0]
     for m in spec["modules"]:
