@@ -184,6 +184,11 @@ def test_proxy_and_control_socket_failures_name_their_cause():
         "n1: the ProxyCommand for 127.0.0.2:42793 closed before the SSH banner "
         "(/bin/bash: line 1: /usr/local/bin/cloudflared: No such file or directory)")
     assert e.hint.endswith(": /usr/local/bin/cloudflared access ssh --hostname %h")
+    # With no $SHELL (CI, cron, a systemd unit) ssh runs the ProxyCommand with /bin/sh, which is dash on Debian.
+    dash = PROXY_TOOL_MISSING.replace("/bin/bash: line 1: /usr/local/bin/cloudflared: No such file or directory",
+                                      "/bin/sh: 1: exec: /usr/local/bin/cloudflared: not found")
+    e = classify(dash, "n1", eff(proxy_command="/usr/local/bin/cloudflared access ssh --hostname %h"))
+    assert e.message.endswith(" SSH banner (/bin/sh: 1: exec: /usr/local/bin/cloudflared: not found)")
 
 
 def test_a_users_strict_host_key_checking_no_is_read_as_accept_new():
