@@ -262,6 +262,24 @@ def test_malformed_inventory_is_one_clear_line_and_exit_2(tmp_path, content, exp
     assert first.startswith("error: ") and str(inv) in first and expected in first, proc.stderr
 
 
+def test_a_cluster_file_written_to_another_folder_still_finds_its_inventory(tmp_path):
+    # `probe -i inventory.yaml -o out/cluster.yaml`, then `plan out/cluster.yaml`, then `launch`: the cluster file
+    # recorded "inventory.yaml" as typed, and plan resolved it beside the cluster file (out/inventory.yaml: not found).
+    from tests.sites import local_cli
+
+    (tmp_path / "inventory.yaml").write_text(yaml.safe_dump({"nodes": [
+        {"name": "here", "host": "localhost", "transport": "local", "python": sys.executable, "workdir": "w",
+         "tflops": 1}]}))
+    r = local_cli(tmp_path, "probe", "-i", "inventory.yaml", "-o", "out/cluster.yaml", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["inventory"] == "inventory.yaml"  # stdout: as typed, from here
+    assert yaml.safe_load((tmp_path / "out/cluster.yaml").read_text())["inventory"] == "../inventory.yaml"
+    r = local_cli(tmp_path, "plan", "out/cluster.yaml", "-m", "tiny", "-o", "p")
+    assert r.returncode == 0, r.stderr
+    r = local_cli(tmp_path, "launch", "p", "--dry-run", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout), r.stderr
+
+
 def test_probe_without_inventory_says_what_to_pass():
     proc = hetctl("probe")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr

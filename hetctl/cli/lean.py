@@ -100,7 +100,8 @@ def run_probe(inventory: str | None, output: str | None = None, json_out: bool =
     from hetctl.files.yamlio import save_model, to_json
 
     if output:
-        save_model(output, cluster, header=f"hetctl probe -i {inventory}\nnodes: {len(cluster.nodes)}")
+        save_model(output, _inventory_from(cluster, output), header=f"hetctl probe -i {inventory}\nnodes: "
+                   f"{len(cluster.nodes)}")
     if json_out:
         print_json(to_json(cluster))
     else:
@@ -117,6 +118,18 @@ def run_probe(inventory: str | None, output: str | None = None, json_out: bool =
                   highlight=False)
         return 1
     return 0
+
+
+def _inventory_from(cluster, output: str):
+    """The cluster with its inventory path as seen from ``output``'s folder, where `plan` resolves it.
+
+    ``probe -i inv.yaml -o out/cluster.yaml`` used to record ``inv.yaml``, which `plan out/cluster.yaml` then
+    looked for as ``out/inv.yaml``.
+    """
+    if not cluster.inventory or os.path.isabs(cluster.inventory):
+        return cluster
+    folder = os.path.dirname(os.path.abspath(output))
+    return cluster.model_copy(update={"inventory": os.path.relpath(os.path.abspath(cluster.inventory), folder)})
 
 
 @contextlib.contextmanager
