@@ -276,6 +276,7 @@ def main():
     from megatron.core.dist_checkpointing import ShardedTensor
     ps.initialize_model_parallel(1, 1)
     w = torch.arange(12.0, device="cuda").reshape(3, 4)
+    os.makedirs(sys.argv[1], exist_ok=True)  # save() lists the folder first; Megatron-LM's own save makes iter_N
     dist_checkpointing.save({"w": ShardedTensor.from_rank_offsets("decoder.w", w, replica_id=0)}, sys.argv[1])
     dist.destroy_process_group()
 if __name__ == "__main__":

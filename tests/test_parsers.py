@@ -78,6 +78,13 @@ EXPECTED: dict[str, Expect] = {
     "nvidia-smi_L_l40s.txt": Expect(nvidia_smi.parse_list, "nvidia", ("NVIDIA L40S",), (None,)),
     "nvidia-smi_plain_h100-80gb-hbm3.txt": Expect(nvidia_smi.parse_plain, "nvidia", ("NVIDIA H100 80GB HBM3",), (81559,), "0000:00:09.0"),
     "nvidia-smi_plain_h200.txt": Expect(nvidia_smi.parse_plain, "nvidia", ("NVIDIA H200",), (143771,), "0000:83:00.0"),
+    # hetctl's own device check on this workplace's H200 (scripts/device_check.sh): a VM's bus id, driver 580.
+    "nvidia-smi_plain_h200_580_firecracker.txt": Expect(nvidia_smi.parse_plain, "nvidia", ("NVIDIA H200",), (143771,), "0000:00:06.0"),
+    "nvidia-smi_csv_h200_580_firecracker.txt": Expect(nvidia_smi.parse_csv, "nvidia", ("NVIDIA H200",), (143771,), "0000:00:06.0"),
+    "nvidia-smi_csv_header_h200_580_firecracker.txt":
+        Expect(nvidia_smi.parse_csv, "nvidia", ("NVIDIA H200",), (143771,), "0000:00:06.0"),
+    "nvidia-smi_q_x_h200_580_firecracker.xml.txt":
+        Expect(nvidia_smi.parse_xml, "nvidia", ("NVIDIA H200",), (143771,), "0000:00:06.0"),
     "nvidia-smi_plain_h20_deepgemm-268.txt": Expect(nvidia_smi.parse_plain, "nvidia", ("NVIDIA H20",), (97871,), "0000:08:00.0"),
     "nvidia-smi_plain_l40s.txt": Expect(nvidia_smi.parse_plain, "nvidia", ("NVIDIA L40S",), (46068,), "0000:01:00.0"),
     "nvidia-smi_q_x_a100-sxm4-80gb.xml.txt": Expect(nvidia_smi.parse_xml, "nvidia", ("NVIDIA A100-SXM4-80GB",), (81920,), "0000:01:00.0"),
