@@ -17,10 +17,13 @@ import contextlib
 import errno
 import os
 import sys
-from typing import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from hetctl.cli import err, interrupts_end_commands, may_be_terminal, out, print_json, report_error, report_interrupt, text
 from hetctl.errors import HetctlError
+
+if TYPE_CHECKING:  # the cluster model is imported once the nodes' ssh clients have started
+    from hetctl.files.cluster import Cluster
 
 _VALUED = {"-i": "inventory", "--inventory": "inventory", "-o": "output", "--output": "output"}
 
@@ -100,8 +103,8 @@ def run_probe(inventory: str | None, output: str | None = None, json_out: bool =
     from hetctl.files.yamlio import save_model, to_json
 
     if output:
-        save_model(output, _inventory_from(cluster, output), header=f"hetctl probe -i {inventory}\nnodes: "
-                   f"{len(cluster.nodes)}")
+        header = f"hetctl probe -i {inventory}\nnodes: {len(cluster.nodes)}"
+        save_model(output, _inventory_from(cluster, output), header=header)
     if json_out:
         print_json(to_json(cluster))
     else:
@@ -120,7 +123,7 @@ def run_probe(inventory: str | None, output: str | None = None, json_out: bool =
     return 0
 
 
-def _inventory_from(cluster, output: str):
+def _inventory_from(cluster: Cluster, output: str) -> Cluster:
     """The cluster with its inventory path as seen from ``output``'s folder, where `plan` resolves it.
 
     ``probe -i inv.yaml -o out/cluster.yaml`` used to record ``inv.yaml``, which `plan out/cluster.yaml` then
