@@ -137,3 +137,43 @@ def make_slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Callable[...
     if reason:
         pytest.skip(reason)
     yield from _private_clusters(tmp_path_factory, "slurm", SlurmCluster)
+
+
+# --- The suite's own timing (issue: CI green every time, and fast) -------------------------------
+# Every test's wall time (setup + call + teardown) by group, printed at the end of every run, so that
+# growth shows at once in CI's log: the fast lane, the sshd tests, the Slurm tests, and the other
+# end-to-end tests (torch ranks, local processes).
+_GROUP_TIMES: dict[str, dict[str, float]] = {}
+
+
+def _group(item: pytest.Item) -> str:
+    names = set(getattr(item, "fixturenames", ()))
+    if item.get_closest_marker("e2e") is None:
+        return "fast"
+    if {"slurm_cluster", "make_slurm_cluster"} & names or "test_slurm" in item.nodeid:
+        return "e2e:slurm"
+    if SSHD_FIXTURES & names or item.get_closest_marker("sshd"):
+        return "e2e:sshd"
+    return "e2e:other"
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    group = getattr(report, "hetctl_group", None)
+    if group is not None:
+        tests = _GROUP_TIMES.setdefault(group, {})
+        tests[report.nodeid] = tests.get(report.nodeid, 0.0) + report.duration
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    outcome = yield
+    outcome.get_result().hetctl_group = _group(item)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    if not _GROUP_TIMES:
+        return
+    tr = terminalreporter
+    tr.section("time per group (setup + call + teardown; workers' times summed)")
+    for group, tests in sorted(_GROUP_TIMES.items(), key=lambda kv: -sum(kv[1].values())):
+        tr.write_line(f"{group:<10} {sum(tests.values()):8.1f} s  over {len(tests):4d} tests")
