@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The checks CI cannot run, on one machine with an NVIDIA GPU and torch (README, "On a real GPU"):
-#   nvidia-smi's layouts as the collector reads them (kept as captures), probe, probe --bench --model,
+#   the engine's speed against a plain tuned torch loop (bench/engine_speed.py, a 1 B model and
+#   an 8 B-class slice), nvidia-smi's layouts as the collector reads them (kept as captures), probe, probe --bench --model,
 #   plan, a launch of the reference trainer, plan --calibrate on that run and a second launch,
 #   and megatron-core's own torch_dist save (the test skipped without CUDA).
 #
@@ -25,6 +26,12 @@ fi
 
 log machine; uname -r; nproc
 python3 -c "import torch,sys;print(sys.version.split()[0],torch.__version__,torch.cuda.is_available(),torch.version.cuda)"
+
+log "engine speed: the engine at PP=1 against a plain tuned torch loop, same model and batch (issue 30)"
+( cd "$R" && timeout 240 python3 bench/engine_speed.py --device cuda --model scripts/model-1b.yaml \
+    --micro-batch "${MB:-8}" --micro-batches 2 --steps 10 --pairs 1 --compile 2>&1 | tail -12 )
+( cd "$R" && timeout 240 python3 bench/engine_speed.py --device cuda --model scripts/model-8b-slice.yaml \
+    --micro-batch 2 --micro-batches 2 --steps 6 --pairs 1 --compile 2>&1 | tail -12 )
 
 log captures
 F=$(python3 -c "from hetctl.probe.tools import TOOL_COMMANDS as T;print(T['nvidia-smi-csv'][1])")
