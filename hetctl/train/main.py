@@ -57,6 +57,16 @@ def parse_args(argv: list[str] | None, env: os._Environ | dict) -> argparse.Name
                     "all-reduce over every replica (default auto)")
     ap.add_argument("--comm-timeout", type=float, default=300.0,
                     help="seconds a collective or receive may wait before the rank fails (default 300)")
+    ap.add_argument("--data", nargs="+", metavar="PREFIX", default=None,
+                    help="train on a Megatron indexed dataset (PREFIX.bin/.idx), or a blend 'W1 P1 W2 P2 …'; "
+                    "without it, synthetic data")
+    ap.add_argument("--eval-data", nargs="+", metavar="PREFIX", default=None,
+                    help="validation data, same syntax (default: the last 1%% of --data's documents, held out)")
+    ap.add_argument("--eval-every", type=int, default=0, help="validation loss every N steps; 0: never (default 0)")
+    ap.add_argument("--eval-iters", type=int, default=2,
+                    help="global batches of fixed validation windows per evaluation (default 2)")
+    ap.add_argument("--log-samples", action="store_true", default=env.get("HETCTL_LOG_SAMPLES") == "1",
+                    help="first-stage ranks print the ids of the samples of each step (default $HETCTL_LOG_SAMPLES=1)")
     args = ap.parse_args(argv)
     try:
         args.test_save_delay = parse_test_delay(env.get("HETCTL_TEST_SAVE_DELAY"))
@@ -70,6 +80,10 @@ def parse_args(argv: list[str] | None, env: os._Environ | dict) -> argparse.Name
         ap.error("--steps (or HETCTL_STEPS) must be a positive number of steps")
     if args.checkpoint_every < 0:
         ap.error("--checkpoint-every must be >= 0")
+    if args.eval_every < 0 or args.eval_iters < 1:
+        ap.error("--eval-every must be >= 0 and --eval-iters >= 1")
+    if (args.eval_every or args.eval_data) and not args.data:
+        ap.error("--eval-every and --eval-data need --data (validation runs on a token corpus)")
     return args
 
 
@@ -164,6 +178,19 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
         check_state(json.loads(blobs[STATE]), args.seed, topo.global_batch, _hyper(args),
                     step_dir(ctx.ckpt_dir, ctx.resume_step))
 
+    corpus = eval_set = None
+    if args.data:  # opened and checked before torch and the process group, like the checkpoint above
+        from hetctl.corpus.samples import describe, training_data
+
+        corpus, eval_set = training_data(args.data, args.eval_data, seq_len=int(spec["seq_len"]),
+                                         vocab_size=int(spec["vocab_size"]), seed=args.seed,
+                                         global_batch=topo.global_batch)
+        if args.eval_every and eval_set is None:
+            raise HetctlError(f"--eval-every {args.eval_every}: {' '.join(args.data)} has too few documents to hold "
+                              "any out for validation", "pass --eval-data PREFIX")
+        if ctx.rank == 0:
+            print(f"data: {describe(corpus)}", flush=True)
+
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
     import torch
     import torch.distributed as dist
@@ -248,6 +275,7 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
         role = {"stage": topo.stage, "replica": topo.replica}
         talk = topo.is_last and topo.tp_rank == 0  # every TP rank of the last stage has the loss; one prints it
         first_loss = loss_value = None
+        evaluated: dict = {}  # the last validation, repeated in every later heartbeat of the last stage
         step_times: list[float] = []
         ctx.heartbeat(start, phase="ready", **role)
         for step in range(start + 1, args.steps + 1):
@@ -257,7 +285,7 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
             def batch(m: int, step: int = step) -> tuple:
                 # Rows of the global batch by micro-batch number over every replica (replicas may differ).
                 x, y = data.micro_batch(args.seed, step, 0, topo.first_micro + m, topo.micro_batch,
-                                        topo.micro_batches, seq, vocab)
+                                        topo.micro_batches, seq, vocab, corpus=corpus)
                 return x.to(device), y.to(device)
 
             comm.take_wait()
@@ -277,9 +305,16 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
             ms = (time.perf_counter() - t0) * 1000.0
             timing = {"step_ms": round(ms, 3), "compute_ms": round(ms - comm.take_wait() * 1000.0, 3)}
             step_times.append(ms)
-            last_metrics = {"loss": loss_value} if topo.is_last else {}
+            if args.eval_every and step % args.eval_every == 0:
+                value = data.eval_loss(module, topo, comm, eval_set, args.eval_iters, int(spec["hidden_size"]), seq, amp)
+                evaluated = {"eval_loss": value, "eval_step": step} if value is not None else evaluated
+                if talk:
+                    print(f"eval step={step} eval_loss={value:.9g}", flush=True)
+            last_metrics = {"loss": loss_value, **evaluated} if topo.is_last else {}
             if talk:
                 print(f"step={step} loss={loss_value:.9g} step_ms={ms:.1f}", flush=True)
+            if args.log_samples and corpus is not None and topo.is_first and topo.tp_rank == 0:
+                print(data.sample_log(corpus, step, topo), flush=True)
             ctx.heartbeat(step, **last_metrics, **timing, **role)
             if saver is not None:
                 saver.check()  # a background save that failed ends the rank here, with its own error
@@ -301,7 +336,7 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
             mean_ms = sum(steady) / len(steady)
             final.update(step_ms=round(mean_ms, 3), tokens_per_s=round(topo.global_batch * seq / (mean_ms / 1000), 1))
         if topo.is_last and loss_value is not None:
-            final.update(loss=loss_value, first_loss=first_loss)
+            final.update(loss=loss_value, first_loss=first_loss, **evaluated)
             if topo.replica == 0 and topo.tp_rank == 0:
                 print(f"done steps={args.steps} final_loss={loss_value:.9g} first_loss={first_loss:.9g} "
                       f"tokens_per_s={final.get('tokens_per_s')}", flush=True)
