@@ -39,6 +39,12 @@ def prepare_cmd(
     run leaves no PREFIX.idx behind. Empty and over-long documents are skipped and
     counted; bytes that are not UTF-8 are replaced by U+FFFD and counted.
     """
+    try:
+        import numpy  # noqa: F401
+    except ImportError:
+        from hetctl.errors import HetctlError
+
+        raise HetctlError("`hetctl data prepare` needs numpy", "pip install 'hetctl[train]' (numpy, tokenizers)") from None
     from hetctl.corpus.prepare import Options, check_inputs, prepare
     from hetctl.corpus.tokenize import load_tokenizer
 
