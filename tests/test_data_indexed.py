@@ -446,3 +446,24 @@ def test_bad_data_is_refused_by_a_rank_before_it_joins_the_group(shakespeare, tm
             assert proc.wait(60) == 2
         text = ranks.stderr(1)
         assert needle in text and "Traceback" not in text and len(text.strip().splitlines()) == 1, text
+
+
+@pytest.mark.e2e
+def test_validation_goes_through_interleaved_and_tensor_parallel_stages(shakespeare, tmp_path):
+    """The forward-only pass of every layout gives one stage's validation loss: exactly, or within float
+    tolerance under TP (its all-reduces sum in another order)."""
+    pytest.importorskip("torch")
+    from tests.rankrunner import run_plan, tiny_plan
+    from tests.test_train_interleave import PP3_V2, interleaved_plan
+
+    args = ("--data", str(shakespeare), "--eval-every", "2", "--log-samples")
+    ref = run_plan(tiny_plan([6], model=MODEL), tmp_path / "one", steps=4, args=args)
+    interleaved = interleaved_plan(PP3_V2, group=4)
+    interleaved["model"]["vocab_size"] = MODEL["vocab_size"]
+    il = run_plan(interleaved, tmp_path / "il", steps=4, args=args)
+    tp = run_plan(tiny_plan([3, 3], tp=2, model=MODEL), tmp_path / "tp", steps=4, args=args)
+    assert sorted(eval_losses(ref)) == [2, 4]
+    assert eval_losses(il) == eval_losses(ref) and il.losses() == ref.losses()
+    for step, value in eval_losses(ref).items():
+        assert float(eval_losses(tp)[step]) == pytest.approx(float(value), rel=1e-5)
+    assert sample_ids(ref, [0]) == sample_ids(il, [0]) == sample_ids(tp, [0])
