@@ -415,6 +415,10 @@ def test_a_pipeline_trains_on_the_corpus_and_resumed_or_replanned_runs_see_the_s
     assert sample_ids(resumed, [0]) == {s: ids[s] for s in after}
     assert resumed.losses() == {s: losses[s] for s in after}
     assert eval_losses(resumed) == {s: evals[s] for s in evals if s > found[0]}
+    assert [resumed.stderr(r) for r in (0, 1)] == ["", ""]  # same data as the checkpoint's: no warning
+    other = run_plan(tiny_plan([3, 3], model=MODEL), tmp_path / "other", steps=found[0] + 1, resume_step=found[0],
+                     ckpt_dir=crashed.ckpt_dir, args=("--data", "3", str(shakespeare), "1", str(shakespeare)))
+    assert "was trained on [[1.0, 'shake', " in other.stderr(0) and "continuing on [[0.75, 'shake', " in other.stderr(0)
     # Re-planned onto one node (PP=1) from the crashed run's checkpoint: the same samples, the same numbers.
     replanned = run_plan(tiny_plan([6], model=MODEL), tmp_path / "replan", steps=steps, args=args,
                          resume_step=found[0], ckpt_dir=crashed.ckpt_dir)

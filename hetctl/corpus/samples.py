@@ -192,6 +192,12 @@ def training_data(data: list[str], eval_data: list[str] | None, *, seq_len: int,
     return Blend(parts, seed, global_batch), ev
 
 
+def source_record(blend: Blend) -> list[list]:
+    """What a checkpoint records of the training data (``[weight, file name, tokens]`` per dataset), so a
+    resume on other data is noticed; the name without its folder, which may differ from node to node."""
+    return [[round(p.weight, 6), Path(p.name).name, int(p.tokens.size)] for p in blend.parts]
+
+
 def describe(blend: Blend) -> str:
     """One line: each dataset's weight, windows and tokens (the trainer prints it at start)."""
     return "; ".join(f"{Path(p.name).name} w={p.weight:.3g} windows={p.windows} tokens={p.tokens.size}"

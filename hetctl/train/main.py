@@ -142,12 +142,13 @@ def _hyper(args: argparse.Namespace) -> dict:
     return {"lr": args.lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": args.weight_decay}
 
 
-def _state(step: int, args: argparse.Namespace, topo, spec: dict) -> dict:
-    """The ``state.json`` record of a checkpoint of ``step`` (normal or just-in-time)."""
+def _state(step: int, args: argparse.Namespace, topo, spec: dict, sources: list | None = None) -> dict:
+    """The ``state.json`` record of a checkpoint of ``step`` (normal or just-in-time); ``sources``: the corpus's."""
     return {
         "step": step,
         "seed": args.seed,
-        "data": {"next_step": step + 1, "global_batch": topo.global_batch, "samples_seen": step * topo.global_batch},
+        "data": {"next_step": step + 1, "global_batch": topo.global_batch, "samples_seen": step * topo.global_batch,
+                 "sources": sources},
         "rng": {"kind": "counter", "seed": args.seed, "counter": step},
         "optimizer": _hyper(args),
         "model": spec,
@@ -166,7 +167,7 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
         raise HetctlError("--checkpoint-every is set but HETCTL_CKPT_DIR is not", "set it, or pass --checkpoint-every 0")
     if ctx.resume_step and ctx.ckpt_dir is None:
         raise HetctlError(f"HETCTL_RESUME_STEP={ctx.resume_step} but HETCTL_CKPT_DIR is not set")
-    blobs = None
+    blobs = resumed = None
     if ctx.resume_step:
         # Read and verify this stage's files before importing torch and joining the group, so a
         # missing, foreign or corrupted checkpoint is one clear error instead of a peer's hang.
@@ -175,12 +176,12 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
 
         blobs = read_verified(ctx.ckpt_dir, ctx.resume_step, unit_files(topo.spans, topo.is_first, topo.is_last),
                               model_digest(spec))
-        check_state(json.loads(blobs[STATE]), args.seed, topo.global_batch, _hyper(args),
-                    step_dir(ctx.ckpt_dir, ctx.resume_step))
+        resumed = json.loads(blobs[STATE])
+        check_state(resumed, args.seed, topo.global_batch, _hyper(args), step_dir(ctx.ckpt_dir, ctx.resume_step))
 
-    corpus = eval_set = None
+    corpus = eval_set = sources = None
     if args.data:  # opened and checked before torch and the process group, like the checkpoint above
-        from hetctl.corpus.samples import describe, training_data
+        from hetctl.corpus.samples import describe, source_record, training_data
 
         corpus, eval_set = training_data(args.data, args.eval_data, seq_len=int(spec["seq_len"]),
                                          vocab_size=int(spec["vocab_size"]), seed=args.seed,
@@ -188,8 +189,12 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
         if args.eval_every and eval_set is None:
             raise HetctlError(f"--eval-every {args.eval_every}: {' '.join(args.data)} has too few documents to hold "
                               "any out for validation", "pass --eval-data PREFIX")
+        sources = source_record(corpus)
         if ctx.rank == 0:
             print(f"data: {describe(corpus)}", flush=True)
+    if resumed is not None and (resumed.get("data") or {}).get("sources") != sources:
+        print(f"warning: checkpoint step-{ctx.resume_step} was trained on {(resumed.get('data') or {}).get('sources')}"
+              f", continuing on {sources}; the samples differ from an undisturbed run", file=sys.stderr)
 
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
     import torch
@@ -264,7 +269,7 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
 
             jit = JitCheckpoint(ctx.ckpt_dir, attempt=ctx.attempt, rank=ctx.rank, start=start, units=units,
                                 optimizer=optimizer, digest=digest,
-                                state_of=functools.partial(_state, args=args, topo=topo, spec=spec),
+                                state_of=functools.partial(_state, args=args, topo=topo, spec=spec, sources=sources),
                                 meta={"run_id": ctx.run_id, "stage": topo.stage, "replica": topo.replica,
                                       "pp": topo.pp, "dp": topo.dp, "global_batch": topo.global_batch},
                                 log=lambda line: print(line, flush=True), test_delay_s=args.test_jit_delay)
@@ -320,7 +325,7 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
                 saver.check()  # a background save that failed ends the rank here, with its own error
             if saver is not None and step % args.checkpoint_every == 0:
                 ctx.heartbeat(step, phase="checkpoint", **last_metrics, **timing, **role)  # slow disks are not hangs
-                state = _state(step, args, topo, spec)
+                state = _state(step, args, topo, spec, sources)
                 meta = {"seed": args.seed, "run_id": ctx.run_id, "attempt": ctx.attempt,
                         "pp": topo.pp, "dp": topo.dp, "global_batch": topo.global_batch}
                 waiting = functools.partial(ctx.heartbeat, step, phase="checkpoint_wait", **last_metrics, **timing,
