@@ -139,6 +139,11 @@ def test_token_ids_must_fit_the_model(tmp_path):
     with pytest.raises(ConfigError, match=r"d\.bin: token id 256 >= the model's vocab_size 256"):
         samples.check_dataset(open_dataset(tmp_path / "d"), 256)
     samples.check_dataset(open_dataset(tmp_path / "d"), 257)
+    with IndexedWriter(tmp_path / "f", np.float32) as w:
+        w.add_document(np.array([0.5, 1.0]))
+        w.commit()
+    with pytest.raises(ConfigError, match=r"f\.idx: dtype is float32, not a token type"):
+        samples.check_dataset(open_dataset(tmp_path / "f"), 257)
 
 
 # --- hetctl data prepare -----------------------------------------------------------------------

@@ -79,14 +79,13 @@ def parse_blend(words: list[str]) -> list[tuple[float, str]]:
 
 def check_dataset(ds: IndexedDataset, vocab_size: int) -> None:
     """Token ids fit the model: an integer dtype and a largest id below ``vocab_size``."""
-    _, idx = ds.prefix + ".bin", ds.prefix + ".idx"
     if ds.dtype.name not in TOKEN_DTYPES:
-        raise ConfigError(f"{idx}: dtype code is {ds.dtype.name}, not a token type ({', '.join(TOKEN_DTYPES)})")
+        raise ConfigError(f"{ds.prefix}.idx: dtype is {ds.dtype.name}, not a token type ({', '.join(TOKEN_DTYPES)})")
     top = ds.max_token()
     if top >= vocab_size:
         raise ConfigError(f"{ds.prefix}.bin: token id {top} >= the model's vocab_size {vocab_size}",
                           "prepare the data with the model's tokenizer, or use a model with a larger vocab_size")
-    if ds.tokens.size and int(ds.tokens.min()) < 0:
+    if ds.dtype.kind == "i" and ds.tokens.size and int(ds.tokens.min()) < 0:
         raise ConfigError(f"{ds.prefix}.bin: negative token id {int(ds.tokens.min())}")
 
 
