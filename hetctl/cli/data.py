@@ -19,7 +19,7 @@ app.add_typer(data_app)
 @data_app.command("prepare")
 @handle_errors
 def prepare_cmd(
-    inputs: list[str] = typer.Argument(..., metavar="INPUT...", help=".txt, .jsonl or .parquet files, in order."),
+    inputs: list[str] = typer.Argument(..., metavar="INPUT", help=".txt, .jsonl or .parquet files, in order."),
     output: str = typer.Option(..., "-o", "--output", metavar="PREFIX",
                                help="Writes PREFIX.bin and PREFIX.idx (Megatron's indexed format)."),
     tokenizer: str = typer.Option(..., "--tokenizer", metavar="PATH|bytes",
