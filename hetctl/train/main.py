@@ -51,6 +51,9 @@ def parse_args(argv: list[str] | None, env: os._Environ | dict) -> argparse.Name
     ap.add_argument("--seed", type=int, default=1234, help="seed of weights and data (default 1234)")
     ap.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
     ap.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0)")
+    ap.add_argument("--init-from", metavar="HF_FOLDER", default=None,
+                    help="start from a Hugging Face checkpoint folder (config.json and safetensors): each stage "
+                    "reads only its own layers; ignored when resuming from a hetctl checkpoint")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads per rank (default 1)")
     ap.add_argument("--dp-reduce", choices=("auto", "flat"), default="auto",
                     help="auto: hierarchical across vendors where it applies (hetctl.train.dpreduce); flat: one "
@@ -164,6 +167,18 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
         check_state(json.loads(blobs[STATE]), args.seed, topo.global_batch, _hyper(args),
                     step_dir(ctx.ckpt_dir, ctx.resume_step))
 
+    init_from = None if ctx.resume_step else args.init_from  # a resume continues its own weights
+    if init_from:
+        # Checked before torch and the group, like a resume's files: a mismatch is one line, not a peer's hang.
+        from hetctl.train.hfweights import check
+        from hetctl.train.units import unit_names
+
+        check(init_from, spec, unit_names(topo.spans, topo.is_first, topo.is_last))
+    if spec.get("tie_embeddings") and topo.pp > 1:
+        raise HetctlError(f"plan model.tie_embeddings is true with pp={topo.pp}: the reference trainer ties the "
+                          "output head to the embedding only when both are on one stage",
+                          "plan with --pp 1 for this model")
+
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
     import torch
     import torch.distributed as dist
@@ -218,6 +233,11 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
             jit_on = bool(flag.item())
 
         units = build_units(spec, topo.spans, topo.is_first, topo.is_last, args.seed, tg)
+        if init_from:
+            from hetctl.train.hfio import load_into
+
+            n = load_into(init_from, spec, units, tp=(topo.tp_rank, topo.tp))
+            print(f"init-from {init_from}: {n} tensors for {', '.join(units)}", flush=True)
         units.to(device)
         module = StageModule(units)
         hyper = _hyper(args)
