@@ -112,3 +112,37 @@ def test_mismatched_init_from_is_refused_before_any_rank_starts(tmp_path):
     assert line and "hf/config.json: vocab_size gives vocab_size 96, the plan's model has 128" in r.stderr
     assert "Traceback" not in r.stderr
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())  # no run was started
+
+
+def test_tied_table_stays_one_across_stages_and_resumes_without_reimport(tmp_path):
+    """Qwen2 with tied embeddings on 1+2 stages: the last stage's copy of the table trains as the table does.
+
+    Its first loss is transformers'; its losses follow the one-stage run (where head and embedding share one
+    parameter) step after step; a resume on another split continues bit for bit, and the ``--init-from``
+    it is given again is not re-applied (the checkpoint's weights win).
+    """
+    from tests.rankrunner import run_plan
+
+    ref = save_random(tmp_path / "hf", "qwen2", tie_word_embeddings=True)
+    spec = load_config_spec(tmp_path / "hf", seq_len=SEQ).model_dump(mode="json")
+    assert spec["tie_embeddings"] and spec["qkv_bias"]
+    init = ("--init-from", str(tmp_path / "hf"))
+    one = run_plan(tiny_plan([3], micro_batch=MB, micro_batches=MICRO, model=spec), tmp_path / "one", steps=8,
+                   args=init)
+    two = run_plan(tiny_plan([1, 2], micro_batch=MB, micro_batches=MICRO, model=spec), tmp_path / "two", steps=8,
+                   ckpt_every=4, args=init)
+    want = _first_step_loss(ref, spec)
+    a, b = one.losses(), two.losses()
+    assert abs(float(b[1]) - want) <= 1e-4 * want
+    for step in range(1, 9):  # the same training, up to the order in which the two gradients are added
+        assert abs(float(a[step]) - float(b[step])) <= 1e-5 * float(a[step]), (step, a[step], b[step])
+    assert float(b[8]) < float(b[1])
+    # two replicas of 1+2 stages (same global batch): table and copy summed, reduced over replicas, broadcast
+    dp = run_plan(tiny_plan([1, 2], dp=2, micro_batch=MB, micro_batches=MICRO // 2, model=spec), tmp_path / "dp",
+                  steps=8, args=init)
+    for step, loss in dp.losses().items():
+        assert abs(float(a[step]) - float(loss)) <= 1e-5 * float(a[step]), (step, a[step], loss)
+    resumed = run_plan(tiny_plan([2, 1], micro_batch=MB, micro_batches=MICRO, model=spec), tmp_path / "resumed",
+                       steps=8, resume_step=4, ckpt_dir=two.ckpt_dir, args=init)
+    assert resumed.losses() == {s: b[s] for s in range(5, 9)}
+    assert "init-from" not in resumed.stdout(0)

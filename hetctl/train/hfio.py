@@ -43,9 +43,15 @@ def load_into(folder: str | Path, spec: Mapping[str, Any], units: nn.ModuleDict,
         units: this stage's units (on the CPU, before they move to the device).
         tp: this rank's TP rank and degree (blocks keep their slice).
     """
-    files = check(folder, spec, list(units))
+    from hetctl.train.tied import tied_copy
+
+    copy = tied_copy(units)
+    files = check(folder, spec, list(units) + (["embedding"] if copy is not None else []))
     tensors = read_tensors(files)
     loaded = hfconvert.from_hf(tensors, tied=bool(spec.get("tie_embeddings")))
+    if copy is not None:  # a tied last stage: its copy of the table is the embedding's tensor
+        with torch.no_grad():
+            copy.copy_(loaded["embedding"]["tokens.weight"].to(copy.dtype))
     for name, unit in units.items():
         params = loaded.get(name, {})
         if tp[1] > 1 and name.startswith("layer-"):

@@ -10,8 +10,8 @@ A *unit* is what a checkpoint stores in one file: ``embedding`` (the token
 table, first stage), ``layer-NNNNN`` (one transformer block) and ``head``
 (final norm and output projection, last stage). A stage builds only its own
 units, so memory follows the plan's split. With tied embeddings the head owns
-no projection of its own: it uses the embedding's table (the same stage's,
-under one stage; see :func:`build_units` for several).
+no projection of its own: it uses the embedding's table under one stage, and a
+copy kept equal to it on a last stage of its own (:mod:`hetctl.train.tied`).
 
 Every unit's initial weights come from a generator seeded by ``(seed, unit
 name)``: the same layer gets the same numbers whichever stage or node builds it,
@@ -238,10 +238,17 @@ def build_units(spec: Mapping[str, Any], layers: Spans, first: bool, last: bool,
             unit = part
         units[name] = unit
     if spec.get("tie_embeddings") and last:
-        if not first:
-            raise ValueError("tie_embeddings needs the embedding and the head on one stage (pp=1)")
-        units["head"].tie(units["embedding"].tokens.weight)
+        units["head"].tie(units["embedding"].tokens.weight if first else _table_copy(spec, seed))
     return units
+
+
+def _table_copy(spec: Mapping[str, Any], seed: int) -> nn.Parameter:
+    """A last stage's own copy of the token table, equal to the first stage's (:mod:`hetctl.train.tied`)."""
+    with torch.device("meta"):
+        emb = Embedding(spec)
+    emb = emb.to_empty(device="cpu")
+    _init_unit(emb, "embedding", seed, spec["num_layers"])
+    return emb.tokens.weight
 
 
 class StageModule(nn.Module):
