@@ -174,3 +174,30 @@ def test_mismatched_checkpoint_is_refused_naming_file_and_field(tmp_path):
     (tmp_path / "ck" / "model.safetensors").write_bytes(struct.pack("<Q", 1 << 40) + b"{}")
     with pytest.raises(ConfigError, match="not a safetensors file"):
         check(tmp_path / "ck", spec)
+
+
+def test_init_from_reaches_the_ranks_of_a_fresh_start_only():
+    """A restart from scratch re-imports; a resume from a hetctl checkpoint continues its own weights."""
+    from hetctl.files.inventory import Node
+    from hetctl.files.plan import Plan
+    from hetctl.launch import materialize as mat
+    from tests.rankrunner import tiny_plan
+
+    plan = Plan.model_validate(tiny_plan([4, 2]))
+    nodes = {n: Node(name=n, host="h", python="/py", workdir="/w") for n in plan.nodes}
+
+    def argv(resume_step: int) -> list[tuple[str, ...]]:
+        spec = mat.materialize(plan, nodes, run_id="r", attempt=1, master_addr="a", master_port=1, steps=9,
+                               checkpoint_every=3, resume_step=resume_step, ckpt_dir="/c", init_from="/w/hf")
+        return [r.argv for n in spec.nodes for r in n.ranks]
+
+    assert all(a[-2:] == ("--init-from", "/w/hf") for a in argv(0))
+    assert all("--init-from" not in a for a in argv(3))
+
+
+def test_export_refuses_what_is_not_a_run(tmp_path):
+    from hetctl.train.export import export
+
+    with pytest.raises(ConfigError, match="not a run folder"):
+        export(tmp_path, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

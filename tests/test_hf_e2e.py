@@ -100,6 +100,12 @@ def test_init_from_on_two_stages_then_export_reloads_in_transformers(tmp_path):
     # an export never overwrites: the second one into the same folder is refused
     r = hetctl(tmp_path, "export", str(run), "-o", "out")
     assert r.returncode == 2 and "exists and is not an empty folder" in r.stderr
+    # export verifies the manifest: a damaged unit file is refused, and nothing is left behind
+    head = ckpt_dir / "step-4" / "head.pt"
+    head.write_bytes(head.read_bytes()[:-1] + b"x")
+    r = hetctl(tmp_path, "export", str(run), "-o", "out2", "--step", "4")
+    assert r.returncode == 2 and "head.pt: size or sha256 differs from the manifest" in r.stderr, r.stderr
+    assert not (tmp_path / "out2").exists() and not list(tmp_path.glob(".out2.*"))
 
 
 def test_mismatched_init_from_is_refused_before_any_rank_starts(tmp_path):
