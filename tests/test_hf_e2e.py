@@ -152,3 +152,17 @@ def test_tied_table_stays_one_across_stages_and_resumes_without_reimport(tmp_pat
                        steps=8, resume_step=4, ckpt_dir=two.ckpt_dir, args=init)
     assert resumed.losses() == {s: b[s] for s in range(5, 9)}
     assert "init-from" not in resumed.stdout(0)
+
+
+def test_tensor_parallel_stages_import_qwen2_biases_and_tied_table(tmp_path):
+    """TP=2 on 1+2 stages: each rank keeps its slice of q/k/v and their biases; the loss is transformers'."""
+    from tests.rankrunner import run_plan
+
+    ref = save_random(tmp_path / "hf", "qwen2", tie_word_embeddings=True)
+    spec = load_config_spec(tmp_path / "hf", seq_len=SEQ).model_dump(mode="json")
+    tp = run_plan(tiny_plan([1, 2], tp=2, micro_batch=MB, micro_batches=MICRO, model=spec), tmp_path / "tp",
+                  steps=3, args=("--init-from", str(tmp_path / "hf")))
+    want = _first_step_loss(ref, spec)
+    losses = tp.losses()
+    assert abs(float(losses[1]) - want) <= 1e-4 * want, (losses[1], want)
+    assert float(losses[3]) < float(losses[1])
