@@ -305,7 +305,7 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
                 saver.save(step, units, optimizer, state=state, meta=meta, on_wait=waiting)
 
         steady = step_times[1:] or step_times
-        final = {"done": True, "steps": args.steps, **role}
+        final = {"done": True, "steps": args.steps, "skipped": stepper.skipped_total, **role}
         if saver is not None:  # the last save must be on disk, manifest and all, before the rank reports done
             final.update(saver.close(on_wait=functools.partial(ctx.heartbeat, args.steps, phase="checkpoint_wait",
                                                                **role)))

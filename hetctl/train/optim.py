@@ -64,10 +64,10 @@ class Schedule:
             return self.lr
         if step >= self.decay_steps:
             return self.min_lr
-        progress = (step - self.warmup_steps) / (self.decay_steps - self.warmup_steps)
-        if self.decay == "linear":
-            return self.lr - (self.lr - self.min_lr) * progress
-        return self.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (self.lr - self.min_lr)
+        # Megatron-LM's formulas, term for term (tests/test_optim.py compares them with its scheduler).
+        ratio = (step - self.warmup_steps) / (self.decay_steps - self.warmup_steps)
+        coeff = 1.0 - ratio if self.decay == "linear" else 0.5 * (math.cos(math.pi * ratio) + 1.0)
+        return self.min_lr + coeff * (self.lr - self.min_lr)
 
     def record(self) -> dict[str, Any]:
         """The schedule's part of ``state.json``'s optimizer record."""
@@ -156,18 +156,23 @@ def check_resume(recorded: Mapping[str, Any] | None, cfg: OptimConfig, where: An
     if rec.get("decay") == "constant" and want["decay"] == "constant":
         rec["min_lr"] = want["min_lr"]  # unused by a constant schedule
         rec["decay_steps"] = want["decay_steps"]
-    for key in SCHEDULE_KEYS:
+    for key in ("decay", "lr", "min_lr", "warmup_steps", "decay_steps"):
         if rec.get(key) != want[key]:
-            flag = "--" + key.replace("_", "-")
-            hint = f"pass {flag} {rec.get(key)} to continue that run"
+            old, new = _show(rec.get(key)), _show(want[key])
+            hint = f"pass --{key.replace('_', '-')} {old} to continue that run"
             if key == "decay_steps" and not cfg.schedule.explicit:
-                hint = (f"the decay length defaults to --steps; pass --decay-steps {rec.get(key)} to keep the "
+                hint = (f"the decay length defaults to --steps; pass --decay-steps {old} to keep the "
                         "checkpoint's schedule for a longer run")
-            raise ConfigError(f"checkpoint {where}: its learning-rate schedule has {key}={rec.get(key)}, "
-                              f"this run has {want[key]}", hint)
+            raise ConfigError(f"checkpoint {where}: its learning-rate schedule has {key}={old}, this run has {new}",
+                              hint)
     mine = cfg.record()
-    return [f"{k} {rec.get(k)} -> {mine[k]}" for k in ("weight_decay", "clip_grad", "betas", "eps")
+    return [f"{k} {_show(rec.get(k))} -> {_show(mine[k])}" for k in ("weight_decay", "clip_grad", "betas", "eps")
             if k in rec and rec[k] != mine[k]]
+
+
+def _show(v: Any) -> str:
+    """A setting as the user would type it (``0.0003``, not ``0.00030000000000000003``)."""
+    return f"{v:.10g}" if isinstance(v, float) else str(v)
 
 
 def parse_test_nan(raw: str | None) -> range:
