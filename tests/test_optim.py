@@ -230,7 +230,7 @@ def reference(steps: int, global_micro: int, micro_batch: int, seed: int = 1234)
             (torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()) / global_micro).backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(params, CLIP)))
         opt.step()
-    return units, norms
+    return units, opt, norms
 
 
 def printed(run, field: str) -> dict[int, float]:
@@ -249,15 +249,21 @@ def test_clipped_pipeline_update_equals_one_process(tmp_path, split, dp, tp):
     steps = 3
     run = run_plan(tiny_plan(split, dp=dp, tp=tp, micro_batches=4 // dp), tmp_path, steps=steps, ckpt_every=steps,
                    args=("--clip-grad", str(CLIP), "--weight-decay", "0.1"))
-    units, norms = reference(steps, 4, 2)
+    units, opt, norms = reference(steps, 4, 2)
     assert min(norms) > CLIP  # clipping acted on every step
     got = printed(run, "grad_norm")
     assert [got[s] for s in range(1, steps + 1)] == pytest.approx(norms, rel=2e-5)  # printed with 6 digits
     d = manifest.step_dir(run.ckpt_dir, steps)
+    # Under TP the layers' sums run in another order, and AdamW's normalised update magnifies the rounding of
+    # near-zero gradients (the TP tests' tolerance); the first moment is the clipped gradients' own average.
+    atol = 2e-5 if tp > 1 else 1e-6
     for name, unit in units.items():
-        saved = torch.load(d / f"{name}.pt", weights_only=True)["params"]
+        saved = torch.load(d / f"{name}.pt", weights_only=True)
         for k, v in unit.state_dict().items():
-            torch.testing.assert_close(saved[k], v, rtol=1e-5, atol=1e-6, msg=f"{name}.{k}")
+            torch.testing.assert_close(saved["params"][k], v, rtol=1e-5, atol=atol, msg=f"{name}.{k}")
+        for k, p in unit.named_parameters():
+            torch.testing.assert_close(saved["optim"][k]["exp_avg"], opt.state[p]["exp_avg"], rtol=1e-4, atol=1e-8,
+                                       msg=f"{name}.{k} exp_avg")
     rec = json.loads((d / "state.json").read_text())["optimizer"]
     assert (rec["clip_grad"], rec["decay"], rec["weight_decay"]) == (CLIP, "constant", 0.1)
 
