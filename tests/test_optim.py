@@ -180,6 +180,26 @@ def test_a_non_finite_loss_or_norm_skips_and_k_in_a_row_stop():
     assert "2 steps in a row (3-4) had a non-finite loss" in e.value.message
 
 
+def test_bf16_autocast_keeps_fp32_weights_gradients_and_moments():
+    """What ``pipeline.autocast`` does on an accelerator (``torch.autocast`` to bfloat16), here with the CPU's
+    autocast (the dev machine has no accelerator): bf16 products, fp32 master weights, gradients and AdamW state."""
+    from hetctl.train.model import StageModule, build_units
+
+    units = build_units(TINY, (0, 2), True, False, 1)
+    x = torch.randint(0, TINY["vocab_size"], (2, TINY["seq_len"]))
+    seen = []
+    units["layer-00000"].q.register_forward_hook(lambda mod, args, out: seen.append(out.dtype))
+    with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+        y = StageModule(units)(x)
+    assert seen == [torch.bfloat16] and y.dtype == torch.float32  # bf16 products, the residual stream in fp32
+    y.float().square().mean().backward()
+    c = cfg()
+    opt = optim.build(units, c)
+    assert optim.Stepper(c, opt, units, one_process(units)).step(1, None, opt.step).applied
+    assert {p.dtype for p in units.parameters()} == {p.grad.dtype for p in units.parameters()} == {torch.float32}
+    assert {v.dtype for st in opt.state.values() for k, v in st.items() if k != "step"} == {torch.float32}
+
+
 # --- the resume check ------------------------------------------------------------------
 
 
