@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hetctl.errors import ConfigError
-from hetctl.plan.deepspeed_layout import check_deepspeed_split, launcher_files
+from hetctl.plan.deepspeed_layout import Launcher, check_deepspeed_split, launcher_files
 from hetctl.plan.frameworks import capability
 from hetctl.plan.rankenv import LAUNCH_TIME, stage_of, static_env
 from hetctl.files.plan import Plan, Rank
@@ -331,7 +331,7 @@ def _prepare(plan: Plan, hosts: dict[str, str], plan_path: str):
         "mesh_args": [n for m in mesh_list for n in (m.tp, 1, 1, plan.parallel.dp, m.stages)],
         "uniform_tp": len({s.tp for s in plan.stages}) == 1, "check": False,
         "ds_config": json.dumps(_ds_config(plan), sort_keys=True),
-        "ds_launcher": _ds_launcher(plan, hosts, mesh_list)[1] if fw == "deepspeed" else None,
+        "ds_launcher": _ds_launcher(plan, mesh_list) if fw == "deepspeed" else None,
     }
     by_node = {}
     for node in plan.nodes:
@@ -356,10 +356,9 @@ def _prepare(plan: Plan, hosts: dict[str, str], plan_path: str):
     return template, common, by_node
 
 
-def _ds_launcher(plan: Plan, hosts: dict[str, str], mesh_list: list[Mesh]) -> tuple[str | None, str | None]:
-    """DeepSpeed launcher's hostfile and ``--include`` for the plan (both None when it cannot place it)."""
-    files = launcher_files(plan, hosts, lambda r: framework_rank(plan, r, mesh_list))
-    return files if files is not None else (None, None)
+def _ds_launcher(plan: Plan, mesh_list: list[Mesh]) -> Launcher:
+    """DeepSpeed's launcher files for the plan, ranks in its pipe-data-model order."""
+    return launcher_files(plan, lambda r: framework_rank(plan, r, mesh_list))
 
 
 def _ds_config(plan: Plan) -> dict:
@@ -391,8 +390,9 @@ def _rendered_by_hetctl(path: Path) -> bool:
 def write_plan_dir(plan: Plan, out_dir: str | Path, hosts: dict[str, str] | None = None) -> list[Path]:
     """Write ``plan.yaml`` and ``nodes/<node>.sh`` (executable) under ``out_dir``.
 
-    For DeepSpeed also ``hostfile``, when DeepSpeed's launcher can number the
-    ranks as planned (see :func:`hetctl.plan.deepspeed_layout.launcher_files`).
+    For DeepSpeed also ``hostfile`` and ``hostfile.include`` (the ``--include`` value):
+    under them DeepSpeed's own launcher places every rank as planned (see
+    :func:`hetctl.plan.deepspeed_layout.launcher_files`).
 
     Returns:
         The paths written: the plan, then the node scripts.
@@ -409,8 +409,7 @@ def write_plan_dir(plan: Plan, out_dir: str | Path, hosts: dict[str, str] | None
         if other != node:
             raise ConfigError(f"nodes {other!r} and {node!r} would share the same script file "
                               f"nodes/{script_name(node)}", "rename one of them in the inventory")
-    hostfile_text = _ds_launcher(plan, hosts or {}, meshes(plan, by_type=False))[0] \
-        if plan.framework == "deepspeed" else None
+    ds = _ds_launcher(plan, meshes(plan, by_type=False)) if plan.framework == "deepspeed" else None
     header = (f"hetctl plan: {plan.model.name} on {len(plan.nodes)} nodes, pp {plan.parallel.pp} × "
               f"dp {plan.parallel.dp}, framework {plan.framework}")
     written = [save_model(plan_file, plan, header=header)]
@@ -419,11 +418,11 @@ def write_plan_dir(plan: Plan, out_dir: str | Path, hosts: dict[str, str] | None
     for old in nodes_dir.glob("*.sh"):  # an earlier plan's scripts go; a user's own files stay
         if _rendered_by_hetctl(old):
             old.unlink()
-    hostfile = out / "hostfile"
-    if hostfile.exists():
-        hostfile.unlink()
-    if hostfile_text is not None:
-        hostfile.write_text(hostfile_text)
+    for name, text in (("hostfile", ds and ds.hostfile), ("hostfile.include", ds and ds.include + "\n")):
+        if (out / name).exists():
+            (out / name).unlink()
+        if text:
+            (out / name).write_text(text)
     for node, text in scripts.items():
         path = nodes_dir / script_name(node)
         path.write_text(text)

@@ -1,0 +1,147 @@
+"""Every rank lands where the plan puts it, by the frameworks' own launcher code (issue 37).
+
+DeepSpeed: the rendered ``hostfile`` and ``hostfile.include`` go through
+DeepSpeed's runner (``fetch_hostfile``, ``parse_inclusion_exclusion``,
+``encode_world_info``), and each launcher the node scripts name
+(``--node_rank``) runs DeepSpeed's ``launch.main`` in this process with its
+``Popen`` recording what each rank would get (``RANK``, ``LOCAL_RANK``, the
+visible devices): the rank's node is the one whose script names that
+launcher, its chip the visible device at ``LOCAL_RANK`` (what DeepSpeed's
+engine selects), its stage and layers DeepSpeed's topology and
+``PipelineModule`` partition for that ``RANK``.
+
+Megatron-LM, FlagScale and torchrun: the node scripts are the launcher; a
+rank's chip is the visible device at its ``LOCAL_RANK`` (Megatron's
+``torch.cuda.set_device(args.local_rank)``, the torchrun contract), read back
+from the rendered script; Megatron's ``RankGenerator`` and layout parser give
+its stage and layers.
+
+The tests' clusters run in the fast lane; the bench's (up to 10,240 chips) are e2e.
+"""
+
+from __future__ import annotations
+
+import base64
+import importlib.util
+import json
+import signal
+import time
+import types
+
+import pytest
+
+from hetctl.plan.render import framework_rank, meshes, write_plan_dir
+from hetctl.plan.render import script_name
+from tests.placement import clusters, hosts_of, plan_for, script_ranks
+
+needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                     reason="DeepSpeed not installed (pip install -e '.[frameworks]')")
+needs_mcore = pytest.mark.skipif(importlib.util.find_spec("megatron.core") is None
+                                 if importlib.util.find_spec("megatron") else True,
+                                 reason="megatron-core not installed (pip install -e '.[frameworks]')")
+
+
+def _cases() -> list:
+    return [pytest.param(name, marks=[pytest.mark.e2e] if name.startswith("bench-") else [])
+            for name in clusters()]
+
+
+class _Recorded:
+    """Stands in for ``subprocess.Popen`` inside DeepSpeed's launch.py: records the rank's command and env."""
+
+    started: list[tuple[list[str], dict[str, str]]] = []
+    returncode = 0
+    pid = 0
+
+    def __init__(self, cmd, env=None, **_):
+        _Recorded.started.append((list(cmd), dict(env)))
+
+    def poll(self):
+        return 0
+
+
+def deepspeed_launch(plan_dir, monkeypatch) -> dict[int, tuple[str, int | None, str]]:
+    """DeepSpeed's runner and launch.py on the rendered files: RANK → (node, chip, LOCAL_RANK argument)."""
+    from deepspeed.launcher import launch, runner
+
+    pool = runner.fetch_hostfile(str(plan_dir / "hostfile"))
+    include = (plan_dir / "hostfile.include").read_text().strip()
+    world_info = runner.encode_world_info(runner.parse_inclusion_exclusion(pool, include, ""))
+    launchers = {}
+    for script in (plan_dir / "nodes").glob("*.sh"):
+        text = script.read_text()
+        listed = text.split("once for each --node_rank in ", 1)[1].split(":", 1)[0]
+        for n in listed.split():
+            launchers[int(n)] = script.stem
+    assert sorted(launchers) == list(range(len(json.loads(base64.urlsafe_b64decode(world_info)))))
+    monkeypatch.setattr(launch.subprocess, "Popen", _Recorded)
+    monkeypatch.setattr(launch, "time", types.SimpleNamespace(sleep=lambda s: None, strftime=time.strftime,
+                                                              localtime=time.localtime))
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    out = {}
+    try:
+        for node_rank, script in launchers.items():
+            _Recorded.started = []
+            monkeypatch.setattr("sys.argv", ["launch", f"--world_info={world_info}", f"--node_rank={node_rank}",
+                                             "--master_addr=127.0.0.1", "--master_port=29500", "train.py"])
+            launch.main()
+            for cmd, env in _Recorded.started:
+                visible = env["CUDA_VISIBLE_DEVICES"].split(",")
+                local = int(env["LOCAL_RANK"])
+                assert cmd[-1] == f"--local_rank={local}"
+                out[int(env["RANK"])] = (script, int(visible[local]), env["WORLD_SIZE"])
+    finally:
+        signal.signal(signal.SIGINT, handlers[0])
+        signal.signal(signal.SIGTERM, handlers[1])
+    return out
+
+
+def deepspeed_stage(plan, rank: int) -> tuple[int, int, tuple[int, int]]:
+    """DeepSpeed's topology and PipelineModule partition for RANK: (stage, replica, layers)."""
+    from deepspeed.runtime import utils as ds_utils
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+    tp, pp = plan.stages[0].tp, plan.parallel.pp
+    topo = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=len(plan.ranks) // (pp * tp))
+    coord = topo.get_coord(rank)
+    # PipelineModule(partition_method="type:DecoderLayer"): weight 1 per decoder layer, balanced.
+    parts = ds_utils.partition_balanced(weights=[1] * plan.model.num_layers, num_parts=pp)
+    return coord.pipe, coord.data, (parts[coord.pipe], parts[coord.pipe + 1])
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("name", _cases())
+def test_deepspeeds_launcher_places_every_rank_as_planned(tmp_path, monkeypatch, name):
+    plan = plan_for(name, "deepspeed")
+    if plan is None:
+        pytest.skip(f"{name}: no DeepSpeed plan fits")
+    write_plan_dir(plan, tmp_path, hosts_of(name))
+    placed = deepspeed_launch(tmp_path, monkeypatch)
+    mesh_list = meshes(plan, by_type=False)
+    assert sorted(placed) == list(range(len(plan.ranks)))
+    for r in plan.ranks:
+        rank = framework_rank(plan, r, mesh_list)
+        script, chip, world = placed[rank]
+        assert (script, chip, world) == (script_name(r.node)[:-3], r.chip, str(len(plan.ranks))), (rank, r)
+        stage, replica, layers = deepspeed_stage(plan, rank)
+        assert (stage, replica, layers) == (r.stage, r.replica, plan.stages_of(r.replica)[r.stage].layers)
+
+
+def test_node_script_envs_place_each_rank_on_its_chip():
+    """Every framework's node script: the visible device at LOCAL_RANK is the rank's planned chip."""
+    from hetctl.plan.render import render_node_scripts
+
+    for name in (n for n in clusters() if not n.startswith("bench-")):
+        for fw in ("megatron", "flagscale", "deepspeed", "torchrun"):
+            plan = plan_for(name, fw)
+            if plan is None:
+                continue
+            mesh_list = meshes(plan, by_type=fw == "flagscale") if not plan.replicas else []
+            scripts = render_node_scripts(plan, hosts_of(name))
+            for r in plan.ranks:
+                want = str(framework_rank(plan, r, mesh_list)) if fw != "torchrun" else str(r.rank)
+                env = next(e for e in script_ranks(scripts[r.node]) if e["RANK"] == want)
+                stage = plan.stages_of(r.replica)[r.stage]
+                if stage.visible_devices_env:
+                    visible = env[stage.visible_devices_env].split(",")
+                    assert int(visible[int(env["LOCAL_RANK"])]) == r.chip, (name, fw, r)
