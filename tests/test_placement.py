@@ -145,3 +145,61 @@ def test_node_script_envs_place_each_rank_on_its_chip():
                 if stage.visible_devices_env:
                     visible = env[stage.visible_devices_env].split(",")
                     assert int(visible[int(env["LOCAL_RANK"])]) == r.chip, (name, fw, r)
+
+
+FLAGSCALE_OFFSETS = """
+import json, sys
+import torch
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+out = []
+for split, mesh_pp, stage in json.loads(sys.argv[1]):
+    # What FSTrainArguments leaves a rank: its mesh's pp as pipeline_model_parallel_size, the job's split.
+    config = TransformerConfig(num_layers=sum(split), hidden_size=64, num_attention_heads=4, enable_hetero=True,
+                               pipeline_model_parallel_size=mesh_pp, hetero_pipeline_layer_split=split,
+                               pipeline_dtype=torch.bfloat16)
+    out.append(get_transformer_layer_offset(config, pp_rank=stage))
+print(json.dumps(out))
+"""
+
+
+def _flag_scale_dir():
+    from tests.test_frameworks import FLAG_SCALE
+
+    return FLAG_SCALE
+
+
+@pytest.mark.skipif(_flag_scale_dir() is None, reason="FlagScale not installed (pip install --no-deps flag-scale==0.8.0)")
+def test_flagscale_numbers_every_stages_layers_from_its_place_in_the_model():
+    """FlagScale's own layer offset, per stage with its mesh's pp (as its hetero mode sets it), is the plan's."""
+    import os
+    import subprocess
+    import sys
+
+    fs = _flag_scale_dir()
+    asked, want = [], []
+    for name in (n for n in clusters() if not n.startswith("bench-six")):
+        plan = plan_for(name, "flagscale")
+        if plan is None:
+            continue
+        split = [b - a for a, b in (s.layers for s in plan.stages_of(0))]
+        for m in meshes(plan):
+            for stage in range(m.first, m.first + m.stages):
+                asked.append((split, m.stages, stage))
+                want.append((name, stage, plan.stages_of(0)[stage].layers[0]))
+    env = {**os.environ, "PYTHONPATH": f"{fs}:{fs / 'third_party/Megatron-LM'}"}
+    res = subprocess.run([sys.executable, "-c", FLAGSCALE_OFFSETS, json.dumps(asked)], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert [(n, s, o) for (n, s, _), o in zip(want, got)] == want
+
+
+def test_a_flagscale_plan_with_a_one_stage_mesh_past_the_first_is_refused_with_exit_4():
+    from hetctl.errors import PlanInfeasible
+    from hetctl.plan.render import render_node_scripts
+
+    plan = plan_for("issue15", "torchrun").model_copy(update={"framework": "flagscale"})
+    with pytest.raises(PlanInfeasible, match="holds one pipeline stage") as e:
+        render_node_scripts(plan)
+    assert e.value.exit_code == 4 and "--framework hetctl" in e.value.hint

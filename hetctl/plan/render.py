@@ -33,7 +33,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from hetctl.errors import ConfigError
+from hetctl.errors import ConfigError, PlanInfeasible
 from hetctl.plan.deepspeed_layout import Launcher, check_deepspeed_split, launcher_files
 from hetctl.plan.frameworks import capability
 from hetctl.plan.rankenv import LAUNCH_TIME, stage_of, static_env
@@ -323,6 +323,8 @@ def _prepare(plan: Plan, hosts: dict[str, str], plan_path: str):
                for a, b in [s.chunks[c] if s.chunks else s.layers]]
     if fw == "deepspeed":
         check_deepspeed_split(split, plan.parallel.pp)
+    if fw == "flagscale":
+        _check_flagscale_meshes(plan, mesh_list)
     common = {
         "plan": plan, "framework": fw, "world": len(plan.ranks),
         "master_addr": hosts.get(first.node, first.node), "master_port": DEFAULT_PORT, "plan_path": plan_path,
@@ -354,6 +356,31 @@ def _prepare(plan: Plan, hosts: dict[str, str], plan_path: str):
             })
         by_node[node] = ranks
     return template, common, by_node
+
+
+def _check_flagscale_meshes(plan: Plan, mesh_list: list[Mesh]) -> None:
+    """Refuse a FlagScale plan with a one-stage process mesh in a deeper pipeline.
+
+    FlagScale sets each rank's ``pipeline_model_parallel_size`` to its mesh's
+    ``pp``, and its ``get_transformer_layer_offset`` adds the earlier stages'
+    layers only when that size is above 1: the ranks of a one-stage mesh would
+    number their layers from 0 (wrong layer numbers, wrong checkpoint keys).
+
+    Raises:
+        PlanInfeasible: such a mesh (exit 4), naming the framework that runs the plan.
+    """
+    if plan.parallel.pp == 1:
+        return
+    for m in mesh_list:
+        if m.stages == 1 and m.first > 0:  # the first stage's offset is 0 anyway
+            a, b = plan.stages_of(0)[m.first].layers
+            raise PlanInfeasible(
+                f"plan: FlagScale's process mesh {m.label} holds one pipeline stage (stage {m.first}, layers "
+                f"[{a}, {b})); FlagScale numbers a one-stage mesh's layers from 0, not from {a} "
+                "(get_transformer_layer_offset counts earlier stages only for meshes of two or more)",
+                "run this split with --framework hetctl (hetctl plan --framework hetctl), or plan FlagScale on "
+                "nodes where each chip type holds two or more stages",
+            )
 
 
 def _ds_launcher(plan: Plan, mesh_list: list[Mesh]) -> Launcher:
