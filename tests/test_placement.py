@@ -24,9 +24,11 @@ from __future__ import annotations
 import base64
 import importlib.util
 import json
+import shlex
 import signal
 import time
 import types
+from functools import cache
 
 import pytest
 
@@ -83,7 +85,7 @@ def deepspeed_launch(plan_dir, monkeypatch) -> dict[int, tuple[str, int | None, 
         for node_rank, script in launchers.items():
             _Recorded.started = []
             monkeypatch.setattr("sys.argv", ["launch", f"--world_info={world_info}", f"--node_rank={node_rank}",
-                                             "--master_addr=127.0.0.1", "--master_port=29500", "train.py"])
+                                             "--master_addr=127.0.0.1", "--master_port=29500", "--quiet", "train.py"])
             launch.main()
             for cmd, env in _Recorded.started:
                 visible = env["CUDA_VISIBLE_DEVICES"].split(",")
@@ -96,20 +98,26 @@ def deepspeed_launch(plan_dir, monkeypatch) -> dict[int, tuple[str, int | None, 
     return out
 
 
-def deepspeed_stage(plan, rank: int) -> tuple[int, int, tuple[int, int]]:
-    """DeepSpeed's topology and PipelineModule partition for RANK: (stage, replica, layers)."""
+@cache
+def _deepspeed_grid(tp: int, pp: int, world: int, num_layers: int):
+    """DeepSpeed's pipe-data-model topology and its balanced partition of equal layer weights."""
     from deepspeed.runtime import utils as ds_utils
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
-    tp, pp = plan.stages[0].tp, plan.parallel.pp
-    topo = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=len(plan.ranks) // (pp * tp))
-    coord = topo.get_coord(rank)
+    topo = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=world // (pp * tp))
     # PipelineModule(partition_method="type:DecoderLayer"): weight 1 per decoder layer, balanced.
-    parts = ds_utils.partition_balanced(weights=[1] * plan.model.num_layers, num_parts=pp)
+    return topo, ds_utils.partition_balanced(weights=[1] * num_layers, num_parts=pp)
+
+
+def deepspeed_stage(plan, rank: int) -> tuple[int, int, tuple[int, int]]:
+    """DeepSpeed's topology and PipelineModule partition for RANK: (stage, replica, layers)."""
+    topo, parts = _deepspeed_grid(plan.stages[0].tp, plan.parallel.pp, len(plan.ranks), plan.model.num_layers)
+    coord = topo.get_coord(rank)
     return coord.pipe, coord.data, (parts[coord.pipe], parts[coord.pipe + 1])
 
 
 @needs_deepspeed
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", _cases())
 def test_deepspeeds_launcher_places_every_rank_as_planned(tmp_path, monkeypatch, name):
     plan = plan_for(name, "deepspeed")
@@ -127,24 +135,64 @@ def test_deepspeeds_launcher_places_every_rank_as_planned(tmp_path, monkeypatch,
         assert (stage, replica, layers) == (r.stage, r.replica, plan.stages_of(r.replica)[r.stage].layers)
 
 
-def test_node_script_envs_place_each_rank_on_its_chip():
-    """Every framework's node script: the visible device at LOCAL_RANK is the rank's planned chip."""
+@cache
+def _megatron_grid(tp: int, pp: int, world: int, layout_text: str):
+    """Megatron-core's rank generator (tp-cp-ep-dp-pp) and layout parser: RANK → index per group, stage → layers."""
+    from megatron.core.parallel_state import RankGenerator
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+    gen = RankGenerator(tp=tp, ep=1, dp=world // (tp * pp), pp=pp, cp=1, order="tp-cp-ep-dp-pp")
+    index = {mode: {r: g.index(r) for g in gen.get_ranks(mode) for r in g} for mode in ("pp", "dp", "tp")}
+    layout = PipelineParallelLayerLayout(layout_text, pp)
+    vp = 0 if layout.virtual_pipeline_model_parallel_size else None
+    layers = {s: layout.get_layer_id_list(pp_rank=s, vp_stage=vp) for s in range(pp)}
+    return index, {s: (ids[0], ids[-1] + 1) for s, ids in layers.items()}
+
+
+def _megatron_place(text: str, rank: int, world: int) -> tuple[int, int, int, tuple[int, int]]:
+    """Megatron-core's own answer for RANK under a rendered script: (stage, replica, TP index, first chunk's layers)."""
+    words = shlex.split(text.split("MEGATRON_ARGS=(", 1)[1].split(")", 1)[0])
+    arg = {w: words[i + 1] for i, w in enumerate(words[:-1]) if w.startswith("--")}
+    index, layers = _megatron_grid(int(arg["--tensor-model-parallel-size"]), int(arg["--pipeline-model-parallel-size"]),
+                                   world, arg["--pipeline-model-parallel-layout"])
+    stage = index["pp"][rank]
+    return stage, index["dp"][rank], index["tp"][rank], layers[stage]
+
+
+def _check_node_scripts(name: str, fw: str) -> None:
     from hetctl.plan.render import render_node_scripts
 
-    for name in (n for n in clusters() if not n.startswith("bench-")):
-        for fw in ("megatron", "flagscale", "deepspeed", "torchrun"):
-            plan = plan_for(name, fw)
-            if plan is None:
-                continue
-            mesh_list = meshes(plan, by_type=fw == "flagscale") if not plan.replicas else []
-            scripts = render_node_scripts(plan, hosts_of(name))
-            for r in plan.ranks:
-                want = str(framework_rank(plan, r, mesh_list)) if fw != "torchrun" else str(r.rank)
-                env = next(e for e in script_ranks(scripts[r.node]) if e["RANK"] == want)
-                stage = plan.stages_of(r.replica)[r.stage]
-                if stage.visible_devices_env:
-                    visible = env[stage.visible_devices_env].split(",")
-                    assert int(visible[int(env["LOCAL_RANK"])]) == r.chip, (name, fw, r)
+    plan = plan_for(name, fw)
+    if plan is None:
+        return
+    mesh_list = meshes(plan, by_type=fw == "flagscale") if not plan.replicas else []
+    scripts = render_node_scripts(plan, hosts_of(name))
+    envs = {n: {e["RANK"]: e for e in script_ranks(t)} for n, t in scripts.items()}
+    for r in plan.ranks:
+        rank = framework_rank(plan, r, mesh_list) if fw != "torchrun" else r.rank
+        env = envs[r.node][str(rank)]
+        stage = plan.stages_of(r.replica)[r.stage]
+        if stage.visible_devices_env:  # the device the framework selects: the visible one at LOCAL_RANK
+            assert int(env[stage.visible_devices_env].split(",")[int(env["LOCAL_RANK"])]) == r.chip, (name, fw, r)
+        if fw == "megatron":
+            tp_index = stage.chips.index(r.chip) if r.chip is not None else int(env["HETCTL_TP_RANK"])
+            first = stage.chunks[0] if stage.chunks else stage.layers
+            assert _megatron_place(scripts[r.node], rank, len(plan.ranks)) == \
+                (r.stage, r.replica, tp_index, tuple(first)), (name, r)
+        elif fw == "torchrun":
+            assert (env["HETCTL_STAGE"], env["HETCTL_REPLICA"], env["HETCTL_LAYERS"]) == \
+                (str(r.stage), str(r.replica), f"{stage.layers[0]}:{stage.layers[1]}")
+
+
+@needs_mcore
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", _cases())
+def test_node_scripts_place_each_rank_on_its_node_chip_and_layers(name):
+    """Every framework's node scripts: the rank's chip is the visible device at its LOCAL_RANK (what Megatron,
+    DeepSpeed's engine and the torchrun contract select); Megatron-core's rank generator and layout parser put
+    it on its stage, replica, TP index and layers; the torchrun contract says the same."""
+    for fw in ("megatron", "flagscale", "deepspeed", "torchrun"):
+        _check_node_scripts(name, fw)
 
 
 FLAGSCALE_OFFSETS = """
