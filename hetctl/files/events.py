@@ -7,7 +7,7 @@ fields they do not know. :class:`EventLog` is thread-safe, accepts only typed
 events, and fans them out to listeners (the live view) as the dicts it wrote.
 
 Written by one attempt (``hetctl.launch``): ``launched``, ``progress``,
-``rank_failed``, ``node_lost``, ``agent_lost``, ``processes_left``, ``standby`` (warm spares).
+``rank_failed``, ``node_lost``, ``agent_lost``, ``bad_message``, ``processes_left``, ``standby`` (warm spares).
 By the elastic loop (``hetctl.elastic``):
 ``straggler``, ``resume_source`` (after a failure: peers' state or a checkpoint), ``restart``, ``replan``,
 ``replan_layout``, ``rebalanced``,
@@ -157,6 +157,18 @@ class AgentLost(Event):
     """
 
     kind: ClassVar[str] = "agent_lost"
+    attempt: int
+    node: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class BadMessage(Event):
+    """A node's agent sent a message the controller did not believe (hetctl.launch.wire): a field of the
+    wrong type, or a rank the plan puts on another node. A warning about ``node``; no rank or node is blamed.
+    Each distinct reason is written once per node and attempt."""
+
+    kind: ClassVar[str] = "bad_message"
     attempt: int
     node: str
     reason: str
@@ -413,7 +425,7 @@ class Failed(Event):
 
 EVENT_TYPES: dict[str, type[Event]] = {
     cls.kind: cls for cls in (Launched, Progress, RankFailed, Standby, Recovery,
-                              NodeLost, AgentLost, ProcessesLeft, StragglerFound, Restart, Replan,
+                              NodeLost, AgentLost, BadMessage, ProcessesLeft, StragglerFound, Restart, Replan,
                               ReplanLayout, Rebalanced, NodeAbnormal, CheckpointSkipped, CheckpointUnseen,
                               Resumed, GaveUp, Measured, HealthChecked, Finished, Stopped, Failed, ResumeSource)
 }
