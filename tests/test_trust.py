@@ -197,3 +197,23 @@ def test_lines_hold_at_most_the_limit():
     assert out[0] == b"a\n" and isinstance(out[1], wire.Refused) and out[2] == b"b\n"
     assert Counting.most == 1000
 
+
+
+@pytest.mark.parametrize("answer, said", [
+    ({"port": "29500; touch /tmp/x"}, "the pre-flight's answer has port = '29500; touch /tmp/x'"),
+    ({"workdir": None}, "the pre-flight's answer has workdir = None"),
+    ({"modules": ["torch"]}, "the pre-flight's answer has modules = ['torch']"),
+])
+def test_a_malformed_preflight_answer_fails_only_its_own_node(tmp_path, answer, said):
+    """Each used to crash the controller (ValueError, TypeError, AttributeError) after the fan-out."""
+    from hetctl.errors import StartFailed
+    from hetctl.files.plan import Plan
+    from hetctl.remote.testing import FakeFleet, NodeScript
+    from tests.rankrunner import tiny_plan
+    from tests.test_attempt import attempt, inventory
+
+    plan3 = Plan.model_validate(tiny_plan([2, 2, 2]))
+    fleet = FakeFleet({"n0": NodeScript(preflight=answer)})
+    with pytest.raises(StartFailed) as e:
+        attempt(plan3, inventory.__wrapped__(plan3), tmp_path, fleet)
+    assert [f.node for f in e.value.failures] == ["n0"] and said in e.value.message

@@ -341,6 +341,9 @@ class AttemptController:
                     raise HetctlError(f"python `{node.python}` not found",
                                       "install Python 3 there or set `python:` for the node in the inventory")
                 raise HetctlError(f"pre-flight failed: {tail[0]}")
+            problem = wire.preflight_problem(info)
+            if problem:
+                raise HetctlError(problem, "the node's python or hetctl's files there are not as shipped")
             if info.get("unsafe"):
                 raise HetctlError(f"workdir {info.get('workdir')} is {info['unsafe']}: another user could plant "
                                   "modules that the ranks import",

@@ -150,3 +150,28 @@ def lines(stream: Any, limit: int = MAX_LINE) -> Iterator[bytes | Refused]:
             raw = stream.readline(limit)
             skipped += len(raw)
         yield Refused(f"a line of {skipped} bytes or more (the limit is {limit})")
+
+
+# The pre-flight's answer (hetctl.node.preflight): field → check; the controller reads these.
+_PREFLIGHT: dict[str, Any] = {
+    "workdir": lambda v: isinstance(v, str) and v.startswith("/") and "\0" not in v,
+    "writable": lambda v: isinstance(v, bool),
+    "unsafe": _opt(_text),
+    "error": _opt(_text),
+    "share_id": _opt(lambda v: isinstance(v, str) and v.isalnum()),
+    "agent_ok": _opt(lambda v: isinstance(v, bool)),
+    "modules": lambda v: isinstance(v, dict) and all(isinstance(x, bool) for x in v.values()),
+    "versions": _opt(lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in v.values())),
+    "port": _opt(lambda v: _is_int(v) and 0 < v < 65536),
+}
+
+
+def preflight_problem(info: dict) -> str | None:
+    """What is wrong with a node's pre-flight answer (one line), or None when each field the
+    controller reads has its type: a node's answer names its own workdir and port, nothing more."""
+    for name, ok in _PREFLIGHT.items():
+        if name in ("workdir", "writable", "modules") and name not in info:
+            return f"the pre-flight's answer lacks {name}"
+        if name in info and not ok(info[name]):
+            return f"the pre-flight's answer has {name} = {_shown(info[name])}"
+    return None
