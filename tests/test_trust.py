@@ -217,3 +217,119 @@ def test_a_malformed_preflight_answer_fails_only_its_own_node(tmp_path, answer, 
     with pytest.raises(StartFailed) as e:
         attempt(plan3, inventory.__wrapped__(plan3), tmp_path, fleet)
     assert [f.node for f in e.value.failures] == ["n0"] and said in e.value.message
+
+
+# -- kind 2: only the run's own files are deleted or written, never through a link ----
+def test_a_planted_jit_link_in_the_checkpoint_store_deletes_nothing_outside(tmp_path):
+    """discard() used to rmtree <victim>/<n> through a `jit` link, on every restart and resume."""
+    from hetctl.node import jitstate
+
+    victim = tmp_path / "home" / "projects"
+    (victim / "3").mkdir(parents=True)
+    (victim / "3" / "thesis.tex").write_text("years of work\n")
+    ck = tmp_path / "store" / "run-1"
+    ck.mkdir(parents=True)
+    (ck / jitstate.JIT_DIR).symlink_to(victim)
+    jitstate.discard(ck, 5)
+    assert (victim / "3" / "thesis.tex").read_text() == "years of work\n"
+    own = tmp_path / "store" / "run-2"
+    (own / jitstate.JIT_DIR / "2" / "rank-0").mkdir(parents=True)
+    (own / jitstate.JIT_DIR / "2" / "rank-0" / "x").write_text("dump")
+    (own / jitstate.JIT_DIR / "1").symlink_to(victim / "3")
+    jitstate.discard(own, 5)  # its own dumps go; a link among them is removed as a link, not followed
+    assert not (own / jitstate.JIT_DIR / "2").exists() and (victim / "3" / "thesis.tex").exists()
+
+
+def test_promote_refuses_a_step_folder_that_is_a_planted_link(tmp_path):
+    from hetctl.files.safefs import UnsafePath
+    from hetctl.node import jitstate, manifest
+
+    ck, elsewhere = tmp_path / "ck", tmp_path / "elsewhere"
+    ck.mkdir()
+    elsewhere.mkdir()
+    (elsewhere / manifest.MANIFEST).write_text("the victim's own\n")
+    (ck / "step-7").symlink_to(elsewhere)
+    choice = jitstate.JitChoice(attempt=0, step=7, sources={}, skipped=())
+    with pytest.raises(UnsafePath, match="step-7: a symbolic link"):
+        jitstate.promote(ck, choice, "d1g3st")
+    assert (elsewhere / manifest.MANIFEST).read_text() == "the victim's own\n"
+    assert isinstance(UnsafePath("x"), OSError)  # peers.decide handles it as a failed promotion
+
+
+def _run_folder(tmp_path):
+    import time
+
+    from hetctl.files.run import RunDir, RunInfo, RunInputs
+
+    run = RunDir.create(tmp_path / "runs", "r-1")
+    run.save_info(RunInfo(run_id="r-1", created=time.time(), updated=time.time(),
+                          inputs=RunInputs(steps=3, checkpoint_every=0, checkpoint_dir=str(tmp_path / "ck"))))
+    return run
+
+
+@pytest.mark.parametrize("where", ["default", "-o"])
+def test_report_replaces_a_planted_link_instead_of_writing_through_it(tmp_path, where):
+    import os
+
+    from typer.testing import CliRunner
+
+    from hetctl.cli import app
+
+    run = _run_folder(tmp_path)
+    secret = tmp_path / "secret"
+    secret.write_text("private key\n")
+    os.chmod(secret, 0o600)
+    target = run.path / "report.html" if where == "default" else tmp_path / "out.html"
+    target.symlink_to(secret)
+    args = ["report", str(run.path)] + (["-o", str(target)] if where == "-o" else [])
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    assert secret.read_text() == "private key\n" and (secret.stat().st_mode & 0o777) == 0o600
+    assert not target.is_symlink() and "<html" in target.read_text()
+
+
+def _plan_dir(tmp_path, force=False, names=("a", "b")):
+    from hetctl.files.cluster import Chip, Cluster, NodeFacts
+    from hetctl.plan.models import load_model
+    from hetctl.plan.planner import plan_cluster
+    from hetctl.plan.render import write_plan_dir
+
+    cl = Cluster(nodes=[NodeFacts(name=n, host=n, tflops_override=1.0, memory_gb=16.0,
+                                  chips=[Chip(index=0, vendor="cpu", memory_gb=16.0)]) for n in names])
+    return write_plan_dir(plan_cluster(cl, load_model("tiny")), tmp_path / "plan", force=force)
+
+
+def test_plan_o_keeps_a_script_the_user_edited_unless_forced(tmp_path):
+    from hetctl.errors import ConfigError
+
+    _plan_dir(tmp_path)
+    script = tmp_path / "plan" / "nodes" / "a.sh"
+    edited = script.read_text().replace("set -euo pipefail", "set -euo pipefail\nexport NCCL_IB_HCA=mlx5_1  # mine")
+    assert edited != script.read_text()
+    script.write_text(edited)
+    with pytest.raises(ConfigError, match=r"nodes/a.sh: changed since hetctl wrote it.*--force"):
+        _plan_dir(tmp_path)
+    assert script.read_text() == edited
+    with pytest.raises(ConfigError, match=r"nodes/a.sh: changed"):  # nor removed as an earlier plan's script
+        _plan_dir(tmp_path, names=("b", "c"))
+    assert script.read_text() == edited
+    _plan_dir(tmp_path, force=True)
+    assert "# mine" not in script.read_text()
+    _plan_dir(tmp_path)  # hetctl's own, unchanged: replaced without a word
+
+
+def test_plan_o_replaces_a_planted_link_and_leaves_its_target_alone(tmp_path):
+    import os
+
+    victim = tmp_path / "bashrc"
+    victim.write_text("alias ls='ls -F'\n")
+    os.chmod(victim, 0o600)
+    _plan_dir(tmp_path)
+    link = tmp_path / "plan" / "nodes" / "b.sh"
+    link.unlink()
+    link.symlink_to(victim)
+    with pytest.raises(Exception, match="nodes/b.sh: changed"):
+        _plan_dir(tmp_path)
+    _plan_dir(tmp_path, force=True)
+    assert victim.read_text() == "alias ls='ls -F'\n" and (victim.stat().st_mode & 0o777) == 0o600
+    assert not link.is_symlink() and (link.stat().st_mode & 0o777) == 0o755

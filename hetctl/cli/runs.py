@@ -195,6 +195,8 @@ def report_cmd(
     from hetctl.files.run import RunDir
 
     page = render(run_dir)
+    from hetctl.files.safefs import write_atomic
+
     path = Path(output) if output else RunDir.open(run_dir).path / "report.html"
-    path.write_text(page, encoding="utf-8")
+    write_atomic(path, page.encode("utf-8"))  # a link planted at the path is replaced, never written through
     out.print(text(f"wrote {path}"), highlight=False)

@@ -141,12 +141,16 @@ def slurm_gres(facts: Any) -> dict[str, str] | None:
     return labelled or None
 
 
-def write_sbatch(plan: Plan, facts: Any, out_dir: str | Path) -> Path | None:
-    """Write ``out_dir/slurm.sbatch`` when the cluster came from Slurm; its path, or None."""
+def write_sbatch(plan: Plan, facts: Any, out_dir: str | Path, force: bool = False) -> Path | None:
+    """Write ``out_dir/slurm.sbatch`` when the cluster came from Slurm; its path, or None.
+
+    One the user changed since hetctl wrote it is not replaced without ``force`` (:mod:`hetctl.files.safefs`).
+    """
     gres = slurm_gres(facts)
     if gres is None:
         return None
-    path = Path(out_dir) / SBATCH_NAME
-    path.write_text(render_sbatch(plan, out_dir, gres))
-    path.chmod(0o755)
-    return path
+    from hetctl.files.safefs import write_owned
+    from hetctl.files.yamlio import written_by
+
+    return write_owned(out_dir, {SBATCH_NAME: render_sbatch(plan, out_dir, gres)}, modes={SBATCH_NAME: 0o755},
+                       force=force, legacy=lambda p: written_by(p, "rendered by `hetctl plan`"))[0]
