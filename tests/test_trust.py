@@ -8,6 +8,7 @@ real process's hostile output through a real pipe.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import subprocess
 import sys
 
@@ -333,3 +334,85 @@ def test_plan_o_replaces_a_planted_link_and_leaves_its_target_alone(tmp_path):
     _plan_dir(tmp_path, force=True)
     assert victim.read_text() == "alias ls='ls -F'\n" and (victim.stat().st_mode & 0o777) == 0o600
     assert not link.is_symlink() and (link.stat().st_mode & 0o777) == 0o755
+
+
+# -- kinds 3 and 5: what nodes print is text, never terminal control -------------
+HOSTILE = "boom \x1b]0;pwned\x07\x1b[2J\x1b]52;c;ZXZpbA==\x07\u202eevil"
+
+
+def _hostile_run(tmp_path):
+    from hetctl.files.events import EventLog, RankFailed
+
+    run = _run_folder(tmp_path)
+    with EventLog(run.events_path) as ev:
+        ev.emit(RankFailed(attempt=0, node="n1", rank=1, reason=HOSTILE))
+    (run.path / "logs" / "n1").mkdir()
+    (run.path / "logs" / "n1" / "rank-1.log").write_text(
+        "==> hetctl attempt 0, rank 1 on n1 <==\nhi \x1b[2J\x1b]8;;http://x\x1b\\link\x1b]8;;\x1b\\ \x9b2J\n")
+    return run
+
+
+def _in_a_pty(args, cwd) -> bytes:
+    """Run ``python -m hetctl ARGS`` on a real pseudo-terminal; everything it wrote there."""
+    import os
+    import pty
+
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: its stdout and stderr are the terminal
+        os.chdir(cwd)
+        os.environ["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+        os.environ.pop("NO_COLOR", None)
+        os.execv(sys.executable, [sys.executable, "-m", "hetctl", *args])
+    chunks = []
+    while True:
+        try:
+            data = os.read(fd, 65536)
+        except OSError:
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.waitpid(pid, 0)
+    os.close(fd)
+    return b"".join(chunks)
+
+
+@pytest.mark.parametrize("command", ["status", "logs"])
+def test_node_strings_reach_a_real_terminal_as_visible_text(tmp_path, command):
+    run = _hostile_run(tmp_path)
+    seen = _in_a_pty([command, str(run.path)], tmp_path)
+    assert b"\x1b]" not in seen and b"\x1b[2J" not in seen and b"\xc2\x9b" not in seen, seen  # no OSC, no clear
+    assert b"\xe2\x80\xae" not in seen  # no right-to-left override
+    text = seen.decode(errors="replace")
+    if command == "status":
+        assert "boom \\x1b]0;pwned" in text and "\\x1b[2J" in text and "\\u202eevil" in text
+    else:
+        assert "hi \\x1b[2J\\x1b]8;;http://x" in text and "\\x9b2J" in text
+
+
+def test_json_output_escapes_what_json_leaves_raw(capsys):
+    from hetctl.cli import print_json
+
+    print_json(json.dumps({"chip": "A100\x9b2J\u202e"}, ensure_ascii=False))
+    out = capsys.readouterr().out
+    assert json.loads(out) == {"chip": "A100\x9b2J\u202e"} and "\x9b" not in out and "\u202e" not in out
+
+
+def test_the_console_cleans_every_renderable_but_keeps_its_own_styles():
+    import io
+
+    from rich.table import Table
+    from rich.text import Text
+
+    from hetctl.textsafe import safe_console
+
+    buf = io.StringIO()
+    con = safe_console(file=buf, force_terminal=True, width=200)
+    t = Table()
+    t.add_column("chip")
+    t.add_row(Text("H100\x1b]0;x\x07\x1b[31m"))
+    con.print(t)
+    con.print(Text("red", style="red"), Text("\x1b[2J"))
+    out = buf.getvalue()
+    assert "\x1b]" not in out and "\x1b[2J" not in out and "\x1b[31m" in out  # rich's own red, not the node's
+    assert "H100\\x1b]0;x" in out

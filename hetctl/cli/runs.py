@@ -126,8 +126,10 @@ def logs_cmd(
     files = st.log_files(run_dir, node, rank)
     prefix = len(files) > 1
 
-    def emit(nd: str, r: int, line: str) -> None:
-        sys.stdout.write((f"[{nd} rank {r}] " if prefix else "") + line + "\n")
+    from hetctl.textsafe import clean
+
+    def emit(nd: str, r: int, line: str) -> None:  # a rank's output is text, never terminal control
+        sys.stdout.write(clean((f"[{nd} rank {r}] " if prefix else "") + line) + "\n")
 
     for nd, r, path in files:
         for line in st.tail_lines(path, tail):
