@@ -11,6 +11,7 @@ piece of text they render (:class:`SafeConsole`), so no output path can forget i
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Iterable
 
@@ -54,3 +55,21 @@ def _console_class() -> type:
 def safe_console(**kwargs: Any) -> Any:
     """A :class:`SafeConsole` (rich is imported only here, on first use)."""
     return _console_class()(**kwargs)
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def json_dumps(obj: Any, **kwargs: Any) -> str:
+    """``json.dumps`` that stays valid JSON: a NaN or infinite number (a diverged loss) is ``null``,
+    never the bare ``NaN`` that JSON parsers refuse."""
+    import json
+
+    return json.dumps(_finite(obj), allow_nan=False, **kwargs)

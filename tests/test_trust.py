@@ -416,3 +416,33 @@ def test_the_console_cleans_every_renderable_but_keeps_its_own_styles():
     out = buf.getvalue()
     assert "\x1b]" not in out and "\x1b[2J" not in out and "\x1b[31m" in out  # rich's own red, not the node's
     assert "H100\\x1b]0;x" in out
+
+
+# -- kind 10: every output stays valid ------------------------------------------
+def test_status_json_of_a_nan_loss_is_valid_json(tmp_path):
+    from typer.testing import CliRunner
+
+    from hetctl.cli import app
+    from hetctl.files.events import EventLog, Progress, StageProgress
+
+    run = _run_folder(tmp_path)
+    with EventLog(run.events_path) as ev:
+        ev.emit(Progress(attempt=0, step=2, loss=float("nan"), stages=[StageProgress(0, 0, 2, float("nan"), 3.0)]))
+    r = CliRunner().invoke(app, ["status", str(run.path), "--json"])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout, parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))
+    assert data["loss"] is None
+
+
+def test_report_and_status_skip_an_event_without_ts(tmp_path):
+    from typer.testing import CliRunner
+
+    from hetctl.cli import app
+
+    run = _run_folder(tmp_path)
+    with open(run.events_path, "a") as f:
+        f.write('{"kind": "rank_failed", "attempt": 0, "node": "n1", "rank": 1, "reason": "x"}\n')
+        f.write('{"ts": "soon", "kind": "node_lost", "attempt": 0, "node": "n1", "reason": "x"}\n')
+    for args in (["report", str(run.path)], ["status", str(run.path)]):
+        r = CliRunner().invoke(app, args)
+        assert r.exit_code == 0 and r.exception is None, (args, r.output)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typer
 
+from hetctl.textsafe import json_dumps
 from hetctl.cli import app, err, handle_errors, out, print_json, text
 
 
@@ -111,7 +112,6 @@ def launch_cmd(
 
         note = dry_run_note(plan, words)
         if json_out:
-            import json
 
             data = spec.to_dict()
             if note:
@@ -121,7 +121,7 @@ def launch_cmd(
                 from hetctl.remote.slurm import dry_run_step
 
                 data["srun"] = {n.node: dry_run_step(inv.node(n.node), n) for n in spec.nodes if n.transport == "slurm"}
-            print_json(json.dumps(data, indent=2))
+            print_json(json_dumps(data, indent=2))
         else:
             _print_dry_run(spec, inv, ssh, note)
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import time
 
 import typer
 
+from hetctl.textsafe import json_dumps
 from hetctl.cli import app, err, handle_errors, out, print_json, text
 
 
@@ -91,7 +91,7 @@ def status_cmd(
 
     if json_out:
         data = current()
-        print_json(json.dumps(data.to_dict() if run_dir else [v.to_dict() for v in data], indent=2))
+        print_json(json_dumps(data.to_dict() if run_dir else [v.to_dict() for v in data], indent=2))
         return
     if not watch:
         data = current()
@@ -165,7 +165,7 @@ def stop_cmd(
     err.print(text(("stop", "bold"), f" {run_dir}"), highlight=False)
     res = st.stop_run(run_dir, force=force, wait_s=wait)
     if json_out:
-        print_json(json.dumps(asdict(res), indent=2))
+        print_json(json_dumps(asdict(res), indent=2))
     else:
         what = {"requested": "asked the controller to stop", "signalled": "asked the controller to stop (SIGTERM)",
                 "killed": "killed the controller and swept the nodes", "nodes": "no controller; swept the nodes",

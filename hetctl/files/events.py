@@ -514,7 +514,8 @@ def _jsonable(obj: Any) -> Any:
 
 
 def read_events(path: str | Path, kind: str | None = None) -> list[dict]:
-    """All events of a log (optionally of one kind); a torn last line is ignored."""
+    """All events of a log (optionally of one kind); a torn last line, or a line without a ``kind``
+    and a numeric ``ts``, is ignored."""
     out: list[dict] = []
     try:
         text = Path(path).read_text(encoding="utf-8")
@@ -525,6 +526,9 @@ def read_events(path: str | Path, kind: str | None = None) -> list[dict]:
             ev = json.loads(line)
         except ValueError:
             continue
-        if isinstance(ev, dict) and (kind is None or ev.get("kind") == kind):
+        if not (isinstance(ev, dict) and isinstance(ev.get("kind"), str) and isinstance(ev.get("ts"), (int, float))
+                and not isinstance(ev.get("ts"), bool)):
+            continue  # every event has a kind and a time (EventLog.emit): anything else is not one
+        if kind is None or ev.get("kind") == kind:
             out.append(ev)
     return out
