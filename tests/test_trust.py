@@ -20,7 +20,7 @@ from hetctl.files.events import read_events
 from hetctl.launch import wire
 from hetctl.launch.controller import _Agent
 from hetctl.launch.monitor import RankState
-from hetctl.launch.outcome import RunState
+from hetctl.launch.outcome import AttemptOutcome, RunState
 from tests import test_monitor as tm
 from tests.test_monitor import Clock, feed, make_monitor, start_all
 
@@ -446,3 +446,19 @@ def test_report_and_status_skip_an_event_without_ts(tmp_path):
     for args in (["report", str(run.path)], ["status", str(run.path)]):
         r = CliRunner().invoke(app, args)
         assert r.exit_code == 0 and r.exception is None, (args, r.output)
+
+
+# -- kind 8: stop and resume never race ---------------------------------------------
+def test_a_stop_sent_while_the_run_prepares_is_not_lost(tmp_path):
+    """`hetctl stop` from another machine lands after the lock is taken, before the loop starts: it stops the run."""
+    from hetctl.elastic.loop import ElasticRun
+    from tests.test_elastic import prepared, site
+
+    prep = prepared(site.__wrapped__(tmp_path))  # holds the run's lock, as resume's preparation does
+    prep.run.stop_path.write_text("requested by pid 1 on elsewhere\n")
+
+    def attempt(req, **kwargs):
+        stopped = kwargs["stop"].wait(5)
+        return AttemptOutcome(RunState.STOPPED if stopped else RunState.SUCCEEDED, last_step=0 if stopped else 20)
+
+    assert ElasticRun(prep, attempt_fn=attempt).run().summary.state == "stopped"
