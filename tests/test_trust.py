@@ -8,6 +8,7 @@ real process's hostile output through a real pipe.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 import subprocess
 import sys
@@ -462,3 +463,27 @@ def test_a_stop_sent_while_the_run_prepares_is_not_lost(tmp_path):
         return AttemptOutcome(RunState.STOPPED if stopped else RunState.SUCCEEDED, last_step=0 if stopped else 20)
 
     assert ElasticRun(prep, attempt_fn=attempt).run().summary.state == "stopped"
+
+
+# -- kind 9: only the run's owner counts ----------------------------------------------
+@pytest.mark.skipif(not hasattr(os, "getuid") or os.getuid() != 0, reason="needs root to start another user's process")
+def test_another_users_process_with_the_run_id_does_not_count(tmp_path):
+    import subprocess
+
+    from hetctl.node.alive import alive
+
+    env = {"HETCTL_RUN_ID": "r-owner-test", "PATH": "/usr/bin:/bin"}
+    theirs = subprocess.Popen(["sleep", "30"], env=env, user=65534, group=65534)
+    mine = subprocess.Popen(["sleep", "30"], env=env)
+    try:
+        import time
+
+        deadline = time.monotonic() + 5
+        while mine.pid not in [p for p, _, _ in alive("r-owner-test")["pids"]] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pids = [p for p, _, _ in alive("r-owner-test")["pids"]]
+        assert mine.pid in pids and theirs.pid not in pids
+    finally:
+        for p in (theirs, mine):
+            p.kill()
+            p.wait()
