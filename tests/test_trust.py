@@ -487,3 +487,56 @@ def test_another_users_process_with_the_run_id_does_not_count(tmp_path):
         for p in (theirs, mine):
             p.kill()
             p.wait()
+
+
+# -- kind 4: no code runs from folders other users can write -----------------------------
+def test_probe_from_a_folder_with_a_planted_module_never_imports_it(tmp_path):
+    """A local node's helpers (collector, pre-flight) run as `python -c`/`python -` in hetctl's current
+    folder; a json.py planted there used to run in each of them."""
+    import subprocess
+
+    planted = tmp_path / "shared-checkout"
+    planted.mkdir()
+    mark = tmp_path / "RAN"
+    (planted / "json.py").write_text(f"open({str(mark)!r}, 'a').write('x')\nraise SystemExit('planted')\n")
+    (planted / "inv.yaml").write_text(f"nodes:\n  - name: me\n    host: localhost\n    transport: local\n"
+                                      f"    workdir: {tmp_path / 'wd'}\n")
+    launcher = tmp_path / "bin" / "hetctl-here.py"  # like the installed `hetctl`: no current folder on sys.path
+    launcher.parent.mkdir()
+    launcher.write_text(f"import sys\nsys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})\n"
+                        "from hetctl.cli import main\nmain()\n")
+    r = subprocess.run([sys.executable, str(launcher), "probe", "-i", "inv.yaml", "-o", str(tmp_path / "c.yaml")],
+                       cwd=planted, capture_output=True, text=True, timeout=300, env={"PATH": "/usr/bin:/bin"})
+    assert not mark.exists(), r.stderr
+    assert r.returncode == 0 and "did not answer" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("mode", [0o1777, 0o1770, 0o770])
+def test_a_sticky_or_group_writable_workdir_is_refused_by_the_real_preflight(tmp_path, mode):
+    """Sticky (/tmp's 1777) keeps others from deleting our files, not from planting a torch.py beside them.
+    A folder writable only by the user's own private group (umask 002) is the user's: accepted (mode 770)."""
+    import grp
+
+    from hetctl.files.inventory import Node
+    from hetctl.launch import materialize as mat
+    from hetctl.remote import connect
+
+    wd = tmp_path / "wd"
+    wd.mkdir()
+    os.chmod(wd, mode)
+    shared_gid = next((g.gr_gid for g in grp.getgrall() if g.gr_mem), None)  # a group with members
+    if mode == 0o1770:
+        if shared_gid is None:
+            pytest.skip("no group with members on this machine")
+        os.chown(wd, -1, shared_gid)
+    node = Node(name="me", host="localhost", transport="local", python=sys.executable, workdir=str(wd))
+    t = connect(node, None)
+    try:
+        res = t.run(mat.preflight_argv(sys.executable, str(wd), False, ()), timeout=60, check=False)
+    finally:
+        t.close()
+    info = mat.parse_preflight(res.stdout)
+    if mode == 0o770:  # our own group (as root: root's, which no other user has)
+        assert info["unsafe"] is None, info
+    else:
+        assert info["unsafe"] and "writable by" in info["unsafe"], info
