@@ -540,3 +540,33 @@ def test_a_sticky_or_group_writable_workdir_is_refused_by_the_real_preflight(tmp
         assert info["unsafe"] is None, info
     else:
         assert info["unsafe"] and "writable by" in info["unsafe"], info
+
+
+# -- kind 7: faults of the run's own storage are not node faults ------------------------------
+@pytest.fixture
+def full_disk(tmp_path):
+    """A 64 KiB tmpfs: a real file system that fills up (needs root; skipped where mount is refused)."""
+    import subprocess
+
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_a_full_disk_under_the_run_folder_is_a_warning_not_a_crash(plan, spec, full_disk):
+    clock = Clock()
+    mon, run = make_monitor(plan, spec, full_disk, clock)
+    start_all(mon, clock, plan)
+    seen = []
+    mon.events.listeners.append(seen.append)
+    for i in range(40):  # 40 × 4 KiB lines: well past 64 KiB
+        mon.handle("n1", {"ev": "log", "rank": 1, "lines": ["x" * 4000], "t": float(i)})
+    mon.handle("n1", {"ev": "exited", "rank": 1, "code": 0, "signal": None})
+    assert mon.failures == [] and mon.ranks[1].state == RankState.DONE
+    warned = [e for e in seen if e["kind"] == "storage_warning"]
+    assert len(warned) == 1 and warned[0]["path"].endswith("rank-1.log") and "space" in warned[0]["reason"]
+    mon.logs.close()
+    mon.events.close()

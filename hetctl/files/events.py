@@ -7,7 +7,8 @@ fields they do not know. :class:`EventLog` is thread-safe, accepts only typed
 events, and fans them out to listeners (the live view) as the dicts it wrote.
 
 Written by one attempt (``hetctl.launch``): ``launched``, ``progress``,
-``rank_failed``, ``node_lost``, ``agent_lost``, ``bad_message``, ``processes_left``, ``standby`` (warm spares).
+``rank_failed``, ``node_lost``, ``agent_lost``, ``bad_message``, ``storage_warning``,
+``processes_left``, ``standby`` (warm spares).
 By the elastic loop (``hetctl.elastic``):
 ``straggler``, ``resume_source`` (after a failure: peers' state or a checkpoint), ``restart``, ``replan``,
 ``replan_layout``, ``rebalanced``,
@@ -171,6 +172,16 @@ class BadMessage(Event):
     kind: ClassVar[str] = "bad_message"
     attempt: int
     node: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class StorageWarning(Event):
+    """A file of the run folder could not be written (a full disk): the run goes on; no node is blamed."""
+
+    kind: ClassVar[str] = "storage_warning"
+    attempt: int
+    path: str
     reason: str
 
 
@@ -425,7 +436,7 @@ class Failed(Event):
 
 EVENT_TYPES: dict[str, type[Event]] = {
     cls.kind: cls for cls in (Launched, Progress, RankFailed, Standby, Recovery,
-                              NodeLost, AgentLost, BadMessage, ProcessesLeft, StragglerFound, Restart, Replan,
+                              NodeLost, AgentLost, BadMessage, StorageWarning, ProcessesLeft, StragglerFound, Restart, Replan,
                               ReplanLayout, Rebalanced, NodeAbnormal, CheckpointSkipped, CheckpointUnseen,
                               Resumed, GaveUp, Measured, HealthChecked, Finished, Stopped, Failed, ResumeSource)
 }
@@ -468,6 +479,7 @@ class EventLog:
         self._clock = clock
         self._lock = threading.Lock()
         self._file = None
+        self.write_error: str | None = None  # the first failed write of the log (events after it may be lost)
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open_append(self.path)
@@ -480,8 +492,11 @@ class EventLog:
         line = json.dumps(record, default=_jsonable, separators=(",", ":")) + "\n"
         with self._lock:
             if self._file is not None:
-                self._file.write(line)
-                self._file.flush()
+                try:
+                    self._file.write(line)
+                    self._file.flush()
+                except OSError as e:  # a full disk under the run folder: the run goes on, the listeners still hear
+                    self.write_error = self.write_error or f"{self.path}: {e.strerror or e}"
             listeners = list(self.listeners)
         for fn in listeners:
             fn(record)
@@ -493,7 +508,10 @@ class EventLog:
     def close(self) -> None:
         with self._lock:
             if self._file is not None:
-                self._file.close()
+                try:
+                    self._file.close()
+                except OSError:
+                    pass
                 self._file = None
 
     def __enter__(self) -> "EventLog":

@@ -26,7 +26,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Mapping
 
-from hetctl.files.events import BadMessage, EventLog, NodeLost, ProcessesLeft, Progress, RankFailed, StageProgress, Standby
+from hetctl.files.events import (BadMessage, EventLog, NodeLost, ProcessesLeft, Progress, RankFailed, StageProgress, Standby,
+                                 StorageWarning)
 from hetctl.launch.outcome import CAUSE_ORDER, AttemptOutcome, FailureRecord, FaultKind, RunState, classify
 from hetctl.files.run import RunDir
 from hetctl.launch.spares import SparesImporting
@@ -241,11 +242,13 @@ class Monitor:
             if st:
                 st.state, st.pid, st.progress_at = RankState.RUNNING, msg.get("pid"), now
                 self.logs.file(st.rank)  # every rank has its log, even one that prints nothing
+                self._storage_warnings()
         elif ev == "heartbeat":
             self._heartbeat(int(msg["rank"]), msg.get("hb") or {}, now)
         elif ev == "log":
             if int(msg["rank"]) in self.ranks:
                 self.logs.write(int(msg["rank"]), msg.get("lines") or [], int(msg.get("dropped") or 0))
+                self._storage_warnings()
         elif ev == "alive":
             for r, letter in (msg.get("ranks") or {}).items():
                 if int(r) in self.ranks:
@@ -265,6 +268,10 @@ class Monitor:
                 self.events.emit(ProcessesLeft(attempt=self.attempt, node=node, pids=[int(p) for p in msg["left"]]))
         elif ev == "error":
             self._fail(FailureRecord(FaultKind.START, node, time.time(), reason=f"agent: {msg.get('message')}"))
+
+    def _storage_warnings(self) -> None:
+        for path, reason in self.logs.errors():
+            self.events.emit(StorageWarning(attempt=self.attempt, path=path, reason=reason))
 
     def _refuse(self, node: str, reason: str) -> None:
         seen = self.refused[node]
