@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -570,3 +570,79 @@ def test_a_full_disk_under_the_run_folder_is_a_warning_not_a_crash(plan, spec, f
     assert len(warned) == 1 and warned[0]["path"].endswith("rank-1.log") and "space" in warned[0]["reason"]
     mon.logs.close()
     mon.events.close()
+
+
+# -- kinds 3 and 11: plan/slurm.sbatch quotes what it writes, and runs for one chip kind ----------
+def _one_kind_plan(model_name="tiny", chip_model="cpu"):
+    from hetctl.files.plan import Plan
+    from tests.rankrunner import tiny_plan
+
+    raw = tiny_plan([2, 2, 2])
+    raw["model"]["name"] = model_name
+    for s in raw["stages"]:
+        s["model"] = chip_model
+    return Plan.model_validate(raw)
+
+
+def test_sbatch_of_one_chip_kind_is_a_plain_job_that_needs_no_arguments():
+    from hetctl.plan.sbatch import render_sbatch
+
+    text = render_sbatch(_one_kind_plan(), "/site/plan")
+    srun = [ln for ln in text.splitlines() if ln.startswith("srun ")]
+    assert len(srun) == 1 and "--het-group" not in srun[0] and "#SBATCH hetjob" not in text
+    assert "export HETCTL_STEPS=${HETCTL_STEPS:-100}" in text
+
+
+def test_sbatch_comment_lines_cannot_be_ended_by_a_chip_or_model_name(tmp_path):
+    import subprocess
+
+    from hetctl.plan.sbatch import render_sbatch
+
+    mark = tmp_path / "PWNED"
+    evil = f"X\ntouch {mark}\n#"
+    text = render_sbatch(_one_kind_plan(chip_model=evil), str(tmp_path))
+    assert f"\ntouch {mark}" not in text and "X\\ntouch" in text
+    script = tmp_path / "s.sh"
+    script.write_text(text)
+    # the script's own commands up to the first srun, run for real (srun stubbed out): no planted command runs
+    head = text.split("\npids=()")[0]
+    subprocess.run(["bash", "-c", head.replace("set -euo pipefail", "set -uo pipefail")], env={"PATH": "/usr/bin:/bin",
+                   "SLURM_JOB_ID": "1"}, cwd=tmp_path, capture_output=True, timeout=30)
+    assert not mark.exists()
+
+
+@pytest.mark.e2e
+def test_sbatch_of_one_chip_kind_runs_as_written_on_the_mini_cluster(tmp_path_factory):
+    """All-CPU nodes (one chip kind): `sbatch slurm.sbatch` with no argument trains to the end."""
+    from hetctl.node import manifest as ckpt
+    from tests.rankrunner import free_port
+    from tests.slurm import NodeSpec, SlurmCluster, skip_reason
+    from tests.test_slurm import CPU_NODES, allocate, allocation_env, hetctl, write_site
+
+    reason = skip_reason()
+    if reason:
+        pytest.skip(reason)
+    d = tmp_path_factory.mktemp("sbatch-one-kind")
+    c = SlurmCluster(d / "slurm", [NodeSpec(n, 2, "", "cpu") for n in CPU_NODES]).start()
+    try:
+        job = allocate(c, "-N3")
+        env = allocation_env(c, job, d / "home")
+        write_site(d, {"slurm": {}})
+        for args in (("probe", "-i", "inventory.yaml", "-o", "cluster.yaml"),
+                     ("plan", "-c", "cluster.yaml", "--model", "tiny", "--pp", "3", "--dp", "1", "-o", "plan")):
+            r = hetctl(d, env, *args)
+            assert r.returncode == 0, r.stderr
+        script = d / "plan" / "slurm.sbatch"
+        assert "#SBATCH hetjob" not in script.read_text()
+        submit = {k: v for k, v in env.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"}
+        submit.update(HETCTL_PYTHON=sys.executable, MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1",
+                      HETCTL_STEPS="6", HETCTL_CKPT_EVERY="3")  # the script's defaults, made short
+        r = subprocess.run(["sbatch", "--wait", "--parsable", "-D", str(d), "-o", str(d / "job-%j.out"), str(script)],
+                           cwd=d, env=submit, capture_output=True, text=True, timeout=240)
+        out = "".join(p.read_text() for p in d.glob("job-*.out"))
+        assert r.returncode == 0, (r.stderr, out)
+        jid = r.stdout.strip().split(";")[0]
+        assert "step=6 loss=" in out
+        assert ckpt.latest_valid(d / "checkpoints" / f"slurm-{jid}")[0] == 6
+    finally:
+        c.stop()
