@@ -646,3 +646,18 @@ def test_sbatch_of_one_chip_kind_runs_as_written_on_the_mini_cluster(tmp_path_fa
         assert ckpt.latest_valid(d / "checkpoints" / f"slurm-{jid}")[0] == 6
     finally:
         c.stop()
+
+
+# -- kind 10: --dry-run shows no env value the user did not mark public ----------------------------
+def test_dry_run_masks_every_env_value_unless_the_inventory_marks_it_public(tmp_path):
+    """S3_CREDS and MY_PASS slipped past the name-based mask; now no value shows unless public_env lists it."""
+    from hetctl.files.inventory import load_inventory
+    from hetctl.launch.materialize import mask_env
+
+    (tmp_path / "inventory.yaml").write_text(
+        "public_env: [NCCL_SOCKET_IFNAME]\n"
+        "defaults: {transport: local, env: {S3_CREDS: 'ak:sk', MY_PASS: hunter2, NCCL_SOCKET_IFNAME: bond0}}\n"
+        "nodes: [{name: a, host: localhost}]\n")
+    inv = load_inventory(tmp_path / "inventory.yaml")
+    shown = mask_env(inv.nodes[0].env, inv.public_env)
+    assert shown == {"S3_CREDS": "***", "MY_PASS": "***", "NCCL_SOCKET_IFNAME": "bond0"}

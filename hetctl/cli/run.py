@@ -112,8 +112,7 @@ def launch_cmd(
 
         note = dry_run_note(plan, words)
         if json_out:
-
-            data = spec.to_dict()
+            data = spec.to_dict(public=inv.public_env)
             if note:
                 data["not_checked"] = note
             data["ssh"] = {n: (e if isinstance(e, str) else e.to_dict()) for n, e in ssh.items()}
@@ -280,7 +279,8 @@ def _finish_launch(result, json_out: bool) -> None:
 
 
 def _print_dry_run(spec, inv=None, ssh=None, note=None) -> None:
-    """Per node: the agent command, then each rank's argv and environment (secrets masked); ``note``: the node
+    """Per node: the agent command, then each rank's argv and environment (inventory env values masked but
+    ``public_env``'s); ``note``: the node
     checks a launch would run first."""
     import shlex
 
@@ -303,7 +303,7 @@ def _print_dry_run(spec, inv=None, ssh=None, note=None) -> None:
                            f"{', '.join(eff.identity_files) or 'agent only'}; known_hosts "
                            f"{', '.join(eff.known_hosts)}; StrictHostKeyChecking {eff.strict_host_key_checking}"),
                       highlight=False, soft_wrap=True)
-        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in mask_env(n.env).items())
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in mask_env(n.env, getattr(inv, "public_env", ())).items())
         out.print(text(f"  agent: {env + ' ' if env else ''}{shlex.join(n.agent_argv)}"), highlight=False,
                   soft_wrap=True)
         if n.transport == "slurm" and inv is not None:  # the step the agent runs in
