@@ -661,3 +661,35 @@ def test_dry_run_masks_every_env_value_unless_the_inventory_marks_it_public(tmp_
     inv = load_inventory(tmp_path / "inventory.yaml")
     shown = mask_env(inv.nodes[0].env, inv.public_env)
     assert shown == {"S3_CREDS": "***", "MY_PASS": "***", "NCCL_SOCKET_IFNAME": "bond0"}
+
+
+# -- kind 6: bounded resources against a node's output --------------------------------------------
+def test_a_node_command_that_prints_without_end_keeps_a_bounded_part(tmp_path):
+    """Real local transport, real process: 80 MiB on stdout (and stderr); hetctl keeps 64 MiB of each and finishes."""
+    from hetctl.files.inventory import Node
+    from hetctl.remote import connect
+    from hetctl.remote.startline import MAX_OUTPUT
+
+    node = Node(name="me", host="localhost", transport="local", python=sys.executable, workdir=str(tmp_path))
+    t = connect(node, None)
+    code = ("import sys\nblock = b'y' * (1 << 20)\nfor _ in range(80):\n"
+            "    sys.stdout.buffer.write(block); sys.stderr.buffer.write(block)\n")
+    try:
+        res = t.run([sys.executable, "-c", code], timeout=120, check=False)
+    finally:
+        t.close()
+    assert res.exit_code == 0
+    for text in (res.stdout, res.stderr):
+        assert MAX_OUTPUT <= len(text) < MAX_OUTPUT + 200 and text.rstrip().endswith(f"dropped: over {MAX_OUTPUT}]")
+
+
+def test_a_start_line_search_does_not_grow_with_the_output():
+    from hetctl.remote.startline import Started
+
+    s = Started()
+    for _ in range(2000):
+        s.see(b"z" * 4096)
+    assert len(s._seen) <= 512 and not s.wait(0)
+    s.see(b"\nhetctl-pid:")
+    s.see(b"4242\n")  # a start line split across reads is still found
+    assert s.wait(0) and s.pid == 4242
