@@ -693,3 +693,30 @@ def test_a_start_line_search_does_not_grow_with_the_output():
     s.see(b"\nhetctl-pid:")
     s.see(b"4242\n")  # a start line split across reads is still found
     assert s.wait(0) and s.pid == 4242
+
+
+_blank_lines = st.lists(st.one_of(st.text(max_size=40),
+                                  st.builds(lambda a, n, b: a + " " * n + b, st.text(max_size=20),
+                                            st.integers(0, 70_000), st.text(max_size=20)),
+                                  st.builds(lambda n: "\t" * n, st.integers(0, 70_000))), max_size=8)
+
+
+@FUZZ
+@given(key=st.sampled_from(sorted(__import__("hetctl.probe.tools", fromlist=["PARSERS"]).PARSERS)), lines=_blank_lines)
+def test_fuzz_every_parser_with_long_lines_returns_chips_or_nothing(key, lines):
+    """Never a crash, whatever a node's tool prints (the speed bound is bench/parsers_long_lines.py's)."""
+    from hetctl.probe.tools import parse_tool
+
+    assert isinstance(parse_tool(key, "\n".join(lines)), list)
+
+
+def test_a_padded_line_in_real_rocminfo_output_reads_as_the_unpadded_one():
+    from hetctl.probe.parsers._common import MAX_BLANK, MAX_LINE, tame
+    from hetctl.probe.tools import parse_tool
+
+    path = Path(__file__).parent / "fixtures" / "smi-samples" / "rocminfo_mi300x-x4_thamada-sim.txt"
+    lines = path.read_text().splitlines()
+    padded = [ln.replace(":", ":" + " " * 60_000, 1) for ln in lines]
+    assert parse_tool("rocminfo", "\n".join(padded)) == parse_tool("rocminfo", "\n".join(lines)) != []
+    held = tame("\n".join(padded))
+    assert max(map(len, held.split("\n"))) <= MAX_LINE and " " * (MAX_BLANK + 1) not in held
