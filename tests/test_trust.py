@@ -720,3 +720,11 @@ def test_a_padded_line_in_real_rocminfo_output_reads_as_the_unpadded_one():
     assert parse_tool("rocminfo", "\n".join(padded)) == parse_tool("rocminfo", "\n".join(lines)) != []
     held = tame("\n".join(padded))
     assert max(map(len, held.split("\n"))) <= MAX_LINE and " " * (MAX_BLANK + 1) not in held
+
+
+@pytest.mark.parametrize("first, final, shown", [(5.5, float("nan"), "5.5000 → nan (diverged)"),
+                                                 (5.5, None, "5.5000 → -"), (None, None, "-")])
+def test_the_run_summary_says_a_nan_loss_diverged(first, final, shown):
+    from hetctl.cli.run import _loss_span
+
+    assert _loss_span(first, final) == shown

@@ -244,6 +244,16 @@ def _policy(max_restarts: int, max_node_failures: int, rebalance: bool):
     return PolicyConfig(max_restarts=max_restarts, max_node_failures=max_node_failures, rebalance=rebalance)
 
 
+def _loss_span(first: float | None, final: float | None) -> str:
+    """``5.5000 → 1.2000``; a missing end is ``-``, and a NaN or infinite one says the run diverged."""
+    import math
+
+    def one(x: float | None) -> str:
+        return "-" if x is None else f"{x:.4f}" if math.isfinite(x) else f"{x} (diverged)"
+
+    return "-" if first is None and final is None else f"{one(first)} → {one(final)}"
+
+
 def _finish_launch(result, json_out: bool) -> None:
     """Summary on stdout; exit 0 only on success (3: could not start, 5: failed, 130: stopped)."""
     from hetctl.errors import RunFailed
@@ -252,7 +262,7 @@ def _finish_launch(result, json_out: bool) -> None:
     if json_out:
         print_json(s.model_dump_json(indent=2))
     else:
-        loss = "-" if s.first_loss is None else f"{s.first_loss:.4f} → {s.final_loss:.4f}"
+        loss = _loss_span(s.first_loss, s.final_loss)
         tps = "-" if s.tokens_per_s is None else f"{s.tokens_per_s:,.0f}"
         colour = {"succeeded": "green", "failed": "red", "stopped": "yellow"}.get(s.state, "")
         out.print(text((s.state, f"bold {colour}"), f"  run {s.run_id}  steps {s.steps}  loss {loss}  tokens/s {tps}  "
@@ -265,6 +275,9 @@ def _finish_launch(result, json_out: bool) -> None:
         for r in s.recoveries:
             out.print(text(f"attempt {r.attempt}: from {'its peers' if r.recovery_path == 'peer' else 'the checkpoint'}"
                            f" at step {r.resume_step or 0}, {r.steps_lost} completed steps lost"), highlight=False)
+        if "diverged" in loss:
+            err.print(text(("warning:", "yellow"), " the loss is not a number at the end: the model diverged; lower the "
+                           "learning rate or resume from an earlier checkpoint"), highlight=False, soft_wrap=True)
         if s.reason and s.state != "succeeded":
             out.print(text(f"reason: {s.reason}"), highlight=False, soft_wrap=True)
         if any(r.restart_s is not None for r in s.recoveries):
