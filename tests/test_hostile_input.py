@@ -571,11 +571,6 @@ def test_errors_through_python_m_hetctl_are_one_line_exit_2(tmp_path):
     assert r.stderr.splitlines()[0] == f"error: {p}:1: YAML anchor or alias &a is not accepted"
 
 
-def test_readme_exit_code_2_covers_these_cases():
-    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    assert "| 2 | bad input: inventory, cluster, plan or model file, or an option" in text
-
-
 @pytest.mark.parametrize("figure", [float("inf"), float("nan"), 0.0, -3.0])
 def test_unusable_bench_figures_from_a_node_are_left_out_not_a_crash(figure):
     """A node's benchmark report is outside input too: a figure the cluster file would refuse is not recorded."""

@@ -19,8 +19,8 @@ def plan_cmd(
     micro_batch: int | None = typer.Option(None, "--micro-batch", help="Sequences per micro-batch (default 1).",
                                            min=1),
     seq_len: int | None = typer.Option(None, "--seq-len", help="Sequence length (default: the model's)."),
-    framework: str | None = typer.Option(None, "--framework", help="Launch scripts for hetctl (reference trainer, "
-                                         "no TP; the default), megatron, flagscale, deepspeed or torchrun."),
+    framework: str | None = typer.Option(None, "--framework", help="Launch scripts for hetctl (the reference "
+                                         "trainer; the default), megatron, flagscale, deepspeed or torchrun."),
     calibrate: list[str] | None = typer.Option(None, "--calibrate", metavar="RUN_DIR",
                                                help="Plan on the speeds a run measured (its `measured` events) "
                                                     "instead of the cluster file's; model, batch and framework default "

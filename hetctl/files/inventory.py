@@ -5,7 +5,7 @@ mirror what the user writes; :func:`load_inventory` turns them into the resolved
 :class:`Inventory`, whose :class:`Node` list is expanded and complete, so that no
 other module has to know about ranges, defaults or ``~/.ssh/config``.
 
-Resolution rules (the README repeats them):
+Resolution rules (docs/inventory.md repeats them):
 
 * ``host`` accepts hostlist ranges (``gpu-[01-16]``, ``10.0.0.[1-4],login``), expanded
   with ``python-hostlist``. ``name`` (default: the host) expands the same way and is

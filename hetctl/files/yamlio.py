@@ -286,7 +286,7 @@ def validation_error(path: str | Path, err: ValidationError, root: yaml.Node | N
     msg = first.get("msg", "invalid value")
     explained: tuple[Any, ...] | None = None
     if first.get("type") == "extra_forbidden":
-        msg, hint = "unknown key", "check the spelling against the README's file format"
+        msg, hint = "unknown key", "check the spelling against the file format in docs/"
         close = difflib.get_close_matches(str(loc[-1]), known_keys(model, loc[:-1]), n=1) if model and loc else []
         if close:
             msg += f", did you mean {close[0]}?"
