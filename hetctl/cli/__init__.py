@@ -65,7 +65,7 @@ def _app() -> typer.Typer:
         pass
 
     # The commands register themselves on ``app`` (one module per step of the flow).
-    from hetctl.cli import plan, probe, run, runs  # noqa: F401
+    from hetctl.cli import plan, probe, run, runs, tables  # noqa: F401
 
     return made
 

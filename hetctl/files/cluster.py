@@ -173,6 +173,14 @@ class Cluster(_Strict):
         description="node-to-node links measured by `probe --bench` (a ring: each node sends once, receives once)",
     )
 
+    @staticmethod
+    def prepare_input(data: Any) -> Any:
+        """Hand-written chip entries (``count:``, a chip named by ``model:`` or ``spec:``) expanded before
+        validation (:mod:`hetctl.files.handchips`). Called by :func:`hetctl.files.yamlio.load_model`."""
+        from hetctl.files.handchips import expand_cluster
+
+        return expand_cluster(data)
+
     def reachable_nodes(self) -> list[NodeFacts]:
         return [n for n in self.nodes if n.reachable]
 
