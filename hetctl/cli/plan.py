@@ -71,6 +71,13 @@ def plan_cmd(
     else:
         if model is None:
             raise ConfigError("no model given", "pass -m/--model (a preset such as tiny or llama2-7b, or a YAML file)")
+        import shlex
+        from pathlib import Path
+
+        if not Path(cluster).exists():
+            raise ConfigError(f"{cluster}: cluster file not found",
+                              f"write it with `hetctl probe -i INVENTORY -o {shlex.quote(str(cluster))}` "
+                              "(probe without -o shows the table and writes nothing)")
         facts = load_model(cluster, Cluster, "cluster file")
         spec = load_spec(model, seq_len=seq_len)
     from hetctl.probe.findings import check_uniform_torch

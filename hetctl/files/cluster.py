@@ -9,7 +9,7 @@ into two ranks on one chip: a node listed twice, a chip index listed twice.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -161,6 +161,9 @@ class Link(_Strict):
 class Cluster(_Strict):
     """Top level of ``cluster.yaml``."""
 
+    FILE_KIND: ClassVar[str] = "cluster"
+
+    kind: Literal["cluster"] = Field(default="cluster", description="which hetctl file this is (hetctl.files.kinds)")
     version: int = 1
     inventory: str | None = Field(default=None, description="path of the inventory probed")
     probed_at: float | None = None

@@ -366,6 +366,11 @@ def load_model(path: str | Path, model: type[M], what: str = "file") -> M:
     data, root = read_yaml(path, what)
     if data is None:
         raise located_error(path, None, None, f"{what} is empty")
+    expected = getattr(model, "FILE_KIND", None)
+    if expected is not None:
+        from hetctl.files.kinds import check_kind
+
+        check_kind(path, data, expected)
     prepare = getattr(model, "prepare_input", None)
     if prepare is not None:
         try:
