@@ -10,7 +10,7 @@ from hetctl.cli import app, err, handle_errors, out, print_json, text
 @app.command("plan")
 @handle_errors
 def plan_cmd(
-    cluster_arg: str | None = typer.Argument(None, metavar="[CLUSTER]", help="Cluster file (same as --cluster)."),
+    cluster_arg: str | None = typer.Argument(None, metavar="CLUSTER", help="Cluster file (same as --cluster)."),
     cluster: str = typer.Option("cluster.yaml", "-c", "--cluster", help="Cluster file written by `hetctl probe`."),
     model: str | None = typer.Option(None, "-m", "--model", help="Preset (tiny, llama2-7b, llama2-13b, llama2-70b, "
                                      "llama3-8b, llama3-70b, qwen2-72b, gpt3-175b) or a YAML file in Megatron's names "

@@ -33,7 +33,7 @@ def chip_rows(vendor: str | None = None, name: str | None = None) -> list[dict]:
 @app.command("chips")
 @handle_errors
 def chips_cmd(
-    name: str = typer.Argument(None, metavar="[NAME]",
+    name: str = typer.Argument(None, metavar="NAME",
                                help="Show the row this name finds (a tool's name such as 'NVIDIA H100 80GB HBM3', "
                                     "a short one such as H100, MI300X or 910B3, or a row id)."),
     vendor: str = typer.Option(None, "--vendor", help="Only this vendor's chips (nvidia, amd, ascend, …)."),
