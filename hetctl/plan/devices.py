@@ -62,6 +62,7 @@ class Group:
     tcp_gbs: float | None = None  # GB/s: the slowest TCP link measured to or from the node (probe --bench)
     link_latency_s: float | None = None  # per message, the slowest calibrated link of the node (plan --calibrate)
     memory_check: MemoryCheck | None = None  # a profile at the plan's shape against the memory model (plan.profmem)
+    peak_tflops: float | None = None  # per chip: the datasheet's dense peak, else the measured matmul (for MFU)
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,13 @@ class Devices:
     def total_flops(self) -> float:
         """Sum of every usable chip's FLOP/s (at each chip's own figure)."""
         return sum(g.tflops * 1e12 * len(g.chips) for k in self.kinds for g in k.groups)
+
+    def total_peak(self) -> float | None:
+        """Sum of every usable chip's peak FLOP/s (for MFU); None when some chip has no peak figure."""
+        groups = [g for k in self.kinds for g in k.groups]
+        if any(g.peak_tflops is None for g in groups):
+            return None
+        return sum(g.peak_tflops * 1e12 * len(g.chips) for g in groups)
 
 
 @dataclass(frozen=True)
@@ -235,9 +243,10 @@ def node_groups(node: NodeFacts, use: ProfileUse | None = None, tcp_gbs: float |
         by_key.setdefault((chip.vendor, chip.model), []).append(chip)
     groups = []
     for (vendor, model), chips in by_key.items():
-        rates, mems, sources, precs, checks = [], [], set(), set(), []
+        rates, mems, sources, precs, checks, peaks = [], [], set(), set(), [], []
         for c in chips:
             rate, prec, src = chip_rate(node, c, use)
+            peaks.append(getattr(c.tflops, prec) or (getattr(c.measured_tflops, prec) if c.measured_tflops else None))
             mem = c.memory_gb
             if mem is None and vendor == "cpu" and node.memory_gb:
                 mem = node.memory_gb / len(chips)
@@ -259,7 +268,7 @@ def node_groups(node: NodeFacts, use: ProfileUse | None = None, tcp_gbs: float |
             memory_gb=min(mems), nic_gbs=_nic_gbs(node),
             switch=str(node.labels.get("switch", "")), rack=str(node.labels.get("rack", "")),
             sources=tuple(sorted(sources)), tcp_gbs=tcp_gbs, link_latency_s=latency_s,
-            memory_check=strongest(checks),
+            memory_check=strongest(checks), peak_tflops=None if None in peaks else float(min(peaks)),
         ))
     return groups
 
