@@ -265,7 +265,7 @@ def test_chip_without_tflops_names_node_and_chip():
     with pytest.raises(ConfigError) as e:
         plan_cluster(c, load_model("tiny"))
     assert "node mx-1: chip 0 (metax MetaX C550) has no known TFLOPS" in e.value.message
-    assert "hetctl probe --bench" in e.value.hint and "tflops:" in e.value.hint
+    assert "hetctl probe --bench --model MODEL" in e.value.hint and "tflops:" in e.value.hint  # the best route
     c = Cluster(nodes=[node("mx-1", "metax", "MetaX C550", 2, 64.0, None, None, override=240.0)])
     assert plan_cluster(c, load_model("tiny")).stages[0].precision == "bf16"
 
