@@ -133,3 +133,20 @@ def test_shares_follow_speed_and_add_up_to_the_batch():
     assert sum(got.values()) == 64 and all(v % 2 == 0 for v in got.values())
     by_speed = sorted(got.values())
     assert by_speed == [16, 48]  # 3:1
+
+
+def test_calibration_scales_the_sustained_rate_once():
+    """plan --calibrate's factor is measured against the sustained rate the plan used; the fitted rate is
+    used as is, not scaled by the efficiency a second time (a measured_tflops would be)."""
+    from hetctl.elastic.replan import with_speeds
+
+    demo = _without(load_file(DEMO, Cluster, "cluster file"), "profile")
+    plan = _demo_plan(demo)
+    use = plan_use(TINY, 1)
+    before = {n.name: chip_rate(n, n.chips[0], use)[0] for n in demo.nodes}
+    after = with_speeds(demo, {"node-a": 0.5}, plan)
+    a = next(n for n in after.nodes if n.name == "node-a")
+    rate, _, src = chip_rate(a, a.chips[0], use)
+    assert src == "calibrated" and rate == pytest.approx(0.5 * before["node-a"], rel=1e-4)
+    assert plan_cluster(after, TINY, pins=Pins(pp=3, dp=1), micro_batch=1).stages[0].speed_source in (
+        "calibrated", "bench×eff")
