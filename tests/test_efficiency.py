@@ -16,7 +16,7 @@ from hetctl.files.plan import ModelSpec
 from hetctl.files.yamlio import load_model as load_file
 from hetctl.plan.devices import chip_rate, plan_use
 from hetctl.plan.efficiency import lookup, sustained, table
-from hetctl.plan.figures import FORMULAS, shares
+from hetctl.plan.figures import FORMULAS, reference_batch
 from hetctl.plan.models import load_model
 from hetctl.plan.planner import plan_cluster
 from hetctl.plan.search import Pins
@@ -122,17 +122,13 @@ def test_mfu_is_against_the_peaks_and_utilization_against_the_planned_speeds():
     assert any(n.startswith("step ") and "bubble" in n and "gradient sync" in n for n in plan.notes)
 
 
-def test_shares_follow_speed_and_add_up_to_the_batch():
-    from hetctl.plan.devices import collect
-    from tests.test_plan_invariants import node
-
-    c = Cluster(nodes=[node("h", "nvidia", "NVIDIA H100 80GB HBM3", 8, 80.0, 989.4, 989.4, override=300.0),
-                       node("a", "ascend", "910B2", 8, 64.0, 376.0, 376.0, override=100.0)])
-    kinds = collect(c).kinds
-    got = shares(kinds, 64, 2)
-    assert sum(got.values()) == 64 and all(v % 2 == 0 for v in got.values())
-    by_speed = sorted(got.values())
-    assert by_speed == [16, 48]  # 3:1
+def test_share_references_round_to_batches_any_power_of_two_width_divides():
+    """A share of 410 sequences (2·5·41) would allow only dp 1, 2, 5, 10, 41: rounded to 416 = 13·32."""
+    assert reference_batch(410, 1) == 416 and reference_batch(410, 2) == 416
+    assert reference_batch(3, 1) == 3 and reference_batch(0.6, 1) == 1
+    for seqs in (17.0, 100.0, 410.0, 5000.0):
+        got = reference_batch(seqs, 2)
+        assert got % 2 == 0 and abs(got - seqs) / seqs < 0.07
 
 
 def test_calibration_scales_the_sustained_rate_once():

@@ -16,33 +16,32 @@ Also the step-time breakdown ``--explain`` prints. Docs: ``docs/efficiency.md``.
 from __future__ import annotations
 
 from hetctl.plan.costmodel import Workload
-from hetctl.plan.devices import Devices, Kind, subset
+from hetctl.plan.devices import Devices, subset
 from hetctl.plan.layout import Layout, stage_compute
 
 FORMULAS = {
     "utilization": "model FLOPs per step / (step time × Σ sustained FLOP/s of every usable chip, as planned)",
     "utilization_vs_homogeneous": "E_Σ = tokens/s / Σ_types tokens/s of that type alone at the whole global batch",
     "utilization_vs_share": "E_share = tokens/s / Σ_types tokens/s of that type alone at its share of the global "
-                            "batch (its sustained FLOP/s / the cluster's), in its own best layout",
+                            "batch (its sustained FLOP/s / the cluster's, rounded to a multiple of a power of two of micro-batches), "
+                            "in its own best layout",
     "mfu": "MFU = model FLOPs per step / (step time × Σ peak FLOP/s of every usable chip: datasheet dense peak, "
            "else the measured matmul rate)",
 }
 
 
-def shares(kinds: list[Kind], global_batch: int, micro_batch: int) -> dict[int, int]:
-    """Kind id → sequences of the global batch in proportion to its chips' sustained FLOP/s (whole micro-batches).
+def reference_batch(sequences: float, micro_batch: int) -> int:
+    """A type's share rounded to whole micro-batches in a multiple of a power of two (at most 1/8 of it).
 
-    Largest remainders, so the shares add up to the batch; a share may be 0 for a kind too
-    slow to earn one micro-batch.
+    An exact share such as 410 sequences (2·5·41) would allow the type alone only dp 1, 2, 5,
+    10 or 41, and its reference would measure divisibility, not speed; the rounding moves the
+    share by at most about 6 %, and the reference is a rate (tokens/s at its own batch).
     """
-    m = global_batch // micro_batch
-    speed = {k.id: k.tflops * k.chips() for k in kinds}
-    total = sum(speed.values())
-    exact = {kid: m * v / total for kid, v in speed.items()}
-    got = {kid: int(x) for kid, x in exact.items()}
-    for kid in sorted(exact, key=lambda k: got[k] - exact[k])[: m - sum(got.values())]:
-        got[kid] += 1
-    return {kid: n * micro_batch for kid, n in got.items()}
+    m = sequences / micro_batch
+    unit = 1
+    while unit * 16 <= m:
+        unit *= 2
+    return max(1, round(m / unit)) * unit * micro_batch
 
 
 def alone_at_share(devices: Devices, spec, work: Workload, framework: str) -> dict[str, float | str]:
@@ -50,12 +49,14 @@ def alone_at_share(devices: Devices, spec, work: Workload, framework: str) -> di
     from hetctl.plan.search import Pins, Searcher
 
     out: dict[str, float | str] = {}
+    speed = {k.id: k.tflops * k.chips() for k in devices.kinds}
     for kind in devices.kinds:
         name = f"{kind.label} ({kind.tflops:g} TFLOPS)"
-        batch = shares(devices.kinds, work.global_batch, work.micro_batch)[kind.id]
-        if batch == 0:
-            out[name] = 0.0  # too slow for one micro-batch of the batch: no share to train
+        exact = work.global_batch * speed[kind.id] / sum(speed.values())
+        if exact < work.micro_batch / 2:
+            out[name] = 0.0  # too slow to earn one micro-batch of the batch: no share to train
             continue
+        batch = reference_batch(exact, work.micro_batch)
         w = Workload(cost=work.cost, micro_batch=work.micro_batch, global_batch=batch)
         best = Searcher(subset(devices, {kind.id}).kinds, spec, w, framework, Pins(), keep=1).run(False).best
         out[name] = batch * spec.seq_len / best.step if best is not None else "cannot hold the model alone"
