@@ -47,7 +47,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from tests.rankrunner import Ranks  # noqa: E402
+from tests.rankrunner import Ranks, tiny_plan  # noqa: E402
 
 CPU_MODEL = {"name": "cpu-bench", "num_layers": 4, "hidden_size": 256, "ffn_hidden_size": 688,
              "num_attention_heads": 8, "num_query_groups": 4, "vocab_size": 2048, "seq_len": 128}
@@ -164,17 +164,12 @@ def _sync(device: torch.device) -> None:
 
 # --- the engine ----------------------------------------------------------------------------------------
 def engine_plan(m: dict, device: str, mb: int, micro: int, precision: str) -> dict:
-    from hetctl.files.plan import Estimate, ModelSpec, Parallel, Plan, Rank, Stage
-
-    spec = ModelSpec(**m)
-    stage = Stage(replica=0, stage=0, node="n0", vendor="cpu" if device == "cpu" else "nvidia",
-                  chips=[] if device == "cpu" else [0], tp=1, layers=(0, spec.num_layers), precision=precision,
-                  backend="gloo", backend_next=None, device_type=device)
-    plan = Plan(model=spec, parallel=Parallel(pp=1, dp=1, tp=1, micro_batch=mb, micro_batches=micro,
-                                              global_batch=mb * micro),
-                nodes=["n0"], stages=[stage], ranks=[Rank(rank=0, node="n0", local_rank=0, stage=0, replica=0)],
-                estimate=Estimate(step_time_s=0.0, bubble=0.0, utilization=0.0, tokens_per_s=0.0))
-    return plan.model_dump(mode="json")
+    """The one-stage plan of ``m`` (rankrunner's plan builder), its stage moved to ``device``."""
+    plan = tiny_plan([m["num_layers"]], micro_batch=mb, micro_batches=micro, model=m)
+    if device != "cpu":
+        plan["stages"][0].update(vendor="nvidia", chips=[0], device_type=device)
+    plan["stages"][0]["precision"] = precision
+    return plan
 
 
 def engine_tokens_per_s(m: dict, device: str, mb: int, micro: int, steps: int, precision: str, threads: int,

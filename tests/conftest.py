@@ -174,6 +174,6 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     if not _GROUP_TIMES:
         return
     tr = terminalreporter
-    tr.section("time per group (setup + call + teardown; workers' times summed)")
+    tr.section("time per group (setup + call + teardown)")
     for group, tests in sorted(_GROUP_TIMES.items(), key=lambda kv: -sum(kv[1].values())):
         tr.write_line(f"{group:<10} {sum(tests.values()):8.1f} s  over {len(tests):4d} tests")
