@@ -57,6 +57,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from hetctl.files.yamlio import load_model as load_file  # noqa: E402
 from hetctl.plan.models import load_model  # noqa: E402
 from hetctl.plan.planner import plan_cluster  # noqa: E402
 from hetctl.files.plan import ModelSpec  # noqa: E402
@@ -186,9 +187,8 @@ def _shape(plan) -> str:
 def run_case(case: Case, batch: int | None) -> None:
     path = CLUSTERS / f"{case.name}.yaml"
     t0 = time.perf_counter()
-    # The bench's own files use YAML anchors to stay small, which hetctl's loader refuses
-    # for user files (hostile-input rule), so they are read with PyYAML directly.
-    cluster = Cluster.model_validate(yaml.safe_load(path.read_text()))
+    # The bench's own files use YAML anchors to stay small; hetctl's loader bounds their expansion.
+    cluster = load_file(path, Cluster, "cluster file")
     load_s = time.perf_counter() - t0
     spec = case.model if isinstance(case.model, ModelSpec) else load_model(case.model)
     chips = sum(len(n.chips) for n in cluster.nodes if n.reachable)

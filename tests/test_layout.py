@@ -1,4 +1,4 @@
-"""The rules the folder layout stands for, checked on the import graph (README: Layout).
+"""The rules the folder layout stands for, checked on the import graph (docs/architecture.md §7).
 
 * ``node/`` is what ships to a node: the standard library plus ``hetctl.errors`` and
   the vendor table ``hetctl.vendors`` (both stdlib-only, both in the zipapp);

@@ -47,6 +47,7 @@ def _app() -> typer.Typer:
         no_args_is_help=True,
         add_completion=False,
         pretty_exceptions_enable=False,
+        context_settings={"help_option_names": ["-h", "--help"]},  # -h as every Unix tool has it
     )
 
     def _version(value: bool) -> None:
@@ -65,9 +66,31 @@ def _app() -> typer.Typer:
         pass
 
     # The commands register themselves on ``app`` (one module per step of the flow).
-    from hetctl.cli import plan, probe, run, runs  # noqa: F401
+    from hetctl.cli import plan, probe, run, runs, tables, versioncmd  # noqa: F401
 
+    from typer.core import TyperCommand
+
+    for info in made.registered_commands:
+        if info.cls in (None, TyperCommand):
+            info.cls = _plain_usage_command()
     return made
+
+
+@functools.lru_cache(maxsize=1)
+def _plain_usage_command() -> type:
+    """typer's command class with usage lines as people write them: ``launch [OPTIONS] PLAN_DIR``.
+
+    typer (0.29) puts a required argument in braces (``{PLAN_DIR}``), which reads as
+    shell brace expansion; the brackets of optional ones (``[RUN_DIR]``) stay.
+    """
+    from typer.core import TyperCommand
+
+    class PlainUsage(TyperCommand):
+        def collect_usage_pieces(self, ctx: Any) -> list[str]:
+            pieces = super().collect_usage_pieces(ctx)
+            return [p[1:-1] if p.startswith("{") and p.endswith("}") else p for p in pieces]
+
+    return PlainUsage
 
 
 class LazyConsole:

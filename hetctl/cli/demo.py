@@ -38,6 +38,7 @@ def write_inventory(directory: str | Path) -> Path:
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     inv = {
+        "kind": "inventory",
         "defaults": {"transport": "local", "python": sys.executable, "env": {"OMP_NUM_THREADS": "1"}},
         "checkpoint_dir": "checkpoints",
         "nodes": [{"name": name, "host": "localhost", "workdir": f"nodes/{name}", "labels": {"demo": "true"}}

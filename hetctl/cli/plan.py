@@ -10,7 +10,7 @@ from hetctl.cli import app, err, handle_errors, out, print_json, text
 @app.command("plan")
 @handle_errors
 def plan_cmd(
-    cluster_arg: str | None = typer.Argument(None, metavar="[CLUSTER]", help="Cluster file (same as --cluster)."),
+    cluster_arg: str | None = typer.Argument(None, metavar="CLUSTER", help="Cluster file (same as --cluster)."),
     cluster: str = typer.Option("cluster.yaml", "-c", "--cluster", help="Cluster file written by `hetctl probe`."),
     model: str | None = typer.Option(None, "-m", "--model", help="Preset (tiny, llama2-7b, llama2-13b, llama2-70b, "
                                      "llama3-8b, llama3-70b, qwen2-72b, gpt3-175b) or a YAML file in Megatron's names "
@@ -19,8 +19,8 @@ def plan_cmd(
     micro_batch: int | None = typer.Option(None, "--micro-batch", help="Sequences per micro-batch (default 1).",
                                            min=1),
     seq_len: int | None = typer.Option(None, "--seq-len", help="Sequence length (default: the model's)."),
-    framework: str | None = typer.Option(None, "--framework", help="Launch scripts for hetctl (reference trainer, "
-                                         "no TP; the default), megatron, flagscale, deepspeed or torchrun."),
+    framework: str | None = typer.Option(None, "--framework", help="Launch scripts for hetctl (the reference "
+                                         "trainer; the default), megatron, flagscale, deepspeed or torchrun."),
     calibrate: list[str] | None = typer.Option(None, "--calibrate", metavar="RUN_DIR",
                                                help="Plan on the speeds a run measured (its `measured` events) "
                                                     "instead of the cluster file's; model, batch and framework default "
@@ -71,6 +71,13 @@ def plan_cmd(
     else:
         if model is None:
             raise ConfigError("no model given", "pass -m/--model (a preset such as tiny or llama2-7b, or a YAML file)")
+        import shlex
+        from pathlib import Path
+
+        if not Path(cluster).exists():
+            raise ConfigError(f"{cluster}: cluster file not found",
+                              f"write it with `hetctl probe -i INVENTORY -o {shlex.quote(str(cluster))}` "
+                              "(probe without -o shows the table and writes nothing)")
         facts = load_model(cluster, Cluster, "cluster file")
         spec = load_spec(model, seq_len=seq_len)
     from hetctl.probe.findings import check_uniform_torch

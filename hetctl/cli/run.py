@@ -24,7 +24,7 @@ REBALANCE_OPT = typer.Option(False, "--rebalance", help="Re-plan with measured s
 @app.command("launch")
 @handle_errors
 def launch_cmd(
-    plan_dir: str = typer.Argument(..., help="Plan folder written by `hetctl plan` (or its plan.yaml)."),
+    plan_dir: str = typer.Argument(..., metavar="PLAN_DIR", help="Plan folder written by `hetctl plan` (or its plan.yaml)."),
     inventory: str | None = typer.Option(None, "-i", "--inventory", help="Inventory YAML; default: the plan's."),
     steps: int = typer.Option(100, "--steps", min=1, max=MAX_STEPS, help="Optimizer steps to train."),
     checkpoint_every: int = typer.Option(10, "--checkpoint-every", min=0, max=MAX_STEPS,
@@ -327,7 +327,7 @@ def _print_dry_run(spec, inv=None, ssh=None, note=None) -> None:
 @app.command("resume")
 @handle_errors
 def resume_cmd(
-    run_dir: str = typer.Argument(..., help="The run folder, runs/<run-id>."),
+    run_dir: str = typer.Argument(..., metavar="RUN_DIR", help="The run folder, runs/<run-id>."),
     inventory: str | None = typer.Option(None, "-i", "--inventory", help="Inventory YAML; default: the run's."),
     steps: int | None = typer.Option(None, "--steps", min=1, max=MAX_STEPS,
                                      help="Total steps to reach; default: the run's."),

@@ -2,7 +2,7 @@
 
 :class:`ElasticRun` takes a :class:`Prepared` run (everything decided, nothing
 started) and runs its attempts until the run succeeds, is stopped, or the policy
-gives up (DESIGN §4)::
+gives up (docs/architecture.md §4)::
 
     ElasticRun(prepared).run(stop, listeners)
       └─ policy.run_loop                      the one control loop (pure, scripted in tests)
@@ -116,7 +116,7 @@ def latest_checkpoint(ckpt_dir: str | Path, model: dict, emit: Callable[[Event],
                       framework: str = "hetctl") -> int | None:
     """The newest valid checkpoint step of the run (None: none yet); each skipped one becomes an event.
 
-    The checkpoint folder is shared storage (DESIGN §5), so the controller reads it
+    The checkpoint folder is shared storage (docs/architecture.md §5), so the controller reads it
     directly; when it cannot see the folder it says so (``checkpoint_unseen``) rather
     than quietly training from step 0. A Megatron, FlagScale, DeepSpeed or torchrun
     plan's checkpoints are the framework's own (:mod:`hetctl.elastic.fwckpt`).

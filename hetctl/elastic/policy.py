@@ -2,7 +2,7 @@
 
 Everything here is pure or takes its side effects as arguments. :func:`decide`
 maps one :class:`~hetctl.launch.outcome.AttemptOutcome` plus the run's tally to a
-:class:`Decision` (DESIGN §4); :func:`run_loop` is the one control loop
+:class:`Decision` (docs/architecture.md §4); :func:`run_loop` is the one control loop
 (monitor → succeeded: return; failed with restarts left: stop all, re-plan,
 relaunch; else stop and report), with the attempt runner, the re-planner, the
 checkpoint lookup, the event sink, the clock and the sleep passed in so that a
@@ -157,7 +157,7 @@ def describe(f: FailureRecord) -> str:
 
 
 def decide(outcome: AttemptOutcome, tally: Tally, config: PolicyConfig, *, attempt: int) -> Decision:
-    """Choose the next step after an attempt (DESIGN §4). Updates ``tally`` in place.
+    """Choose the next step after an attempt (docs/architecture.md §4). Updates ``tally`` in place.
 
     Args:
         outcome: how the attempt ended; its first failure is the root cause.

@@ -3,7 +3,7 @@
 Uses only the planner's public API (:func:`hetctl.plan.planner.plan_cluster`)
 and the cluster facts contract. The model, global batch, micro-batch and
 framework never change across attempts, so a checkpoint of any attempt loads into
-any later one (layer-granular checkpoints, DESIGN §5).
+any later one (layer-granular checkpoints, docs/architecture.md §5).
 
 Which layout is preferred: the same data-parallel width as before when the
 survivors can hold it, because then the run computes bit for bit what an

@@ -9,7 +9,7 @@ into two ranks on one chip: a node listed twice, a chip index listed twice.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -161,6 +161,9 @@ class Link(_Strict):
 class Cluster(_Strict):
     """Top level of ``cluster.yaml``."""
 
+    FILE_KIND: ClassVar[str] = "cluster"
+
+    kind: Literal["cluster"] = Field(default="cluster", description="which hetctl file this is (hetctl.files.kinds)")
     version: int = 1
     inventory: str | None = Field(default=None, description="path of the inventory probed")
     probed_at: float | None = None
@@ -172,6 +175,14 @@ class Cluster(_Strict):
         default_factory=list, max_length=1_000_000,
         description="node-to-node links measured by `probe --bench` (a ring: each node sends once, receives once)",
     )
+
+    @staticmethod
+    def prepare_input(data: Any) -> Any:
+        """Hand-written chip entries (``count:``, a chip named by ``model:`` or ``spec:``) expanded before
+        validation (:mod:`hetctl.files.handchips`). Called by :func:`hetctl.files.yamlio.load_model`."""
+        from hetctl.files.handchips import expand_cluster
+
+        return expand_cluster(data)
 
     def reachable_nodes(self) -> list[NodeFacts]:
         return [n for n in self.nodes if n.reachable]

@@ -5,7 +5,7 @@ mirror what the user writes; :func:`load_inventory` turns them into the resolved
 :class:`Inventory`, whose :class:`Node` list is expanded and complete, so that no
 other module has to know about ranges, defaults or ``~/.ssh/config``.
 
-Resolution rules (the README repeats them):
+Resolution rules (docs/inventory.md repeats them):
 
 * ``host`` accepts hostlist ranges (``gpu-[01-16]``, ``10.0.0.[1-4],login``), expanded
   with ``python-hostlist``. ``name`` (default: the host) expands the same way and is
@@ -140,6 +140,7 @@ class SlurmSettings(_Strict):
 class InventoryFile(_Strict):
     """The inventory file as written."""
 
+    kind: Literal["inventory"] | None = Field(default=None, description="which hetctl file this is; optional here")
     defaults: NodeDefaults = Field(default_factory=NodeDefaults)
     ssh: SshSettings = Field(default_factory=SshSettings)
     checkpoint_dir: Text | None = None
@@ -391,6 +392,9 @@ def load_inventory(path: str | Path) -> Inventory:
     data, root = read_yaml(p, "inventory")
     if data is None:
         raise located_error(p, None, None, "inventory is empty", "list at least one node under nodes:")
+    from hetctl.files.kinds import check_kind
+
+    check_kind(p, data, "inventory")
     try:
         raw = InventoryFile.model_validate(data)
     except ValidationError as e:

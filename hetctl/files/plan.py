@@ -15,7 +15,7 @@ planner or the trainer allocate without end.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Annotated
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -127,6 +127,9 @@ class Baseline(_Strict):
 
 
 class Plan(_Strict):
+    FILE_KIND: ClassVar[str] = "plan"
+
+    kind: Literal["plan"] = Field(default="plan", description="which hetctl file this is (hetctl.files.kinds)")
     version: int = 1
     model: ModelSpec
     parallel: Parallel

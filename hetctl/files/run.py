@@ -1,6 +1,6 @@
 """The run folder, ``runs/<run-id>/``: everything one run did, readable after the fact.
 
-Layout (DESIGN §1)::
+Layout (docs/architecture.md §1)::
 
     runs/<run-id>/
       run.yaml                  RunInfo: inputs, state, attempt count, summary

@@ -9,9 +9,12 @@ write the file) puts there ends as a valid load or as that one line, never as a
 traceback, a hang or a blow-up of memory. So, before any value is built:
 
 * the bytes must be UTF-8 and at most :data:`MAX_FILE_BYTES`;
-* anchors and aliases (``&a``/``*a``) are refused: hetctl writes none, and an
-  alias bomb (a "billion laughs") expands exponentially in whatever walks the
-  data; an inventory has ``defaults:`` for what aliases would share;
+* anchors, aliases and merge keys (``&a``, ``*a``, ``<<: *a``) are accepted, so a
+  hand-written file can share a chip list between nodes, but their expansion is
+  bounded: an alias bomb (a "billion laughs") would expand exponentially in
+  whatever walks the data, so a file whose aliases expand past
+  :data:`MAX_EXPANDED_NODES` YAML nodes (or :data:`MAX_DEPTH` levels), or refer
+  to themselves, is refused from the node graph, before any value is built;
 * explicit tags (``!!int``, ``!!python/…``) are refused, and dates stay strings;
 * nesting deeper than :data:`MAX_DEPTH` is refused (libyaml's composer recurses
   in C and would crash the interpreter on a deep enough file).
@@ -41,6 +44,8 @@ M = TypeVar("M", bound=BaseModel)
 
 MAX_FILE_BYTES = 256 << 20  # a 100,000-node cluster file is about 120 MB
 MAX_DEPTH = 64  # hetctl's own files nest 5 deep
+# What aliases may expand a file to, in YAML nodes (a 1,000-node cluster of 8 chips each is about 150,000).
+MAX_EXPANDED_NODES = 4_000_000
 
 # libyaml's parser when PyYAML was built with it: ten times faster on a 4096-node cluster file.
 _BaseLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
@@ -79,10 +84,17 @@ def located_error(path: str | Path, line: int | None, key: str | None, msg: str,
 
 
 def _refuse_duplicate_keys(node: yaml.Node | None) -> None:
-    """Raise _At for a mapping that repeats a key (YAML would keep the last silently)."""
+    """Raise _At for a mapping that repeats a key (YAML would keep the last silently).
+
+    A node that aliases share is checked once (the graph, not its expansion).
+    """
     stack = [node] if node is not None else []
+    seen_nodes: set[int] = set()
     while stack:
         n = stack.pop()
+        if id(n) in seen_nodes:
+            continue
+        seen_nodes.add(id(n))
         if isinstance(n, yaml.MappingNode):
             seen: set[str] = set()
             for k, v in n.value:
@@ -95,18 +107,19 @@ def _refuse_duplicate_keys(node: yaml.Node | None) -> None:
             stack.extend(n.value)
 
 
+def _has_aliases(text: str) -> bool:
+    """Whether the document may use aliases (``*name``): only then can it expand beyond its written size."""
+    return "*" in text
+
+
 def _check_events(text: str) -> None:
-    """Refuse anchors, aliases, explicit tags and deep nesting, from the event stream (nothing is built)."""
+    """Refuse explicit tags and deep nesting, from the event stream (nothing is built)."""
     loader = _Loader(text)
     depth = 0
     try:
         while loader.check_event():
             ev = loader.get_event()
             line = ev.start_mark.line if ev.start_mark is not None else None
-            if isinstance(ev, yaml.AliasEvent) or getattr(ev, "anchor", None) is not None:
-                mark = "*" if isinstance(ev, yaml.AliasEvent) else "&"
-                raise _At(line, f"YAML anchor or alias {mark}{ev.anchor} is not accepted",
-                          "write the values out (an inventory's defaults: applies to every node)")
             if getattr(ev, "tag", None) is not None:
                 raise _At(line, f"YAML tag {ev.tag!r} is not accepted", "write the plain value, quoted if it is text")
             if isinstance(ev, yaml.CollectionStartEvent):
@@ -117,6 +130,47 @@ def _check_events(text: str) -> None:
                 depth -= 1
     finally:
         loader.dispose()
+
+
+def _children(n: yaml.Node) -> list[yaml.Node]:
+    if isinstance(n, yaml.MappingNode):
+        return [x for kv in n.value for x in kv]
+    return list(n.value) if isinstance(n, yaml.SequenceNode) else []
+
+
+def _bound_expansion(root: yaml.Node) -> None:
+    """Raise _At when aliases make the document larger than :data:`MAX_EXPANDED_NODES`, deeper than
+    :data:`MAX_DEPTH`, or recursive. Each shared node is measured once, so a bomb costs its written size."""
+    sizes: dict[int, tuple[int, int]] = {}  # id(node) -> (expanded nodes, height)
+    open_: set[int] = set()
+
+    def measure(n: yaml.Node, level: int) -> tuple[int, int]:
+        key = id(n)
+        if level > MAX_DEPTH:
+            raise _At(n.start_mark.line, f"nested more than {MAX_DEPTH} levels deep once aliases are expanded",
+                      "hetctl's files nest a few levels")
+        if key in sizes:
+            size, height = sizes[key]
+        else:
+            if key in open_:
+                raise _At(n.start_mark.line, "a YAML alias refers to a node that contains it",
+                          "an anchor cannot hold an alias of itself")
+            open_.add(key)
+            size, height = 1, 0
+            for child in _children(n):
+                s, h = measure(child, level + 1)
+                size, height = size + s, max(height, h + 1)
+            open_.discard(key)
+            sizes[key] = (size, height)
+        if size > MAX_EXPANDED_NODES:
+            raise _At(n.start_mark.line, f"YAML aliases expand this to more than {MAX_EXPANDED_NODES:,} values",
+                      "write the file without nested aliases (a chip entry's count: repeats it)")
+        if level + height > MAX_DEPTH:
+            raise _At(n.start_mark.line, f"nested more than {MAX_DEPTH} levels deep once aliases are expanded",
+                      "hetctl's files nest a few levels")
+        return size, height
+
+    measure(root, 0)
 
 
 def _first_bad_scalar(root: yaml.Node) -> int | None:
@@ -142,9 +196,11 @@ def _compose_and_build(text: str) -> tuple[Any, yaml.Node | None]:
     loader = _Loader(text)
     try:
         root = loader.get_single_node()
-        _refuse_duplicate_keys(root)
         if root is None:
             return None, None
+        if _has_aliases(text):
+            _bound_expansion(root)
+        _refuse_duplicate_keys(root)
         try:
             return loader.construct_document(root), root
         except (ValueError, OverflowError) as e:  # an int past Python's 4300-digit limit, say
@@ -218,7 +274,7 @@ def read_yaml(path: str | Path, what: str = "file") -> tuple[Any, yaml.Node | No
 
     Raises:
         ConfigError: missing, unreadable, too big, not UTF-8, not YAML, or using
-            aliases, tags or deep nesting (see the module docstring).
+            tags, deep nesting or aliases that expand too far (see the module docstring).
     """
     p = Path(path)
     try:
@@ -286,7 +342,7 @@ def validation_error(path: str | Path, err: ValidationError, root: yaml.Node | N
     msg = first.get("msg", "invalid value")
     explained: tuple[Any, ...] | None = None
     if first.get("type") == "extra_forbidden":
-        msg, hint = "unknown key", "check the spelling against the README's file format"
+        msg, hint = "unknown key", "check the spelling against the file format in docs/"
         close = difflib.get_close_matches(str(loc[-1]), known_keys(model, loc[:-1]), n=1) if model and loc else []
         if close:
             msg += f", did you mean {close[0]}?"
@@ -303,12 +359,24 @@ def validation_error(path: str | Path, err: ValidationError, root: yaml.Node | N
 def load_model(path: str | Path, model: type[M], what: str = "file") -> M:
     """Read ``path`` and validate it as ``model``; errors name file, line and key.
 
-    When the model defines ``check_consistency()`` it runs too; an
-    :class:`Invalid` it raises becomes the same one-line ConfigError.
+    When the model defines ``prepare_input(data)`` (hand-written shorthand
+    expanded before validation) or ``check_consistency()`` they run too; an
+    :class:`Invalid` either raises becomes the same one-line ConfigError.
     """
     data, root = read_yaml(path, what)
     if data is None:
         raise located_error(path, None, None, f"{what} is empty")
+    expected = getattr(model, "FILE_KIND", None)
+    if expected is not None:
+        from hetctl.files.kinds import check_kind
+
+        check_kind(path, data, expected)
+    prepare = getattr(model, "prepare_input", None)
+    if prepare is not None:
+        try:
+            data = prepare(data)
+        except Invalid as e:
+            raise located_error(path, _line_of(root, e.loc), format_loc(e.loc), e.msg, e.hint) from None
     try:
         obj = model.model_validate(data)
     except ValidationError as e:

@@ -1,6 +1,6 @@
 """Checkpoint manifests: write one, validate one, find the newest valid one (stdlib only).
 
-Layout (DESIGN §5)::
+Layout (docs/architecture.md §5)::
 
     <checkpoint_dir>/<run-id>/step-<N>/
         layer-00000.pt … embedding.pt head.pt state.json   (written by the stages)

@@ -1,7 +1,7 @@
 """Helpers for training scripts launched by hetctl (stdlib only).
 
 A rank started by the agent finds its place in the job in environment
-variables (DESIGN §3). :data:`TRAIN_ENV` is the one table of them (the README
+variables (docs/architecture.md §3). :data:`TRAIN_ENV` is the one table of them (docs/rank-contract.md
 copies it); :meth:`RankContext.from_env` reads them into a frozen value and
 names the variable when one is missing or malformed; :func:`heartbeat` tells the
 agent that the rank is alive and how fast it goes.

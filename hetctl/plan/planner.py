@@ -5,7 +5,7 @@ printed or written here). The search itself is :mod:`hetctl.plan.search`; this
 module turns its winner into stages, ranks, the estimate, the baselines, the
 per-type homogeneous references and the ``--explain`` notes.
 
-Utilization figures (also in the README):
+Utilization figures (also in docs/frameworks.md):
 
 - ``utilization`` — against the peak: model FLOPs per step ÷ (step time × the
   FLOP/s of every usable chip in the cluster, at each chip's own figure:

@@ -1,8 +1,8 @@
-"""The rank contract (DESIGN §3): the environment of one rank, built in one place.
+"""The rank contract (docs/architecture.md §3): the environment of one rank, built in one place.
 
 :func:`rank_env` is what ``hetctl launch`` gives each rank and what the launch
 scripts in ``plan/nodes/`` export; the variables themselves are described in
-:data:`hetctl.node.runtime.TRAIN_ENV` (the README's table).
+:data:`hetctl.node.runtime.TRAIN_ENV` (docs/rank-contract.md's table).
 
 Two parts: :func:`static_env` follows from the plan alone (rank numbers, the
 chips the rank may use, its stage and layers), while the names in
@@ -100,7 +100,7 @@ def rank_env(
     resume_step: int | str = 0,
     visible: Literal["rank", "node"] = "rank",
 ) -> dict[str, str]:
-    """The complete environment of one rank (DESIGN §3), as strings.
+    """The complete environment of one rank (docs/architecture.md §3), as strings.
 
     Args:
         plan: the plan being launched.

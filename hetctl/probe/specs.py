@@ -216,3 +216,63 @@ def match(
     dev = hex_id(device_id) if device_id else None
     by_id = [r for r in rows if dev and dev in r.device_ids]
     return (by_id[0], "device_id") if len(by_id) == 1 else (None, None)
+
+
+class AmbiguousSpec(ValueError):
+    """A written chip name that fits several rows of the table (the message names them)."""
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+def _names(row: SpecRow) -> tuple[str, ...]:
+    """A row's names as slugs: its model, the model without the family word (``Instinct``, ``Ascend``…), its id."""
+    bare = re.sub(r"^(instinct|ascend|dcu|mtt|geforce|tesla|radeon) ", "", row.model.lower())
+    return _slug(row.model), _slug(bare), _slug(row.id.split("/", 1)[1])
+
+
+def _starts(name: str, prefix: str) -> bool:
+    """``prefix`` begins ``name`` at a word or letter/digit boundary: ``910b`` begins ``910b3``, ``h1`` not ``h100``."""
+    if not prefix or not name.startswith(prefix) or name == prefix:
+        return False
+    nxt = name[len(prefix)]
+    return nxt == "-" or prefix[-1].isalpha() != nxt.isalpha()
+
+
+def find(name: str, vendor: str | None = None, memory_gb: float | None = None) -> SpecRow | None:
+    """The row for a chip name a person wrote (a hand-written cluster file's ``model:`` or ``spec:``).
+
+    Accepts, in this order: a row id (``nvidia/h100-sxm5``, or ``h100-sxm5``), a
+    row's own name (``Instinct MI300X``, ``MI300X``, ``Ascend 910B3``), a name a
+    vendor tool prints (``NVIDIA H100 80GB HBM3``, by the same patterns that
+    ``probe`` uses), and the start of one row's name (``BI-V150`` → ``BI-V150``;
+    ``910B`` fits four rows and is refused). Without ``vendor`` every vendor's
+    rows are searched, the CPU row only by its own name.
+
+    Raises:
+        AmbiguousSpec: the name fits rows that differ, so a figure would be a guess.
+    """
+    wanted = vendor.lower() if vendor else None
+    rows = [r for r in table() if wanted in (None, r.vendor)]
+    slug = _slug(name)
+    by_id = [r for r in rows if slug in (_slug(r.id), _slug(r.id.split("/", 1)[1]))]
+    if by_id:
+        return by_id[0]
+    own = [r for r in rows if slug in (*_names(r), _slug(f"{r.vendor} {r.model}"))]
+    if len(own) == 1:
+        return own[0]
+    norm = normalize_name(name)
+    hits = [r for r in rows if r.vendor != "cpu" and any(p.search(norm) for p in r.patterns)]
+    if len({r.vendor for r in hits}) == 1:
+        if len(hits) > 1 and memory_gb is not None:
+            return min(hits, key=lambda r: abs((r.memory_fallback_gb() or 0) - memory_gb))
+        return hits[0]
+    if not hits:
+        hits = [r for r in rows if r.vendor != "cpu" and any(_starts(s, slug) for s in _names(r))]
+        if len(hits) == 1:
+            return hits[0]
+    if hits:
+        names = ", ".join(f"{r.id} ({r.model})" for r in hits[:8])
+        raise AmbiguousSpec(f"{name!r} fits {len(hits)} rows of the chip table: {names}")
+    return None

@@ -1,4 +1,4 @@
-"""Layer-granular checkpoints of the reference trainer (DESIGN §5).
+"""Layer-granular checkpoints of the reference trainer (docs/architecture.md §5).
 
 Each checkpoint unit (``embedding``, ``layer-NNNNN``, ``head``) is one file
 holding its weights *and* its AdamW state, keyed by parameter name inside the

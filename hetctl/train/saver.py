@@ -7,7 +7,7 @@ changing them); a background thread then serializes, writes and syncs the files,
 gathers every rank's hashes on rank 0 over a process group of its own, and rank 0
 writes the manifest last and atomically, exactly as a blocking save does. A crash
 at any point of the background write leaves the step without a manifest, so it
-does not exist (DESIGN §5) and resume takes the previous one.
+does not exist (docs/architecture.md §5) and resume takes the previous one.
 
 At most one save is in flight: the next save first waits for the previous one
 (the heartbeat's phase is ``checkpoint_wait`` meanwhile, and the rank log says how

@@ -1,0 +1,76 @@
+"""The conventions of the tools people know: -h, a version command, NO_COLOR, usage lines as written."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from importlib import metadata
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from hetctl.cli import app
+
+COMMANDS = sorted(typer.main.get_command(app).commands)
+
+
+def run(*args: str):
+    return CliRunner(env={"COLUMNS": "120"}).invoke(app, list(args))
+
+
+@pytest.mark.parametrize("command", [[]] + [[c] for c in COMMANDS])
+def test_dash_h_is_help(command):
+    r = run(*command, "-h")
+    assert r.exit_code == 0 and "Usage:" in r.output
+    assert r.output == run(*command, "--help").output
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_usage_lines_read_as_written(command):
+    usage = next(line for line in run(command, "-h").output.splitlines() if "Usage:" in line)
+    assert "{" not in usage and "[[" not in usage, usage
+    assert re.search(rf"hetctl {command} \[OPTIONS\]", usage), usage
+
+
+def test_hetctl_version_names_python_torch_and_plugins():
+    r = run("version", "--json")
+    assert r.exit_code == 0
+    v = json.loads(r.stdout)
+    assert v["python"] == ".".join(map(str, sys.version_info[:3]))
+    assert v["torch"] == metadata.version("torch")
+    assert isinstance(v["vendor_plugins"], dict)
+    text = run("version").output
+    assert f"torch: {v['torch']}" in text and "vendor plugins:" in text and f"hetctl: {v['hetctl']}" in text
+
+
+def test_a_vendor_plugin_installed_is_named(tmp_path):
+    """A plugin's distribution metadata (as pip leaves it) is found without importing the plugin."""
+    dist = tmp_path / "torch_npu-2.5.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: torch_npu\nVersion: 2.5.1\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, "-m", "hetctl", "version", "--json"], capture_output=True, text=True,
+                       env=env, timeout=120)
+    assert json.loads(r.stdout)["vendor_plugins"] == {"torch_npu": "2.5.1"}
+
+
+def _error_output(extra_env: dict[str, str]) -> str:
+    env = {k: v for k, v in os.environ.items() if k not in ("NO_COLOR", "FORCE_COLOR")}
+    env.update(FORCE_COLOR="1", COLUMNS="120", **extra_env)
+    r = subprocess.run([sys.executable, "-m", "hetctl", "plan", "no-such-cluster.yaml", "-m", "tiny"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 2
+    return r.stderr
+
+
+COLOR = re.compile(r"\x1b\[(?:[0-9;]*;)?(?:3[0-9]|9[0-7]|4[0-9])(?:;[0-9;]*)?m")
+
+
+def test_no_color_is_honoured():
+    assert COLOR.search(_error_output({}))  # in colour when forced
+    plain = _error_output({"NO_COLOR": "1"})
+    assert "cluster file not found" in plain and not COLOR.search(plain)
