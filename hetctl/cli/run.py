@@ -69,6 +69,10 @@ def launch_cmd(
                                      "already imported torch and the trainer, and hands a restarted rank to it. "
                                      "auto: on for the reference trainer, off for --entry scripts (which may read "
                                      "their environment at import time); on: also for --entry."),
+    init_from: str | None = typer.Option(None, "--init-from", metavar="HF_FOLDER",
+                                         help="Start from a Hugging Face checkpoint folder (config.json and "
+                                              "safetensors, at the same path on every node): checked against the "
+                                              "plan's model first; each stage reads only its own layers."),
 ) -> None:
     """Start every rank of a plan through a per-node agent, show it live, keep it alive through faults."""
     from hetctl.elastic import start as launcher
@@ -92,21 +96,24 @@ def launch_cmd(
             with _allowed(alloc):
                 plan, inv, pf = launcher.load_plan_and_inventory(plan_dir, inventory, entry=words)
             launcher.check_script_options(plan, words, script, extra)
+            init_from = launcher.check_init_from(plan, words, init_from)
             _launch(plan, inv, pf, alloc, run_dir=run_dir, steps=steps, checkpoint_every=checkpoint_every,
                     entry=words, max_restarts=max_restarts, max_node_failures=max_node_failures, rebalance=rebalance,
                     grace=grace, hang_timeout=hang_timeout, node_timeout=node_timeout,
                     allow_mixed_software=allow_mixed_software, progress=progress, json_out=json_out,
-                    health_check=health_check, standby=standby, script=script, script_args=extra)
+                    health_check=health_check, standby=standby, script=script, script_args=extra,
+                    init_from=init_from)
         finally:
             alloc.release()
         return
     plan, inv, pf = launcher.load_plan_and_inventory(plan_dir, inventory, entry=words)
     launcher.check_script_options(plan, words, script, extra)
+    init_from = launcher.check_init_from(plan, words, init_from)
     if dry_run:
         ssh = launcher.ssh_settings(plan, inv)
         spec = launcher.dry_run(plan, inv, steps=steps, checkpoint_every=checkpoint_every, run_root=run_dir,
                                 master_port=master_port, entry=words, ssh=ssh, progress=progress, script=script,
-                                script_args=extra)
+                                script_args=extra, init_from=init_from)
         from hetctl.launch.fwargs import dry_run_note
 
         note = dry_run_note(plan, words)
@@ -128,7 +135,7 @@ def launch_cmd(
 
 def _launch(plan, inv, pf, alloc, *, run_dir, steps, checkpoint_every, entry, max_restarts, max_node_failures,
             rebalance, grace, hang_timeout, node_timeout, allow_mixed_software, progress, json_out,
-            health_check=None, standby="auto", script=None, script_args=()) -> None:
+            health_check=None, standby="auto", script=None, script_args=(), init_from=None) -> None:
     """Prepare the run folder and run it live (``alloc``: hetctl's own Slurm job, recorded in run.yaml)."""
     from hetctl.elastic import start as launcher
     from hetctl.launch.controller import Thresholds
@@ -144,6 +151,7 @@ def _launch(plan, inv, pf, alloc, *, run_dir, steps, checkpoint_every, entry, ma
         script=script, script_args=script_args,
     )
     prepared.info.inputs.standby = standby  # resume keeps it (run.yaml)
+    prepared.info.inputs.init_from = init_from  # a restart from scratch re-applies it; a resume does not
     if alloc.job:
         prepared.info.inputs.slurm_allocation = alloc.job
     prepared.run.save_info(prepared.info)

@@ -174,7 +174,7 @@ def check_script_options(plan: Plan, entry: tuple[str, ...], script: str | None,
 def dry_run(plan: Plan, inventory: Any, *, steps: int, checkpoint_every: int, run_root: str | Path,
             master_port: int | None = None, entry: tuple[str, ...] = mat.REFERENCE_TRAINER,
             ssh: dict[str, Any] | None = None, progress: str | None = None, script: str | None = None,
-            script_args: tuple[str, ...] = ()) -> mat.LaunchSpec:
+            script_args: tuple[str, ...] = (), init_from: str | None = None) -> mat.LaunchSpec:
     """The first attempt as it would run, without contacting any node.
 
     Launch-time values that only the nodes can give appear as placeholders: the
@@ -192,8 +192,27 @@ def dry_run(plan: Plan, inventory: Any, *, steps: int, checkpoint_every: int, ru
         master_addr=mat.master_address(node0, dialled),
         master_port=master_port or mat.PORT_AT_LAUNCH.format(node=rank0),
         steps=steps, checkpoint_every=checkpoint_every, ckpt_dir=ckpt, entry=entry, progress=progress,
-        script=script, script_args=script_args,
+        script=script, script_args=script_args, init_from=init_from,
     )
+
+
+def check_init_from(plan: Plan, entry: tuple[str, ...], init_from: str | None) -> str | None:
+    """``--init-from`` as an absolute path, checked against the plan's model before any rank starts.
+
+    The folder must be readable here and at the same path on every node (a shared
+    file system, or a copy); only the reference trainer reads it.
+    """
+    if init_from is None:
+        return None
+    if not mat.reference(plan, entry):
+        raise ConfigError("--init-from: only hetctl's reference trainer reads it (this plan runs "
+                          f"{'--entry' if tuple(entry) != mat.REFERENCE_TRAINER else plan.framework})",
+                          "load the weights in your own script, or drop --init-from")
+    from hetctl.train.hfweights import check
+
+    path = str(Path(init_from).expanduser().resolve())
+    check(path, plan.model.model_dump(mode="json"))
+    return path
 
 
 @contextlib.contextmanager

@@ -29,8 +29,18 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class RopeScaling(_Strict):
+    """Llama 3's RoPE frequency scaling (Hugging Face's ``rope_scaling`` with ``rope_type: llama3``)."""
+
+    rope_type: Literal["llama3"]
+    factor: float = Field(gt=0)
+    low_freq_factor: float = Field(gt=0)
+    high_freq_factor: float = Field(gt=0)
+    original_max_position_embeddings: int = Field(gt=0)
+
+
 class ModelSpec(_Strict):
-    """A decoder-only transformer, in Megatron's names."""
+    """A decoder-only transformer, in Megatron's names (RoPE, RMSNorm and the rest in Hugging Face's)."""
 
     name: Text
     num_layers: int = Field(gt=0, le=10_000)
@@ -41,6 +51,16 @@ class ModelSpec(_Strict):
     vocab_size: int = Field(gt=0, le=100_000_000)
     seq_len: int = Field(default=2048, gt=0, le=MAX_SEQ_LEN)
     swiglu: bool = Field(default=False, description="gated MLP (three matrices), Megatron's --swiglu")
+    rope_theta: float = Field(default=10000.0, gt=0, description="RoPE base (Megatron's --rotary-base)")
+    rope_scaling: RopeScaling | None = None
+    norm_eps: float = Field(default=1e-5, gt=0, lt=1, description="RMSNorm epsilon (HF rms_norm_eps)")
+    qkv_bias: bool = Field(default=False, description="biases on q, k and v (Qwen2; Megatron's --add-qkv-bias)")
+    tie_embeddings: bool = Field(default=False, description="the output projection is the token embedding "
+                                 "(HF tie_word_embeddings)")
+    family: Literal["llama", "qwen2", "mistral"] = Field(default="llama", description="the Hugging Face "
+                                                         "architecture an export writes")
+    max_position_embeddings: int | None = Field(default=None, gt=0, le=MAX_SEQ_LEN, description="context the "
+                                                "model was made for (exported as is; None: seq_len)")
     source: str | None = None
 
 

@@ -50,6 +50,8 @@ class RunInputs(_Strict):
     script: str | None = Field(None, description="HETCTL_SCRIPT of a rendered torchrun/DeepSpeed plan (--script)")
     script_args: list[str] = Field(default_factory=list,
                                    description="arguments of every rank's rendered command (--args)")
+    init_from: str | None = Field(None, description="Hugging Face checkpoint folder the reference trainer starts "
+                                  "from (--init-from); a resume from a hetctl checkpoint does not re-apply it")
     slurm_allocation: str | None = Field(None, description="the Slurm job hetctl asked for itself (salloc --no-shell); "
                                                            "cancelled when the run ends or is stopped")
 

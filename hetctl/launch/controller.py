@@ -84,6 +84,7 @@ class AttemptRequest:
     script: str | None = None  # HETCTL_SCRIPT of a rendered torchrun/DeepSpeed plan
     script_args: tuple[str, ...] = ()  # the arguments of every rank's rendered command
     resume_env: dict[str, str] | None = None  # where a framework's own checkpoint is (hetctl.elastic.fwckpt)
+    init_from: str | None = None  # the reference trainer's --init-from (a fresh start only)
 
 
 class _Agent:
@@ -366,7 +367,7 @@ class AttemptController:
             master_port=port, steps=self.req.steps, checkpoint_every=self.req.checkpoint_every,
             resume_step=self.req.resume_step, ckpt_dir=self.req.ckpt_dir, workdirs=workdirs,
             pythonpath=pythonpath, entry=self.req.entry, progress=self.req.progress, script=self.req.script,
-            script_args=self.req.script_args, resume_env=self.req.resume_env,
+            script_args=self.req.script_args, resume_env=self.req.resume_env, init_from=self.req.init_from,
         )
         by_name = {n.node: n for n in self.spec.nodes}
         failed, self.shipped = ship_files(

@@ -149,6 +149,7 @@ def materialize(
     script_args: Sequence[str] = (),
     resume_env: Mapping[str, str] | None = None,
     only: set[int] | None = None,
+    init_from: str | None = None,
 ) -> LaunchSpec:
     """Build the exact launch of one attempt (pure: no network, no files).
 
@@ -172,6 +173,8 @@ def materialize(
         resume_env: where to resume from, for a framework's own checkpoints
             (:func:`hetctl.elastic.fwckpt.resume_env`).
         only: just these plan ranks (and their nodes); all when None.
+        init_from: the reference trainer's ``--init-from`` folder, passed on a fresh start
+            only (``resume_step`` 0): a resume continues from its own checkpoint.
 
     A plan for ``megatron``, ``flagscale``, ``deepspeed`` or ``torchrun`` launched
     without ``--entry`` runs each rank's rendered command: its node script rendered
@@ -194,6 +197,8 @@ def materialize(
     trainer_args: tuple[str, ...] = ()
     if tuple(entry) == REFERENCE_TRAINER:
         trainer_args = ("--steps", str(steps), "--checkpoint-every", str(checkpoint_every))
+        if init_from and not resume_step:
+            trainer_args += ("--init-from", init_from)
     scripts = None
     if rendered(plan, entry):
         from hetctl.plan.render import render_rank_scripts

@@ -44,13 +44,20 @@ def model_digest(model: Mapping[str, Any]) -> str:
     """A short hash of the parts of a model spec that shape the weights.
 
     The name and source are left out so that a preset and an identical YAML spec
-    load each other's checkpoints; anything that changes a tensor shape is in.
+    load each other's checkpoints; anything that changes a tensor shape or what
+    the weights mean (RoPE base and scaling, norm epsilon, biases, tying) is in.
+    ``arch: rope`` marks checkpoints of the rotary model: those of the earlier
+    learned-position model are refused as another model's.
     """
     keys = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
             "num_query_groups", "vocab_size", "seq_len")
     spec = {k: model.get(k) for k in keys}
     if spec["num_query_groups"] is None:
         spec["num_query_groups"] = spec["num_attention_heads"]
+    spec["arch"] = "rope"
+    defaults = {"rope_theta": 10000.0, "rope_scaling": None, "norm_eps": 1e-5, "qkv_bias": False,
+                "tie_embeddings": False}
+    spec.update({k: model[k] for k, d in defaults.items() if model.get(k, d) != d})
     text = json.dumps(spec, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 

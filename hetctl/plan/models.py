@@ -57,10 +57,11 @@ def default_global_batch(spec: ModelSpec) -> int:
 
 
 def load_model(name_or_path: str, seq_len: int | None = None) -> ModelSpec:
-    """Resolve ``--model``: a preset name, else a YAML file in Megatron's names.
+    """Resolve ``--model``: a preset name, a Hugging Face model folder or its ``config.json``, else a YAML file.
 
     Args:
-        name_or_path: ``tiny``, ``llama2-70b``… or the path of a YAML file with
+        name_or_path: ``tiny``, ``llama2-70b``…, a folder with a ``config.json``
+            (:mod:`hetctl.plan.hfconfig`), or the path of a YAML file with
             ``num_layers``, ``hidden_size``, ``ffn_hidden_size``,
             ``num_attention_heads``, ``vocab_size`` and optionally
             ``num_query_groups``, ``seq_len``, ``swiglu``, ``name``.
@@ -69,16 +70,20 @@ def load_model(name_or_path: str, seq_len: int | None = None) -> ModelSpec:
     Raises:
         ConfigError: neither a preset nor a readable, valid model file.
     """
+    from hetctl.plan.hfconfig import config_path, load_config_spec
+
     table = presets()
     if name_or_path in table:
         spec = table[name_or_path].spec
+    elif config_path(name_or_path) is not None:
+        spec = load_config_spec(name_or_path)
     else:
         path = Path(name_or_path)
         if not path.is_file():
             raise ConfigError(
                 f"unknown model {name_or_path!r}: not a preset and no such file",
-                f"use one of {', '.join(table)} or a YAML file with num_layers, hidden_size, "
-                "ffn_hidden_size, num_attention_heads, vocab_size",
+                f"use one of {', '.join(table)}, a Hugging Face model folder, or a YAML file with num_layers, "
+                "hidden_size, ffn_hidden_size, num_attention_heads, vocab_size",
             )
         spec = _model_file(path)
     if seq_len is not None:
@@ -114,6 +119,12 @@ def _check_shape(spec: ModelSpec) -> None:
         raise ConfigError(
             f"{where}: num_query_groups {g} must divide num_attention_heads {spec.num_attention_heads}"
         )
+    if spec.qkv_bias != (spec.family == "qwen2"):
+        raise ConfigError(f"{where}: qkv_bias {str(spec.qkv_bias).lower()} with family {spec.family}: q/k/v "
+                          "biases are Qwen2's (and only Qwen2 has them)", "set family: qwen2 with qkv_bias: true")
+    if (spec.hidden_size // spec.num_attention_heads) % 2:
+        raise ConfigError(f"{where}: head size {spec.hidden_size // spec.num_attention_heads} is odd; RoPE rotates "
+                          "pairs of coordinates")
 
 
 @dataclass(frozen=True)
@@ -123,7 +134,10 @@ class ModelCost:
     Attributes:
         layer_params: parameters of one transformer layer.
         embed_params: token embedding (first stage).
-        head_params: final norm and output projection (last stage; not tied).
+        head_params: final norm and output projection (last stage). Tied to the
+            embedding, a last stage other than the first still holds a copy of the
+            table (as Megatron-LM does), so the stage's memory counts it;
+            :meth:`total_params` counts it once.
         layer_flops: forward FLOPs of one layer per token.
         head_flops: forward FLOPs of the output projection per token.
         act_coeff: activation bytes of one layer per token and per unit of
@@ -145,8 +159,12 @@ class ModelCost:
         """Model FLOPs of one token's forward and backward (3× forward)."""
         return 3.0 * (self.num_layers * self.layer_flops + self.head_flops)
 
+    tied: bool = False
+
     def total_params(self) -> float:
-        return self.num_layers * self.layer_params + self.embed_params + self.head_params
+        """The model's distinct parameters (a tied table counted once)."""
+        head = self.hidden if self.tied else self.head_params
+        return self.num_layers * self.layer_params + self.embed_params + head
 
 
 def model_cost(spec: ModelSpec) -> ModelCost:
@@ -156,7 +174,7 @@ def model_cost(spec: ModelSpec) -> ModelCost:
     kv = h * g // a
     attn = 2 * h * h + 2 * h * kv
     mlp = (3 if spec.swiglu else 2) * h * f
-    layer_params = attn + mlp + 2 * h
+    layer_params = attn + mlp + 2 * h + (h + 2 * kv if spec.qkv_bias else 0)
     layer_flops = 2.0 * (attn + mlp) + 4.0 * spec.seq_len * h
     mlp_act = 19.0 * f / (4.0 * h) * (1.5 if spec.swiglu else 1.0)
     return ModelCost(
@@ -170,6 +188,7 @@ def model_cost(spec: ModelSpec) -> ModelCost:
         vocab=spec.vocab_size,
         seq_len=spec.seq_len,
         num_layers=spec.num_layers,
+        tied=spec.tie_embeddings,
     )
 
 

@@ -26,7 +26,7 @@ states and logits are the model's own terms. Layerprof's block is always the
 reference trainer's SwiGLU block, so the figure is for a SwiGLU MLP. The model
 leaves out, knowingly, the optimizer's temporaries (torch's default foreach
 AdamW on an accelerator holds one more parameter-sized buffer: at most a quarter
-of the block's 4 parameter-sized tensors), the learned positions' table and the
+of the block's 4 parameter-sized tensors), the RoPE cos/sin tables and the
 allocator's rounding; :data:`TOLERANCE` covers them. A peak above it means the
 model misses something real on that chip, and the planner scales the kind's
 memory terms (not the runtime reserve) by the ratio; never down.

@@ -207,6 +207,23 @@ def _check_values(plan: Plan, hosts: dict[str, str], plan_path: str) -> None:
     walk(plan_path, "plan path")
 
 
+def _rope_norm_args(m) -> list[str]:
+    """Megatron's RoPE base, llama3 scaling and norm epsilon where the model's differ from its defaults.
+
+    Megatron-LM's ``--use-rope-scaling`` is Llama 3.1's (low/high frequency factors 1 and 4 from an
+    8192 context): other llama3 scalings have no Megatron flag and are left to ``--args``.
+    """
+    args: list = []
+    if m.rope_theta != 10000.0:
+        args += ["--rotary-base", int(m.rope_theta) if float(m.rope_theta).is_integer() else m.rope_theta]
+    r = m.rope_scaling
+    if r is not None and (r.low_freq_factor, r.high_freq_factor, r.original_max_position_embeddings) == (1, 4, 8192):
+        args += ["--use-rope-scaling", "--rope-scaling-factor", r.factor]
+    if m.norm_eps != 1e-5:
+        args += ["--norm-epsilon", m.norm_eps]
+    return args
+
+
 def _model_args(plan: Plan) -> list[str]:
     m, par = plan.model, plan.parallel
     args = [
@@ -220,7 +237,12 @@ def _model_args(plan: Plan) -> list[str]:
     if m.swiglu:
         args += ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
                  "--disable-bias-linear"]
-    args += ["--untie-embeddings-and-output-weights", "--use-distributed-optimizer"]
+        args += _rope_norm_args(m)
+    if m.qkv_bias:
+        args.append("--add-qkv-bias")
+    if not m.tie_embeddings:
+        args.append("--untie-embeddings-and-output-weights")
+    args.append("--use-distributed-optimizer")
     prec = {s.precision for s in plan.stages}
     if "bf16" in prec and len(prec) == 1:
         args.append("--bf16")

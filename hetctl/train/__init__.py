@@ -3,6 +3,8 @@
 Modules: ``model`` (decoder-only transformer in checkpoint units), ``data``
 (deterministic synthetic batches), ``topology`` (the rank's place, from the
 plan), ``pipeline`` (1F1B step, point-to-point and all-reduce), ``ckpt``
-(layer-granular checkpoints), ``saver`` (saves off the training step), ``main`` (the rank's entry point).
+(layer-granular checkpoints), ``saver`` (saves off the training step), ``main`` (the rank's entry point),
+``tied`` (a tied table across stages), ``hfconvert``/``hfweights``/``hfio`` (Hugging Face names, checks and
+weights in), ``export`` (a checkpoint out as a Hugging Face folder).
 Importing this package does not import torch.
 """

@@ -188,3 +188,14 @@ def load(blobs: Mapping[str, bytes], units: nn.ModuleDict, optimizer: torch.opti
             optimizer.state[p] = {k: (v if k == "step" or not torch.is_tensor(v) else v.to(p.device))
                                   for k, v in st.items()}
     return json.loads(blobs[STATE])
+
+
+def load_copy(blobs: Mapping[str, bytes], copy: nn.Parameter, optimizer: torch.optim.Optimizer) -> None:
+    """A last stage's copy of a tied table from ``embedding.pt``: the table's weights and AdamW state."""
+    payload = torch.load(io.BytesIO(blobs["embedding.pt"]), map_location="cpu", weights_only=True)
+    with torch.no_grad():
+        copy.copy_(payload["params"]["tokens.weight"])
+    st = payload["optim"].get("tokens.weight")
+    if st:
+        optimizer.state[copy] = {k: (v if k == "step" or not torch.is_tensor(v) else v.to(copy.device))
+                                 for k, v in st.items()}

@@ -51,6 +51,9 @@ def parse_args(argv: list[str] | None, env: os._Environ | dict) -> argparse.Name
     ap.add_argument("--seed", type=int, default=1234, help="seed of weights and data (default 1234)")
     ap.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
     ap.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0)")
+    ap.add_argument("--init-from", metavar="HF_FOLDER", default=None,
+                    help="start from a Hugging Face checkpoint folder (config.json and safetensors): each stage "
+                    "reads only its own layers; ignored when resuming from a hetctl checkpoint")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads per rank (default 1)")
     ap.add_argument("--dp-reduce", choices=("auto", "flat"), default="auto",
                     help="auto: hierarchical across vendors where it applies (hetctl.train.dpreduce); flat: one "
@@ -152,6 +155,7 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
         raise HetctlError("--checkpoint-every is set but HETCTL_CKPT_DIR is not", "set it, or pass --checkpoint-every 0")
     if ctx.resume_step and ctx.ckpt_dir is None:
         raise HetctlError(f"HETCTL_RESUME_STEP={ctx.resume_step} but HETCTL_CKPT_DIR is not set")
+    tied = bool(spec.get("tie_embeddings"))
     blobs = None
     if ctx.resume_step:
         # Read and verify this stage's files before importing torch and joining the group, so a
@@ -159,10 +163,18 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
         from hetctl.node.manifest import read_verified, step_dir
         from hetctl.train.units import STATE, check_state, unit_files
 
-        blobs = read_verified(ctx.ckpt_dir, ctx.resume_step, unit_files(topo.spans, topo.is_first, topo.is_last),
+        blobs = read_verified(ctx.ckpt_dir, ctx.resume_step, unit_files(topo.spans, topo.is_first, topo.is_last, tied),
                               model_digest(spec))
         check_state(json.loads(blobs[STATE]), args.seed, topo.global_batch, _hyper(args),
                     step_dir(ctx.ckpt_dir, ctx.resume_step))
+
+    init_from = None if ctx.resume_step else args.init_from  # a resume continues its own weights
+    if init_from:
+        # Checked before torch and the group, like a resume's files: a mismatch is one line, not a peer's hang.
+        from hetctl.train.hfweights import check
+        from hetctl.train.units import stage_reads
+
+        check(init_from, spec, stage_reads(topo.spans, topo.is_first, topo.is_last, tied))
 
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
     import torch
@@ -218,15 +230,31 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
             jit_on = bool(flag.item())
 
         units = build_units(spec, topo.spans, topo.is_first, topo.is_last, args.seed, tg)
+        if init_from:
+            from hetctl.train.hfio import load_into
+
+            n = load_into(init_from, spec, units, tp=(topo.tp_rank, topo.tp))
+            print(f"init-from {init_from}: {n} tensors for {', '.join(units)}", flush=True)
         units.to(device)
+        from hetctl.train.tied import TiedTable, tied_copy
+
+        copy = tied_copy(units)  # a last stage's copy of a tied table: not a unit's, so moved and optimized here
+        if copy is not None:
+            copy.data = copy.data.to(device)
+        # Every rank (of any replica's depth) takes part in making the two-rank groups of a tied table.
+        table = TiedTable(topo.rank, topo.unit_groups, units, functools.partial(dist.new_group, timeout=timeout)) \
+            if tied else None
         module = StageModule(units)
         hyper = _hyper(args)
-        optimizer = torch.optim.AdamW(module.parameters(), lr=hyper["lr"], betas=tuple(hyper["betas"]),
-                                      eps=hyper["eps"], weight_decay=hyper["weight_decay"])
+        optimizer = torch.optim.AdamW([*module.parameters(), *([copy] if copy is not None else [])], lr=hyper["lr"],
+                                      betas=tuple(hyper["betas"]), eps=hyper["eps"],
+                                      weight_decay=hyper["weight_decay"])
         digest = model_digest(spec)
         start = ctx.resume_step or 0
         if start:
             ckpt.load(blobs, units, optimizer, tp=(topo.tp_rank, topo.tp))
+            if copy is not None:
+                ckpt.load_copy(blobs, copy, optimizer)
             del blobs
 
         saver = Saver(ctx.ckpt_dir, args.save_mode, rank=ctx.rank, replica=topo.replica, num_layers=topo.num_layers,
@@ -263,8 +291,12 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
             comm.take_wait()
             optimizer.zero_grad(set_to_none=False)
             loss = pipeline.train_step(module, topo, comm, batch, int(spec["hidden_size"]), seq, amp)
+            if table is not None:
+                table.sum_grads()
             if reducer is not None:
                 reducer.reduce(units, comm)
+                if table is not None:
+                    table.broadcast()
             if jit is not None:  # the step is applied once every rank has summed its gradients
                 jit.commit(step, functools.partial(dist.barrier, group=commit_group))
             else:

@@ -1,9 +1,17 @@
 """The reference model: a decoder-only transformer cut into checkpoint units.
 
-A *unit* is what a checkpoint stores in one file: ``embedding`` (tokens and
-learned positions, first stage), ``layer-NNNNN`` (one transformer block) and
-``head`` (final norm and output projection, last stage). A stage builds only
-its own units, so memory follows the plan's split.
+The architecture is Llama's (and Qwen2's, Mistral's without a sliding window):
+rotary positions (RoPE, with Llama 3's frequency scaling), RMSNorm, grouped-query
+attention with optional q/k/v biases, a SwiGLU MLP, and an output projection
+tied to the token embedding or not. Parameter names follow the paper's figure;
+:mod:`hetctl.train.hfconvert` maps them to Hugging Face's.
+
+A *unit* is what a checkpoint stores in one file: ``embedding`` (the token
+table, first stage), ``layer-NNNNN`` (one transformer block) and ``head``
+(final norm and output projection, last stage). A stage builds only its own
+units, so memory follows the plan's split. With tied embeddings the head owns
+no projection of its own: it uses the embedding's table under one stage, and a
+copy kept equal to it on a last stage of its own (:mod:`hetctl.train.tied`).
 
 Every unit's initial weights come from a generator seeded by ``(seed, unit
 name)``: the same layer gets the same numbers whichever stage or node builds it,
@@ -15,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from functools import lru_cache
 from typing import Any, Callable, Mapping
 
 import torch
@@ -45,16 +54,58 @@ class RMSNorm(nn.Module):
 
 
 class Embedding(nn.Module):
-    """Token plus learned absolute position embedding."""
+    """The token table (positions enter each attention as rotations, not here)."""
 
     def __init__(self, spec: Mapping[str, Any]) -> None:
         super().__init__()
         self.tokens = nn.Embedding(spec["vocab_size"], spec["hidden_size"])
-        self.positions = nn.Embedding(spec["seq_len"], spec["hidden_size"])
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(ids.shape[1], device=ids.device)
-        return self.tokens(ids) + self.positions(pos)
+        return self.tokens(ids)
+
+
+def inv_frequencies(head_dim: int, theta: float, scaling: Mapping[str, Any] | None) -> torch.Tensor:
+    """RoPE's inverse frequencies ``theta^(-2i/d)``, with Llama 3's scaling when ``scaling`` asks for it.
+
+    Llama 3 (``rope_type: llama3``) divides the low frequencies (wavelengths above
+    ``original_max_position_embeddings / low_freq_factor``) by ``factor``, keeps the
+    high ones, and blends linearly between (Llama Team 2024, arXiv:2407.21783, and
+    Meta's reference code). Any other scaling is refused when the spec is read.
+    """
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if not scaling:
+        return inv
+    factor, low, high = float(scaling["factor"]), float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old / low, inv / factor, inv)
+    smooth = (old / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old / high) & (wavelen <= old / low)
+    return torch.where(medium, blended, scaled)
+
+
+@lru_cache(maxsize=8)
+def _rope_table(seq: int, head_dim: int, theta: float, scaling: tuple | None, device: torch.device,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos`` and ``sin`` of every position's angles, ``(seq, head_dim)``, computed in fp32 then cast."""
+    inv = inv_frequencies(head_dim, theta, dict(scaling) if scaling else None)
+    angles = torch.outer(torch.arange(seq, dtype=torch.float32), inv)
+    both = torch.cat((angles, angles), dim=-1)
+    return both.cos().to(device, dtype), both.sin().to(device, dtype)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``(b, heads, s, d)`` by position; the two halves of ``d`` are each pair's coordinates."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def rope_settings(spec: Mapping[str, Any]) -> tuple[float, tuple | None]:
+    """``(rope_theta, rope_scaling as a hashable tuple or None)`` of a spec dict (older plans: theta 10000)."""
+    scaling = spec.get("rope_scaling")
+    return float(spec.get("rope_theta") or 10000.0), tuple(sorted(scaling.items())) if scaling else None
 
 
 class Block(nn.Module):
@@ -67,19 +118,25 @@ class Block(nn.Module):
         if h % heads or heads % groups:
             raise ValueError(f"hidden_size {h}, heads {heads}, query groups {groups} do not divide")
         self.heads, self.groups, self.head_dim = heads, groups, h // heads
-        kv = groups * self.head_dim
-        self.attn_norm = RMSNorm(h)
-        self.q = nn.Linear(h, h, bias=False)
-        self.k = nn.Linear(h, kv, bias=False)
-        self.v = nn.Linear(h, kv, bias=False)
+        self.rope = rope_settings(spec)
+        kv, bias, eps = groups * self.head_dim, bool(spec.get("qkv_bias")), norm_eps(spec)
+        self.attn_norm = RMSNorm(h, eps)
+        self.q = nn.Linear(h, h, bias=bias)
+        self.k = nn.Linear(h, kv, bias=bias)
+        self.v = nn.Linear(h, kv, bias=bias)
         self.o = nn.Linear(h, h, bias=False)
-        self.mlp_norm = RMSNorm(h)
+        self.mlp_norm = RMSNorm(h, eps)
         self.gate = nn.Linear(h, spec["ffn_hidden_size"], bias=False)
         self.up = nn.Linear(h, spec["ffn_hidden_size"], bias=False)
         self.down = nn.Linear(spec["ffn_hidden_size"], h, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return block_forward(self, x)
+
+
+def norm_eps(spec: Mapping[str, Any]) -> float:
+    """The RMSNorm epsilon of a spec dict (1e-5, Llama 2's, in plans that do not say)."""
+    return float(spec.get("norm_eps") or 1e-5)
 
 
 def _same(t: torch.Tensor) -> torch.Tensor:
@@ -99,6 +156,8 @@ def block_forward(blk: nn.Module, x: torch.Tensor, into: Callable[[torch.Tensor]
     q = blk.q(y).view(b, s, blk.heads, blk.head_dim).transpose(1, 2)
     k = blk.k(y).view(b, s, blk.groups, blk.head_dim).transpose(1, 2)
     v = blk.v(y).view(b, s, blk.groups, blk.head_dim).transpose(1, 2)
+    cos, sin = _rope_table(s, blk.head_dim, *blk.rope, q.device, q.dtype)
+    q, k = rope(q, cos, sin), rope(k, cos, sin)
     if blk.groups != blk.heads:
         rep = blk.heads // blk.groups
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -109,15 +168,32 @@ def block_forward(blk: nn.Module, x: torch.Tensor, into: Callable[[torch.Tensor]
 
 
 class Head(nn.Module):
-    """Final norm and the projection to vocabulary logits (not tied: the embedding lives on another stage)."""
+    """Final norm and the projection to vocabulary logits.
+
+    Untied, the projection ``out`` is the head's own parameter. Tied
+    (``tie_embeddings``), the head has only its norm and projects with the
+    embedding's table, handed over by :meth:`tie` (not registered here, so a
+    checkpoint stores it once, in ``embedding``).
+    """
 
     def __init__(self, spec: Mapping[str, Any]) -> None:
         super().__init__()
-        self.norm = RMSNorm(spec["hidden_size"])
-        self.out = nn.Linear(spec["hidden_size"], spec["vocab_size"], bias=False)
+        self.norm = RMSNorm(spec["hidden_size"], norm_eps(spec))
+        self.tied = bool(spec.get("tie_embeddings"))
+        self._table: list[nn.Parameter] = []
+        if not self.tied:
+            self.out = nn.Linear(spec["hidden_size"], spec["vocab_size"], bias=False)
+
+    def tie(self, table: nn.Parameter) -> None:
+        """Project with ``table`` (the embedding's weight) from now on."""
+        self._table[:] = [table]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(self.norm(x))
+        if not self.tied:
+            return self.out(self.norm(x))
+        if not self._table:
+            raise RuntimeError("tied head used before tie(): build it with build_units")
+        return F.linear(self.norm(x), self._table[0])
 
 
 def _init_unit(unit: nn.Module, name: str, seed: int, num_layers: int) -> None:
@@ -127,6 +203,8 @@ def _init_unit(unit: nn.Module, name: str, seed: int, num_layers: int) -> None:
         for pname, p in unit.named_parameters():
             if pname.endswith("norm.weight"):
                 p.fill_(1.0)
+            elif pname.endswith(".bias"):
+                p.zero_()
             else:
                 std = INIT_STD / math.sqrt(2 * num_layers) if pname in ("o.weight", "down.weight") else INIT_STD
                 p.normal_(0.0, std, generator=gen)
@@ -159,7 +237,18 @@ def build_units(spec: Mapping[str, Any], layers: Spans, first: bool, last: bool,
             part.load_state_dict(shard_state(unit.state_dict(), tg.rank, tg.size))
             unit = part
         units[name] = unit
+    if spec.get("tie_embeddings") and last:
+        units["head"].tie(units["embedding"].tokens.weight if first else _table_copy(spec, seed))
     return units
+
+
+def _table_copy(spec: Mapping[str, Any], seed: int) -> nn.Parameter:
+    """A last stage's own copy of the token table, equal to the first stage's (:mod:`hetctl.train.tied`)."""
+    with torch.device("meta"):
+        emb = Embedding(spec)
+    emb = emb.to_empty(device="cpu")
+    _init_unit(emb, "embedding", seed, spec["num_layers"])
+    return emb.tokens.weight
 
 
 class StageModule(nn.Module):

@@ -38,8 +38,9 @@ import torch.distributed as dist
 from torch import nn
 
 # Parameter name inside a block → the dimension its shards split (0: column-parallel rows, 1: row-parallel columns).
+# The q/k/v biases (Qwen2) split with their rows.
 SHARD_DIM: dict[str, int] = {"q.weight": 0, "k.weight": 0, "v.weight": 0, "gate.weight": 0, "up.weight": 0,
-                             "o.weight": 1, "down.weight": 1}
+                             "q.bias": 0, "k.bias": 0, "v.bias": 0, "o.weight": 1, "down.weight": 1}
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,7 @@ class ParallelBlock(nn.Module):
 
     def __init__(self, spec: Mapping[str, Any], tg: TensorGroup) -> None:
         super().__init__()
-        from hetctl.train.model import RMSNorm
+        from hetctl.train.model import RMSNorm, norm_eps, rope_settings
 
         why = check_divisible(spec, tg.size)
         if why:
@@ -128,12 +129,14 @@ class ParallelBlock(nn.Module):
         self.head_dim = h // heads
         self.heads, self.groups = heads // tg.size, groups // tg.size  # this rank's
         kv, ffn = self.groups * self.head_dim, spec["ffn_hidden_size"] // tg.size
-        self.attn_norm = RMSNorm(h)
-        self.q = nn.Linear(h, self.heads * self.head_dim, bias=False)
-        self.k = nn.Linear(h, kv, bias=False)
-        self.v = nn.Linear(h, kv, bias=False)
+        self.rope = rope_settings(spec)
+        bias, eps = bool(spec.get("qkv_bias")), norm_eps(spec)
+        self.attn_norm = RMSNorm(h, eps)
+        self.q = nn.Linear(h, self.heads * self.head_dim, bias=bias)
+        self.k = nn.Linear(h, kv, bias=bias)
+        self.v = nn.Linear(h, kv, bias=bias)
         self.o = nn.Linear(self.heads * self.head_dim, h, bias=False)
-        self.mlp_norm = RMSNorm(h)
+        self.mlp_norm = RMSNorm(h, eps)
         self.gate = nn.Linear(h, ffn, bias=False)
         self.up = nn.Linear(h, ffn, bias=False)
         self.down = nn.Linear(ffn, h, bias=False)

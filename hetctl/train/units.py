@@ -35,9 +35,15 @@ def unit_names(layers: Spans, first: bool, last: bool) -> list[str]:
     return (["embedding"] if first else []) + mids + (["head"] if last else [])
 
 
-def unit_files(layers: Spans, first: bool, last: bool) -> list[str]:
-    """The checkpoint files a stage loads: its units', plus ``state.json``."""
-    return [f"{n}.pt" for n in unit_names(layers, first, last)] + [STATE]
+def unit_files(layers: Spans, first: bool, last: bool, tied: bool = False) -> list[str]:
+    """The checkpoint files a stage loads: its units' (:func:`stage_reads`), plus ``state.json``."""
+    return [f"{n}.pt" for n in stage_reads(layers, first, last, tied)] + [STATE]
+
+
+def stage_reads(layers: Spans, first: bool, last: bool, tied: bool) -> list[str]:
+    """The units a stage loads: its own, and the embedding on a last stage that projects with a copy of it."""
+    names = unit_names(layers, first, last)
+    return names + (["embedding"] if tied and last and not first else [])
 
 
 def expected_files(num_layers: int) -> set[str]:

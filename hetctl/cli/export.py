@@ -1,0 +1,26 @@
+"""``hetctl export``: a run's checkpoint as a Hugging Face model folder (:mod:`hetctl.train.export`)."""
+
+from __future__ import annotations
+
+import typer
+
+from hetctl.cli import app, handle_errors, out, text
+
+
+@app.command("export")
+@handle_errors
+def export_cmd(
+    run_dir: str = typer.Argument(..., help="The run folder (runs/<run-id>) whose checkpoint to export."),
+    output: str = typer.Option(..., "-o", "--output", help="New folder for the Hugging Face model."),
+    step: int | None = typer.Option(None, "--step", min=1, help="Checkpoint step; default: the newest valid one."),
+) -> None:
+    """Write a run's checkpoint as a Hugging Face folder that transformers loads with no conversion."""
+    from hetctl.errors import ConfigError
+
+    try:
+        from hetctl.train.export import export
+        done = export(run_dir, output, step)
+    except ModuleNotFoundError as e:  # torch/safetensors: the `train` extra
+        raise ConfigError(f"hetctl export needs {e.name}, which is not installed",
+                          "pip install 'hetctl[train]'") from None
+    out.print(text(f"exported step {done.step} ({done.tensors} tensors) to {done.folder}: {', '.join(done.files)}"))
