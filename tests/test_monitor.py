@@ -528,3 +528,21 @@ def test_live_view_measured_line_without_a_planned_step_time():
     ev = {"kind": "measured", "attempt": 0, "step_s_predicted": 0.0, "step_s_measured": 0.5, "step_ratio": None,
           "stages": [{"replica": 0, "stage": 0, "node": "n1", "predicted_ms": 1.0, "measured_ms": 2.0, "ratio": 2.0}]}
     assert event_line(ev) == "attempt 0 measured: stage compute 2× (n1) … 2× (n1) of plan"
+
+
+def test_progress_carries_the_trainers_grad_norm_lr_and_skipped_steps(plan, spec, tmp_path):
+    clock = Clock()
+    mon, run = make_monitor(plan, spec, tmp_path, clock)
+    start_all(mon, clock, plan)
+    for step in (1, 2):
+        for r in plan.ranks:
+            hb = {"step": step, "time": 100.0 + step, "step_ms": 40.0, "grad_norm": 0.5 * step, "lr": 1e-3 * step,
+                  "skipped": step - 1}
+            if r.stage == 2:
+                hb["loss"] = 6.0 - step if step == 1 else None  # step 2 was skipped: no loss
+            feed(mon, clock, r.node, "heartbeat", 10.0, rank=r.rank, hb=hb)
+    mon.progress(clock(), force=True)
+    last = read_events(run.events_path, "progress")[-1]
+    assert (last["step"], last["grad_norm"], last["lr"], last["skipped"]) == (2, 1.0, 2e-3, 1)
+    assert last["loss"] is None  # not step 1's loss again
+    assert _plain_lines([last]) == ["  step 2, grad norm 1, lr 0.002, 1 skipped (non-finite), 40 ms/step"]

@@ -487,12 +487,33 @@ from hetctl.launch.outcome import classify  # noqa: E402
      "[rank2]: OSError: [Errno 28] No space left on device", FaultKind.STORAGE, "the disk is full"),
     ("PermissionError: [Errno 13] Permission denied: '/ck/r1/step-4/layer-0.pt'", FaultKind.STORAGE,
      "permission denied (/ck/r1/step-4/layer-0.pt)"),
+    ("[rank1]: hetctl.train: error: training diverged: 5 steps in a row (3-7) had a non-finite grad_norm; each was "
+     "skipped, no update was applied (hint: lower --lr)", FaultKind.DIVERGED,
+     "training diverged: 5 steps in a row (3-7) had a non-finite grad_norm"),
     ("RuntimeError: CUDA error: an illegal memory access was encountered", FaultKind.CRASH, ""),
     ("PermissionError: [Errno 13] Permission denied: '/data/shard-3.bin'", FaultKind.CRASH, ""),
 ])
 def test_a_crash_is_reread_with_its_log(tail, kind, says):
     f = classify(FailureRecord(FaultKind.CRASH, "n1", 0.0, rank=2, exit_code=1, reason="exit code 1", log_tail=tail))
     assert f.kind == kind and says in f.reason and f.reason.startswith("exit code 1")
+
+
+def test_a_trainer_config_error_is_a_setup_fault_only_with_exit_2():
+    tail = ("hetctl.train: error: checkpoint ck/step-10: its learning-rate schedule has decay_steps=20, this run "
+            "has 40 (hint: pass --decay-steps 20)")
+    f = classify(FailureRecord(FaultKind.CRASH, "n1", 0.0, rank=0, exit_code=2, reason="exit code 2", log_tail=tail))
+    assert f.kind == FaultKind.SETUP and "decay_steps=20, this run has 40" in f.reason
+    killed = FailureRecord(FaultKind.CRASH, "n1", 0.0, rank=0, exit_code=1, reason="exit code 1", log_tail=tail)
+    assert classify(killed).kind == FaultKind.CRASH
+
+
+def test_divergence_stops_the_run_saying_why():
+    tally = Tally()
+    root = FailureRecord(FaultKind.DIVERGED, "n1", 0.0, rank=0, exit_code=6,
+                         reason="exit code 6: training diverged: 5 steps in a row (3-7) had a non-finite loss")
+    d = decide(failed(root), tally, PolicyConfig(), attempt=0)
+    assert d.action == Action.GIVE_UP and tally.restarts == 0 and not d.drop
+    assert "training diverged" in d.reason and "restarting would repeat the same steps" in d.reason
 
 
 @pytest.mark.parametrize("kind", [FaultKind.SETUP, FaultKind.STORAGE])

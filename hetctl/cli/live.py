@@ -66,6 +66,12 @@ def _progress(ev: dict) -> str | None:
     parts = [f"step {ev['step']}"]
     if ev.get("loss") is not None:
         parts.append(f"loss {ev['loss']:.4f}")
+    if ev.get("grad_norm") is not None:
+        parts.append(f"grad norm {ev['grad_norm']:.3g}")
+    if ev.get("lr") is not None:
+        parts.append(f"lr {ev['lr']:.3g}")
+    if ev.get("skipped"):
+        parts.append(f"{ev['skipped']} skipped (non-finite)")
     if ms:
         parts.append(f"{max(ms):.0f} ms/step")
     return "  " + ", ".join(parts)

@@ -136,7 +136,8 @@ def describe(f: FailureRecord) -> str:
     for 3.0s after step 12``) is used as it stands when there is one.
     """
     who = f"rank {f.rank} on {f.node}" if f.rank is not None else f"node {f.node}"
-    if f.kind in (FaultKind.CRASH, FaultKind.HANG, FaultKind.OOM, FaultKind.SETUP, FaultKind.STORAGE) and f.reason:
+    if f.kind in (FaultKind.CRASH, FaultKind.HANG, FaultKind.OOM, FaultKind.SETUP, FaultKind.STORAGE,
+                  FaultKind.DIVERGED) and f.reason:
         return f"{who}: {f.reason}"
     if f.kind == FaultKind.CRASH:
         if f.signal:
@@ -195,6 +196,10 @@ def decide(outcome: AttemptOutcome, tally: Tally, config: PolicyConfig, *, attem
     if root.kind == FaultKind.SETUP:
         return Decision(Action.GIVE_UP, f"{describe(root)} (a set-up error: every restart would fail the same way; "
                                         "fix the entry or the node's environment, then resume)")
+    if root.kind == FaultKind.DIVERGED:
+        return Decision(Action.GIVE_UP, f"{describe(root)} (restarting would repeat the same steps: change the "
+                                        "learning rate, warm-up or clipping; the checkpoints hold the last finite "
+                                        "weights)")
     if root.kind == FaultKind.STORAGE:
         return Decision(Action.GIVE_UP, f"{describe(root)} (the last complete checkpoint is kept; free space or fix "
                                         "checkpoint_dir, then resume)")

@@ -69,13 +69,20 @@ class StageProgress:
 
 @dataclass(frozen=True)
 class Progress(Event):
-    """The attempt's step (the slowest last-stage rank's) and each stage's last figures, every few seconds."""
+    """The attempt's step (the slowest last-stage rank's) and each stage's last figures, every few seconds.
+
+    ``grad_norm`` and ``lr`` are the reference trainer's (:mod:`hetctl.train.optim`) at that step;
+    ``skipped``: steps it skipped so far in the attempt for a non-finite loss or gradient norm.
+    """
 
     kind: ClassVar[str] = "progress"
     attempt: int
     step: int
     loss: float | None
     stages: list[StageProgress] = field(default_factory=list)
+    grad_norm: float | None = None
+    lr: float | None = None
+    skipped: int = 0
 
 
 @dataclass(frozen=True)

@@ -77,6 +77,9 @@ class RankStatus:
     step: int | None = None
     loss: float | None = None
     step_ms: float | None = None
+    grad_norm: float | None = None  # the trainer's global gradient norm (hetctl.train.optim), lr and skipped steps
+    lr: float | None = None
+    skipped: int = 0
     hb_wall: float | None = None  # the node's clock at the rank's last heartbeat
     progress_at: float | None = None  # controller clock when the step last advanced
     proc_state: str = ""
@@ -266,11 +269,18 @@ class Monitor:
         st.hb_wall = hb.get("time")
         if hb.get("step_ms") is not None:
             st.step_ms = float(hb["step_ms"])
-        if hb.get("loss") is not None:
+        if "loss" in hb and hb["loss"] is None:
+            st.loss = None  # the trainer skipped this step (a non-finite loss or gradient norm)
+        elif hb.get("loss") is not None:
             st.loss = float(hb["loss"])
             span = self.loss_span.setdefault(st.replica, [(step, st.loss), (step, st.loss)])
             if step > span[1][0]:
                 span[1] = (step, st.loss)
+        for key in ("grad_norm", "lr"):
+            if isinstance(hb.get(key), (int, float)):
+                setattr(st, key, float(hb[key]))
+        if isinstance(hb.get("skipped"), int):
+            st.skipped = hb["skipped"]
         if hb.get("first_loss") is not None:  # the trainer's own, exact even when polling missed step 1
             self.loss_span.setdefault(st.replica, [(step, float(hb["first_loss"]))] * 2)[0] = (0, float(hb["first_loss"]))
         if hb.get("tokens_per_s") is not None and st.stage == self.last_stage:
@@ -387,8 +397,12 @@ class Monitor:
         self._last_progress_ev = (now, step)
         stages = [StageProgress(st.replica, st.stage, st.step, st.loss, st.step_ms)
                   for st in sorted(self.ranks.values(), key=lambda s: s.rank) if st.step is not None]
-        loss = next((st.loss for st in last if st.replica == 0 and st.step == step), None)
-        self.events.emit(Progress(attempt=self.attempt, step=step, loss=loss, stages=stages))
+        now_ = [st for st in last if st.step == step]
+        loss = next((st.loss for st in now_ if st.replica == 0), None)
+        norm = next((st.grad_norm for st in now_ if st.grad_norm is not None), None)
+        lr = next((st.lr for st in now_ if st.lr is not None), None)
+        self.events.emit(Progress(attempt=self.attempt, step=step, loss=loss, stages=stages, grad_norm=norm, lr=lr,
+                                  skipped=max((st.skipped for st in self.ranks.values()), default=0)))
 
     def snapshot(self, now: float | None = None) -> Snapshot:
         now = self.clock() if now is None else now

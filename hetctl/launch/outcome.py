@@ -39,6 +39,7 @@ class FaultKind(str, enum.Enum):
     SETUP = "setup"          # a rank failed on something no restart fixes: its script or a module is missing
     STORAGE = "storage"      # a rank could not write its checkpoint: disk full, read-only, no permission
     OOM = "oom"              # a rank was killed by the node's out-of-memory killer
+    DIVERGED = "diverged"    # the trainer stopped after --max-skipped-steps non-finite steps in a row (exit 6)
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,10 @@ _SETUP = (
 )
 _STORAGE = re.compile(r"^\w*(?:OSError|PermissionError|IOError)?:? ?\[Errno (28|30|13|122)\] ([^:\n]+)(?:: '([^']*)')?",
                       re.M)
+# hetctl's trainer (hetctl.train.main): a divergence it stopped on (exit 6), and a configuration
+# mistake it refused before training (exit 2). Neither goes away by restarting.
+_DIVERGED = re.compile(r"^hetctl\.train: error: (training diverged: [^\n]*)$", re.M)
+_TRAINER_CONFIG = re.compile(r"^hetctl\.train: error: ([^\n]*)$", re.M)
 _RANK_PREFIX = re.compile(r"^\[rank\d+\]: ", re.M)
 _STORAGE_WHY = {"28": "the disk is full", "30": "the file system is read-only", "13": "permission denied",
                 "122": "the disk quota is exceeded"}
@@ -97,19 +102,24 @@ _STORAGE_WHY = {"28": "the disk is full", "30": "the file system is read-only", 
 
 # Which failure of an attempt explains the others: a lost node takes its peers' ranks down, and a
 # deterministic error (a missing module, a full disk, the OOM killer) makes the peers crash on broken pipes.
-CAUSE_ORDER = {FaultKind.NODE_LOST: 0, FaultKind.SETUP: 1, FaultKind.STORAGE: 1, FaultKind.OOM: 1}
+CAUSE_ORDER = {FaultKind.NODE_LOST: 0, FaultKind.SETUP: 1, FaultKind.STORAGE: 1, FaultKind.OOM: 1,
+               FaultKind.DIVERGED: 1}
 
 
 def classify(f: FailureRecord) -> FailureRecord:
-    """Re-read a crash with its log tail: a missing script or module, or a checkpoint write that failed.
+    """Re-read a crash with its log tail: a missing script or module, a checkpoint write that failed, a
+    divergence or configuration mistake the trainer reported.
 
-    Both are deterministic: a restart would fail the same way on any node, so the
+    All are deterministic: a restart would fail the same way on any node, so the
     policy stops the run with the reason (and the last good checkpoint) instead of
     burning restarts and blaming a healthy node. Anything else stays a crash.
     """
     if f.kind != FaultKind.CRASH or not f.log_tail:
         return f
     tail = _RANK_PREFIX.sub("", f.log_tail)  # torch.distributed prefixes a rank's stderr lines with [rankN]:
+    m = _DIVERGED.search(tail)
+    if m:
+        return replace(f, kind=FaultKind.DIVERGED, reason=f"{f.reason}: {m.group(1)}")
     for pattern, what in _SETUP:
         m = pattern.search(tail)
         if m:
@@ -119,4 +129,7 @@ def classify(f: FailureRecord) -> FailureRecord:
         where = f" ({m.group(3)})" if m.group(3) else ""
         return replace(f, kind=FaultKind.STORAGE,
                        reason=f"{f.reason}: cannot write the checkpoint: {_STORAGE_WHY[m.group(1)]}{where}")
+    m = _TRAINER_CONFIG.search(tail)
+    if m and f.exit_code == 2:
+        return replace(f, kind=FaultKind.SETUP, reason=f"{f.reason}: {m.group(1)}")
     return f

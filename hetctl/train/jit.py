@@ -101,6 +101,14 @@ class JitCheckpoint:
             self._torn = False
             self.completed, self.reduced = step, None
 
+    def skip(self, step: int) -> None:
+        """``step`` completed without an update (every rank skipped it: a non-finite gradient norm or loss).
+
+        Its state is the previous step's, so a writer may give it as ``step``.
+        """
+        with self.lock:
+            self.completed, self.reduced = step, None
+
     def arm(self) -> None:
         """Write on SIGTERM (from the main thread, once): a no-op handler, the wakeup fd, a watcher thread."""
         r, w = os.pipe()

@@ -11,8 +11,12 @@ then first writes its stage's state at the last step it can vouch for
 (:mod:`hetctl.train.jit`), as it does when a collective fails on a peer's death,
 and exits with status 143.
 
+The optimizer (AdamW, its schedule, global-norm clipping, skipped non-finite
+steps) is :mod:`hetctl.train.optim`; ``docs/training.md`` describes its options.
+
 Exit codes: 0 done; 2 a configuration mistake (one line on stderr naming the
-variable, plan key or checkpoint file).
+variable, plan key or checkpoint file); 6 training diverged (``--max-skipped-steps``
+non-finite steps in a row: :class:`hetctl.train.optim.Diverged`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import time
 
 from hetctl.errors import HetctlError
 from hetctl.node.runtime import RankContext, load_plan
+from hetctl.train import optim
 from hetctl.train.units import parse_test_delay
 from hetctl.vendors import VENDOR_TABLE
 
@@ -49,8 +54,6 @@ def parse_args(argv: list[str] | None, env: os._Environ | dict) -> argparse.Name
                     help="on: with data parallelism, the survivors of a failed rank write their stage's state at "
                     "the failed step for the next attempt to resume from (default $HETCTL_JIT_CHECKPOINT or on)")
     ap.add_argument("--seed", type=int, default=1234, help="seed of weights and data (default 1234)")
-    ap.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
-    ap.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0)")
     ap.add_argument("--init-from", metavar="HF_FOLDER", default=None,
                     help="start from a Hugging Face checkpoint folder (config.json and safetensors): each stage "
                     "reads only its own layers; ignored when resuming from a hetctl checkpoint")
@@ -60,6 +63,7 @@ def parse_args(argv: list[str] | None, env: os._Environ | dict) -> argparse.Name
                     "all-reduce over every replica (default auto)")
     ap.add_argument("--comm-timeout", type=float, default=300.0,
                     help="seconds a collective or receive may wait before the rank fails (default 300)")
+    optim.add_args(ap)
     args = ap.parse_args(argv)
     try:
         args.test_save_delay = parse_test_delay(env.get("HETCTL_TEST_SAVE_DELAY"))
@@ -69,8 +73,13 @@ def parse_args(argv: list[str] | None, env: os._Environ | dict) -> argparse.Name
         args.test_jit_delay = float(env.get("HETCTL_TEST_JIT_DELAY") or 0)
     except ValueError:
         ap.error("HETCTL_TEST_JIT_DELAY (test-only) must be a number of seconds")
+    try:
+        args.test_nan = optim.parse_test_nan(env.get("HETCTL_TEST_NAN_GRAD"))
+    except ValueError:
+        ap.error("HETCTL_TEST_NAN_GRAD (test-only) must be <step>[:<count>]")
     if not args.steps or args.steps < 1:
         ap.error("--steps (or HETCTL_STEPS) must be a positive number of steps")
+    args.optim = optim.config(args, ap)
     if args.checkpoint_every < 0:
         ap.error("--checkpoint-every must be >= 0")
     return args
@@ -126,11 +135,6 @@ def _tensor_group(topo, timeout, dist, saving: bool):
     return TensorGroup(rank=topo.tp_rank, ranks=topo.tp_ranks, group=mine, lib=lib, cpu_group=cpu)
 
 
-def _hyper(args: argparse.Namespace) -> dict:
-    """AdamW settings, as recorded in (and compared with) a checkpoint's state.json."""
-    return {"lr": args.lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": args.weight_decay}
-
-
 def _state(step: int, args: argparse.Namespace, topo, spec: dict) -> dict:
     """The ``state.json`` record of a checkpoint of ``step`` (normal or just-in-time)."""
     return {
@@ -138,7 +142,7 @@ def _state(step: int, args: argparse.Namespace, topo, spec: dict) -> dict:
         "seed": args.seed,
         "data": {"next_step": step + 1, "global_batch": topo.global_batch, "samples_seen": step * topo.global_batch},
         "rng": {"kind": "counter", "seed": args.seed, "counter": step},
-        "optimizer": _hyper(args),
+        "optimizer": args.optim.record(),
         "model": spec,
     }
 
@@ -165,7 +169,7 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
 
         blobs = read_verified(ctx.ckpt_dir, ctx.resume_step, unit_files(topo.spans, topo.is_first, topo.is_last, tied),
                               model_digest(spec))
-        check_state(json.loads(blobs[STATE]), args.seed, topo.global_batch, _hyper(args),
+        check_state(json.loads(blobs[STATE]), args.seed, topo.global_batch, args.optim,
                     step_dir(ctx.ckpt_dir, ctx.resume_step))
 
     init_from = None if ctx.resume_step else args.init_from  # a resume continues its own weights
@@ -224,6 +228,8 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
         if args.jit_checkpoint == "on" and commit_group is not None and topo.tp > 1 and topo.rank == 0:
             print(f"jit checkpoint: off under tensor parallelism (tp={topo.tp}: a survivor holds only its shard); "
                   "a restart resumes from the last checkpoint", flush=True)
+        # The global gradient norm sums every rank's share (hetctl.train.optim), on a gloo group of its own.
+        norm_group = dist.new_group(backend="gloo", timeout=timeout) if ctx.world_size > 1 else None
         if commit_group is not None:
             flag = torch.tensor([int(jit_on)])
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=commit_group)
@@ -245,10 +251,10 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
         table = TiedTable(topo.rank, topo.unit_groups, units, functools.partial(dist.new_group, timeout=timeout)) \
             if tied else None
         module = StageModule(units)
-        hyper = _hyper(args)
-        optimizer = torch.optim.AdamW([*module.parameters(), *([copy] if copy is not None else [])], lr=hyper["lr"],
-                                      betas=tuple(hyper["betas"]), eps=hyper["eps"],
-                                      weight_decay=hyper["weight_decay"])
+        extra = [copy] if copy is not None else []  # the tied copy: stepped and clipped, not counted twice
+        optimizer = optim.build(units, args.optim, extra=extra)
+        stepper = optim.Stepper(args.optim, optimizer, units, topo, group=norm_group, poison=args.test_nan,
+                                extra=extra)
         digest = model_digest(spec)
         start = ctx.resume_step or 0
         if start:
@@ -297,21 +303,28 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
                 reducer.reduce(units, comm)
                 if table is not None:
                     table.broadcast()
-            if jit is not None:  # the step is applied once every rank has summed its gradients
-                jit.commit(step, functools.partial(dist.barrier, group=commit_group))
-            else:
-                optimizer.step()
+            # Clipped, or skipped on every rank when not finite; under jit, applied once every rank has summed.
+            done = stepper.step(step, loss, optimizer.step if jit is None else functools.partial(
+                jit.commit, step, functools.partial(dist.barrier, group=commit_group)),
+                on_skip=jit.skip if jit is not None else None)
             if saver is not None and step == start + 1:
                 saver.prepare(units, optimizer)  # host buffers for the snapshots, made in the background
             if loss is not None:
-                loss_value = float(comm.all_reduce_loss(loss).item())
-                first_loss = loss_value if first_loss is None else first_loss
+                step_loss = float(comm.all_reduce_loss(loss).item())
+                if done.applied:  # the run's loss is the last applied step's; a skipped one is reported as such
+                    loss_value = step_loss
+                    first_loss = loss_value if first_loss is None else first_loss
             ms = (time.perf_counter() - t0) * 1000.0
             timing = {"step_ms": round(ms, 3), "compute_ms": round(ms - comm.take_wait() * 1000.0, 3)}
             step_times.append(ms)
-            last_metrics = {"loss": loss_value} if topo.is_last else {}
+            last_metrics = {"loss": loss_value if done.applied else None} if topo.is_last else {}
+            last_metrics.update(done.metrics())
             if talk:
-                print(f"step={step} loss={loss_value:.9g} step_ms={ms:.1f}", flush=True)
+                print(f"step={step} loss={step_loss:.9g} grad_norm={done.grad_norm:.6g} lr={done.lr:.6g} "
+                      f"step_ms={ms:.1f}" + ("" if done.applied else f" skipped=non-finite-{done.nonfinite} "
+                                             f"in_a_row={done.skipped_in_row}"), flush=True)
+            elif not done.applied and topo.rank == 0:
+                print(f"step={step} skipped=non-finite-{done.nonfinite} in_a_row={done.skipped_in_row}", flush=True)
             ctx.heartbeat(step, **last_metrics, **timing, **role)
             if saver is not None:
                 saver.check()  # a background save that failed ends the rank here, with its own error
@@ -325,7 +338,7 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
                 saver.save(step, units, optimizer, state=state, meta=meta, on_wait=waiting)
 
         steady = step_times[1:] or step_times
-        final = {"done": True, "steps": args.steps, **role}
+        final = {"done": True, "steps": args.steps, "skipped": stepper.skipped_total, **role}
         if saver is not None:  # the last save must be on disk, manifest and all, before the rank reports done
             final.update(saver.close(on_wait=functools.partial(ctx.heartbeat, args.steps, phase="checkpoint_wait",
                                                                **role)))

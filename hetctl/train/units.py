@@ -51,8 +51,11 @@ def expected_files(num_layers: int) -> set[str]:
     return set(unit_files((0, num_layers), True, True))
 
 
-def check_state(state: Mapping[str, Any], seed: int, global_batch: int, hyper: Mapping[str, Any], where: Path) -> None:
-    """Refuse a checkpoint taken with another seed; warn when the batch or optimizer settings changed."""
+def check_state(state: Mapping[str, Any], seed: int, global_batch: int, optim: Any, where: Path) -> None:
+    """Refuse a checkpoint taken with another seed or learning-rate schedule; warn when the batch, weight
+    decay or clipping changed (``optim``: the run's :class:`hetctl.train.optim.OptimConfig`)."""
+    from hetctl.train.optim import check_resume
+
     if state.get("seed") != seed:
         raise ConfigError(
             f"checkpoint {where}: written with --seed {state.get('seed')}, this run has --seed {seed}",
@@ -62,9 +65,10 @@ def check_state(state: Mapping[str, Any], seed: int, global_batch: int, hyper: M
     if data.get("global_batch") != global_batch:
         print(f"warning: checkpoint {where} was trained with global batch {data.get('global_batch')}, "
               f"continuing with {global_batch}; the data differs from an undisturbed run", file=sys.stderr)
-    if state.get("optimizer") != dict(hyper):
-        print(f"warning: checkpoint {where} used optimizer settings {state.get('optimizer')}, "
-              f"continuing with {dict(hyper)}", file=sys.stderr)
+    changed = check_resume(state.get("optimizer"), optim, where)
+    if changed:
+        print(f"warning: checkpoint {where} used other optimizer settings, continuing with {'; '.join(changed)}",
+              file=sys.stderr)
 
 
 def parse_test_delay(raw: str | None) -> tuple[int, float] | None:
