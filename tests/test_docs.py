@@ -109,9 +109,15 @@ def _undocumented(text: str) -> list[str]:
             missing.append(heading)
             continue
         section = _section(text, heading)
-        for param in command.params:
-            if param.param_type_name == "option":  # typer's own click: not click.Option
-                missing += [f"hetctl {name} {opt}" for opt in [*param.opts, *param.secondary_opts] if f"`{opt}`" not in section]
+        # A group (``hetctl data``) is documented in one section: each subcommand by name, with its options.
+        subs = getattr(command, "commands", None)
+        for sub, cmd in (subs.items() if subs else [("", command)]):
+            label = f"hetctl {name} {sub}".rstrip()
+            if sub and f"`{label}" not in section:
+                missing.append(label)
+            for param in cmd.params:
+                if param.param_type_name == "option":  # typer's own click: not click.Option
+                    missing += [f"{label} {opt}" for opt in [*param.opts, *param.secondary_opts] if f"`{opt}`" not in section]
     return missing
 
 

@@ -546,3 +546,18 @@ def test_progress_carries_the_trainers_grad_norm_lr_and_skipped_steps(plan, spec
     assert (last["step"], last["grad_norm"], last["lr"], last["skipped"]) == (2, 1.0, 2e-3, 1)
     assert last["loss"] is None  # not step 1's loss again
     assert _plain_lines([last]) == ["  step 2, grad norm 1, lr 0.002, 1 skipped (non-finite), 40 ms/step"]
+
+
+def test_validation_loss_becomes_one_evaluated_event_per_evaluation(plan, spec, tmp_path):
+    """The trainer repeats its last eval_loss in every heartbeat; the monitor reports each evaluation once."""
+    clock = Clock()
+    mon, run = make_monitor(plan, spec, tmp_path, clock)
+    start_all(mon, clock, plan)
+    for step in (4, 5, 6):  # last stage of replica 0 (rank 2) and of replica 1 (rank 5)
+        for rank, node in ((2, "n2"), (5, "n5")):
+            feed(mon, clock, node, "heartbeat", 0.1, rank=rank,
+                 hb={"step": step, "time": 1.0, "loss": 3.0, "eval_loss": 2.75, "eval_step": 4})
+    feed(mon, clock, "n1", "heartbeat", 0.1, rank=1, hb={"step": 8, "time": 1.0, "eval_loss": 9.0, "eval_step": 8})
+    feed(mon, clock, "n2", "heartbeat", 0.1, rank=2, hb={"step": 8, "time": 1.0, "eval_loss": 2.5, "eval_step": 8})
+    got = [(e["step"], e["eval_loss"], e["attempt"]) for e in read_events(run.events_path, "evaluated")]
+    assert got == [(4, 2.75, 2), (8, 2.5, 2)]

@@ -66,7 +66,7 @@ def _app() -> typer.Typer:
         pass
 
     # The commands register themselves on ``app`` (one module per step of the flow).
-    from hetctl.cli import export, plan, probe, run, runs, tables, versioncmd  # noqa: F401
+    from hetctl.cli import data, export, plan, probe, run, runs, tables, versioncmd  # noqa: F401
 
     from typer.core import TyperCommand
 

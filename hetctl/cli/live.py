@@ -202,6 +202,7 @@ _LINES = {
         f"(rendezvous {ev['master_addr']}:{ev['master_port']}"
         + (f", resuming from step {ev['resume_step']}" if ev.get("resume_step") else "") + ")"),
     "progress": _progress,
+    "evaluated": lambda ev: f"attempt {ev['attempt']} step {ev['step']}: validation loss {ev['eval_loss']:.4f}",
     "rank_failed": lambda ev: f"attempt {ev['attempt']}: rank {ev['rank']} on {ev['node']} failed: {ev['reason']}",
     "node_lost": lambda ev: f"attempt {ev['attempt']}: node {ev['node']} lost: {ev['reason']}",
     "agent_lost": lambda ev: f"attempt {ev['attempt']}: node {ev['node']} kept: {ev['reason']}",

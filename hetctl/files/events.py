@@ -6,7 +6,7 @@ maps kind → class; a test round-trips every one). Readers must ignore kinds an
 fields they do not know. :class:`EventLog` is thread-safe, accepts only typed
 events, and fans them out to listeners (the live view) as the dicts it wrote.
 
-Written by one attempt (``hetctl.launch``): ``launched``, ``progress``,
+Written by one attempt (``hetctl.launch``): ``launched``, ``progress``, ``evaluated`` (validation loss),
 ``rank_failed``, ``node_lost``, ``agent_lost``, ``processes_left``, ``standby`` (warm spares).
 By the elastic loop (``hetctl.elastic``):
 ``straggler``, ``resume_source`` (after a failure: peers' state or a checkpoint), ``restart``, ``replan``,
@@ -83,6 +83,16 @@ class Progress(Event):
     grad_norm: float | None = None
     lr: float | None = None
     skipped: int = 0
+
+
+@dataclass(frozen=True)
+class Evaluated(Event):
+    """The trainer's validation loss (``--eval-every``): mean token cross-entropy on the held-out windows."""
+
+    kind: ClassVar[str] = "evaluated"
+    attempt: int
+    step: int
+    eval_loss: float
 
 
 @dataclass(frozen=True)
@@ -419,7 +429,7 @@ class Failed(Event):
 
 
 EVENT_TYPES: dict[str, type[Event]] = {
-    cls.kind: cls for cls in (Launched, Progress, RankFailed, Standby, Recovery,
+    cls.kind: cls for cls in (Launched, Progress, Evaluated, RankFailed, Standby, Recovery,
                               NodeLost, AgentLost, ProcessesLeft, StragglerFound, Restart, Replan,
                               ReplanLayout, Rebalanced, NodeAbnormal, CheckpointSkipped, CheckpointUnseen,
                               Resumed, GaveUp, Measured, HealthChecked, Finished, Stopped, Failed, ResumeSource)

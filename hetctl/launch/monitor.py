@@ -26,7 +26,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Mapping
 
-from hetctl.files.events import EventLog, NodeLost, ProcessesLeft, Progress, RankFailed, StageProgress, Standby
+from hetctl.files.events import Evaluated, EventLog, NodeLost, ProcessesLeft, Progress, RankFailed, StageProgress, Standby
 from hetctl.launch.outcome import CAUSE_ORDER, AttemptOutcome, FailureRecord, FaultKind, RunState, classify
 from hetctl.files.run import RunDir
 from hetctl.launch.spares import SparesImporting
@@ -150,6 +150,7 @@ class Monitor:
         self.walls: dict[int, list[tuple[int, float]]] = {}  # rank → [(first step, hb time), (last, time)]
         self.reported_tps: dict[int, float] = {}  # last-stage rank → tokens/s from its final heartbeat
         self.last_stage = max(s.stage for s in plan.stages)
+        self.eval_step = 0  # the last validation step reported as an event
         self._last_progress_ev = (0.0, -1)
         # Recovery timing (hetctl.elastic.recovery): each rank's wall time at its resume step and the step after.
         self.resume_step = int(getattr(spec, "resume_step", 0) or 0)
@@ -283,6 +284,11 @@ class Monitor:
             st.skipped = hb["skipped"]
         if hb.get("first_loss") is not None:  # the trainer's own, exact even when polling missed step 1
             self.loss_span.setdefault(st.replica, [(step, float(hb["first_loss"]))] * 2)[0] = (0, float(hb["first_loss"]))
+        ev_step, ev_loss = hb.get("eval_step"), hb.get("eval_loss")
+        if (isinstance(ev_step, int) and isinstance(ev_loss, (int, float)) and ev_step > self.eval_step
+                and st.stage == self.last_stage and st.replica == 0):  # the trainer repeats it: no poll misses it
+            self.eval_step = ev_step
+            self.events.emit(Evaluated(attempt=self.attempt, step=ev_step, eval_loss=float(ev_loss)))
         if hb.get("tokens_per_s") is not None and st.stage == self.last_stage:
             self.reported_tps[rank] = float(hb["tokens_per_s"])
         wall = float(hb["time"]) if isinstance(hb.get("time"), (int, float)) else time.time()

@@ -89,6 +89,8 @@ class Heartbeat:
         stage, replica: the writer's place in the plan.
         first_loss: the run's first loss (final record of the last stage).
         tokens_per_s: the trainer's own throughput over its steady steps (final record).
+        eval_loss, eval_step: the last validation loss and its step (``--eval-every``; last stage,
+            repeated in every later record so no poll misses it).
         done: True in the final record, written after every rank finished.
     """
 
@@ -104,6 +106,8 @@ class Heartbeat:
     replica: int | None = None
     first_loss: float | None = None
     tokens_per_s: float | None = None
+    eval_loss: float | None = None
+    eval_step: int | None = None
     done: bool = False
 
     @classmethod
@@ -126,7 +130,7 @@ class Heartbeat:
                    loss=num("loss"), step_ms=num("step_ms"), compute_ms=num("compute_ms"),
                    phase=phase if isinstance(phase, str) else None, stage=whole("stage"),
                    replica=whole("replica"), first_loss=num("first_loss"), tokens_per_s=num("tokens_per_s"),
-                   done=data.get("done") is True)
+                   eval_loss=num("eval_loss"), eval_step=whole("eval_step"), done=data.get("done") is True)
 
 
 def _get(env: Mapping[str, str], name: str, required: bool = True) -> str | None:

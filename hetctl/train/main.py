@@ -64,6 +64,16 @@ def parse_args(argv: list[str] | None, env: os._Environ | dict) -> argparse.Name
     ap.add_argument("--comm-timeout", type=float, default=300.0,
                     help="seconds a collective or receive may wait before the rank fails (default 300)")
     optim.add_args(ap)
+    ap.add_argument("--data", nargs="+", metavar="PREFIX", default=None,
+                    help="train on a Megatron indexed dataset (PREFIX.bin/.idx), or a blend 'W1 P1 W2 P2 …'; "
+                    "without it, synthetic data")
+    ap.add_argument("--eval-data", nargs="+", metavar="PREFIX", default=None,
+                    help="validation data, same syntax (default: the last 1%% of --data's documents, held out)")
+    ap.add_argument("--eval-every", type=int, default=0, help="validation loss every N steps; 0: never (default 0)")
+    ap.add_argument("--eval-iters", type=int, default=2,
+                    help="global batches of fixed validation windows per evaluation (default 2)")
+    ap.add_argument("--log-samples", action="store_true", default=env.get("HETCTL_LOG_SAMPLES") == "1",
+                    help="first-stage ranks print the ids of the samples of each step (default $HETCTL_LOG_SAMPLES=1)")
     args = ap.parse_args(argv)
     try:
         args.test_save_delay = parse_test_delay(env.get("HETCTL_TEST_SAVE_DELAY"))
@@ -82,6 +92,10 @@ def parse_args(argv: list[str] | None, env: os._Environ | dict) -> argparse.Name
     args.optim = optim.config(args, ap)
     if args.checkpoint_every < 0:
         ap.error("--checkpoint-every must be >= 0")
+    if args.eval_every < 0 or args.eval_iters < 1:
+        ap.error("--eval-every must be >= 0 and --eval-iters >= 1")
+    if (args.eval_every or args.eval_data) and not args.data:
+        ap.error("--eval-every and --eval-data need --data (validation runs on a token corpus)")
     return args
 
 
@@ -135,12 +149,13 @@ def _tensor_group(topo, timeout, dist, saving: bool):
     return TensorGroup(rank=topo.tp_rank, ranks=topo.tp_ranks, group=mine, lib=lib, cpu_group=cpu)
 
 
-def _state(step: int, args: argparse.Namespace, topo, spec: dict) -> dict:
-    """The ``state.json`` record of a checkpoint of ``step`` (normal or just-in-time)."""
+def _state(step: int, args: argparse.Namespace, topo, spec: dict, sources: list | None = None) -> dict:
+    """The ``state.json`` record of a checkpoint of ``step`` (normal or just-in-time); ``sources``: the corpus's."""
     return {
         "step": step,
         "seed": args.seed,
-        "data": {"next_step": step + 1, "global_batch": topo.global_batch, "samples_seen": step * topo.global_batch},
+        "data": {"next_step": step + 1, "global_batch": topo.global_batch, "samples_seen": step * topo.global_batch,
+                 "sources": sources},
         "rng": {"kind": "counter", "seed": args.seed, "counter": step},
         "optimizer": args.optim.record(),
         "model": spec,
@@ -160,7 +175,7 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
     if ctx.resume_step and ctx.ckpt_dir is None:
         raise HetctlError(f"HETCTL_RESUME_STEP={ctx.resume_step} but HETCTL_CKPT_DIR is not set")
     tied = bool(spec.get("tie_embeddings"))
-    blobs = None
+    blobs = resumed = None
     if ctx.resume_step:
         # Read and verify this stage's files before importing torch and joining the group, so a
         # missing, foreign or corrupted checkpoint is one clear error instead of a peer's hang.
@@ -169,8 +184,25 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
 
         blobs = read_verified(ctx.ckpt_dir, ctx.resume_step, unit_files(topo.spans, topo.is_first, topo.is_last, tied),
                               model_digest(spec))
-        check_state(json.loads(blobs[STATE]), args.seed, topo.global_batch, args.optim,
-                    step_dir(ctx.ckpt_dir, ctx.resume_step))
+        resumed = json.loads(blobs[STATE])
+        check_state(resumed, args.seed, topo.global_batch, args.optim, step_dir(ctx.ckpt_dir, ctx.resume_step))
+
+    corpus = eval_set = sources = None
+    if args.data:  # opened and checked before torch and the process group, like the checkpoint above
+        from hetctl.corpus.samples import describe, source_record, training_data
+
+        corpus, eval_set = training_data(args.data, args.eval_data, seq_len=int(spec["seq_len"]),
+                                         vocab_size=int(spec["vocab_size"]), seed=args.seed,
+                                         global_batch=topo.global_batch)
+        if args.eval_every and eval_set is None:
+            raise HetctlError(f"--eval-every {args.eval_every}: {' '.join(args.data)} has too few documents to hold "
+                              "any out for validation", "pass --eval-data PREFIX")
+        sources = source_record(corpus)
+        if ctx.rank == 0:
+            print(f"data: {describe(corpus)}", flush=True)
+    if resumed is not None and (resumed.get("data") or {}).get("sources") != sources:
+        print(f"warning: checkpoint step-{ctx.resume_step} was trained on {(resumed.get('data') or {}).get('sources')}"
+              f", continuing on {sources}; the samples differ from an undisturbed run", file=sys.stderr)
 
     init_from = None if ctx.resume_step else args.init_from  # a resume continues its own weights
     if init_from:
@@ -271,7 +303,7 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
 
             jit = JitCheckpoint(ctx.ckpt_dir, attempt=ctx.attempt, rank=ctx.rank, start=start, units=units,
                                 optimizer=optimizer, digest=digest,
-                                state_of=functools.partial(_state, args=args, topo=topo, spec=spec),
+                                state_of=functools.partial(_state, args=args, topo=topo, spec=spec, sources=sources),
                                 meta={"run_id": ctx.run_id, "stage": topo.stage, "replica": topo.replica,
                                       "pp": topo.pp, "dp": topo.dp, "global_batch": topo.global_batch},
                                 log=lambda line: print(line, flush=True), test_delay_s=args.test_jit_delay)
@@ -282,6 +314,7 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
         role = {"stage": topo.stage, "replica": topo.replica}
         talk = topo.is_last and topo.tp_rank == 0  # every TP rank of the last stage has the loss; one prints it
         first_loss = loss_value = None
+        evaluated: dict = {}  # the last validation, repeated in every later heartbeat of the last stage
         step_times: list[float] = []
         ctx.heartbeat(start, phase="ready", **role)
         for step in range(start + 1, args.steps + 1):
@@ -291,7 +324,7 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
             def batch(m: int, step: int = step) -> tuple:
                 # Rows of the global batch by micro-batch number over every replica (replicas may differ).
                 x, y = data.micro_batch(args.seed, step, 0, topo.first_micro + m, topo.micro_batch,
-                                        topo.micro_batches, seq, vocab)
+                                        topo.micro_batches, seq, vocab, corpus=corpus)
                 return x.to(device), y.to(device)
 
             comm.take_wait()
@@ -317,7 +350,12 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
             ms = (time.perf_counter() - t0) * 1000.0
             timing = {"step_ms": round(ms, 3), "compute_ms": round(ms - comm.take_wait() * 1000.0, 3)}
             step_times.append(ms)
-            last_metrics = {"loss": loss_value if done.applied else None} if topo.is_last else {}
+            if args.eval_every and step % args.eval_every == 0:
+                value = data.eval_loss(module, topo, comm, eval_set, args.eval_iters, int(spec["hidden_size"]), seq, amp)
+                evaluated = {"eval_loss": value, "eval_step": step} if value is not None else evaluated
+                if talk:
+                    print(f"eval step={step} eval_loss={value:.9g}", flush=True)
+            last_metrics = {"loss": loss_value if done.applied else None, **evaluated} if topo.is_last else {}
             last_metrics.update(done.metrics())
             if talk:
                 print(f"step={step} loss={step_loss:.9g} grad_norm={done.grad_norm:.6g} lr={done.lr:.6g} "
@@ -325,12 +363,14 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
                                              f"in_a_row={done.skipped_in_row}"), flush=True)
             elif not done.applied and topo.rank == 0:
                 print(f"step={step} skipped=non-finite-{done.nonfinite} in_a_row={done.skipped_in_row}", flush=True)
+            if args.log_samples and corpus is not None and topo.is_first and topo.tp_rank == 0:
+                print(data.sample_log(corpus, step, topo), flush=True)
             ctx.heartbeat(step, **last_metrics, **timing, **role)
             if saver is not None:
                 saver.check()  # a background save that failed ends the rank here, with its own error
             if saver is not None and step % args.checkpoint_every == 0:
                 ctx.heartbeat(step, phase="checkpoint", **last_metrics, **timing, **role)  # slow disks are not hangs
-                state = _state(step, args, topo, spec)
+                state = _state(step, args, topo, spec, sources)
                 meta = {"seed": args.seed, "run_id": ctx.run_id, "attempt": ctx.attempt,
                         "pp": topo.pp, "dp": topo.dp, "global_batch": topo.global_batch}
                 waiting = functools.partial(ctx.heartbeat, step, phase="checkpoint_wait", **last_metrics, **timing,
@@ -346,7 +386,7 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
             mean_ms = sum(steady) / len(steady)
             final.update(step_ms=round(mean_ms, 3), tokens_per_s=round(topo.global_batch * seq / (mean_ms / 1000), 1))
         if topo.is_last and loss_value is not None:
-            final.update(loss=loss_value, first_loss=first_loss)
+            final.update(loss=loss_value, first_loss=first_loss, **evaluated)
             if topo.replica == 0 and topo.tp_rank == 0:
                 print(f"done steps={args.steps} final_loss={loss_value:.9g} first_loss={first_loss:.9g} "
                       f"tokens_per_s={final.get('tokens_per_s')}", flush=True)

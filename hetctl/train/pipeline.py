@@ -278,6 +278,40 @@ def train_step(
     return loss_sum
 
 
+@torch.no_grad()
+def forward_only(module: nn.Module, topo: Topology, comm: Comm, batch, hidden: int, seq_len: int,
+                 amp) -> torch.Tensor | None:
+    """A forward pass of every micro-batch through the pipeline, no gradients: validation.
+
+    Every stage takes part (same arguments as :func:`train_step`). Micro-batches go
+    chunk by chunk in order; sends do not block, so no stage waits on one behind it.
+
+    Returns:
+        On the last stage, ``[summed token cross-entropy, tokens]`` of this replica (float64); None elsewhere.
+    """
+    shape = (topo.micro_batch, seq_len, hidden)
+    links = VirtualLinks(comm)
+    parts = chunk_modules(module, topo) if topo.virtual_stages > 1 else [module]
+    last = topo.pp * topo.virtual_stages - 1
+    total = torch.zeros(2, dtype=torch.float64, device=comm.device) if topo.is_last else None
+    for c, part in enumerate(parts):
+        j = c * topo.pp + topo.stage
+        for m in range(topo.micro_batches):
+            x = batch(m)[0] if j == 0 else links.recv_activation(j, m, shape)
+            with amp():
+                y = part(x)
+            if j == last:
+                logits = y.float()
+                targets = batch(m)[1].reshape(-1)
+                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets, reduction="sum")
+                total += torch.stack([loss.double(), torch.tensor(targets.numel(), dtype=torch.float64,
+                                                                  device=comm.device)])
+            else:
+                links.send_activation(j, m, y)
+    comm.wait_sends()
+    return total
+
+
 def iter_params(units: nn.ModuleDict) -> Iterator[tuple[str, str, nn.Parameter]]:
     """``(unit, name, parameter)`` for every parameter, in unit order."""
     for uname, unit in units.items():
