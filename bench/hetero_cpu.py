@@ -253,6 +253,22 @@ def shape_of(plan) -> str:
     return f"pp {plan.parallel.pp} × dp {plan.parallel.dp}, {plan.parallel.micro_batches} micro-batches"
 
 
+MIN_CORES = 14  # 8 + 4 + 2 pinned cores (issue 31): below this the nodes share cores and their speeds drift
+
+
+def apparatus_noise(pairs: list) -> float | None:
+    """The largest spread of one node's alone-reference tokens/s between pairs, (max − min) / median;
+    None with one pair. What the apparatus itself moves between runs of the same work: a figure
+    within it of its goal is no evidence either way."""
+    if len(pairs) < 2:
+        return None
+    spreads = []
+    for node in pairs[0][1]:
+        rates = [refs[node]["tokens_per_s"] for _, refs in pairs]
+        spreads.append((max(rates) - min(rates)) / statistics.median(rates))
+    return max(spreads)
+
+
 def load() -> str:
     return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
 
@@ -400,6 +416,12 @@ def main() -> int:
               + ", ".join(f"{m['tokens_per_s']:,.1f} / {hom_k:,.1f} = {100 * x:.1f}%"
                           for (m, _), hom_k, x in zip(pairs, sums, ratios))
               + f"; median {100 * vs_h:.1f}% (the last line's vs_homogeneous)")
+    noise = apparatus_noise(pairs)
+    print("apparatus noise (largest spread of a node-alone reference between pairs): "
+          + (f"{100 * noise:.1f}%" if noise is not None else "not measured (one pair: run --pairs 2 or more)"))
+    if (os.cpu_count() or 1) < MIN_CORES:
+        print(f"on {os.cpu_count()} cores the nodes share cores and their speeds drift: these figures are not "
+              f"evidence for the goals (they need {MIN_CORES} or more cores, each node on its own)")
     print(f"took {time.monotonic() - t0:.0f} s; at the end {load()}")
     print(f"hetero_cpu: prediction_error={100 * abs(err):.1f} vs_uniform={vs_u:.3f} vs_proportional={vs_p:.3f} "
           f"vs_homogeneous={100 * vs_h:.1f} vs_plain_pipeline={vs_pl:.3f}")

@@ -30,11 +30,12 @@ the reference trainer and ``torchrun`` can, FlagScale's hetero mode cannot;
 :mod:`hetctl.plan.frameworks`) and the share of the step spent in the
 cross-vendor gradient all-reduce; the run ends with one
 ``plan_quality: case=… batch=… vs_homogeneous=… plan_s=… framework=… bubble=… cross_allreduce=…
-virtual_stages=…`` line per
-case, batch and framework, for scripts.
+virtual_stages=… vs_share=… mfu=…`` line per case, batch and framework, for scripts. ``vs_homogeneous``
+is E_Σ (each chip type alone at the whole global batch), ``vs_share`` is E_share (each type alone at its
+speed-proportional share of the batch, the fair reference), ``mfu`` the model FLOPs utilization against
+the chips' peaks (docs/efficiency.md).
 
-Goals: never worse than either baseline; ≥ 97.6 % of the homogeneous sum
-where the batch allows; 4096 chips planned in under 1 s on a 2-core machine.
+Goals: never worse than either baseline; E_share ≥ 97.6 % on every case and batch; 4096 chips planned in under 1 s on a 2-core machine.
 
 Run from the repo root::
 
@@ -196,7 +197,7 @@ def run_case(case: Case, batch: int | None) -> None:
     print(f"\n== {case.name}: {chips} chips, {spec.name}, framework {case.framework}\n   {case.about}")
     print(f"   cluster file loaded in {load_s:.2f} s (YAML parsing, not planning)")
     print(f"   {'batch':>6} {'framework':<9} {'layout':<28} {'hetctl tok/s':>13} {'uniform':>11} {'proport.':>11} {'ideal':>11} "
-          f"{'/unif':>6} {'/prop':>6} {'/ideal':>7} {'vs homog':>9} {'plan s':>7} {'cpu s':>6}")
+          f"{'/unif':>6} {'/prop':>6} {'/ideal':>7} {'E_Σ':>7} {'E_share':>8} {'MFU':>6} {'plan s':>7} {'cpu s':>6}")
     for gb, framework in ((gb, fw) for gb in batches for fw in (case.framework, HETERO_FRAMEWORK, TRAINER)):
         w0, c0 = time.perf_counter(), time.process_time()
         try:
@@ -204,7 +205,7 @@ def run_case(case: Case, batch: int | None) -> None:
         except PlanInfeasible as e:
             print(f"   {gb:>6} {framework:<9} no plan fits: {str(e).splitlines()[0][:150]}")
             SUMMARY.append(f"plan_quality: case={case.name} batch={gb} vs_homogeneous=- plan_s=- framework={framework} "
-                           "bubble=- cross_allreduce=- virtual_stages=-")
+                           "bubble=- cross_allreduce=- virtual_stages=- vs_share=- mfu=-")
             continue
         wall, cpu = time.perf_counter() - w0, time.process_time() - c0
         est = plan.estimate
@@ -218,8 +219,11 @@ def run_case(case: Case, batch: int | None) -> None:
 
         (u, ur), (p, pr) = base("uniform"), base("proportional")
         vs_h = f"{100 * est.utilization_vs_homogeneous:.1f}%" if est.utilization_vs_homogeneous else "-"
+        vs_s = f"{100 * est.utilization_vs_share:.1f}%" if est.utilization_vs_share else "-"
+        mfu = f"{100 * est.mfu:.1f}%" if est.mfu else "-"
         print(f"   {gb:>6} {framework:<9} {shape:<28} {est.tokens_per_s:>13,.0f} {u:>11} {p:>11} {plan.ideal_tokens_per_s:>11,.0f} "
-              f"{ur:>6} {pr:>6} {est.tokens_per_s / plan.ideal_tokens_per_s:>7.3f} {vs_h:>9} {wall:>7.3f} {cpu:>6.3f}")
+              f"{ur:>6} {pr:>6} {est.tokens_per_s / plan.ideal_tokens_per_s:>7.3f} {vs_h:>7} {vs_s:>8} {mfu:>6} "
+              f"{wall:>7.3f} {cpu:>6.3f}")
         cross = est.cross_vendor_sync_s / est.step_time_s
         v = plan.parallel.virtual_stages
         schedule = f"interleaved 1F1B, v {v}" if v > 1 else "1F1B"
@@ -234,7 +238,8 @@ def run_case(case: Case, batch: int | None) -> None:
                     print(f"          {name}: infeasible — {b.infeasible}")
         SUMMARY.append(f"plan_quality: case={case.name} batch={gb} vs_homogeneous={vs_h.rstrip('%')} "
                        f"plan_s={wall:.3f} framework={framework} bubble={100 * est.bubble:.1f} "
-                       f"cross_allreduce={100 * cross:.1f} virtual_stages={plan.parallel.virtual_stages}")
+                       f"cross_allreduce={100 * cross:.1f} virtual_stages={plan.parallel.virtual_stages} "
+                       f"vs_share={vs_s.rstrip('%')} mfu={mfu.rstrip('%')}")
 
 
 def main() -> None:

@@ -19,7 +19,7 @@ from hetctl.errors import ConfigError, PlanInfeasible
 from hetctl.files.cluster import Cluster
 from hetctl.files.fields import Invalid
 from hetctl.plan.costmodel import Workload
-from hetctl.plan.devices import collect
+from hetctl.plan.devices import collect, plan_use
 from hetctl.plan.frameworks import CAPABILITIES
 from hetctl.plan.interleave import (
     BWD, FWD, chunk_counts, chunk_times, group_size, peak_in_flight, schedule_interleaved, simulate_interleaved,
@@ -118,7 +118,9 @@ def fast_slow() -> Cluster:
 def plain_step(cluster: Cluster, gb: int, framework: str) -> float:
     """Step seconds of the best plan without interleaving (the planner before it)."""
     work = Workload(cost=model_cost(SMALL), micro_batch=1, global_batch=gb)
-    return Searcher(collect(cluster).kinds, SMALL, work, framework, Pins(), interleave=False).run().best.step
+    # the speeds the planner uses: sustained at this shape (hetctl.plan.efficiency)
+    return Searcher(collect(cluster, plan_use(SMALL, 1)).kinds, SMALL, work, framework, Pins(),
+                    interleave=False).run().best.step
 
 
 def test_search_interleaves_where_it_is_faster_and_the_framework_runs_it():

@@ -154,8 +154,10 @@ def test_most_generated_clusters_are_feasible():
 
 
 def four_to_one(fast_nodes: int = 1, slow_nodes: int = 1) -> Cluster:
-    nodes = [node(f"fast-{i}", "nvidia", "NVIDIA A100-SXM4-80GB", 1, 80, 400.0, 400.0) for i in range(fast_nodes)]
-    nodes += [node(f"slow-{i}", "ascend", "910B4", 1, 64, 100.0, 100.0) for i in range(slow_nodes)]
+    """4:1 sustained speeds: the inventory's figures (used as is; peaks would be scaled by kinds' efficiencies)."""
+    nodes = [node(f"fast-{i}", "nvidia", "NVIDIA A100-SXM4-80GB", 1, 80, 400.0, 400.0, override=400.0)
+             for i in range(fast_nodes)]
+    nodes += [node(f"slow-{i}", "ascend", "910B4", 1, 64, 100.0, 100.0, override=100.0) for i in range(slow_nodes)]
     return Cluster(nodes=nodes)
 
 
@@ -263,21 +265,31 @@ def test_chip_without_tflops_names_node_and_chip():
     with pytest.raises(ConfigError) as e:
         plan_cluster(c, load_model("tiny"))
     assert "node mx-1: chip 0 (metax MetaX C550) has no known TFLOPS" in e.value.message
-    assert "hetctl probe --bench" in e.value.hint and "tflops:" in e.value.hint
+    assert "hetctl probe --bench --model MODEL" in e.value.hint and "tflops:" in e.value.hint  # the best route
     c = Cluster(nodes=[node("mx-1", "metax", "MetaX C550", 2, 64.0, None, None, override=240.0)])
     assert plan_cluster(c, load_model("tiny")).stages[0].precision == "bf16"
 
 
-def test_override_wins_then_measured_then_spec():
+def test_override_wins_then_calibrated_then_measured_then_spec_and_peaks_are_scaled():
+    """The user's figure and a calibrated rate are sustained (as is); a measured matmul and a datasheet
+    peak are peaks, scaled by the packaged efficiency (issue 31: the planner assumed every chip sustains
+    its peak, so every absolute figure was about 2x optimistic)."""
+    from hetctl.plan.devices import chip_rate
+    from hetctl.plan.efficiency import lookup
+
     n = node("a", "nvidia", "NVIDIA A100-SXM4-80GB", 1, 80.0, 312.0, 312.0, override=200.0)
     n.chips[0].measured_tflops = Tflops(bf16=150.0)
-    from hetctl.plan.devices import chip_rate
-
+    n.chips[0].calibrated_tflops = Tflops(bf16=90.0)
     assert chip_rate(n, n.chips[0]) == (200.0, "bf16", "inventory tflops")
     n.tflops_override = None
-    assert chip_rate(n, n.chips[0]) == (150.0, "bf16", "measured")
+    assert chip_rate(n, n.chips[0]) == (90.0, "bf16", "calibrated")
+    n.chips[0].calibrated_tflops = None
+    assert chip_rate(n, n.chips[0]) == (pytest.approx(150.0 * lookup("bench", "nvidia", "A100").value), "bf16",
+                                        "bench×eff")
     n.chips[0].measured_tflops = None
-    assert chip_rate(n, n.chips[0]) == (312.0, "bf16", "spec")
+    rate, _, src = chip_rate(n, n.chips[0])
+    assert src == "spec×eff" and rate == pytest.approx(312.0 * 0.45)  # the A100 row of efficiency.yaml
+    assert 0.3 < rate / 312.0 < 0.6  # published MFU range, never the peak
 
 
 def test_no_reachable_node_and_bad_pins_are_clear():

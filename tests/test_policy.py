@@ -422,12 +422,13 @@ def test_measured_slowdown_moves_layers_off_the_slow_node():
     assert sum(after.values()) == plan.model.num_layers
 
 
-def test_with_speeds_records_measured_tflops_and_survivors_drop_nodes():
+def test_with_speeds_records_calibrated_tflops_and_survivors_drop_nodes():
     cl = cpu_cluster("a", "b", tflops=2.0)
     scaled = with_speeds(cl, {"a": 0.5})
     a = next(n for n in scaled.nodes if n.name == "a")
-    assert a.chips[0].measured_tflops.fp32 == 1.0 and a.tflops_override == 1.0
-    assert next(n for n in scaled.nodes if n.name == "b").chips[0].measured_tflops is None
+    assert a.chips[0].calibrated_tflops.fp32 == 1.0 and a.tflops_override == 1.0
+    assert a.chips[0].measured_tflops is None  # a fitted, sustained rate is not a peak to scale down again
+    assert next(n for n in scaled.nodes if n.name == "b").chips[0].calibrated_tflops is None
     assert [n.name for n in survivors(cl, ["b"]).nodes] == ["a"]
 
 

@@ -92,8 +92,8 @@ def test_the_rate_comes_from_the_profile_only_at_its_shape():
     prof = RECORDED["runs"]["full"]["profile"]
     expected = 3 * TINY.seq_len * model_cost(TINY).layer_flops / ((prof["layer_fwd_ms"] + prof["layer_bwd_ms"]) / 1e3)
     assert (src, prec) == ("layer profile", "fp32") and rate == pytest.approx(expected / 1e12)
-    assert chip_rate(node, node.chips[0], ProfileUse(TINY, 2, use.layer_flops))[2] == "measured"
-    assert chip_rate(node, node.chips[0])[2] == "measured"  # no plan shape given
+    assert chip_rate(node, node.chips[0], ProfileUse(TINY, 2, use.layer_flops))[2] == "bench×eff"
+    assert chip_rate(node, node.chips[0])[2] == "bench×eff"  # no plan shape given
     pinned = node.model_copy(update={"tflops_override": 5.0})
     assert chip_rate(pinned, pinned.chips[0], use)[2] == "inventory tflops"  # the user's figure still wins
 

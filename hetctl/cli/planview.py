@@ -29,8 +29,8 @@ def stage_table(plan: Plan) -> Table:
                  f"replica 0, global batch {par.global_batch}")
     table = Table(title=title, title_justify="left")
     for col, just in (("stage", "right"), ("node", "left"), ("chips", "left"), ("tp", "right"),
-                      ("layers", "left"), ("prec", "left"), ("est ms", "right"), ("memory GB", "right"),
-                      ("to next", "left")):
+                      ("layers", "left"), ("prec", "left"), ("TFLOPS (from)", "left"), ("est ms", "right"),
+                      ("memory GB", "right"), ("to next", "left")):
         table.add_column(col, justify=just)
     stages = plan.stages_of(0)
     for s in stages:
@@ -38,7 +38,7 @@ def stage_table(plan: Plan) -> Table:
         limit = f"{s.memory_limit_gb:g}" if s.memory_limit_gb is not None else "?"
         table.add_row(*(Text(cell) for cell in (  # node and chip names come from outside: never markup
             str(s.stage), s.node, f"{s.vendor} {s.model} [{chips}]", str(s.tp),
-            _layers(s), s.precision, f"{s.est_ms:.4g}",
+            _layers(s), s.precision, _speed(s), f"{s.est_ms:.4g}",
             f"{s.memory_gb:g} / {limit}", s.backend_next or "-",
         )))
     if plan.replicas:  # replicas of different shape: say how many share replica 0's, and where the rest are
@@ -50,6 +50,18 @@ def stage_table(plan: Plan) -> Table:
     return table
 
 
+# Where a stage's sustained TFLOPS came from (hetctl.plan.devices.chip_rate), in the table's words.
+_SOURCES = {"layer profile": "profile", "inventory tflops": "override"}
+
+
+def _speed(s) -> str:
+    """The sustained TFLOPS per chip the plan used, and its source (docs/efficiency.md)."""
+    if s.tflops is None:
+        return "-"
+    src = "/".join(_SOURCES.get(x, x) for x in (s.speed_source or "").split("/") if x)
+    return f"{s.tflops:.4g} ({src})" if src else f"{s.tflops:.4g}"
+
+
 def _layers(s) -> str:
     """A stage's layer range and count, or every chunk's under interleaved 1F1B."""
     spans = s.chunks or [s.layers]
@@ -58,24 +70,30 @@ def _layers(s) -> str:
 
 def _row(name: str, est: Estimate | None, ref: float, why: str | None = None) -> list[str]:
     if est is None:
-        return [name, "-", "-", "-", "-", "-", f"infeasible: {why}" if why else "-"]
-    vs_h = f"{100 * est.utilization_vs_homogeneous:.1f}%" if est.utilization_vs_homogeneous is not None else "-"
+        return [name, "-", "-", "-", "-", "-", "-", "-", f"infeasible: {why}" if why else "-"]
+
+    def pct(x: float | None) -> str:
+        return f"{100 * x:.1f}%" if x is not None else "-"
+
     return [name, f"{est.step_time_s:.4g}", _fmt_tokens(est.tokens_per_s), f"{100 * est.bubble:.1f}%",
-            f"{100 * est.utilization:.1f}%", vs_h, f"{est.tokens_per_s / ref:.3f}×" if ref else "-"]
+            pct(est.mfu), f"{100 * est.utilization:.1f}%", pct(est.utilization_vs_homogeneous),
+            pct(est.utilization_vs_share), f"{est.tokens_per_s / ref:.3f}×" if ref else "-"]
 
 
 def estimate_table(plan: Plan) -> Table:
     """The plan's simulated estimate beside the uniform and proportional splits and the ideal."""
     table = Table(title=f"estimate (1F1B simulation), planned in {plan.plan_time_s:.3g} s", title_justify="left")
-    for col in ("layout", "step s", "tokens/s", "bubble", "util (peak)", "vs homogeneous", "vs hetctl"):
+    for col in ("layout", "step s", "tokens/s", "bubble", "MFU", "util (planned)", "E_Σ", "E_share", "vs hetctl"):
         table.add_column(col, justify="left" if col == "layout" else "right")
     ref = plan.estimate.tokens_per_s
     table.add_row(*_row("hetctl", plan.estimate, ref))
     for name, base in plan.baselines.items():
         table.add_row(*_row(name, base.estimate, ref, base.infeasible))
     if plan.ideal_tokens_per_s:
-        table.add_row("ideal (work ÷ compute)", "-", _fmt_tokens(plan.ideal_tokens_per_s), "0%", "100%", "-",
-                      f"{plan.ideal_tokens_per_s / ref:.3f}×")
+        table.add_row("ideal (work ÷ compute)", "-", _fmt_tokens(plan.ideal_tokens_per_s), "0%", "-", "100%", "-",
+                      "-", f"{plan.ideal_tokens_per_s / ref:.3f}×")
+    table.caption = ("MFU: model FLOPs ÷ the chips' peak; util (planned): ÷ the sustained speeds planned with; "
+                     "E_Σ / E_share: ÷ each chip type alone at the whole batch / at its share (docs/efficiency.md)")
     return table
 
 

@@ -6,7 +6,7 @@ turns a run's newest one into the cluster facts to plan from.
 Each attempt that trained wrote a ``measured`` event: per stage, the compute time
 per step the plan predicted and the one the heartbeats reported. A node whose
 stages took twice their prediction really runs at half the TFLOPS the planner
-used, so its chips get ``measured_tflops`` at that figure (and the inventory's
+used, so its chips get ``calibrated_tflops`` at that figure (and the inventory's
 ``tflops`` override, which wins in the planner, is scaled alike). Planning on
 those facts makes the planner's compute times the measured ones. The step time
 beyond that compute fits the cost of the messages between stages
@@ -165,7 +165,7 @@ def calibrate(run_dir: str | Path, *more: str | Path) -> Calibration:
     old_plan = any(s.compute_ms is None for s in plan.stages)  # its predicted figures hold the sends
     factors = node_factors(measured, sends_per_step(plan, cluster) if old_plan else None)
     fit = fit_links(plan, measured, cluster)
-    return Calibration(run.run_id, measured.attempt, plan, with_links(with_speeds(cluster, factors), fit), factors, fit,
+    return Calibration(run.run_id, measured.attempt, plan, with_links(with_speeds(cluster, factors, plan), fit), factors, fit,
                        busy=busy_shares(measured), measured_ts=float(found[-1].get("ts") or 0.0))
 
 

@@ -88,7 +88,7 @@ def keep_measured(fresh: Cluster, before: Cluster | None) -> tuple[Cluster, list
         chips = []
         for c in n.chips:
             was = old.get((n.name, c.index, c.vendor, c.model))
-            keep = {} if was is None else {k: getattr(was, k) for k in ("measured_tflops", "profile")
+            keep = {} if was is None else {k: getattr(was, k) for k in ("measured_tflops", "calibrated_tflops", "profile")
                                            if getattr(c, k) is None and getattr(was, k) is not None}
             chips.append(c.model_copy(update=keep) if keep else c)
         if chips != list(n.chips):
@@ -97,16 +97,22 @@ def keep_measured(fresh: Cluster, before: Cluster | None) -> tuple[Cluster, list
     return fresh.model_copy(update={"nodes": nodes}), carried
 
 
-def with_speeds(cluster: Cluster, factors: Mapping[str, float]) -> Cluster:
-    """Scale each node's chips to their measured relative speed (``measured_tflops``, and the
+def with_speeds(cluster: Cluster, factors: Mapping[str, float], plan: Plan | None = None) -> Cluster:
+    """Scale each node's chips to their measured relative speed (``calibrated_tflops``, and the
     inventory's ``tflops`` override when the node has one, since that figure wins in the planner).
+
+    The figure scaled is the sustained rate the planner used at ``plan``'s shape (a peak times
+    its efficiency: :mod:`hetctl.plan.efficiency`), and the result is a sustained rate too, so
+    it goes in ``calibrated_tflops``, which the planner uses as is (a new ``measured_tflops``
+    would be scaled down a second time).
 
     A factor of 0.5 (the node's stages ran twice their planned share) halves the
     figure the planner used for every chip of the node, so the next plan gives it
     about half the layers.
     """
-    from hetctl.plan.devices import _node_chips, chip_rate
+    from hetctl.plan.devices import _node_chips, chip_rate, plan_use
 
+    use = plan_use(plan.model, plan.parallel.micro_batch) if plan is not None else None
     nodes: list[NodeFacts] = []
     for n in cluster.nodes:
         f = factors.get(n.name)
@@ -115,8 +121,8 @@ def with_speeds(cluster: Cluster, factors: Mapping[str, float]) -> Cluster:
             continue
         chips = []
         for c in _node_chips(n):
-            rate, prec, _src = chip_rate(n, c)
-            update_chip: dict = {"measured_tflops": Tflops(**{prec: round(rate * f, 6)})}
+            rate, prec, _src = chip_rate(n, c, use)
+            update_chip: dict = {"calibrated_tflops": Tflops(**{prec: round(rate * f, 6)})}
             if c.profile is not None:  # a layer profile wins over the matmul figure in the planner: scale it too
                 update_chip["profile"] = scaled_profile(c.profile, f)
             chips.append(c.model_copy(update=update_chip))
@@ -166,7 +172,7 @@ def replan(
 
     left = survivors(cluster, drop)
     if factors:
-        left = with_speeds(left, factors)
+        left = with_speeds(left, factors, plan)
     if not any(n.reachable for n in left.nodes):
         raise PlanInfeasible(f"no node left after dropping {', '.join(drop)}", "add nodes to the inventory and resume")
     par = plan.parallel

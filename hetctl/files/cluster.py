@@ -77,6 +77,9 @@ class Chip(_Strict):
     memory_gb: fields.Amount | None = None
     tflops: Tflops = Field(default_factory=Tflops)
     measured_tflops: Tflops | None = None
+    calibrated_tflops: Tflops | None = Field(
+        default=None, description="the training rate `plan --calibrate` fitted to a run (sustained, not a peak): used as is",
+    )
     profile: LayerProfile | None = None
     pci_bus_id: str | None = None
     source: str | None = Field(default=None, description="which tool or file the chip was read from")

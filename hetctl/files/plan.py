@@ -102,6 +102,9 @@ class Stage(_Strict):
                                       "compute; None in plans written before it was recorded")
     memory_gb: Amount = 0.0
     memory_limit_gb: Amount | None = None
+    tflops: Amount | None = Field(default=None, description="per chip, the sustained rate the plan used")
+    speed_source: str | None = Field(default=None, description="where `tflops` came from: layer profile, "
+                                     "inventory tflops, calibrated, bench×eff or spec×eff (docs/efficiency.md)")
 
 
 class Rank(_Strict):
@@ -133,8 +136,13 @@ class Estimate(_Strict):
     bubble: float
     utilization: float
     utilization_vs_homogeneous: float | None = None
+    utilization_vs_share: float | None = Field(default=None, description="E_share: see formulas")
+    mfu: float | None = Field(default=None, description="model FLOPs utilization against the chips' peaks")
     tokens_per_s: float
     stage_busy_s: list[float] = Field(default_factory=list)
+    step_breakdown_s: dict[str, float] = Field(default_factory=dict, description="the busiest stage's step: "
+                                               "compute, p2p, bubble, gradient_sync, optimizer (seconds)")
+    formulas: dict[str, str] = Field(default_factory=dict, description="how each figure is computed")
     cross_vendor_sync_s: float = Field(default=0.0, description="seconds of the gradient all-reduce across "
                                        "vendors (the CPU path): between replicas of different shape, or at a stage "
                                        "position whose replicas span vendors")

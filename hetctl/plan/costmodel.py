@@ -6,9 +6,12 @@ be exact (:mod:`hetctl.plan.partition`).
 
 Assumptions, stated once:
 
-- A chip sustains its TFLOPS figure (measured, inventory or spec peak) on the
-  model's matrix products; backward costs twice the forward; no activation
-  recomputation.
+- A chip runs the model's layers at its *sustained* rate (:mod:`hetctl.plan.devices`):
+  a layer profile at the plan's shape or the inventory's figure as they are, a
+  datasheet or measured-matmul peak times what training sustains of it at this
+  shape (:mod:`hetctl.plan.efficiency`, ``hetctl/data/efficiency.yaml``: published
+  MFU, and a per-layer overhead that makes small matmuls slower). Backward costs
+  twice the forward; no activation recomputation.
 - Tensor parallelism inside a stage costs two all-reduces of the layer's
   activations in the forward and two in the backward (ring: ``2(t−1)/t`` of the
   bytes each) over the vendor's chip-to-chip link (:mod:`hetctl.vendors`).

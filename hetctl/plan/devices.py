@@ -9,10 +9,11 @@ data-parallel group of a stage is normally one vendor and one library; where
 the search mixes kinds at a stage position, that position runs at its
 slowest member's pace (and synchronises over gloo across vendors).
 
-Per chip TFLOPS, for the chosen precision: the node's ``tflops_override`` from
-the inventory when set, else the rate of a layer profile measured at the plan's
-shape (``probe --bench --model``), else the matmul figure (``probe --bench``),
-else the spec table's peak. The precision is bf16 where the chip has
+Per chip TFLOPS, for the chosen precision, sustained in training: the node's
+``tflops_override`` from the inventory when set, else the rate of a layer profile
+measured at the plan's shape (``probe --bench --model``), else a rate fitted by
+``plan --calibrate``, else the matmul figure (``probe --bench``) or the spec
+table's peak, each times what training sustains of it (:mod:`hetctl.plan.efficiency`). The precision is bf16 where the chip has
 it, else fp16, else fp32 (CPUs train in fp32).
 """
 
@@ -23,11 +24,15 @@ from typing import Any
 
 from hetctl.errors import ConfigError
 from hetctl.files.cluster import Chip, Cluster, NodeFacts
+from hetctl.plan.efficiency import sustained
 from hetctl.plan.profmem import MemoryCheck, check, strongest
 from hetctl.vendors import vendor_info
 
 SPEED_TOLERANCE = 1.05  # groups within 5 % of each other's TFLOPS and memory share a kind
 DEFAULT_NIC_GBPS = 10.0  # assumed when probe saw no NIC speed (plain 10 GbE)
+# The route that predicts best: the reference trainer's own layer timed at the plan's shape.
+HINT_SPEED = ("run `hetctl probe --bench --model MODEL` (times the model's layer on each chip: the figure that "
+              "predicts best), or set `tflops:` (sustained) for the node in the inventory")
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,7 @@ class Group:
     tcp_gbs: float | None = None  # GB/s: the slowest TCP link measured to or from the node (probe --bench)
     link_latency_s: float | None = None  # per message, the slowest calibrated link of the node (plan --calibrate)
     memory_check: MemoryCheck | None = None  # a profile at the plan's shape against the memory model (plan.profmem)
+    peak_tflops: float | None = None  # per chip: the datasheet's dense peak, else the measured matmul (for MFU)
 
 
 @dataclass(frozen=True)
@@ -124,6 +130,13 @@ class Devices:
         """Sum of every usable chip's FLOP/s (at each chip's own figure)."""
         return sum(g.tflops * 1e12 * len(g.chips) for k in self.kinds for g in k.groups)
 
+    def total_peak(self) -> float | None:
+        """Sum of every usable chip's peak FLOP/s (for MFU); None when some chip has no peak figure."""
+        groups = [g for k in self.kinds for g in k.groups]
+        if any(g.peak_tflops is None for g in groups):
+            return None
+        return sum(g.peak_tflops * 1e12 * len(g.chips) for g in groups)
+
 
 @dataclass(frozen=True)
 class ProfileUse:
@@ -138,6 +151,13 @@ class ProfileUse:
     spec: Any
     micro_batch: int
     layer_flops: float
+
+
+def plan_use(spec: Any, micro_batch: int) -> ProfileUse:
+    """The :class:`ProfileUse` of a plan of ``spec`` at ``micro_batch`` (for callers outside the planner)."""
+    from hetctl.plan.models import model_cost
+
+    return ProfileUse(spec=spec, micro_batch=micro_batch, layer_flops=model_cost(spec).layer_flops)
 
 
 def chip_precision(chip: Chip) -> str:
@@ -155,35 +175,41 @@ def chip_precision(chip: Chip) -> str:
 
 
 def chip_rate(node: NodeFacts, chip: Chip, use: ProfileUse | None = None) -> tuple[float, str, str]:
-    """Per chip TFLOPS, precision and where the figure came from.
+    """Per chip sustained TFLOPS, precision and where the figure came from.
 
-    With ``use``, a layer profile measured at the plan's shape (``probe --bench
-    --model``) gives the rate this chip sustains on this model's layer: the
+    Sources, first found wins: the inventory's ``tflops`` (the user's figure, as is);
+    a layer profile measured at the plan's shape (``probe --bench --model``: the
     analytic FLOPs of one micro-batch's forward and backward over the measured
-    seconds, so the planner's layer times are the measured ones.
+    seconds, so the planner's layer times are the measured ones); a rate fitted by
+    ``plan --calibrate`` (as is); the matmul rate of ``probe --bench`` and, last, the
+    datasheet peak, both peaks and so scaled to what training sustains
+    (:mod:`hetctl.plan.efficiency`; with ``use``, at the plan's shape).
 
     Raises:
         ConfigError: no figure at all for this chip.
     """
     prec = chip_precision(chip)
-    # The user's explicit figure wins over everything we found, then the layer
-    # profile at this shape, then the matmul measurement, then the datasheet peak.
     if node.tflops_override:
         return float(node.tflops_override), prec, "inventory tflops"
     prof = chip.profile
-    if use is not None and prof is not None and prof.matches(use.spec, use.micro_batch, prec):
+    work = None
+    if use is not None:
         tokens = use.micro_batch * use.spec.seq_len
-        seconds = (prof.layer_fwd_ms + prof.layer_bwd_ms) / 1000.0
-        return 3.0 * tokens * use.layer_flops / seconds / 1e12, prec, "layer profile"
+        work = 3.0 * tokens * use.layer_flops
+        if prof is not None and prof.matches(use.spec, use.micro_batch, prec):
+            return work / ((prof.layer_fwd_ms + prof.layer_bwd_ms) / 1000.0) / 1e12, prec, "layer profile"
+    fitted = getattr(chip.calibrated_tflops, prec, None) if chip.calibrated_tflops else None
+    if fitted:
+        return float(fitted), prec, "calibrated"
     measured = getattr(chip.measured_tflops, prec, None) if chip.measured_tflops else None
     if measured:
-        return float(measured), prec, "measured"
+        return sustained(float(measured), "bench", chip.vendor, chip.model, work), prec, "bench×eff"
     spec = getattr(chip.tflops, prec)
     if spec:
-        return float(spec), prec, "spec"
+        return sustained(float(spec), "spec", chip.vendor, chip.model, work), prec, "spec×eff"
     raise ConfigError(
         f"node {node.name}: chip {chip.index} ({chip.vendor} {chip.model}) has no known TFLOPS for {prec}",
-        "run `hetctl probe --bench` or set `tflops:` for the node in the inventory",
+        HINT_SPEED,
     )
 
 
@@ -217,9 +243,10 @@ def node_groups(node: NodeFacts, use: ProfileUse | None = None, tcp_gbs: float |
         by_key.setdefault((chip.vendor, chip.model), []).append(chip)
     groups = []
     for (vendor, model), chips in by_key.items():
-        rates, mems, sources, precs, checks = [], [], set(), set(), []
+        rates, mems, sources, precs, checks, peaks = [], [], set(), set(), [], []
         for c in chips:
             rate, prec, src = chip_rate(node, c, use)
+            peaks.append(getattr(c.tflops, prec) or (getattr(c.measured_tflops, prec) if c.measured_tflops else None))
             mem = c.memory_gb
             if mem is None and vendor == "cpu" and node.memory_gb:
                 mem = node.memory_gb / len(chips)
@@ -241,7 +268,7 @@ def node_groups(node: NodeFacts, use: ProfileUse | None = None, tcp_gbs: float |
             memory_gb=min(mems), nic_gbs=_nic_gbs(node),
             switch=str(node.labels.get("switch", "")), rack=str(node.labels.get("rack", "")),
             sources=tuple(sorted(sources)), tcp_gbs=tcp_gbs, link_latency_s=latency_s,
-            memory_check=strongest(checks),
+            memory_check=strongest(checks), peak_tflops=None if None in peaks else float(min(peaks)),
         ))
     return groups
 

@@ -18,6 +18,22 @@ def _library(vendors: tuple[str, ...]) -> str | None:
     return lib if lib else "collective library not public: gloo"
 
 
+def _efficiency(kind, srcs: list[str]) -> list[str]:
+    """Where a peak was scaled to a sustained rate: the figures used and their sources (docs/efficiency.md)."""
+    from hetctl.plan.efficiency import lookup
+
+    out = []
+    for src in srcs:
+        route = {"spec×eff": "spec", "bench×eff": "bench"}.get(src)
+        if route is None:
+            continue
+        eff, over = lookup(route, kind.vendor, kind.model), lookup("overhead", kind.vendor, kind.model)
+        what = "datasheet peak" if route == "spec" else "probe --bench matmul rate"
+        out.append(f"{kind.label}: the {what} × {eff.value:g} ({eff.source}), less a {over.value:g} ms per-layer "
+                   f"overhead ({over.source}); `hetctl probe --bench --model MODEL` measures this model's layer instead")
+    return out
+
+
 def _runs(lay: Layout) -> list[tuple[str, int, int]]:
     """Consecutive stages of the same kind and TP: (label, tp, count)."""
     out: list[tuple[str, int, int]] = []
@@ -98,6 +114,7 @@ def explain(plan: Plan, lay: Layout, devices: Devices, found: Found, homog, toke
             f"{st.kind.memory_gb:g} GB; torch backend {plan.stages[lay.types.index(st)].backend} inside the stage"
             + (f" ({_library(st.kind.vendors)})" if _library(st.kind.vendors) else "")
         )
+        lines.extend(_efficiency(st.kind, srcs))
         if st.kind.memory_check is not None:  # a layer profile at the plan's shape (plan.profmem)
             lines.append(f"{st.kind.label} memory: {st.kind.memory_check.line()}")
     switches = [{g.switch for g, _ in row if g.switch} for row in lay.placement]

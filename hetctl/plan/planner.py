@@ -14,6 +14,7 @@ Utilization figures (also in docs/frameworks.md):
   types of the tokens/s the best plan for that type alone reaches on the same
   model, global batch, micro-batch and framework (the metric published for
   mixed-chip training). None when some type cannot train the model alone.
+- ``utilization_vs_share`` and ``mfu`` — :mod:`hetctl.plan.figures` (E_share, MFU).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from hetctl.plan.partition import proportional_split, ranges, uniform_split
 from hetctl.files.plan import Baseline, Estimate, ModelSpec, Parallel, Plan, Rank, Stage
 from hetctl.plan.layout import Found, Layout, memory_needed, stage_compute
 from hetctl.plan.search import Pins, Searcher
+from hetctl.plan.figures import alone_at_share, breakdown, breakdown_line, judge
 from hetctl.plan.frameworks import capability
 from hetctl.plan.hetdp import HeteroSearch
 from hetctl.plan.hetplan import build_hetero
@@ -106,9 +108,15 @@ def plan_cluster(
         notes.append(f"layers {lay.counts}: DeepSpeed's PipelineModule splits only evenly (uniform, parameters or "
                      "type:), so the plan keeps that split; --framework flagscale or torchrun can split by speed")
     homog = _homogeneous(devices, spec, work, framework, free) if homogeneous else None
+    at_share = alone_at_share(devices, spec, work, framework) if homogeneous else None
     plan = _build(lay, spec, work, devices, framework, cluster, cluster_path, homog, notes, found)
     if not pins.any():
         plan = _hetero(plan, lay, spec, work, devices, framework, homog)
+    judge(plan, devices, work, at_share)
+    if at_share:
+        plan.notes.append("each chip type alone at its speed-proportional share of the batch (E_share's "
+                          "reference): " + "; ".join(f"{k}: {v:,.0f} tokens/s" if isinstance(v, float) else f"{k}: {v}"
+                                                     for k, v in at_share.items()))
     plan.plan_time_s = round(time.perf_counter() - t0, 4)
     return plan
 
@@ -338,6 +346,7 @@ def stage_rows(lay: Layout, stages: list[Stage], ranks: list[Rank], local: dict[
                 backend_next=nxt, device_type=info.device_type,
                 visible_devices_env=info.visible_devices_env, est_ms=round((lay.fwd[s] + lay.bwd[s]) * 1e3, 6),
                 compute_ms=round(compute[s] * 1e3, 6), memory_gb=round(mem[s] / 1e9, 2), memory_limit_gb=group.memory_gb,
+                tflops=round(group.tflops, 6), speed_source="/".join(group.sources),
             ))
             for chip in chips:
                 lr = local.get(group.node, 0)
@@ -375,5 +384,7 @@ def _build(lay: Layout, spec, work, devices: Devices, framework, cluster: Cluste
         ideal_tokens_per_s=round(total / (work.cost.train_flops_per_token()), 2),
         notes=[],
     )
-    plan.notes = notes + explain(plan, lay, devices, found, homog, tokens)
+    parts = breakdown(lay)
+    plan.estimate.step_breakdown_s = {k: round(v, 6) for k, v in parts.items()}
+    plan.notes = notes + explain(plan, lay, devices, found, homog, tokens) + [breakdown_line(parts, lay.step)]
     return plan
