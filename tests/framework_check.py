@@ -12,7 +12,8 @@ FlagScale's ``RankMapper``) and ``post_validate_args`` after. Then it asks the
 framework where the rank sits: Megatron's ``RankGenerator`` (the
 ``tp-cp-ep-dp-pp`` order ``initialize_model_parallel`` uses) and
 ``PipelineParallelLayerLayout`` for the layers, or FlagScale's
-``ParallelContext`` (its process meshes and groups, built over gloo). The
+``ParallelContext`` (its process meshes and groups, built over gloo) and
+``get_transformer_layer_offset`` for the first layer the rank numbers. The
 training loop needs CUDA and is not run; without CUDA the one question
 ``validate_args`` asks the GPU (its architecture, with TP > 1) is answered
 as for an A100 (``CHECK_CUDA_ARCH``). One JSON file per rank.
@@ -57,10 +58,15 @@ def main() -> None:
         ctx = ParallelContext(args)
         stage = ctx.get_pipeline_model_parallel_rank()
         split = args.hetero_pipeline_layer_split
+        # FlagScale's own layer numbering for this rank: its offset from the rank's transformer config.
+        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+        from megatron.training.arguments import core_transformer_config_from_args
+
+        offset = get_transformer_layer_offset(core_transformer_config_from_args(args), pp_rank=stage)
         rec.update(logical_rank=fs_args.rank_mapper.to_logical_ranks([args.rank])[0], stage=stage,
                    replica=ctx.get_data_parallel_rank(), tp_rank=ctx.get_tensor_model_parallel_rank(),
                    tp=args.tensor_model_parallel_size, dp=args.data_parallel_size,
-                   layers=[sum(split[:stage]), sum(split[:stage + 1])], device_type=args.hetero_current_device_type,
+                   layers=[offset, offset + split[stage]], device_type=args.hetero_current_device_type,
                    meshes=args.hetero_process_meshes)
     else:
         from megatron.core.parallel_state import RankGenerator

@@ -220,10 +220,12 @@ def test_megatron_accepts_the_rendered_scripts_and_places_every_rank(tmp_path):
 @pytest.mark.timeout(900)
 @needs_flagscale
 def test_flagscale_accepts_the_rendered_hetero_scripts_and_places_every_rank(tmp_path):
+    # Four Ascend chips: FlagScale plans no one-stage mesh past the first (it would number its layers from 0).
     cluster = Cluster(nodes=[node("gpu-a", "nvidia", "NVIDIA A100-SXM4-80GB", 4, 80.0, 312.0, 312.0),
-                             node("npu-b", "ascend", "910B2C", 2, 64.0, 376.0, 376.0)])
+                             node("npu-b", "ascend", "910B2C", 4, 64.0, 376.0, 376.0)])
     plan = plan_cluster(cluster, SMALL, global_batch=16, framework="flagscale", homogeneous=False, pins=Pins(dp=2))
     assert len({s.tp for s in plan.stages}) > 1, "two meshes with different TP degrees"
+    assert [m.stages for m in meshes(plan)] == [1, 2], "a one-stage mesh first: its layers start at 0 anyway"
     records = run_plan(tmp_path, plan, {"HETCTL_PYTHON": str(megatron_python(tmp_path)),
                                         "FLAGSCALE_DIR": str(FLAG_SCALE), "HETCTL_RESUME_STEP": "10"}, CPU_ARGS)
     check_ranks(plan, records)

@@ -8,21 +8,27 @@ count of decoder layers, the remainder on the first stages; the planner plans
 exactly that split for ``--framework deepspeed`` and the renderer refuses any
 other (a hand-edited plan), saying why.
 
-DeepSpeed's own launcher numbers ranks host by host in hostfile order, local
-rank ``i`` on the ``i``-th device of the host's ``--include`` list. That
-reproduces the plan's pipe-data-model ranks only when each node's ranks are
-consecutive; :func:`launcher_files` says whether they are and gives the
-hostfile and ``--include`` value then.
+DeepSpeed's own launcher (``deepspeed``, ``deepspeed/launcher/runner.py`` and
+``launch.py``) numbers ranks entry by entry in hostfile order; within an entry
+of ``n`` processes the one with global rank ``g`` gets ``LOCAL_RANK = g % n``
+and sees the entry's devices *sorted* (the runner sorts every ``--include``
+list), and the hostfile may name a host once. :func:`launcher_files` writes
+what makes it place every rank on its planned node and chip anyway: one
+hostfile entry per run of a node's consecutive ranks (named after the node:
+with ``--no_ssh`` each entry is one launcher started on its own node, so nodes
+sharing an address are no trouble), split into one entry per rank where the
+sorted, rotated device list would put a rank on another chip.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 from hetctl.errors import ConfigError
 from hetctl.files.plan import Plan
 
-_HOST = re.compile(r"[A-Za-z0-9._-]+\Z")
+_LABEL = re.compile(r"[^A-Za-z0-9._-]")  # no @ : , (the --include syntax)
 
 
 def deepspeed_split(num_layers: int, stages: int) -> list[int] | None:
@@ -49,32 +55,70 @@ def check_deepspeed_split(split: list[int], stages: int) -> None:
         )
 
 
-def launcher_files(plan: Plan, hosts: dict[str, str], rank_of) -> tuple[str, str] | None:
-    """The hostfile text and ``--include`` value under which ``deepspeed`` numbers ranks as planned.
+@dataclass(frozen=True)
+class Launcher:
+    """DeepSpeed's launcher files for a plan.
+
+    Attributes:
+        hostfile: ``<entry> slots=<n>`` lines, entries in DeepSpeed rank order.
+        include: the ``--include`` value (each entry's chips).
+        entries: per entry, in ``--node_rank`` order, the node that runs its launcher.
+    """
+
+    hostfile: str
+    include: str
+    entries: tuple[str, ...]
+
+    def node_ranks(self, node: str) -> list[int]:
+        """The ``--node_rank`` of each launcher that runs on ``node``."""
+        return [i for i, n in enumerate(self.entries) if n == node]
+
+
+def _runs(ordered: list, chip_of) -> list[tuple[str, list[int]]]:
+    """Maximal runs of consecutive ranks on one node, each split into single ranks where DeepSpeed's
+    ``LOCAL_RANK = rank % n`` over the sorted chips would give a rank another chip than its own."""
+    runs: list[tuple[str, list]] = []
+    for g, r in enumerate(ordered):
+        if runs and runs[-1][0] == r.node:
+            runs[-1][1].append((g, chip_of(r)))
+        else:
+            runs.append((r.node, [(g, chip_of(r))]))
+    out = []
+    for node, members in runs:
+        n = len(members)
+        if any(c is None for _, c in members):  # CPU ranks: DeepSpeed places them by node, the count is all
+            out.append((node, list(range(n))))
+            continue
+        chips = sorted(c for _, c in members)
+        if len(set(chips)) == n and all(chips[g % n] == c for g, c in members):
+            out.append((node, [c for _, c in members]))
+        else:
+            out += [(node, [c]) for _, c in members]
+    return out
+
+
+def launcher_files(plan: Plan, rank_of) -> Launcher:
+    """The hostfile, ``--include`` and launchers under which ``deepspeed`` places every rank as planned.
 
     Args:
         plan: the plan.
-        hosts: node name → address the launcher reaches it at.
         rank_of: the framework rank of a plan rank (DeepSpeed's topology order).
 
-    Returns:
-        None when the launcher cannot reproduce the plan: a node's ranks are
-        not consecutive, a rank has no chip index (CPU), or an address is not
-        a plain host name.
+    CPU ranks (no chip) take slots 0, 1, … of their entry: DeepSpeed places them by node only.
     """
-    runs: list[tuple[str, list[int]]] = []
-    for r in sorted(plan.ranks, key=rank_of):
-        if r.chip is None:
-            return None
-        if runs and runs[-1][0] == r.node:
-            runs[-1][1].append(r.chip)
-        elif any(n == r.node for n, _ in runs):
-            return None
-        else:
-            runs.append((r.node, [r.chip]))
-    named = [(hosts.get(n, n), chips) for n, chips in runs]
-    if any(not _HOST.match(h) for h, _ in named):
-        return None
-    hostfile = "".join(f"{h} slots={max(chips) + 1}\n" for h, chips in named)
-    include = "@".join(f"{h}:{','.join(map(str, chips))}" for h, chips in named)
-    return hostfile, include
+    runs = _runs(sorted(plan.ranks, key=rank_of), lambda r: r.chip)
+    per_node: dict[str, int] = {}
+    for node, _ in runs:
+        per_node[node] = per_node.get(node, 0) + 1
+    labels, seen, k = [], set(), dict.fromkeys(per_node, 0)
+    for node, _ in runs:
+        base = _LABEL.sub("_", node)
+        k[node] += 1
+        label = base if per_node[node] == 1 else f"{base}.{k[node]}"
+        while label in seen:
+            label += "_"
+        seen.add(label)
+        labels.append(label)
+    hostfile = "".join(f"{label} slots={max(chips) + 1}\n" for label, (_, chips) in zip(labels, runs))
+    include = "@".join(f"{label}:{','.join(map(str, chips))}" for label, (_, chips) in zip(labels, runs))
+    return Launcher(hostfile, include, tuple(node for node, _ in runs))

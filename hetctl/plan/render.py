@@ -33,8 +33,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from hetctl.errors import ConfigError
-from hetctl.plan.deepspeed_layout import check_deepspeed_split, launcher_files
+from hetctl.errors import ConfigError, PlanInfeasible
+from hetctl.plan.deepspeed_layout import Launcher, check_deepspeed_split, launcher_files
 from hetctl.plan.frameworks import capability
 from hetctl.plan.rankenv import LAUNCH_TIME, stage_of, static_env
 from hetctl.files.plan import Plan, Rank
@@ -345,6 +345,8 @@ def _prepare(plan: Plan, hosts: dict[str, str], plan_path: str):
                for a, b in [s.chunks[c] if s.chunks else s.layers]]
     if fw == "deepspeed":
         check_deepspeed_split(split, plan.parallel.pp)
+    if fw == "flagscale":
+        _check_flagscale_meshes(plan, mesh_list)
     common = {
         "plan": plan, "framework": fw, "world": len(plan.ranks),
         "master_addr": hosts.get(first.node, first.node), "master_port": DEFAULT_PORT, "plan_path": plan_path,
@@ -353,7 +355,7 @@ def _prepare(plan: Plan, hosts: dict[str, str], plan_path: str):
         "mesh_args": [n for m in mesh_list for n in (m.tp, 1, 1, plan.parallel.dp, m.stages)],
         "uniform_tp": len({s.tp for s in plan.stages}) == 1, "check": False,
         "ds_config": json.dumps(_ds_config(plan), sort_keys=True),
-        "ds_launcher": _ds_launcher(plan, hosts, mesh_list)[1] if fw == "deepspeed" else None,
+        "ds_launcher": _ds_launcher(plan, mesh_list) if fw == "deepspeed" else None,
     }
     by_node = {}
     for node in plan.nodes:
@@ -378,10 +380,34 @@ def _prepare(plan: Plan, hosts: dict[str, str], plan_path: str):
     return template, common, by_node
 
 
-def _ds_launcher(plan: Plan, hosts: dict[str, str], mesh_list: list[Mesh]) -> tuple[str | None, str | None]:
-    """DeepSpeed launcher's hostfile and ``--include`` for the plan (both None when it cannot place it)."""
-    files = launcher_files(plan, hosts, lambda r: framework_rank(plan, r, mesh_list))
-    return files if files is not None else (None, None)
+def _check_flagscale_meshes(plan: Plan, mesh_list: list[Mesh]) -> None:
+    """Refuse a FlagScale plan with a one-stage process mesh in a deeper pipeline.
+
+    FlagScale sets each rank's ``pipeline_model_parallel_size`` to its mesh's
+    ``pp``, and its ``get_transformer_layer_offset`` adds the earlier stages'
+    layers only when that size is above 1: the ranks of a one-stage mesh would
+    number their layers from 0 (wrong layer numbers, wrong checkpoint keys).
+
+    Raises:
+        PlanInfeasible: such a mesh (exit 4), naming the framework that runs the plan.
+    """
+    if plan.parallel.pp == 1:
+        return
+    for m in mesh_list:
+        if m.stages == 1 and m.first > 0:  # the first stage's offset is 0 anyway
+            a, b = plan.stages_of(0)[m.first].layers
+            raise PlanInfeasible(
+                f"plan: FlagScale's process mesh {m.label} holds one pipeline stage (stage {m.first}, layers "
+                f"[{a}, {b})); FlagScale numbers a one-stage mesh's layers from 0, not from {a} "
+                "(get_transformer_layer_offset counts earlier stages only for meshes of two or more)",
+                "run this split with --framework hetctl (hetctl plan --framework hetctl), or plan FlagScale on "
+                "nodes where each chip type holds two or more stages",
+            )
+
+
+def _ds_launcher(plan: Plan, mesh_list: list[Mesh]) -> Launcher:
+    """DeepSpeed's launcher files for the plan, ranks in its pipe-data-model order."""
+    return launcher_files(plan, lambda r: framework_rank(plan, r, mesh_list))
 
 
 def _ds_config(plan: Plan) -> dict:
@@ -413,8 +439,9 @@ def _rendered_by_hetctl(path: Path) -> bool:
 def write_plan_dir(plan: Plan, out_dir: str | Path, hosts: dict[str, str] | None = None) -> list[Path]:
     """Write ``plan.yaml`` and ``nodes/<node>.sh`` (executable) under ``out_dir``.
 
-    For DeepSpeed also ``hostfile``, when DeepSpeed's launcher can number the
-    ranks as planned (see :func:`hetctl.plan.deepspeed_layout.launcher_files`).
+    For DeepSpeed also ``hostfile`` and ``hostfile.include`` (the ``--include`` value):
+    under them DeepSpeed's own launcher places every rank as planned (see
+    :func:`hetctl.plan.deepspeed_layout.launcher_files`).
 
     Returns:
         The paths written: the plan, then the node scripts.
@@ -431,8 +458,7 @@ def write_plan_dir(plan: Plan, out_dir: str | Path, hosts: dict[str, str] | None
         if other != node:
             raise ConfigError(f"nodes {other!r} and {node!r} would share the same script file "
                               f"nodes/{script_name(node)}", "rename one of them in the inventory")
-    hostfile_text = _ds_launcher(plan, hosts or {}, meshes(plan, by_type=False))[0] \
-        if plan.framework == "deepspeed" else None
+    ds = _ds_launcher(plan, meshes(plan, by_type=False)) if plan.framework == "deepspeed" else None
     header = (f"hetctl plan: {plan.model.name} on {len(plan.nodes)} nodes, pp {plan.parallel.pp} × "
               f"dp {plan.parallel.dp}, framework {plan.framework}")
     written = [save_model(plan_file, plan, header=header)]
@@ -441,11 +467,11 @@ def write_plan_dir(plan: Plan, out_dir: str | Path, hosts: dict[str, str] | None
     for old in nodes_dir.glob("*.sh"):  # an earlier plan's scripts go; a user's own files stay
         if _rendered_by_hetctl(old):
             old.unlink()
-    hostfile = out / "hostfile"
-    if hostfile.exists():
-        hostfile.unlink()
-    if hostfile_text is not None:
-        hostfile.write_text(hostfile_text)
+    for name, text in (("hostfile", ds and ds.hostfile), ("hostfile.include", ds and ds.include + "\n")):
+        if (out / name).exists():
+            (out / name).unlink()
+        if text:
+            (out / name).write_text(text)
     for node, text in scripts.items():
         path = nodes_dir / script_name(node)
         path.write_text(text)

@@ -272,6 +272,23 @@ class Searcher:
 
     # -- scoring -------------------------------------------------------------------
 
+    def _lone_mesh(self, cols: Columns, tps: tuple[int, ...]) -> bool:
+        """Whether a run of one-chip-type stages (FlagScale's process mesh) past the first holds one stage.
+
+        FlagScale numbers the layers of a one-stage mesh from 0 (its layer
+        offset counts only for meshes of two or more stages), so such a layout
+        would run with wrong layer numbers; the renderer refuses it too
+        (:func:`hetctl.plan.render._check_flagscale_meshes`).
+        """
+        keys = [tuple(sorted({(self.kinds[i].vendor, self.kinds[i].model, tps[i]) for i, _ in col})) for col in cols]
+        runs = [1]
+        for a, b in zip(keys, keys[1:]):
+            if a == b:
+                runs[-1] += 1
+            else:
+                runs.append(1)
+        return any(n == 1 for n in runs[1:])
+
     def evaluate(self, tps: tuple[int, ...], cols: Columns, dp: int, bar: float = math.inf) -> Layout | None:
         """Score one candidate with link estimates by kind (before nodes are assigned).
 
@@ -280,6 +297,8 @@ class Searcher:
         at least ``L / Σ_s 1/a_s`` per micro-batch (per-layer times ``a_s``)
         and runs ``m − 1`` of them after the first has crossed every stage.
         """
+        if self.framework in ONE_TYPE_PER_POSITION and self._lone_mesh(cols, tps):
+            return None
         m = self.micro_batches(dp)
         types = []
         for col in cols:
