@@ -100,7 +100,9 @@ def test_materialize_follows_the_plan(plan, spec):
 def test_dry_run_masks_secrets_but_keeps_them_for_the_run(spec):
     assert spec.nodes[0].env["WANDB_API_KEY"] == "s3cret"
     shown = spec.to_dict()["nodes"][0]["env"]
-    assert shown == {"OMP_NUM_THREADS": "1", "WANDB_API_KEY": "***"}
+    assert shown == {"OMP_NUM_THREADS": "***", "WANDB_API_KEY": "***"}  # no value shown unless public_env names it
+    public = spec.to_dict(public=["OMP_NUM_THREADS", "WANDB_API_KEY"])["nodes"][0]["env"]
+    assert public == {"OMP_NUM_THREADS": "1", "WANDB_API_KEY": "***"}  # a secret-looking name stays masked
 
 
 def test_plan_naming_an_unknown_node_is_a_clear_error(plan, nodes):

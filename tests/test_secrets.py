@@ -81,7 +81,7 @@ def test_env_values_travel_on_stdin_not_on_any_command_line(tmp_path):
 def test_dry_run_masks_names_that_look_secret():
     env = {"HF_TOKEN": "a", "WANDB_API_KEY": "b", "DATABASE_URL": "postgres://u:pw@h/db", "AWS_SECRET_ACCESS_KEY": "c",
            "MY_PASSWORD": "d", "NCCL_SOCKET_IFNAME": "bond0", "OMP_NUM_THREADS": "4"}
-    masked = mask_env(env)
+    masked = mask_env(env, public=["NCCL_SOCKET_IFNAME", "OMP_NUM_THREADS", "HF_TOKEN"])
     assert {k for k, v in masked.items() if v == "***"} == {"HF_TOKEN", "WANDB_API_KEY", "DATABASE_URL",
                                                             "AWS_SECRET_ACCESS_KEY", "MY_PASSWORD"}
     assert masked["NCCL_SOCKET_IFNAME"] == "bond0"

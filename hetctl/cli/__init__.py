@@ -107,9 +107,9 @@ class LazyConsole:
     @property
     def rich(self) -> Console:
         if self._console is None:
-            from rich.console import Console
+            from hetctl.textsafe import safe_console
 
-            self._console = Console(stderr=self._stderr)
+            self._console = safe_console(stderr=self._stderr)  # node strings are text, never terminal control
         return self._console
 
     def __getattr__(self, name: str) -> Any:
@@ -209,8 +209,10 @@ def handle_errors(fn: F) -> F:
 
 
 def print_json(text: str) -> None:
-    """Raw JSON on stdout (no rich markup, no wrapping) for scripts."""
-    sys.stdout.write(text.rstrip("\n") + "\n")
+    """Raw JSON on stdout (no rich markup, no wrapping) for scripts; C1 and bidi controls escaped."""
+    from hetctl.textsafe import json_text
+
+    sys.stdout.write(json_text(text.rstrip("\n")) + "\n")
     sys.stdout.flush()
 
 

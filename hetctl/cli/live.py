@@ -206,6 +206,9 @@ _LINES = {
     "rank_failed": lambda ev: f"attempt {ev['attempt']}: rank {ev['rank']} on {ev['node']} failed: {ev['reason']}",
     "node_lost": lambda ev: f"attempt {ev['attempt']}: node {ev['node']} lost: {ev['reason']}",
     "agent_lost": lambda ev: f"attempt {ev['attempt']}: node {ev['node']} kept: {ev['reason']}",
+    "bad_message": lambda ev: f"attempt {ev['attempt']}: warning: node {ev['node']} sent a message not believed: {ev['reason']}",
+    "storage_warning": lambda ev: (f"attempt {ev['attempt']}: warning: cannot write {ev['path']} ({ev['reason']}); "
+                                   "the run goes on"),
     "processes_left": lambda ev: (f"attempt {ev['attempt']}: on {ev['node']}, processes of the run survived the "
                                   f"stop: pids {', '.join(map(str, ev['pids']))}; kill them before `hetctl resume`"),
     "node_abnormal": lambda ev: (f"{ev['node']} marked abnormal after {ev.get('failures', '?')} failures; "

@@ -34,6 +34,8 @@ def plan_cmd(
     explain: bool = typer.Option(False, "--explain", help="Say why each choice was made."),
     allow_mixed_software: bool = typer.Option(False, "--allow-mixed-software",
                                               help="Plan even when nodes run different torch major.minor versions."),
+    force: bool = typer.Option(False, "--force", help="Replace launch scripts in the output folder that were "
+                               "changed since hetctl wrote them."),
 ) -> None:
     """Split the model across the cluster's chips so that no chip waits.
 
@@ -90,10 +92,10 @@ def plan_cmd(
     )
     if note:
         plan = plan.model_copy(update={"notes": [note, *plan.notes]})
-    written = write_plan_dir(plan, output, hosts={n.name: n.host for n in facts.nodes})
+    written = write_plan_dir(plan, output, hosts={n.name: n.host for n in facts.nodes}, force=force)
     from hetctl.plan.sbatch import write_sbatch
 
-    sbatch = write_sbatch(plan, facts, output)  # only for a cluster probed through Slurm
+    sbatch = write_sbatch(plan, facts, output, force=force)  # only for a cluster probed through Slurm
     if json_out:
         print_json(to_json(plan))
         return

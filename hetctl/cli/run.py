@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typer
 
+from hetctl.textsafe import json_dumps
 from hetctl.cli import app, err, handle_errors, out, print_json, text
 
 
@@ -118,9 +119,7 @@ def launch_cmd(
 
         note = dry_run_note(plan, words)
         if json_out:
-            import json
-
-            data = spec.to_dict()
+            data = spec.to_dict(public=inv.public_env)
             if note:
                 data["not_checked"] = note
             data["ssh"] = {n: (e if isinstance(e, str) else e.to_dict()) for n, e in ssh.items()}
@@ -128,7 +127,7 @@ def launch_cmd(
                 from hetctl.remote.slurm import dry_run_step
 
                 data["srun"] = {n.node: dry_run_step(inv.node(n.node), n) for n in spec.nodes if n.transport == "slurm"}
-            print_json(json.dumps(data, indent=2))
+            print_json(json_dumps(data, indent=2))
         else:
             _print_dry_run(spec, inv, ssh, note)
 
@@ -253,6 +252,16 @@ def _policy(max_restarts: int, max_node_failures: int, rebalance: bool):
     return PolicyConfig(max_restarts=max_restarts, max_node_failures=max_node_failures, rebalance=rebalance)
 
 
+def _loss_span(first: float | None, final: float | None) -> str:
+    """``5.5000 → 1.2000``; a missing end is ``-``, and a NaN or infinite one says the run diverged."""
+    import math
+
+    def one(x: float | None) -> str:
+        return "-" if x is None else f"{x:.4f}" if math.isfinite(x) else f"{x} (diverged)"
+
+    return "-" if first is None and final is None else f"{one(first)} → {one(final)}"
+
+
 def _finish_launch(result, json_out: bool) -> None:
     """Summary on stdout; exit 0 only on success (3: could not start, 5: failed, 130: stopped)."""
     from hetctl.errors import RunFailed
@@ -261,7 +270,7 @@ def _finish_launch(result, json_out: bool) -> None:
     if json_out:
         print_json(s.model_dump_json(indent=2))
     else:
-        loss = "-" if s.first_loss is None else f"{s.first_loss:.4f} → {s.final_loss:.4f}"
+        loss = _loss_span(s.first_loss, s.final_loss)
         tps = "-" if s.tokens_per_s is None else f"{s.tokens_per_s:,.0f}"
         colour = {"succeeded": "green", "failed": "red", "stopped": "yellow"}.get(s.state, "")
         out.print(text((s.state, f"bold {colour}"), f"  run {s.run_id}  steps {s.steps}  loss {loss}  tokens/s {tps}  "
@@ -274,6 +283,9 @@ def _finish_launch(result, json_out: bool) -> None:
         for r in s.recoveries:
             out.print(text(f"attempt {r.attempt}: from {'its peers' if r.recovery_path == 'peer' else 'the checkpoint'}"
                            f" at step {r.resume_step or 0}, {r.steps_lost} completed steps lost"), highlight=False)
+        if "diverged" in loss:
+            err.print(text(("warning:", "yellow"), " the loss is not a number at the end: the model diverged; lower the "
+                           "learning rate or resume from an earlier checkpoint"), highlight=False, soft_wrap=True)
         if s.reason and s.state != "succeeded":
             out.print(text(f"reason: {s.reason}"), highlight=False, soft_wrap=True)
         if any(r.restart_s is not None for r in s.recoveries):
@@ -288,7 +300,8 @@ def _finish_launch(result, json_out: bool) -> None:
 
 
 def _print_dry_run(spec, inv=None, ssh=None, note=None) -> None:
-    """Per node: the agent command, then each rank's argv and environment (secrets masked); ``note``: the node
+    """Per node: the agent command, then each rank's argv and environment (inventory env values masked but
+    ``public_env``'s); ``note``: the node
     checks a launch would run first."""
     import shlex
 
@@ -311,7 +324,7 @@ def _print_dry_run(spec, inv=None, ssh=None, note=None) -> None:
                            f"{', '.join(eff.identity_files) or 'agent only'}; known_hosts "
                            f"{', '.join(eff.known_hosts)}; StrictHostKeyChecking {eff.strict_host_key_checking}"),
                       highlight=False, soft_wrap=True)
-        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in mask_env(n.env).items())
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in mask_env(n.env, getattr(inv, "public_env", ())).items())
         out.print(text(f"  agent: {env + ' ' if env else ''}{shlex.join(n.agent_argv)}"), highlight=False,
                   soft_wrap=True)
         if n.transport == "slurm" and inv is not None:  # the step the agent runs in

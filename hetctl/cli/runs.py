@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import time
 
 import typer
 
+from hetctl.textsafe import json_dumps
 from hetctl.cli import app, err, handle_errors, out, print_json, text
 
 
@@ -91,7 +91,7 @@ def status_cmd(
 
     if json_out:
         data = current()
-        print_json(json.dumps(data.to_dict() if run_dir else [v.to_dict() for v in data], indent=2))
+        print_json(json_dumps(data.to_dict() if run_dir else [v.to_dict() for v in data], indent=2))
         return
     if not watch:
         data = current()
@@ -126,8 +126,10 @@ def logs_cmd(
     files = st.log_files(run_dir, node, rank)
     prefix = len(files) > 1
 
-    def emit(nd: str, r: int, line: str) -> None:
-        sys.stdout.write((f"[{nd} rank {r}] " if prefix else "") + line + "\n")
+    from hetctl.textsafe import clean
+
+    def emit(nd: str, r: int, line: str) -> None:  # a rank's output is text, never terminal control
+        sys.stdout.write(clean((f"[{nd} rank {r}] " if prefix else "") + line) + "\n")
 
     for nd, r, path in files:
         for line in st.tail_lines(path, tail):
@@ -163,7 +165,7 @@ def stop_cmd(
     err.print(text(("stop", "bold"), f" {run_dir}"), highlight=False)
     res = st.stop_run(run_dir, force=force, wait_s=wait)
     if json_out:
-        print_json(json.dumps(asdict(res), indent=2))
+        print_json(json_dumps(asdict(res), indent=2))
     else:
         what = {"requested": "asked the controller to stop", "signalled": "asked the controller to stop (SIGTERM)",
                 "killed": "killed the controller and swept the nodes", "nodes": "no controller; swept the nodes",
@@ -195,6 +197,8 @@ def report_cmd(
     from hetctl.files.run import RunDir
 
     page = render(run_dir)
+    from hetctl.files.safefs import write_atomic
+
     path = Path(output) if output else RunDir.open(run_dir).path / "report.html"
-    path.write_text(page, encoding="utf-8")
+    write_atomic(path, page.encode("utf-8"))  # a link planted at the path is replaced, never written through
     out.print(text(f"wrote {path}"), highlight=False)

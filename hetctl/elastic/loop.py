@@ -211,8 +211,7 @@ class ElasticRun:
         self.on_update, self.on_progress = on_update, on_progress
         p = self.p
         if p.lock is None:
-            p.lock = p.run.lock()
-        p.run.stop_path.unlink(missing_ok=True)  # a request for an earlier controller is not for this one
+            p.lock = p.run.lock()  # which clears a request for an earlier controller; a later one is ours
         done = threading.Event()
         watcher = threading.Thread(target=self._watch_stop_file, args=(done,), daemon=True, name="stop-file")
         watcher.start()

@@ -193,7 +193,9 @@ def stop_run(run_dir: str | Path, *, force: bool = False, wait_s: float = 60.0,
     holder = run.controller()
     here = holder is not None and holder[1] == socket.gethostname() and holder[0] > 0
     if holder is not None and not force and not run.stop_path.exists():
-        run.stop_path.write_text(f"requested by pid {os.getpid()} on {socket.gethostname()} at {time.time():.3f}\n")
+        from hetctl.files.safefs import write_atomic
+
+        write_atomic(run.stop_path, f"requested by pid {os.getpid()} on {socket.gethostname()} at {time.time():.3f}\n")
         if here:
             try:
                 os.kill(holder[0], signal.SIGTERM)

@@ -7,7 +7,8 @@ fields they do not know. :class:`EventLog` is thread-safe, accepts only typed
 events, and fans them out to listeners (the live view) as the dicts it wrote.
 
 Written by one attempt (``hetctl.launch``): ``launched``, ``progress``, ``evaluated`` (validation loss),
-``rank_failed``, ``node_lost``, ``agent_lost``, ``processes_left``, ``standby`` (warm spares).
+``rank_failed``, ``node_lost``, ``agent_lost``, ``bad_message``, ``storage_warning``,
+``processes_left``, ``standby`` (warm spares).
 By the elastic loop (``hetctl.elastic``):
 ``straggler``, ``resume_source`` (after a failure: peers' state or a checkpoint), ``restart``, ``replan``,
 ``replan_layout``, ``rebalanced``,
@@ -176,6 +177,28 @@ class AgentLost(Event):
     kind: ClassVar[str] = "agent_lost"
     attempt: int
     node: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class BadMessage(Event):
+    """A node's agent sent a message the controller did not believe (hetctl.launch.wire): a field of the
+    wrong type, or a rank the plan puts on another node. A warning about ``node``; no rank or node is blamed.
+    Each distinct reason is written once per node and attempt."""
+
+    kind: ClassVar[str] = "bad_message"
+    attempt: int
+    node: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class StorageWarning(Event):
+    """A file of the run folder could not be written (a full disk): the run goes on; no node is blamed."""
+
+    kind: ClassVar[str] = "storage_warning"
+    attempt: int
+    path: str
     reason: str
 
 
@@ -430,7 +453,8 @@ class Failed(Event):
 
 EVENT_TYPES: dict[str, type[Event]] = {
     cls.kind: cls for cls in (Launched, Progress, Evaluated, RankFailed, Standby, Recovery,
-                              NodeLost, AgentLost, ProcessesLeft, StragglerFound, Restart, Replan,
+                              NodeLost, AgentLost, BadMessage, StorageWarning, ProcessesLeft, StragglerFound, Restart,
+                              Replan,
                               ReplanLayout, Rebalanced, NodeAbnormal, CheckpointSkipped, CheckpointUnseen,
                               Resumed, GaveUp, Measured, HealthChecked, Finished, Stopped, Failed, ResumeSource)
 }
@@ -473,6 +497,7 @@ class EventLog:
         self._clock = clock
         self._lock = threading.Lock()
         self._file = None
+        self.write_error: str | None = None  # the first failed write of the log (events after it may be lost)
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open_append(self.path)
@@ -485,8 +510,11 @@ class EventLog:
         line = json.dumps(record, default=_jsonable, separators=(",", ":")) + "\n"
         with self._lock:
             if self._file is not None:
-                self._file.write(line)
-                self._file.flush()
+                try:
+                    self._file.write(line)
+                    self._file.flush()
+                except OSError as e:  # a full disk under the run folder: the run goes on, the listeners still hear
+                    self.write_error = self.write_error or f"{self.path}: {e.strerror or e}"
             listeners = list(self.listeners)
         for fn in listeners:
             fn(record)
@@ -498,7 +526,10 @@ class EventLog:
     def close(self) -> None:
         with self._lock:
             if self._file is not None:
-                self._file.close()
+                try:
+                    self._file.close()
+                except OSError:
+                    pass
                 self._file = None
 
     def __enter__(self) -> "EventLog":
@@ -519,7 +550,8 @@ def _jsonable(obj: Any) -> Any:
 
 
 def read_events(path: str | Path, kind: str | None = None) -> list[dict]:
-    """All events of a log (optionally of one kind); a torn last line is ignored."""
+    """All events of a log (optionally of one kind); a torn last line, or a line without a ``kind``
+    and a numeric ``ts``, is ignored."""
     out: list[dict] = []
     try:
         text = Path(path).read_text(encoding="utf-8")
@@ -530,6 +562,9 @@ def read_events(path: str | Path, kind: str | None = None) -> list[dict]:
             ev = json.loads(line)
         except ValueError:
             continue
-        if isinstance(ev, dict) and (kind is None or ev.get("kind") == kind):
+        if not (isinstance(ev, dict) and isinstance(ev.get("kind"), str) and isinstance(ev.get("ts"), (int, float))
+                and not isinstance(ev.get("ts"), bool)):
+            continue  # every event has a kind and a time (EventLog.emit): anything else is not one
+        if kind is None or ev.get("kind") == kind:
             out.append(ev)
     return out

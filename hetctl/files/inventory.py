@@ -146,6 +146,8 @@ class InventoryFile(_Strict):
     checkpoint_dir: Text | None = None
     slurm: SlurmSettings | None = None
     nodes: list[NodeEntry] = Field(min_length=1)
+    public_env: list[EnvName] = Field(default_factory=list, description="env names whose values --dry-run may "
+                                      "show; every other env value is printed as ***")
 
     @model_validator(mode="before")
     @classmethod
@@ -202,6 +204,7 @@ class Inventory(_Strict):
     checkpoint_dir: str | None = None
     nodes: list[Node] = Field(default_factory=list)
     slurm: SlurmSettings | None = None
+    public_env: list[str] = Field(default_factory=list)
 
     @property
     def names(self) -> list[str]:
@@ -378,7 +381,8 @@ def _resolve(f: InventoryFile, base: Path, source: Path) -> Inventory:
         ckpt = _local_path(ckpt, base)
     elif ckpt is not None and all(n.transport == "local" for n in nodes):
         ckpt = _local_path(ckpt, base)
-    return Inventory(source=source, defaults=f.defaults, ssh=ssh, checkpoint_dir=ckpt, nodes=nodes, slurm=f.slurm)
+    return Inventory(source=source, defaults=f.defaults, ssh=ssh, checkpoint_dir=ckpt, nodes=nodes, slurm=f.slurm,
+                     public_env=f.public_env)
 
 
 def load_inventory(path: str | Path) -> Inventory:

@@ -221,8 +221,15 @@ class RunDir:
         return rd
 
     def lock(self) -> RunLock:
-        """Take this run's controller lock (see :class:`RunLock`); held until released or the process ends."""
-        return RunLock(self.lock_path).acquire(self.run_id)
+        """Take this run's controller lock (see :class:`RunLock`); held until released or the process ends.
+
+        A stop request found now was for an earlier controller (``hetctl stop`` asks only a live
+        one) and is removed here, at once: one that comes later, while a resume still prepares,
+        is for this controller and must not be lost.
+        """
+        lock = RunLock(self.lock_path).acquire(self.run_id)
+        self.stop_path.unlink(missing_ok=True)
+        return lock
 
     @property
     def lock_path(self) -> Path:

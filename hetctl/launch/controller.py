@@ -40,7 +40,7 @@ from typing import Any, Callable, Mapping
 
 from hetctl.errors import HetctlError, StartFailed
 from hetctl.files.plan import Plan
-from hetctl.launch import materialize as mat
+from hetctl.launch import materialize as mat, wire
 from hetctl.launch.ship import ship as ship_files
 from hetctl.files.events import EventLog, Launched
 from hetctl.launch.monitor import Monitor, OnProgress, OnUpdate
@@ -105,26 +105,38 @@ class _Agent:
 
     def _read_stdout(self) -> None:
         try:
-            for raw in iter(self.proc.stdout.readline, b""):
+            for raw in wire.lines(self.proc.stdout):
+                if isinstance(raw, wire.Refused):
+                    self.inbox.put((self.name, raw))
+                    continue
                 try:
                     msg = json.loads(raw)
                 except ValueError:
                     self._note(raw)
                     continue
                 if isinstance(msg, dict) and msg.get("ev") == "port":
-                    self.port = int(msg["port"])  # the answer to ask_port, not an attempt's event
-                    self.port_answered.set()
+                    self._answer_port(msg.get("port"))  # the answer to ask_port, not an attempt's event
                 elif isinstance(msg, dict) and "ev" in msg:
                     self.inbox.put((self.name, msg))
+                else:
+                    self.inbox.put((self.name, wire.Refused(f"not an event: {raw[:60]!r}")))
         except (OSError, ValueError, EOFError):
             pass
         self.eof.set()
         self.inbox.put((self.name, None))
 
+    def _answer_port(self, port: object) -> None:
+        """A node's free port, believed only when it is one (1..65535); else no answer, so ask_port says so."""
+        if isinstance(port, int) and not isinstance(port, bool) and 0 < port < 65536:
+            self.port = port
+            self.port_answered.set()
+        else:
+            self._note(f"the agent answered port {str(port)[:40]!r}, not a port")
+
     def _read_stderr(self) -> None:
         try:
-            for raw in iter(self.proc.stderr.readline, b""):
-                self._note(raw)
+            for raw in wire.lines(self.proc.stderr, wire.MAX_TEXT):
+                self._note(raw.reason if isinstance(raw, wire.Refused) else raw)
         except (OSError, ValueError, EOFError):
             pass
 
@@ -330,6 +342,9 @@ class AttemptController:
                     raise HetctlError(f"python `{node.python}` not found",
                                       "install Python 3 there or set `python:` for the node in the inventory")
                 raise HetctlError(f"pre-flight failed: {tail[0]}")
+            problem = wire.preflight_problem(info)
+            if problem:
+                raise HetctlError(problem, "the node's python or hetctl's files there are not as shipped")
             if info.get("unsafe"):
                 raise HetctlError(f"workdir {info.get('workdir')} is {info['unsafe']}: another user could plant "
                                   "modules that the ranks import",

@@ -53,8 +53,14 @@ def _ppid(pid: int) -> int | None:
 def rank_procs(run_id: str, attempt: int | None = None) -> list[RankProc]:
     """The rank processes of a run on this machine (the top process of each rank, not its children)."""
     found: dict[int, tuple[int, int]] = {}
+    uid = os.getuid()
     for d in os.listdir("/proc"):
         if not d.isdigit():
+            continue
+        try:
+            if os.stat(f"/proc/{d}").st_uid != uid:
+                continue  # only the run owner's processes: another user may carry HETCTL_RUN_ID too
+        except OSError:
             continue
         env = _environ(int(d))
         if env.get("HETCTL_RUN_ID") != run_id or "RANK" not in env or is_spare(int(d)):

@@ -25,7 +25,7 @@ import zipfile
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from importlib import resources
-from typing import Any, Mapping, Sequence
+from typing import Any, Collection, Mapping, Sequence
 
 from hetctl.files.plan import Plan
 
@@ -107,18 +107,22 @@ class LaunchSpec:
     def node(self, name: str) -> NodeLaunch:
         return next(n for n in self.nodes if n.node == name)
 
-    def to_dict(self, mask_secrets: bool = True) -> dict[str, Any]:
-        """Plain data for ``--dry-run`` and ``--json``; inventory env values that look secret are masked."""
+    def to_dict(self, mask_secrets: bool = True, public: Collection[str] = ()) -> dict[str, Any]:
+        """Plain data for ``--dry-run`` and ``--json``; inventory env values are masked but those named ``public``."""
         d = asdict(self)
         if mask_secrets:
             for n in d["nodes"]:
-                n["env"] = mask_env(n["env"])
+                n["env"] = mask_env(n["env"], public)
         return d
 
 
-def mask_env(env: Mapping[str, str]) -> dict[str, str]:
-    """Replace values of secret-looking variables (…KEY, …TOKEN, …PASSWORD) with ``***``."""
-    return {k: ("***" if _SECRET.search(k) else v) for k, v in env.items()}
+def mask_env(env: Mapping[str, str], public: Collection[str] = ()) -> dict[str, str]:
+    """Every value as ``***`` but those of the names the inventory's ``public_env`` lists.
+
+    A name-based guess (…KEY, …TOKEN) misses ``S3_CREDS`` or ``MY_PASS``, so no value is shown unless
+    the user said it may be; a secret-looking name stays masked even when listed (a likely slip).
+    """
+    return {k: (v if k in public and not _SECRET.search(k) else "***") for k, v in env.items()}
 
 
 def node_base(workdir: str, run_id: str, attempt: int) -> str:

@@ -26,11 +26,15 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Mapping
 
-from hetctl.files.events import Evaluated, EventLog, NodeLost, ProcessesLeft, Progress, RankFailed, StageProgress, Standby
+from hetctl.files.events import (BadMessage, Evaluated, EventLog, NodeLost, ProcessesLeft, Progress, RankFailed, StageProgress,
+                                 Standby, StorageWarning)
 from hetctl.launch.outcome import CAUSE_ORDER, AttemptOutcome, FailureRecord, FaultKind, RunState, classify
 from hetctl.files.run import RunDir
 from hetctl.launch.spares import SparesImporting
 from hetctl.launch.ranklogs import RankLogs
+from hetctl.launch.wire import Refused, check as check_message
+
+MAX_WARNINGS_PER_NODE = 20  # distinct bad_message reasons written per node and attempt
 
 def _add(sums: dict, key: tuple[int, int], ms: Any, also: dict | None = None) -> None:
     """One more step of ``ms`` in the ``[n, sum]`` of ``key`` (and in ``also``'s)."""
@@ -120,7 +124,10 @@ class Monitor:
         self.on_update = on_update
         stage = {(s.replica, s.stage): s for s in plan.stages}
         self.ranks: dict[int, RankStatus] = {}
+        self.owned: dict[str, set[int]] = defaultdict(set)  # node → its ranks: what it may speak for
+        self.refused: dict[str, set[str]] = defaultdict(set)  # node → reasons already written
         for r in plan.ranks:
+            self.owned[r.node].add(r.rank)
             s = stage[(r.replica, r.stage)]
             self.ranks[r.rank] = RankStatus(r.rank, r.node, s.vendor, r.replica, r.stage, tuple(s.layers))
         self.logs = RankLogs(run, attempt, {r.rank: r.node for r in plan.ranks},
@@ -207,7 +214,7 @@ class Monitor:
             except queue.Empty:
                 continue
             self.handle(node, msg)
-            if msg is None or msg.get("ev") == "stopped":
+            if msg is None or node in self.stopped_nodes:
                 pending.discard(node)
         for st in self.ranks.values():
             if st.state in LIVE:
@@ -217,13 +224,20 @@ class Monitor:
             self.on_update(self.snapshot())
 
     # -- events from the agents ---------------------------------------------
-    def handle(self, node: str, msg: dict | None) -> None:
+    def handle(self, node: str, msg: dict | Refused | None) -> None:
+        """One line of ``node``'s agent (None: its stream ended), believed only as far as
+        :func:`hetctl.launch.wire.check` allows; a refused one is a ``bad_message`` warning."""
         now = self.clock()
         self.last_seen[node] = now
         if msg is None:
             if node not in self.stopped_nodes:
                 self._node_lost(node, "the agent's stream ended" + self._tail(node))
             return
+        checked = msg if isinstance(msg, Refused) else check_message(msg, self.owned.get(node, ()))
+        if isinstance(checked, Refused):
+            self._refuse(node, checked.reason)
+            return
+        msg = checked
         ev = msg.get("ev")
         if ev == "hello":
             self.node_state[node] = "up"
@@ -232,11 +246,13 @@ class Monitor:
             if st:
                 st.state, st.pid, st.progress_at = RankState.RUNNING, msg.get("pid"), now
                 self.logs.file(st.rank)  # every rank has its log, even one that prints nothing
+                self._storage_warnings()
         elif ev == "heartbeat":
             self._heartbeat(int(msg["rank"]), msg.get("hb") or {}, now)
         elif ev == "log":
             if int(msg["rank"]) in self.ranks:
                 self.logs.write(int(msg["rank"]), msg.get("lines") or [], int(msg.get("dropped") or 0))
+                self._storage_warnings()
         elif ev == "alive":
             for r, letter in (msg.get("ranks") or {}).items():
                 if int(r) in self.ranks:
@@ -256,6 +272,17 @@ class Monitor:
                 self.events.emit(ProcessesLeft(attempt=self.attempt, node=node, pids=[int(p) for p in msg["left"]]))
         elif ev == "error":
             self._fail(FailureRecord(FaultKind.START, node, time.time(), reason=f"agent: {msg.get('message')}"))
+
+    def _storage_warnings(self) -> None:
+        for path, reason in self.logs.errors():
+            self.events.emit(StorageWarning(attempt=self.attempt, path=path, reason=reason))
+
+    def _refuse(self, node: str, reason: str) -> None:
+        seen = self.refused[node]
+        if reason in seen or len(seen) >= MAX_WARNINGS_PER_NODE:
+            return
+        seen.add(reason)
+        self.events.emit(BadMessage(attempt=self.attempt, node=node, reason=reason))
 
     def _heartbeat(self, rank: int, hb: dict, now: float) -> None:
         st = self.ranks.get(rank)

@@ -28,34 +28,68 @@ class RankLogs:
     def __init__(self, run: RunDir, attempt: int, nodes: Mapping[int, str], node_paths: Mapping[int, str]) -> None:
         self.run, self.attempt, self.nodes, self.node_paths = run, attempt, dict(nodes), dict(node_paths)
         self._open: dict[int, IO[str]] = {}
+        self._failed: set[int] = set()
+        self._errors: list[tuple[str, str]] = []
 
-    def file(self, rank: int) -> IO[str]:
-        """The rank's log, opened (and headed) on first use."""
+    def file(self, rank: int) -> IO[str] | None:
+        """The rank's log, opened (and headed) on first use; None once writing it failed (see :meth:`errors`)."""
+        if rank in self._failed:
+            return None
         f = self._open.get(rank)
         if f is None:
             node = self.nodes[rank]
             path = self.run.log_path(node, rank)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            if path.parent.is_symlink():
-                raise OSError(f"{path.parent}: a symbolic link in the run folder")
-            f = self._open[rank] = open_append(path)  # closed in close()
-            f.write(f"==> hetctl attempt {self.attempt}, rank {rank} on {node} <==\n")
-            f.flush()
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                if path.parent.is_symlink():
+                    raise OSError(f"{path.parent}: a symbolic link in the run folder")
+                f = self._open[rank] = open_append(path)  # closed in close()
+                f.write(f"==> hetctl attempt {self.attempt}, rank {rank} on {node} <==\n")
+                f.flush()
+            except OSError as e:
+                self._fail(rank, path, e)
+                return None
         return f
 
     def write(self, rank: int, lines: list[str], dropped: int) -> None:
+        """Append the rank's lines; a failed write (a full disk under the run folder) is recorded, not raised:
+        the run's own storage failing is no fault of the rank or its node."""
         f = self.file(rank)
-        for line in lines:
-            f.write(line + "\n")
-        if dropped:
-            where = self.node_paths.get(rank, "the node's workdir")
-            f.write(f"[hetctl: {dropped} lines over the agent's rate limit not copied; full log on "
-                    f"{self.nodes[rank]}: {where}]\n")
-        f.flush()
+        if f is None:
+            return
+        try:
+            for line in lines:
+                f.write(line + "\n")
+            if dropped:
+                where = self.node_paths.get(rank, "the node's workdir")
+                f.write(f"[hetctl: {dropped} lines over the agent's rate limit not copied; full log on "
+                        f"{self.nodes[rank]}: {where}]\n")
+            f.flush()
+        except OSError as e:
+            self._fail(rank, self.run.log_path(self.nodes[rank], rank), e)
+
+    def _fail(self, rank: int, path: Path, e: OSError) -> None:
+        self._failed.add(rank)
+        f = self._open.pop(rank, None)
+        if f is not None:
+            try:
+                f.close()
+            except OSError:
+                pass
+        self._errors.append((str(path), e.strerror or str(e)))
+
+    def errors(self) -> list[tuple[str, str]]:
+        """The (path, reason) of each log that could not be written since the last call; its rank's later lines are
+        not written either (the node keeps the full log)."""
+        out, self._errors = self._errors, []
+        return out
 
     def close(self) -> None:
         for f in self._open.values():
-            f.close()
+            try:
+                f.close()
+            except OSError:  # the last buffered bytes on a full disk: already recorded or lost either way
+                pass
         self._open.clear()
 
     def tail(self, rank: int, n: int = 20) -> str:

@@ -4,7 +4,15 @@ from functools import lru_cache
 from importlib import resources
 
 
+# First line of every program run as ``python -c`` or ``python -``: such a python puts its current folder
+# first on sys.path, where another user (or a shared checkout) could have planted a json.py. The folder is
+# the node's login folder or, on a local node, wherever hetctl was started; ``-I`` or ``-P`` would do the
+# same but also drop the inventory's PYTHONPATH, or need Python 3.11.
+NO_CWD_IMPORTS = 'import sys\nif sys.path and sys.path[0] in ("", "."):\n    del sys.path[0]\n'
+
+
 @lru_cache(maxsize=None)
 def source(name: str) -> str:
-    """Source of a stdlib-only program in ``hetctl/node/`` that runs on a node as ``python -c`` (read once)."""
-    return resources.files("hetctl.node").joinpath(name).read_text()
+    """Source of a stdlib-only program in ``hetctl/node/`` that runs on a node as ``python -c`` (read once),
+    behind :data:`NO_CWD_IMPORTS`."""
+    return NO_CWD_IMPORTS + resources.files("hetctl.node").joinpath(name).read_text()

@@ -2,7 +2,8 @@
 
 Arguments: the run id, and optionally a signal number to send them (``hetctl
 stop`` when the run's controller is gone). Lists every process whose initial environment carries
-``HETCTL_RUN_ID=<id>`` (every rank and anything a rank started, daemons included)
+``HETCTL_RUN_ID=<id>`` (every rank and anything a rank started, daemons included) and that
+belongs to this user (another local user could start a process with that variable to block a resume)
 and prints one JSON line: ``{"proc": true, "pids": [[pid, state, command], …]}``
 (``proc`` false where there is no ``/proc`` to read, so the caller cannot tell).
 Zombies are left out: they hold nothing.
@@ -19,8 +20,14 @@ def alive(run_id: str) -> dict:
     found = []
     if not os.path.isdir("/proc"):
         return {"proc": False, "pids": found}
+    uid = os.getuid()
     for d in os.listdir("/proc"):
         if not d.isdigit() or int(d) == me:
+            continue
+        try:
+            if os.stat("/proc/%s" % d).st_uid != uid:
+                continue  # only the run owner's processes count: another user can set HETCTL_RUN_ID too
+        except OSError:
             continue
         try:
             with open("/proc/%s/environ" % d, "rb") as f:

@@ -195,7 +195,9 @@ def promote(ckpt_dir: str | Path, choice: JitChoice, model_digest: str, meta: Ma
     Returns:
         The step folder.
     """
-    d = manifest.step_dir(ckpt_dir, choice.step)
+    from hetctl.node.safepath import check_inside
+
+    d = check_inside(ckpt_dir, manifest.step_dir(ckpt_dir, choice.step))  # not through a planted link
     if d.is_dir() and not manifest.validate(d, model_digest):
         return d
     d.mkdir(parents=True, exist_ok=True)
@@ -214,10 +216,17 @@ def promote(ckpt_dir: str | Path, choice: JitChoice, model_digest: str, meta: Ma
 
 def discard(ckpt_dir: str | Path, up_to_attempt: int) -> None:
     """Remove the dumps of attempts up to ``up_to_attempt`` (promoted steps keep their own links)."""
+    from hetctl.node.safepath import check_inside, remove_tree
+
+    jit = Path(ckpt_dir) / JIT_DIR
+    try:
+        check_inside(ckpt_dir, jit)  # other users may write the store: a planted link is not followed
+    except OSError:
+        return
     for a in attempts(ckpt_dir):
         if a <= up_to_attempt:
-            shutil.rmtree(Path(ckpt_dir) / JIT_DIR / str(a), ignore_errors=True)
+            remove_tree(ckpt_dir, jit / str(a))
     try:
-        (Path(ckpt_dir) / JIT_DIR).rmdir()  # only when empty
+        jit.rmdir()  # only when empty
     except OSError:
         pass

@@ -36,9 +36,28 @@ def unsafe(wd: str):
         return None
     if st.st_uid != os.getuid():
         return "owned by uid %d, not by this user (uid %d)" % (st.st_uid, os.getuid())
-    if st.st_mode & 0o022 and not st.st_mode & 0o1000:
-        return "writable by %s (mode %o)" % ("others" if st.st_mode & 0o002 else "its group", st.st_mode & 0o7777)
+    # The sticky bit (/tmp's 1777) only keeps others from deleting our files: they can still
+    # create a torch.py beside them, so it makes no folder safe.
+    if st.st_mode & 0o002:
+        return "writable by others (mode %o)" % (st.st_mode & 0o7777)
+    if st.st_mode & 0o020 and not _own_group(st.st_gid):
+        return "writable by its group (mode %o)" % (st.st_mode & 0o7777)
     return None
+
+
+def _own_group(gid: int) -> bool:
+    """Whether ``gid`` is this user's private group (no other user in it), as with a umask of 002."""
+    try:
+        import grp
+        import pwd
+
+        me = pwd.getpwuid(os.getuid()).pw_name
+        group = grp.getgrgid(gid)
+        if any(m != me for m in group.gr_mem):
+            return False
+        return not any(u.pw_gid == gid and u.pw_name != me for u in pwd.getpwall())
+    except (ImportError, KeyError, OSError):
+        return False
 
 
 def share_id(wd: str):

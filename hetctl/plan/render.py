@@ -29,6 +29,7 @@ Frameworks:
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -436,16 +437,21 @@ def _rendered_by_hetctl(path: Path) -> bool:
     return written_by(path, "rendered by `hetctl plan`")
 
 
-def write_plan_dir(plan: Plan, out_dir: str | Path, hosts: dict[str, str] | None = None) -> list[Path]:
+def write_plan_dir(plan: Plan, out_dir: str | Path, hosts: dict[str, str] | None = None,
+                   force: bool = False) -> list[Path]:
     """Write ``plan.yaml`` and ``nodes/<node>.sh`` (executable) under ``out_dir``.
 
     For DeepSpeed also ``hostfile`` and ``hostfile.include`` (the ``--include`` value):
     under them DeepSpeed's own launcher places every rank as planned (see
     :func:`hetctl.plan.deepspeed_layout.launcher_files`).
+    A script or hostfile the user changed since hetctl wrote it is not replaced
+    (nor an earlier plan's script removed) without ``force``; a link in its place
+    is replaced, never written through (:mod:`hetctl.files.safefs`).
 
     Returns:
         The paths written: the plan, then the node scripts.
     """
+    from hetctl.files.safefs import write_owned
     from hetctl.files.yamlio import save_model
 
     out = Path(out_dir)
@@ -461,20 +467,17 @@ def write_plan_dir(plan: Plan, out_dir: str | Path, hosts: dict[str, str] | None
     ds = _ds_launcher(plan, meshes(plan, by_type=False)) if plan.framework == "deepspeed" else None
     header = (f"hetctl plan: {plan.model.name} on {len(plan.nodes)} nodes, pp {plan.parallel.pp} × "
               f"dp {plan.parallel.dp}, framework {plan.framework}")
-    written = [save_model(plan_file, plan, header=header)]
+    files: dict[str, str] = {f"nodes/{script_name(node)}": text for node, text in scripts.items()}
     nodes_dir = out / "nodes"
-    nodes_dir.mkdir(parents=True, exist_ok=True)
-    for old in nodes_dir.glob("*.sh"):  # an earlier plan's scripts go; a user's own files stay
-        if _rendered_by_hetctl(old):
-            old.unlink()
+    # An earlier plan's scripts go; a user's own files stay.
+    stale = tuple(f"nodes/{old.name}" for old in (nodes_dir.glob("*.sh") if nodes_dir.is_dir() else ())
+                  if f"nodes/{old.name}" not in files and _rendered_by_hetctl(old))
     for name, text in (("hostfile", ds and ds.hostfile), ("hostfile.include", ds and ds.include + "\n")):
-        if (out / name).exists():
-            (out / name).unlink()
         if text:
-            (out / name).write_text(text)
-    for node, text in scripts.items():
-        path = nodes_dir / script_name(node)
-        path.write_text(text)
-        path.chmod(0o755)
-        written.append(path)
-    return written
+            files[name] = text
+        elif os.path.lexists(out / name):
+            stale += (name,)
+    owned = write_owned(out, files, modes={rel: 0o755 for rel in files if rel.startswith("nodes/")}, force=force,
+                        remove=stale, legacy=lambda p: p.name in ("hostfile", "hostfile.include") or _rendered_by_hetctl(p))
+    written = [save_model(plan_file, plan, header=header)]
+    return written + [p for p in owned if p.parent.name == "nodes"]

@@ -1,7 +1,8 @@
 """``plan/slurm.sbatch``: the plan as one Slurm heterogeneous batch job, for users who submit themselves.
 
 One het group per chip kind (vendor and model of the node's stages): its nodes
-pinned with ``--nodelist``, one task per node, and the nodes' Gres when the
+pinned with ``--nodelist``, one task per node (a plan of one chip kind is a plain job:
+no ``hetjob`` line, no ``--het-group``), and the nodes' Gres when the
 cluster file came from a Slurm inventory (``slurm_gres`` labels), so the chips
 are granted to the job. The script starts one ``srun --het-group=G`` per group;
 each task runs its node's ``nodes/<node>.sh`` (which already sets every rank's
@@ -25,6 +26,7 @@ from hetctl.plan.render import DEFAULT_PORT, script_name
 from hetctl.files.plan import Plan
 
 SBATCH_NAME = "slurm.sbatch"
+DEFAULT_STEPS, DEFAULT_CKPT_EVERY = 100, 10  # `hetctl launch`'s --steps and --checkpoint-every
 _SAFE_JOB_NAME = re.compile(r"[^A-Za-z0-9._-]")
 
 
@@ -71,15 +73,24 @@ def het_groups(plan: Plan, gres: dict[str, str] | None = None) -> list[HetGroup]
     return out
 
 
+def _comment(text: str) -> str:
+    """A comment line whose text (chip names from vendor tools, the model's name) can never end it:
+    a line break or control character in it is written as an escape, not as a new line of shell."""
+    from hetctl.files.yamlio import one_line
+
+    return "# " + one_line(text)
+
+
 def render_sbatch(plan: Plan, plan_dir: str | Path, gres: dict[str, str] | None = None) -> str:
     """The batch script text for ``plan`` written in ``plan_dir``."""
     groups = het_groups(plan, gres)
+    het = len(groups) > 1  # `srun --het-group` in a job of one component is refused by Slurm
     rank0 = min(plan.ranks, key=lambda r: r.rank).node
     job_name = _SAFE_JOB_NAME.sub("_", f"hetctl-{plan.model.name}")
     lines = [
         "#!/usr/bin/env bash",
-        f"# Slurm heterogeneous job for plan {plan.model.name}: pp {plan.parallel.pp} x dp {plan.parallel.dp}, "
-        f"{len(plan.ranks)} ranks on {len(plan.nodes)} nodes, rendered by `hetctl plan`.",
+        _comment(f"Slurm {'heterogeneous ' if het else ''}job for plan {plan.model.name}: pp {plan.parallel.pp} x "
+                 f"dp {plan.parallel.dp}, {len(plan.ranks)} ranks on {len(plan.nodes)} nodes, rendered by `hetctl plan`."),
         "# One het group per chip kind; each task runs its node's nodes/<node>.sh.",
         "# Submit: sbatch slurm.sbatch [arguments for every rank]",
         f"#SBATCH --job-name={job_name}",
@@ -99,6 +110,9 @@ def render_sbatch(plan: Plan, plan_dir: str | Path, gres: dict[str, str] | None 
         f"export MASTER_PORT=${{MASTER_PORT:-{DEFAULT_PORT}}}",
         'export HETCTL_RUN_ID=${HETCTL_RUN_ID:-slurm-$SLURM_JOB_ID}',
         'export HETCTL_CKPT_DIR=${HETCTL_CKPT_DIR:-$PWD/checkpoints/$HETCTL_RUN_ID}',
+        # The reference trainer's defaults, as `hetctl launch` has them: `sbatch slurm.sbatch` alone runs.
+        f"export HETCTL_STEPS=${{HETCTL_STEPS:-{DEFAULT_STEPS}}}",
+        f"export HETCTL_CKPT_EVERY=${{HETCTL_CKPT_EVERY:-{DEFAULT_CKPT_EVERY}}}",
         "",
         "pids=()",
         "stop_all() { local p; for p in \"${pids[@]}\"; do kill -TERM \"$p\" 2>/dev/null || true; done; }",
@@ -113,9 +127,9 @@ def render_sbatch(plan: Plan, plan_dir: str | Path, gres: dict[str, str] | None 
     for i, g in enumerate(groups):
         vis = f", visible devices via {g.visible_devices_env}" if g.visible_devices_env else ""
         lines += [
-            f"# group {i}: {g.vendor} {g.model} on {','.join(g.nodes)} (ranks {','.join(map(str, g.ranks))}, "
-            f"device {g.device_type}{vis})",
-            f"srun --het-group={i} --nodes={len(g.nodes)} --ntasks-per-node=1 "
+            _comment(f"group {i}: {g.vendor} {g.model} on {','.join(g.nodes)} (ranks {','.join(map(str, g.ranks))}, "
+                     f"device {g.device_type}{vis})"),
+            f"srun {f'--het-group={i} ' if het else ''}--nodes={len(g.nodes)} --ntasks-per-node=1 "
             f"--export=ALL,HETCTL_HET_GROUP={i} bash -c {shlex.quote(task)} \"$PLAN_DIR\" \"$@\" &",
             'pids+=("$!")',
         ]
@@ -141,12 +155,16 @@ def slurm_gres(facts: Any) -> dict[str, str] | None:
     return labelled or None
 
 
-def write_sbatch(plan: Plan, facts: Any, out_dir: str | Path) -> Path | None:
-    """Write ``out_dir/slurm.sbatch`` when the cluster came from Slurm; its path, or None."""
+def write_sbatch(plan: Plan, facts: Any, out_dir: str | Path, force: bool = False) -> Path | None:
+    """Write ``out_dir/slurm.sbatch`` when the cluster came from Slurm; its path, or None.
+
+    One the user changed since hetctl wrote it is not replaced without ``force`` (:mod:`hetctl.files.safefs`).
+    """
     gres = slurm_gres(facts)
     if gres is None:
         return None
-    path = Path(out_dir) / SBATCH_NAME
-    path.write_text(render_sbatch(plan, out_dir, gres))
-    path.chmod(0o755)
-    return path
+    from hetctl.files.safefs import write_owned
+    from hetctl.files.yamlio import written_by
+
+    return write_owned(out_dir, {SBATCH_NAME: render_sbatch(plan, out_dir, gres)}, modes={SBATCH_NAME: 0o755},
+                       force=force, legacy=lambda p: written_by(p, "rendered by `hetctl plan`"))[0]

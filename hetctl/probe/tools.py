@@ -45,7 +45,7 @@ from hetctl.probe.parsers import (
     rocm_smi,
     rocminfo,
 )
-from hetctl.probe.parsers._common import ParsedChip, device_key, hex_id, is_masked, normalize_bdf
+from hetctl.probe.parsers._common import ParsedChip, device_key, hex_id, is_masked, normalize_bdf, tame
 
 if TYPE_CHECKING:
     from hetctl.files.cluster import Chip
@@ -144,7 +144,8 @@ def parse_tool(key: str, text: str) -> list[ParsedChip]:
     if fn is None or not text:
         return []
     try:
-        return fn(text)
+        # JSON and XML go to their linear standard-library parsers whole; text parsers see bounded lines
+        return fn(text if key.endswith(("-json", "-xml")) else tame(text))
     except ValueError:
         return []
 
@@ -234,7 +235,7 @@ def _pci_records(raw: dict[str, Any]) -> list[ParsedChip]:
         out.append(ParsedChip(index=len(out), vendor=vendor, bus_id=bus, device_id=hex_id(rec.get("device"))))
     if not out:
         text = _usable((raw.get("tools") or {}).get("lspci"))
-        out = lspci.parse(text, VENDOR_PCI_IDS) if text else []
+        out = lspci.parse(tame(text), VENDOR_PCI_IDS) if text else []
     return out
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import IO, Mapping, Sequence
 
 from hetctl.errors import CommandFailed, RemoteError
+from hetctl.remote.startline import Collected
 from hetctl.remote.base import Result, track, untrack
 
 TIMEOUT_EXIT = 124  # like coreutils timeout(1): the command was stopped by hetctl
@@ -175,15 +176,17 @@ class LocalTransport:
             start_new_session=True,
         )
         track(popen)
+        io_ = Collected(popen, prefix + (input or b""))  # at most MAX_OUTPUT bytes kept of each stream
         try:
-            out, err = popen.communicate(prefix + (input or b""), timeout=timeout)
-            code = popen.returncode
+            code = io_.wait(timeout)
+            out, err = io_.output()
         except subprocess.TimeoutExpired:
             try:
                 os.killpg(popen.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            out, err = popen.communicate()
+            popen.wait()
+            out, err = io_.output(5)
             err += f"\nhetctl: timed out after {timeout:g} s".encode()
             code = TIMEOUT_EXIT
         finally:

@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from hetctl.errors import HetctlError, RemoteError, Unreachable
+from hetctl.remote.startline import Collected
 from hetctl.remote.base import Result
 from hetctl.remote.base import track, untrack
 from hetctl.remote.slurmq import HetPlace
@@ -268,12 +269,14 @@ class SlurmTransport:
         t0 = time.monotonic()
         popen, name, prefix = self._popen(argv, env, cwd)
         track(popen)
+        io_ = Collected(popen, prefix + (input or b""))  # at most MAX_OUTPUT bytes kept of each stream
         try:
-            out, err = popen.communicate(prefix + (input or b""), timeout=timeout)
-            code = popen.returncode
+            code = io_.wait(timeout)
+            out, err = io_.output()
         except subprocess.TimeoutExpired:
             SlurmProcess(popen, self.node, self.step_job, name).kill()
-            out, err = popen.communicate()
+            popen.wait()
+            out, err = io_.output(5)
             err += f"\nhetctl: timed out after {timeout:g} s".encode()
             code = TIMEOUT_EXIT
         finally:

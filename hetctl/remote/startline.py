@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 import subprocess
 import threading
-from typing import IO
+from typing import IO, Any
 
 PID_MARKER = b"hetctl-pid:"
 PID_LINE = re.compile(rb"hetctl-pid:(\d+)\r?\n")
@@ -43,6 +43,8 @@ class Started:
             self.pid = int(m.group(1))
             self._seen = b""
             self._event.set()
+        else:
+            self._seen = self._seen[-512:]  # the start line is short: a tail is all a split one needs
 
     def end(self) -> None:
         self._event.set()
@@ -87,7 +89,13 @@ def strip_marker(stderr: bytes) -> tuple[int | None, bytes]:
     return int(m.group(1)), stderr[m.end():]
 
 
-def drain(stream: IO[bytes], sink: list[bytes], started: Started | None = None) -> None:
+MAX_OUTPUT = 64 << 20  # bytes kept of one stream of one node command; the rest is read and dropped
+
+
+def drain(stream: IO[bytes], sink: list[bytes], started: Started | None = None, limit: int = MAX_OUTPUT) -> None:
+    """Read ``stream`` to its end, keeping its first ``limit`` bytes in ``sink`` (then one note of what was
+    dropped): a node that prints a gigabyte costs the controller ``limit`` bytes, and still finishes."""
+    kept = dropped = 0
     try:
         while True:
             try:
@@ -96,12 +104,62 @@ def drain(stream: IO[bytes], sink: list[bytes], started: Started | None = None) 
                 return
             if not data:
                 return
-            sink.append(data)
             if started is not None:
                 started.see(data)
+            if kept + len(data) > limit:
+                room = max(0, limit - kept)
+                if room:
+                    sink.append(data[:room])
+                kept += room
+                dropped += len(data) - room
+                continue
+            kept += len(data)
+            sink.append(data)
     finally:
+        if dropped:
+            sink.append(b"\n[hetctl: %d more bytes of output dropped: over %d]\n" % (dropped, limit))
         if started is not None:
             started.end()
+
+
+class Collected:
+    """A started process's stdout and stderr read by two threads (at most ``limit`` bytes each) while
+    ``data`` is written on its stdin: ``Popen.communicate`` without keeping all that a node prints."""
+
+    def __init__(self, popen: Any, data: bytes, limit: int = MAX_OUTPUT) -> None:
+        self.popen = popen
+        self.out: list[bytes] = []
+        self.err: list[bytes] = []
+        self._threads = [threading.Thread(target=drain, args=(popen.stdout, self.out, None, limit), daemon=True),
+                         threading.Thread(target=drain, args=(popen.stderr, self.err, None, limit), daemon=True),
+                         threading.Thread(target=_write_all, args=(popen.stdin, data), daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    def wait(self, timeout: float | None) -> int:
+        """The exit code; raises ``subprocess.TimeoutExpired`` as ``communicate`` does."""
+        return self.popen.wait(timeout)
+
+    def output(self, join_s: float | None = None) -> tuple[bytes, bytes]:
+        for t in self._threads:
+            t.join(join_s)
+        return b"".join(self.out), b"".join(self.err)
+
+
+def _write_all(stream: IO[bytes] | None, data: bytes) -> None:
+    if stream is None:
+        return
+    try:
+        if data:
+            stream.write(data)
+            stream.flush()
+    except (OSError, ValueError):
+        pass
+    finally:
+        try:
+            stream.close()
+        except (OSError, ValueError):
+            pass
 
 
 def feed(stream: IO[bytes], data: bytes | None, started: Started) -> None:

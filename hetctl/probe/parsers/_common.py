@@ -163,3 +163,23 @@ def index_and_name(cell: str) -> tuple[int, str] | None:
 def split_columns(line: str) -> list[str]:
     """Columns of a space-aligned table row: runs of two or more spaces separate them."""
     return [c for c in re.split(r"\s{2,}|\t+", line.strip()) if c]
+
+
+MAX_LINE = 4096  # characters of one line of a vendor tool's output a parser sees; real lines are far shorter
+MAX_BLANK = 64  # a run of spaces or tabs longer than this is cut to it (tables align with a few dozen)
+_LONG_BLANK = re.compile(r"[ \t]{%d,}" % (MAX_BLANK + 1))
+
+
+def tame(text: str) -> str:
+    """``text`` with each line cut to :data:`MAX_LINE` characters and long runs of blanks shortened.
+
+    The parsers' regular expressions backtrack over runs of blanks (``\\s*…\\s*$``): a 60,000-space line
+    took a parser 47 s. Bounding what one line can hold makes every parser linear in the number of lines,
+    whatever a node's tool prints; no real output has lines or gaps this long.
+    """
+    if len(text) < MAX_BLANK and "\n" not in text:
+        return text
+    text = _LONG_BLANK.sub(lambda m: m.group()[:MAX_BLANK], text)
+    if any(len(line) > MAX_LINE for line in text.split("\n")):
+        text = "\n".join(line[:MAX_LINE] for line in text.split("\n"))
+    return text
