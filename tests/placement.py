@@ -75,12 +75,21 @@ def clusters() -> dict[str, tuple[Cluster, ModelSpec, int]]:
     return {**_tests(), **_bench()}
 
 
+def rendered_anyway(plan: Plan) -> Plan:
+    """``plan`` as ``hetctl plan --render-anyway`` writes it: a Megatron or DeepSpeed plan across vendors is
+    refused otherwise, yet the scripts written anyway must still place every rank as planned."""
+    from hetctl.plan.render import unrunnable
+
+    return plan.model_copy(update={"rendered_anyway": unrunnable(plan)})
+
+
 @cache
 def plan_for(name: str, framework: str) -> Plan | None:
-    """The plan of cluster ``name`` for ``framework``; None where no plan fits."""
+    """The plan of cluster ``name`` for ``framework`` (rendered anyway where it spans vendors); None where no
+    plan fits."""
     cluster, spec, batch = clusters()[name]
     try:
-        return plan_cluster(cluster, spec, global_batch=batch, framework=framework)
+        return rendered_anyway(plan_cluster(cluster, spec, global_batch=batch, framework=framework))
     except PlanInfeasible:
         return None
 

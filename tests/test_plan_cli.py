@@ -69,12 +69,13 @@ def test_json_is_the_plan_file_and_the_cluster_may_be_positional(site):
 
 
 def test_pins_are_honoured(site):
+    # pp 3 × dp 2 × tp 4 needs the Ascend node too, which one Megatron job cannot join: --render-anyway.
     r = hetctl("plan", "-m", "llama2-7b", "--global-batch", "64", "--pp", "3", "--dp", "2",
-               "--framework", "megatron", "--tp", "4", "-o", "p", cwd=site)
+               "--framework", "megatron", "--tp", "4", "-o", "p", "--render-anyway", cwd=site)
     assert r.returncode == 0, r.stderr
     plan = load_model(site / "p" / "plan.yaml", Plan)
     assert (plan.parallel.pp, plan.parallel.dp) == (3, 2) and {s.tp for s in plan.stages} == {4}
-    assert "one megatron job cannot span vendors" in r.stderr
+    assert r.stderr.splitlines()[-1].startswith("warning: one megatron job cannot span vendors")
 
 
 @pytest.mark.parametrize("args, code, text", [
@@ -151,3 +152,99 @@ def test_plan_on_the_cluster_file_a_real_probe_wrote(make_sshd_cluster, tmp_path
     for n in plan.nodes:
         text = (tmp_path / "plan" / "nodes" / f"{n}.sh").read_text()
         assert "--enable-hetero" in text and subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
+
+
+# -- issue 31, part 3: a framework that cannot run a plan is refused, not rendered ----------------------------
+
+
+def hetctl_merged(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """``hetctl`` with stdout and stderr in one stream, in the order a terminal shows them."""
+    return subprocess.run([sys.executable, "-m", "hetctl", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, cwd=cwd, timeout=300, env={**os.environ, "COLUMNS": "200"})
+
+
+@pytest.fixture
+def three_vendors(tmp_path: Path) -> Path:
+    """The reporter's cluster: H100, Ascend 910B and MI300X, with an inventory of local nodes (for launch --dry-run)."""
+    cluster = Cluster(inventory="inventory.yaml", nodes=[
+        node("gpu-01", "nvidia", "NVIDIA H100 80GB HBM3", 8, 79.65, 989.4, 989.4),
+        node("npu-01", "ascend", "910B2C", 8, 64.0, 376.0, 376.0),
+        node("mi-01", "amd", "AMD Instinct MI300X", 8, 192.0, 1307.4, 1307.4),
+    ])
+    save_model(tmp_path / "cluster.yaml", cluster, header="hetctl probe -i inventory.yaml")
+    (tmp_path / "inventory.yaml").write_text(yaml.safe_dump({
+        "defaults": {"transport": "local", "workdir": str(tmp_path / "work")},
+        "nodes": [{"name": n.name, "host": "localhost"} for n in cluster.nodes]}))
+    return tmp_path
+
+
+REFUSED = ("one {fw} job cannot span vendors ({vendors}): it runs one collective library for every rank; "
+           "use --framework hetctl (or flagscale; torchrun if your script spans vendors)")
+
+
+@pytest.mark.parametrize("fw, model, vendors", [("megatron", "llama3-70b", "amd, ascend, nvidia"),
+                                                ("deepspeed", "llama2-7b", "amd, nvidia")])
+@pytest.mark.parametrize("json_out", [False, True])
+def test_a_plan_across_vendors_is_refused_for_megatron_and_deepspeed(three_vendors, fw, model, vendors, json_out):
+    r = hetctl("plan", "-m", model, "--framework", fw, "-o", "out", *(["--json"] if json_out else []),
+               cwd=three_vendors)
+    assert r.returncode == 4, r.stderr
+    first, *rest = r.stderr.splitlines()
+    assert first == f"error: plan: {REFUSED.format(fw=fw, vendors=vendors)}"  # one line naming the frameworks that can run it
+    assert len(rest) == 1 and rest[0].startswith("hint:") and "--render-anyway" in rest[0]
+    assert r.stdout == "" and not (three_vendors / "out").exists(), "nothing printed or written"
+
+
+def test_a_single_vendor_megatron_plan_is_unaffected(three_vendors):
+    one = load_model(three_vendors / "cluster.yaml", Cluster)
+    save_model(three_vendors / "gpu.yaml", one.model_copy(update={"nodes": one.nodes[:1]}))
+    r = hetctl("plan", "gpu.yaml", "-m", "llama2-7b", "--framework", "megatron", "-o", "out", cwd=three_vendors)
+    assert r.returncode == 0, r.stderr
+    assert "vendors" not in r.stderr and r.stderr.splitlines()[-1].startswith("wrote ")
+    plan = load_model(three_vendors / "out" / "plan.yaml", Plan)
+    assert plan.rendered_anyway is None
+    assert "WARNING" not in (three_vendors / "out" / "nodes" / "gpu-01.sh").read_text()
+
+
+def test_render_anyway_writes_the_scripts_and_warns_last_and_launch_dry_run_repeats_it(three_vendors):
+    d, why = three_vendors, REFUSED.format(fw="megatron", vendors="amd, ascend, nvidia")
+    r = hetctl_merged("plan", "-m", "llama3-70b", "--framework", "megatron", "-o", "out", "--render-anyway",
+                      "--explain", cwd=d)
+    assert r.returncode == 0, r.stdout
+    lines = r.stdout.splitlines()
+    assert lines[-1] == f"warning: {why}; the scripts were written anyway (--render-anyway)"
+    assert lines[-2].startswith("wrote ") and sum("cannot span vendors" in line for line in lines) == 1
+    plan = load_model(d / "out" / "plan.yaml", Plan)
+    assert plan.rendered_anyway == why and {s.vendor for s in plan.stages} == {"amd", "ascend", "nvidia"}
+    assert sorted(p.name for p in (d / "out" / "nodes").iterdir()) == ["gpu-01.sh", "mi-01.sh", "npu-01.sh"]
+
+    r = hetctl("plan", "-m", "llama3-70b", "--framework", "megatron", "-o", "out2", "--render-anyway", "--json",
+               cwd=d)
+    assert r.returncode == 0, r.stderr
+    assert Plan.model_validate(json.loads(r.stdout)).rendered_anyway == why
+    assert r.stderr.splitlines()[-1] == f"warning: {why}; the scripts were written anyway (--render-anyway)"
+
+    warning = f"warning: {why}; launch runs it only because `hetctl plan --render-anyway` wrote it"
+    r = hetctl_merged("launch", "out", "--dry-run", cwd=d)
+    assert r.returncode == 0, r.stdout
+    assert r.stdout.startswith("dry run") and r.stdout.splitlines()[-1] == warning
+    r = hetctl("launch", "out", "--dry-run", "--json", cwd=d)
+    assert r.returncode == 0, r.stderr
+    assert "warning: " + json.loads(r.stdout)["warning"] == warning and r.stderr.splitlines()[-1] == warning
+
+
+def test_launch_refuses_a_plan_across_vendors_that_was_not_rendered_anyway(three_vendors):
+    """A hand-made or older plan.yaml: refused before anything starts, dry run or not."""
+    d = three_vendors
+    assert hetctl("plan", "-m", "llama3-70b", "--framework", "megatron", "-o", "out", "--render-anyway",
+                  cwd=d).returncode == 0
+    data = yaml.safe_load((d / "out" / "plan.yaml").read_text())
+    del data["rendered_anyway"]
+    (d / "out" / "plan.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+    for extra in (["--dry-run"], ["--json"]):
+        r = hetctl("launch", "out", *extra, cwd=d)
+        assert r.returncode == 4, r.stderr
+        assert r.stderr.splitlines()[0] == f"error: plan: {REFUSED.format(fw='megatron', vendors='amd, ascend, nvidia')}" and r.stdout == ""
+    assert not (d / "runs").exists() and not (d / "work").exists(), "nothing started"
+    r = hetctl("launch", "out", "--dry-run", "--entry", "train.py", cwd=d)  # the user's own entry: not Megatron
+    assert r.returncode == 0 and "cannot span vendors" not in r.stdout + r.stderr, r.stderr

@@ -29,6 +29,7 @@ from hetctl.files.plan import Plan
 from hetctl.plan.search import Pins
 from hetctl.files.cluster import Cluster
 from hetctl.files.yamlio import load_model as load_yaml_model
+from tests.placement import rendered_anyway
 from tests.test_plan_invariants import SMALL, node
 
 CONTRACT = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -86,7 +87,9 @@ def mixed_cluster() -> Cluster:
 
 @pytest.fixture(scope="module")
 def plans() -> dict[str, Plan]:
-    return {fw: plan_cluster(mixed_cluster(), SMALL, global_batch=32, framework=fw)
+    """Each framework's plan on the two-vendor cluster; Megatron's and DeepSpeed's as ``--render-anyway``
+    writes them (refused otherwise: test_a_framework_that_cannot_run_a_plan_is_refused_unless_rendered_anyway)."""
+    return {fw: rendered_anyway(plan_cluster(mixed_cluster(), SMALL, global_batch=32, framework=fw))
             for fw in ("hetctl", "megatron", "flagscale", "deepspeed", "torchrun")}
 
 
@@ -353,3 +356,71 @@ def test_deepspeed_plans_deepspeeds_own_split_and_refuses_another(tmp_path, plan
 
 
 # DeepSpeed's launcher files: tests/test_placement.py runs DeepSpeed's runner and launch.py on them.
+
+
+# -- issue 31, part 3: a framework that cannot run a plan is refused, not rendered ----------------------------
+
+
+@pytest.mark.parametrize("fw", ["megatron", "deepspeed"])
+def test_a_framework_that_cannot_run_a_plan_is_refused_unless_rendered_anyway(tmp_path, fw):
+    from hetctl.errors import PlanInfeasible
+    from hetctl.plan.render import render_rank_scripts, unrunnable
+
+    plan = plan_cluster(mixed_cluster(), SMALL, global_batch=32, framework=fw, homogeneous=False)
+    assert {s.vendor for s in plan.stages} == {"nvidia", "ascend"}
+    why = unrunnable(plan)
+    assert why.startswith(f"one {fw} job cannot span vendors (ascend, nvidia)")
+    assert "use --framework hetctl (or flagscale; torchrun if your script spans vendors)" in why
+    for render in (render_node_scripts, render_rank_scripts, lambda p: write_plan_dir(p, tmp_path / "out")):
+        with pytest.raises(PlanInfeasible) as e:
+            render(plan)
+        assert e.value.exit_code == 4 and e.value.message == f"plan: {why}" and "\n" not in e.value.message
+    assert not (tmp_path / "out").exists(), "nothing written"
+    anyway = plan.model_copy(update={"rendered_anyway": why})
+    written = write_plan_dir(anyway, tmp_path / "out")
+    assert load_yaml_model(written[0], Plan).rendered_anyway == why
+    for script in written[1:]:  # the scripts say so at the top
+        assert "# WARNING: {} cannot run this plan: one job of it cannot span vendors\n# (ascend, nvidia)".format(
+            fw) in script.read_text()
+
+
+def test_frameworks_that_can_run_a_plan_across_vendors_are_not_refused():
+    from hetctl.plan.render import unrunnable
+
+    for fw in ("hetctl", "flagscale", "torchrun"):
+        plan = plan_cluster(mixed_cluster(), SMALL, global_batch=32, framework=fw, homogeneous=False)
+        assert len({s.vendor for s in plan.stages}) == 2 and unrunnable(plan) is None
+        assert "WARNING: " not in "".join(render_node_scripts(plan).values()), fw
+    one_vendor = Cluster(nodes=[node(f"gpu-{i}", "nvidia", "NVIDIA A100-SXM4-80GB", 4, 80.0, 312.0, 312.0)
+                                for i in range(2)] + [node("gpu-h", "nvidia", "NVIDIA H100 80GB HBM3", 4, 79.65,
+                                                            989.4, 989.4)])
+    for fw in ("megatron", "deepspeed"):  # one vendor, two chip kinds: one collective library runs it
+        plan = plan_cluster(one_vendor, SMALL, global_batch=32, framework=fw, homogeneous=False)
+        assert len({s.model for s in plan.stages}) == 2 and unrunnable(plan) is None
+        render_node_scripts(plan)
+
+
+def test_the_refusal_names_frameworks_from_the_capability_table(monkeypatch):
+    from hetctl.plan import frameworks
+
+    assert frameworks.refusal("megatron", ["nvidia"]) is None
+    assert frameworks.refusal("megatron", ["nvidia", "nvidia"]) is None
+    monkeypatch.setitem(frameworks.CAPABILITIES, "flagscale", frameworks.Capability(tp="any", vendors="one"))
+    assert frameworks.refusal("deepspeed", ["cpu", "nvidia"]).endswith(
+        "use --framework hetctl (or torchrun if your script spans vendors)")
+    assert frameworks.refusal("flagscale", ["amd", "nvidia"]) is not None
+
+
+def test_a_replan_keeps_render_anyway_only_while_the_plan_still_spans_vendors():
+    from hetctl.elastic.replan import replan
+    from hetctl.plan.render import unrunnable
+
+    plan = rendered_anyway(plan_cluster(mixed_cluster(), SMALL, global_batch=32, framework="megatron",
+                                        homogeneous=False))
+    both = replan(plan, mixed_cluster(), drop=["gpu-b"], reason="gpu-b lost")
+    assert {s.vendor for s in both.stages} == {"nvidia", "ascend"}
+    assert both.rendered_anyway == unrunnable(both) == plan.rendered_anyway
+    nvidia = replan(plan, mixed_cluster(), drop=["npu-c"], reason="npu-c lost")
+    assert nvidia.rendered_anyway is None and unrunnable(nvidia) is None
+    for p in (both, nvidia):
+        render_node_scripts(p)

@@ -36,6 +36,9 @@ def plan_cmd(
                                               help="Plan even when nodes run different torch major.minor versions."),
     force: bool = typer.Option(False, "--force", help="Replace launch scripts in the output folder that were "
                                "changed since hetctl wrote them."),
+    render_anyway: bool = typer.Option(False, "--render-anyway", help="Write the scripts even for a framework that "
+                                       "cannot run the plan (a megatron or deepspeed plan across vendors, else exit "
+                                       "4); the warning ends the output, stays in plan.yaml and launch repeats it."),
 ) -> None:
     """Split the model across the cluster's chips so that no chip waits.
 
@@ -43,7 +46,8 @@ def plan_cmd(
     stage and micro-batches for the highest simulated throughput within every
     chip's memory; writes plan.yaml and one launch script per node, and shows
     the estimate beside the uniform and proportional splits. Exit code 4 when
-    no layout fits.
+    no layout fits, or when the framework cannot run the plan (a Megatron or
+    DeepSpeed job across vendors) and --render-anyway is not given.
     """
     from hetctl.plan.models import load_model as load_spec
     from hetctl.plan.planner import plan_cluster
@@ -92,18 +96,32 @@ def plan_cmd(
     )
     if note:
         plan = plan.model_copy(update={"notes": [note, *plan.notes]})
+    from hetctl.plan.render import unrunnable
+
+    if (why := unrunnable(plan)) and render_anyway:  # else writing refuses it (exit 4) before any file
+        plan = plan.model_copy(update={"rendered_anyway": why})
     written = write_plan_dir(plan, output, hosts={n.name: n.host for n in facts.nodes}, force=force)
     from hetctl.plan.sbatch import write_sbatch
 
     sbatch = write_sbatch(plan, facts, output, force=force)  # only for a cluster probed through Slurm
     if json_out:
         print_json(to_json(plan))
-        return
-    _print_plan(plan, explain=explain)
-    err.print(text(f"wrote {written[0]} and {len(written) - 1} launch script(s) in {written[0].parent / 'nodes'}"),
-              highlight=False)
-    if sbatch is not None:
-        err.print(text(f"wrote {sbatch} (Slurm het job, one group per chip kind: sbatch {sbatch})"), highlight=False)
+    else:
+        _print_plan(plan, explain=explain)
+        err.print(text(f"wrote {written[0]} and {len(written) - 1} launch script(s) in "
+                       f"{written[0].parent / 'nodes'}"), highlight=False)
+        if sbatch is not None:
+            err.print(text(f"wrote {sbatch} (Slurm het job, one group per chip kind: sbatch {sbatch})"),
+                      highlight=False)
+    if plan.rendered_anyway:  # last, where it is seen
+        _warn_rendered_anyway(plan.rendered_anyway)
+
+
+def _warn_rendered_anyway(why: str) -> None:
+    """The warning of a plan written with --render-anyway (on stderr; `plan` and `launch` end with it)."""
+    out.file.flush()
+    err.print(text(("warning:", "yellow"), f" {why}; the scripts were written anyway (--render-anyway)"),
+              highlight=False, soft_wrap=True)
 
 
 def _print_plan(plan, *, explain: bool) -> None:

@@ -118,10 +118,13 @@ def launch_cmd(
         from hetctl.launch.fwargs import dry_run_note
 
         note = dry_run_note(plan, words)
+        anyway = launcher.rendered_anyway(plan, words)
         if json_out:
             data = spec.to_dict(public=inv.public_env)
             if note:
                 data["not_checked"] = note
+            if anyway:
+                data["warning"] = anyway
             data["ssh"] = {n: (e if isinstance(e, str) else e.to_dict()) for n, e in ssh.items()}
             if any(n.transport == "slurm" for n in spec.nodes):  # the step each agent runs in, argv exactly
                 from hetctl.remote.slurm import dry_run_step
@@ -130,6 +133,14 @@ def launch_cmd(
             print_json(json_dumps(data, indent=2))
         else:
             _print_dry_run(spec, inv, ssh, note)
+        if anyway:  # last, where it is seen
+            _warn(anyway)
+
+
+def _warn(line: str) -> None:
+    """A warning on stderr, after what stdout already holds."""
+    out.file.flush()
+    err.print(text(("warning:", "yellow"), " ", line), highlight=False, soft_wrap=True)
 
 
 def _launch(plan, inv, pf, alloc, *, run_dir, steps, checkpoint_every, entry, max_restarts, max_node_failures,
@@ -139,9 +150,10 @@ def _launch(plan, inv, pf, alloc, *, run_dir, steps, checkpoint_every, entry, ma
     from hetctl.elastic import start as launcher
     from hetctl.launch.controller import Thresholds
 
-    warning = launcher.checkpoint_warning(inv, plan)
-    if warning:
-        err.print(text(("warning:", "yellow"), " ", warning), highlight=False, soft_wrap=True)
+    anyway = launcher.rendered_anyway(plan, entry)
+    for warning in (launcher.checkpoint_warning(inv, plan), anyway):
+        if warning:
+            _warn(warning)
     prepared = launcher.prepare_launch(
         plan, inv, run_root=run_dir, plan_path=pf, steps=steps, checkpoint_every=checkpoint_every, entry=entry,
         policy=_policy(max_restarts, max_node_failures, rebalance),
@@ -154,7 +166,7 @@ def _launch(plan, inv, pf, alloc, *, run_dir, steps, checkpoint_every, entry, ma
     if alloc.job:
         prepared.info.inputs.slurm_allocation = alloc.job
     prepared.run.save_info(prepared.info)
-    _finish_launch(_run_live(prepared), json_out)
+    _finish_launch(_run_live(prepared), json_out, anyway)
 
 
 def _allocator(nodelist=(), count: int = 0, reuse: str | None = None):
@@ -262,8 +274,9 @@ def _loss_span(first: float | None, final: float | None) -> str:
     return "-" if first is None and final is None else f"{one(first)} → {one(final)}"
 
 
-def _finish_launch(result, json_out: bool) -> None:
-    """Summary on stdout; exit 0 only on success (3: could not start, 5: failed, 130: stopped)."""
+def _finish_launch(result, json_out: bool, warning: str | None = None) -> None:
+    """Summary on stdout, then ``warning`` (a plan rendered anyway); exit 0 only on success (3: could not start,
+    5: failed, 130: stopped)."""
     from hetctl.errors import RunFailed
 
     s = result.summary
@@ -294,6 +307,8 @@ def _finish_launch(result, json_out: bool) -> None:
             for r in s.recoveries:  # seconds from the failure: where each restart's time went
                 if r.restart_s is not None:
                     out.print(text(f"recovery: {describe(r)}"), highlight=False, soft_wrap=True)
+    if warning:
+        _warn(warning)
     if s.state != "succeeded":
         err.print(text(("continue with:", "dim"), f" hetctl resume {s.run_dir}"), highlight=False, soft_wrap=True)
         raise typer.Exit(130 if s.state == "stopped" else RunFailed.exit_code)
@@ -406,7 +421,12 @@ def _resume(prep, alloc, json_out: bool) -> None:
                    f"on {nodes}"), highlight=False, soft_wrap=True)
     if alloc.job:
         prep.info.inputs.slurm_allocation = alloc.job
+    from hetctl.elastic.start import rendered_anyway
+
+    anyway = rendered_anyway(prep.plan, tuple(prep.info.inputs.entry))
+    if anyway:
+        _warn(anyway)
     begin(prep)
     if alloc.job:
         prep.run.save_info(prep.info)
-    _finish_launch(_run_live(prep), json_out)
+    _finish_launch(_run_live(prep), json_out, anyway)

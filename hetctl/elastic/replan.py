@@ -192,6 +192,10 @@ def replan(
             raise last
         raise PlanInfeasible(last.message, last.hint)
     new.inventory = plan.inventory
+    if plan.rendered_anyway:  # `hetctl plan --render-anyway` holds for the run's later plans (launch warns)
+        from hetctl.plan.render import unrunnable
+
+        new.rendered_anyway = unrunnable(new)
     notes = [f"re-planned: {reason}"] if reason else []
     if new.parallel.dp != par.dp:
         notes.append(

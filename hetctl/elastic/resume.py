@@ -305,6 +305,12 @@ def _prepare(run: Any, lock: Any, *, inventory: Any, steps: int | None, connect:
     plan = replan(last, cluster, reason=why)
     if not fwckpt.reshards(last.framework) and fwckpt.plan_shape(plan) != fwckpt.plan_shape(last):
         plan = _same_shape(last, cluster, run.run_id)
+    from hetctl.launch.materialize import rendered
+
+    if rendered(plan, tuple(info.inputs.entry)):  # a framework that cannot run the new plan: refused before it starts
+        from hetctl.plan.render import check_runnable
+
+        check_runnable(plan)
     attempt = done[-1] + 1
     opening: list = [CheckpointSkipped(step=s.step, path=str(s.path), problems=list(s.problems))
                      for s in choice.skipped]

@@ -162,6 +162,16 @@ def parse_args_option(value: str | None) -> tuple[str, ...]:
         raise ConfigError(f"--args {value!r}: {e}", "quote it like a shell command line") from None
 
 
+def rendered_anyway(plan: Plan, entry: tuple[str, ...] = mat.REFERENCE_TRAINER) -> str | None:
+    """The warning of a plan its framework cannot run, which launch starts only because ``hetctl plan
+    --render-anyway`` wrote it (else :func:`load_plan_and_inventory` refuses it, exit 4); None for any
+    other plan, or when ``--entry`` replaces the framework's command."""
+    from hetctl.plan.render import unrunnable
+
+    why = unrunnable(plan) if mat.rendered(plan, entry) else None
+    return f"{why}; launch runs it only because `hetctl plan --render-anyway` wrote it" if why else None
+
+
 def check_script_options(plan: Plan, entry: tuple[str, ...], script: str | None, script_args: tuple[str, ...]) -> None:
     """``--script``/``--args`` only where ranks run their rendered command (else they would be ignored)."""
     if (script or script_args) and not mat.rendered(plan, entry):

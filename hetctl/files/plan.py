@@ -174,6 +174,9 @@ class Plan(_Strict):
     ideal_tokens_per_s: float | None = None
     plan_time_s: float = 0.0
     notes: list[str] = Field(default_factory=list, description="--explain lines and warnings")
+    rendered_anyway: str | None = Field(default=None, description="why the framework cannot run this plan, kept "
+                                        "by `hetctl plan --render-anyway`, which wrote its scripts regardless: "
+                                        "without it such a plan is refused (exit 4), with it launch warns")
 
     def micro_batches_of(self, replica: int) -> int:
         """Micro-batches ``replica`` runs per step (its ``replicas`` row when replicas differ)."""

@@ -97,10 +97,33 @@ Columns:
   * ``torchrun``: no — what a user's script does between backward and step is
     unknown; the reduction is charged in full after the pipeline phase.
   * the others: no (no ``uneven_dp``).
+- ``vendors`` — whether one job may run on several vendors' chips (a plan
+  whose stages name more than one vendor, the ``cpu`` vendor included):
+
+  * ``many`` — ``hetctl``: each stage talks its vendor's library inside and
+    gloo to other vendors (``stages[].backend``, ``backend_next``);
+    ``flagscale``: its hetero mode, one device type per process mesh
+    (``one_type_per_position`` and the mesh checks of
+    :mod:`hetctl.plan.render`), ``--hetero-use-cpu-communication`` between them.
+  * ``one`` — ``megatron``: one job initialises one ``torch.distributed``
+    backend (``--distributed-backend``, NCCL by default) for every group, TP,
+    DP and pipeline alike, and no vendor's library reaches another vendor's
+    chips; ``deepspeed``: likewise one backend
+    (``deepspeed.init_distributed(dist_backend=…)``) for the engine's groups.
+    Such a plan is refused (exit 4, :func:`refusal`) unless ``hetctl plan
+    --render-anyway`` rendered it.
+  * ``script`` — ``torchrun`` (the user's own script): the rank contract gives
+    every stage its vendor and backend, and the script must build its groups
+    with them; allowed, since it is the script that must cope.
+
+  No framework here needs one chip kind for the whole job: chips of different
+  models of one vendor share its library (FlagScale's one device type per
+  process mesh is a rule per stage position, above).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 
@@ -115,18 +138,35 @@ class Capability:
     overlap_cross_vendor_dp: bool = False
     interleave: bool = False
     hierarchical_dp: bool = False
+    vendors: str = "many"
 
 
 CAPABILITIES: dict[str, Capability] = {
     "hetctl": Capability(tp="uniform", tp_vocab=False, uneven_dp=True, interleave=True, hierarchical_dp=True,
                          overlap_cross_vendor_dp=True),
-    "megatron": Capability(tp="uniform", interleave=True),
-    "deepspeed": Capability(tp="uniform"),
+    "megatron": Capability(tp="uniform", interleave=True, vendors="one"),
+    "deepspeed": Capability(tp="uniform", vendors="one"),
     "flagscale": Capability(tp="any", one_type_per_position=True),
-    "torchrun": Capability(tp="any", uneven_dp=True, interleave=True),
+    "torchrun": Capability(tp="any", uneven_dp=True, interleave=True, vendors="script"),
 }
 
 
 def capability(framework: str) -> Capability:
     """The row of ``framework`` (an unknown name gets the most permissive TP and nothing else)."""
     return CAPABILITIES.get(framework, Capability(tp="any"))
+
+
+def refusal(framework: str, vendors: Iterable[str]) -> str | None:
+    """Why ``framework`` cannot run a plan whose stages run on ``vendors``, or None when it can.
+
+    The reason names the frameworks that can (the ``vendors`` column), in one
+    line: ``one megatron job cannot span vendors (ascend, nvidia): …; use
+    --framework hetctl (or flagscale; torchrun if your script spans vendors)``.
+    """
+    names = sorted(set(vendors))
+    if len(names) < 2 or capability(framework).vendors != "one":
+        return None
+    many = [f for f, c in CAPABILITIES.items() if c.vendors == "many"]
+    alt = [*many[1:], *(f"{f} if your script spans vendors" for f, c in CAPABILITIES.items() if c.vendors == "script")]
+    return (f"one {framework} job cannot span vendors ({', '.join(names)}): it runs one collective library for "
+            f"every rank; use --framework {many[0]}" + (f" (or {'; '.join(alt)})" if alt else ""))

@@ -62,7 +62,8 @@ def plan_cluster(
             about 4M tokens).
         micro_batch: sequences per micro-batch.
         framework: the launch template; Megatron and DeepSpeed get one TP degree
-            for every stage.
+            for every stage. Their plan may still span vendors, which they cannot
+            run: rendering refuses it (:func:`hetctl.plan.render.unrunnable`).
         pins: degrees fixed by the user.
         cluster_path: recorded in the plan; relative inventory paths resolve
             against its folder.
@@ -100,10 +101,6 @@ def plan_cluster(
                 f"{WARNING}the pin ({_pins(pins)}) costs {100 * (1 - free.step / lay.step):.1f}% throughput: "
                 f"unpinned best is {_shape(free)} at {free.step:.4g} s/step against {lay.step:.4g}"
             )
-    vendors = sorted({st.kind.vendor for st in lay.types})
-    if framework in ("megatron", "deepspeed") and len(vendors) > 1:
-        notes.append(f"{WARNING}one {framework} job cannot span vendors ({', '.join(vendors)}); "
-                     "the scripts are rendered, but use --framework flagscale or hetctl to run them")
     if framework == "deepspeed":
         notes.append(f"layers {lay.counts}: DeepSpeed's PipelineModule splits only evenly (uniform, parameters or "
                      "type:), so the plan keeps that split; --framework flagscale or torchrun can split by speed")

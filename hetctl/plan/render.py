@@ -36,7 +36,7 @@ from pathlib import Path
 
 from hetctl.errors import ConfigError, PlanInfeasible
 from hetctl.plan.deepspeed_layout import Launcher, check_deepspeed_split, launcher_files
-from hetctl.plan.frameworks import capability
+from hetctl.plan.frameworks import capability, refusal
 from hetctl.plan.rankenv import LAUNCH_TIME, stage_of, static_env
 from hetctl.files.plan import Plan, Rank
 from hetctl.files.yamlio import written_by
@@ -270,6 +270,9 @@ def render_node_scripts(plan: Plan, hosts: dict[str, str] | None = None, plan_pa
         ConfigError: a value that no script can carry (NUL, a bad variable
             name), a FlagScale plan whose replicas differ at a stage, or a
             DeepSpeed plan whose split DeepSpeed would not make.
+        PlanInfeasible: a plan the framework cannot run (a Megatron or
+            DeepSpeed job across vendors) that ``hetctl plan --render-anyway``
+            did not render, or a FlagScale one-stage process mesh.
     """
     template, common, by_node = _prepare(plan, hosts or {}, plan_path)
     return {node: check_script(template.render(node=node, ranks=ranks, single=False, **common), script_name(node))
@@ -327,6 +330,7 @@ def _prepare(plan: Plan, hosts: dict[str, str], plan_path: str):
         template = env.get_template(f"{fw}.sh.j2")
     except Exception as e:  # jinja2.TemplateNotFound
         raise ConfigError(f"--framework {fw}: no launch template", "use hetctl, megatron, flagscale, deepspeed or torchrun") from e
+    check_runnable(plan)
     if plan.replicas and not capability(fw).uneven_dp:
         raise ConfigError(f"plan: its replicas differ in shape or micro-batches, which --framework {fw} cannot run",
                           "plan again for this framework (hetctl plan keeps one shape there)")
@@ -354,7 +358,7 @@ def _prepare(plan: Plan, hosts: dict[str, str], plan_path: str):
         "model_args": _model_args(plan), "train_args": TRAIN_ARGS, "layout": megatron_layout(virtual),
         "meshes": mesh_list, "vendors": vendors, "layer_split": split,
         "mesh_args": [n for m in mesh_list for n in (m.tp, 1, 1, plan.parallel.dp, m.stages)],
-        "uniform_tp": len({s.tp for s in plan.stages}) == 1, "check": False,
+        "uniform_tp": len({s.tp for s in plan.stages}) == 1, "check": False, "unrunnable": unrunnable(plan),
         "ds_config": json.dumps(_ds_config(plan), sort_keys=True),
         "ds_launcher": _ds_launcher(plan, mesh_list) if fw == "deepspeed" else None,
     }
@@ -379,6 +383,24 @@ def _prepare(plan: Plan, hosts: dict[str, str], plan_path: str):
             })
         by_node[node] = ranks
     return template, common, by_node
+
+
+def unrunnable(plan: Plan) -> str | None:
+    """Why ``plan.framework`` cannot run ``plan`` (:func:`hetctl.plan.frameworks.refusal`), or None."""
+    return refusal(plan.framework, (s.vendor for s in plan.stages))
+
+
+def check_runnable(plan: Plan) -> None:
+    """Refuse the plan of a framework that cannot run it, unless ``hetctl plan --render-anyway`` rendered it.
+
+    Raises:
+        PlanInfeasible: a Megatron or DeepSpeed plan across vendors (exit 4), in one line naming
+            the frameworks that can run it.
+    """
+    why = unrunnable(plan)
+    if why and not plan.rendered_anyway:
+        raise PlanInfeasible(f"plan: {why}", "or plan on one vendor's nodes; `hetctl plan --render-anyway` writes "
+                             "the scripts regardless (and launch then warns)")
 
 
 def _check_flagscale_meshes(plan: Plan, mesh_list: list[Mesh]) -> None:
