@@ -57,8 +57,11 @@ def launch_cmd(
     script: str | None = typer.Option(None, "--script", help="For a torchrun or deepspeed plan launched without "
                                       "--entry: your training script (HETCTL_SCRIPT; a path on the node, relative "
                                       "to its workdir); default: the inventory env's HETCTL_SCRIPT, else train.py."),
-    script_args: str | None = typer.Option(None, "--args", help="For a framework plan launched without --entry: "
-                                           "arguments of every rank's rendered command, as for plan/nodes/<node>.sh "
+    script_args: str | None = typer.Option(None, "--args", help="Arguments of every rank's command. The reference "
+                                           "trainer's own options (e.g. '--data /shared/corpus --lr 3e-4 "
+                                           "--eval-every 50'; checked here by its parser, and --data against the "
+                                           "model where the files are readable here); for a framework plan launched "
+                                           "without --entry, the rendered command's, as for plan/nodes/<node>.sh "
                                            "(for Megatron/FlagScale they come last and win, e.g. data paths)."),
     health_check: str | None = typer.Option(None, "--health-check", metavar="drop|refuse",
                                             help="Before starting ranks, run probe --bench's quick check on the "

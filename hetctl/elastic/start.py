@@ -173,12 +173,79 @@ def rendered_anyway(plan: Plan, entry: tuple[str, ...] = mat.REFERENCE_TRAINER) 
 
 
 def check_script_options(plan: Plan, entry: tuple[str, ...], script: str | None, script_args: tuple[str, ...]) -> None:
-    """``--script``/``--args`` only where ranks run their rendered command (else they would be ignored)."""
+    """``--script``/``--args`` only where something reads them (else they would be ignored).
+
+    ``--args`` reaches a rendered framework command, or the reference trainer (its
+    options: ``--data``, ``--lr``, … as ``python -m hetctl.train --help`` lists them,
+    checked here with the trainer's own parser); ``--script`` only a rendered one.
+    """
+    if mat.reference(plan, entry) and not script:
+        check_trainer_args(plan, script_args)
+        return
     if (script or script_args) and not mat.rendered(plan, entry):
         why = "--entry names what the ranks run" if tuple(entry) != mat.REFERENCE_TRAINER else \
-            "this plan runs the reference trainer (framework hetctl)"
-        raise ConfigError(f"--script/--args: {why}; they are for a megatron, flagscale, deepspeed or torchrun plan "
-                          "launched without --entry", "drop them, or put the arguments in --entry")
+            "this plan runs the reference trainer (framework hetctl), which has no script"
+        raise ConfigError(f"--script/--args: {why}; --script is for a megatron, flagscale, deepspeed or torchrun plan "
+                          "launched without --entry", "drop it, or put the arguments in --entry")
+
+
+# Set by launch itself (its own options), so refused in --args: two sources would disagree on restart.
+_LAUNCH_OWNS = {"--steps": "--steps", "--checkpoint-every": "--checkpoint-every", "--init-from": "--init-from",
+                "-h": None, "--help": None}
+
+
+def check_trainer_args(plan: Plan, args: tuple[str, ...]) -> None:
+    """The reference trainer's ``--args``, parsed by its own parser here, and its ``--data`` checked
+    where the files are readable here (the ranks check them again on their nodes before starting).
+
+    Raises:
+        ConfigError: an unknown or malformed option, an option ``launch`` sets itself, or a
+            dataset that does not fit the plan's model (naming the file and the field).
+    """
+    if not args:
+        return
+    import io
+
+    for word in args:
+        key = word.split("=", 1)[0]
+        if key in _LAUNCH_OWNS:
+            own = _LAUNCH_OWNS[key]
+            raise ConfigError(f"--args: {key} is set by launch itself" if own else
+                              "--args: --help is not a training option",
+                              f"use `hetctl launch {own}`" if own else "see `python -m hetctl.train --help`")
+    from hetctl.train.main import parse_args
+
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said):
+            parsed = parse_args(["--steps", "1", *args], {})
+    except SystemExit:
+        last = (said.getvalue().strip().splitlines() or ["not accepted"])[-1]
+        raise ConfigError(f"--args: {last.removeprefix('python -m hetctl.train: error: ')}",
+                          "see `python -m hetctl.train --help` for the reference trainer's options") from None
+    if parsed.data:
+        _check_data_here(plan, parsed)
+
+
+def _check_data_here(plan: Plan, parsed: Any) -> None:
+    """``--data``/``--eval-data`` against the plan's model, for the datasets readable on this machine."""
+    from hetctl.corpus.samples import parse_blend
+
+    for flag, words in (("--data", parsed.data), ("--eval-data", parsed.eval_data)):
+        if not words:
+            continue
+        prefixes = [p for _, p in parse_blend(words)]
+        if not all(Path(p).is_absolute() and Path(p + ".idx").exists() and Path(p + ".bin").exists()
+                   for p in prefixes):
+            continue  # relative (to each node's workdir) or on the nodes only: each rank checks its copy first
+        try:
+            from hetctl.corpus.samples import open_blend
+        except ModuleNotFoundError:  # numpy: the train extra
+            return
+        try:
+            open_blend(list(words), seq_len=plan.model.seq_len, vocab_size=plan.model.vocab_size)
+        except ConfigError as e:
+            raise ConfigError(f"--args {flag}: {e.message}", e.hint) from None
 
 
 def dry_run(plan: Plan, inventory: Any, *, steps: int, checkpoint_every: int, run_root: str | Path,

@@ -173,7 +173,8 @@ def materialize(
         progress: a preset (``megatron``, ``deepspeed``) or pattern the agent reads steps from
             in each rank's output, for scripts that write no heartbeat.
         script, script_args: for a rendered framework plan (see :func:`rendered`): the user's
-            script (``HETCTL_SCRIPT``, torchrun/DeepSpeed) and the arguments of every rank's command.
+            script (``HETCTL_SCRIPT``, torchrun/DeepSpeed) and the arguments of every rank's command;
+            for the reference trainer, ``script_args`` are its own options (``--data``, ``--lr``…).
         resume_env: where to resume from, for a framework's own checkpoints
             (:func:`hetctl.elastic.fwckpt.resume_env`).
         only: just these plan ranks (and their nodes); all when None.
@@ -203,6 +204,8 @@ def materialize(
         trainer_args = ("--steps", str(steps), "--checkpoint-every", str(checkpoint_every))
         if init_from and not resume_step:
             trainer_args += ("--init-from", init_from)
+        if plan.framework == "hetctl":
+            trainer_args += tuple(script_args)  # `launch --args`: the trainer's own options (--data, --lr, …)
     scripts = None
     if rendered(plan, entry):
         from hetctl.plan.render import render_rank_scripts

@@ -143,6 +143,27 @@ def _same(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+_GQA_NATIVE = [True]  # SDPA's own grouped-query path, until a torch or device plugin shows it lacks one
+
+
+def _attention(q, k, v, rep: int):
+    """Causal attention; K/V heads shared by ``rep`` query heads each.
+
+    SDPA's ``enable_gqa`` (torch ≥ 2.5) reads the shared heads in place; an older
+    torch, or a device plugin without that path, gets them copied
+    (``repeat_interleave``), the same arithmetic: the switch is made once per process.
+    """
+    if rep == 1:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if _GQA_NATIVE[0]:
+        try:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        except (TypeError, RuntimeError, NotImplementedError):
+            _GQA_NATIVE[0] = False
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 def block_forward(blk: nn.Module, x: torch.Tensor, into: Callable[[torch.Tensor], torch.Tensor] = _same,
                   out: Callable[[torch.Tensor], torch.Tensor] = _same) -> torch.Tensor:
     """A block's forward pass: :class:`Block`'s, and a TP rank's share of it (:class:`hetctl.train.tensor.ParallelBlock`).
@@ -158,10 +179,7 @@ def block_forward(blk: nn.Module, x: torch.Tensor, into: Callable[[torch.Tensor]
     v = blk.v(y).view(b, s, blk.groups, blk.head_dim).transpose(1, 2)
     cos, sin = _rope_table(s, blk.head_dim, *blk.rope, q.device, q.dtype)
     q, k = rope(q, cos, sin), rope(k, cos, sin)
-    if blk.groups != blk.heads:
-        rep = blk.heads // blk.groups
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    a = _attention(q, k, v, blk.heads // blk.groups)
     x = x + out(blk.o(a.transpose(1, 2).reshape(b, s, -1)))
     y = into(blk.mlp_norm(x))
     return x + out(blk.down(F.silu(blk.gate(y)) * blk.up(y)))
