@@ -72,3 +72,28 @@ def test_a_run_trains_on_the_data_and_evaluates(site, tmp_path):
     assert [e["step"] for e in events if e["kind"] == "evaluated"] == [2, 4]
     info = (run / "run.yaml").read_text()
     assert "--eval-every" in info  # recorded, so a restart or a resume passes them again
+
+
+def test_export_that_could_not_be_written_at_the_end_is_refused_first(site, tmp_path):
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "x").write_text("mine")
+    for args, needle in [(("--steps", "5", "--checkpoint-every", "2"), "--export: step 5 is not saved with "
+                                                                        "--checkpoint-every 2"),
+                         (("--steps", "4", "--checkpoint-every", "2", "--export", str(tmp_path / "taken")),
+                          f"--export {tmp_path / 'taken'}: exists and is not an empty folder")]:
+        if "--export" not in args:
+            args = (*args, "--export", str(tmp_path / "new"))
+        r = local_cli(site, "launch", "plan", *args)
+        assert r.returncode == 2 and needle in " ".join(r.stderr.split()), r.stderr
+    assert (tmp_path / "taken" / "x").read_text() == "mine" and not (tmp_path / "new").exists()
+
+
+def test_a_run_exports_itself_and_transformers_loads_it(site, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    out = tmp_path / "hf"
+    r = local_cli(site, "launch", "plan", "--steps", "2", "--checkpoint-every", "2", "--standby", "off",
+                  "--run-dir", str(tmp_path / "runs"), "--export", str(out), timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "exported step 2 " in r.stderr and str(out) in r.stderr
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert model.config.num_hidden_layers == 8 and model.config.vocab_size == 256

@@ -73,6 +73,10 @@ def launch_cmd(
                                      "already imported torch and the trainer, and hands a restarted rank to it. "
                                      "auto: on for the reference trainer, off for --entry scripts (which may read "
                                      "their environment at import time); on: also for --entry."),
+    export: str | None = typer.Option(None, "--export", metavar="HF_FOLDER",
+                                      help="When the run succeeds, write its last checkpoint as a Hugging Face "
+                                           "folder here (as `hetctl export` does); the folder must be new, and "
+                                           "--checkpoint-every must divide --steps so the last step is saved."),
     init_from: str | None = typer.Option(None, "--init-from", metavar="HF_FOLDER",
                                          help="Start from a Hugging Face checkpoint folder (config.json and "
                                               "safetensors, at the same path on every node): checked against the "
@@ -101,18 +105,20 @@ def launch_cmd(
                 plan, inv, pf = launcher.load_plan_and_inventory(plan_dir, inventory, entry=words)
             launcher.check_script_options(plan, words, script, extra)
             init_from = launcher.check_init_from(plan, words, init_from)
+            launcher.check_export(plan, words, export, steps=steps, checkpoint_every=checkpoint_every)
             _launch(plan, inv, pf, alloc, run_dir=run_dir, steps=steps, checkpoint_every=checkpoint_every,
                     entry=words, max_restarts=max_restarts, max_node_failures=max_node_failures, rebalance=rebalance,
                     grace=grace, hang_timeout=hang_timeout, node_timeout=node_timeout,
                     allow_mixed_software=allow_mixed_software, progress=progress, json_out=json_out,
                     health_check=health_check, standby=standby, script=script, script_args=extra,
-                    init_from=init_from)
+                    init_from=init_from, export=export)
         finally:
             alloc.release()
         return
     plan, inv, pf = launcher.load_plan_and_inventory(plan_dir, inventory, entry=words)
     launcher.check_script_options(plan, words, script, extra)
     init_from = launcher.check_init_from(plan, words, init_from)
+    launcher.check_export(plan, words, export, steps=steps, checkpoint_every=checkpoint_every)
     if dry_run:
         ssh = launcher.ssh_settings(plan, inv)
         spec = launcher.dry_run(plan, inv, steps=steps, checkpoint_every=checkpoint_every, run_root=run_dir,
@@ -148,8 +154,9 @@ def _warn(line: str) -> None:
 
 def _launch(plan, inv, pf, alloc, *, run_dir, steps, checkpoint_every, entry, max_restarts, max_node_failures,
             rebalance, grace, hang_timeout, node_timeout, allow_mixed_software, progress, json_out,
-            health_check=None, standby="auto", script=None, script_args=(), init_from=None) -> None:
-    """Prepare the run folder and run it live (``alloc``: hetctl's own Slurm job, recorded in run.yaml)."""
+            health_check=None, standby="auto", script=None, script_args=(), init_from=None, export=None) -> None:
+    """Prepare the run folder and run it live (``alloc``: hetctl's own Slurm job, recorded in run.yaml);
+    ``export``: a Hugging Face folder written from the last checkpoint when the run succeeds."""
     from hetctl.elastic import start as launcher
     from hetctl.launch.controller import Thresholds
 
@@ -169,7 +176,26 @@ def _launch(plan, inv, pf, alloc, *, run_dir, steps, checkpoint_every, entry, ma
     if alloc.job:
         prepared.info.inputs.slurm_allocation = alloc.job
     prepared.run.save_info(prepared.info)
-    _finish_launch(_run_live(prepared), json_out, anyway)
+    result = _run_live(prepared)
+    if export and result.summary.state == "succeeded":
+        _export_run(result.summary.run_dir, export)
+    _finish_launch(result, json_out, anyway)
+
+
+def _export_run(run_dir: str, folder: str) -> None:
+    """``launch --export``: the run's newest checkpoint as a Hugging Face folder; a failure is a warning
+    (the run and its checkpoints stay as they are, and `hetctl export` can be run again)."""
+    from hetctl.errors import HetctlError
+    from hetctl.train.export import export
+
+    try:
+        done = export(run_dir, folder)
+    except HetctlError as e:
+        _warn(f"--export {folder}: {e.message}; the run's checkpoints are kept: run `hetctl export {run_dir} -o "
+              "FOLDER` where they are readable")
+        return
+    err.print(text(f"exported step {done.step} ({done.tensors} tensors) to {done.folder}"), highlight=False,
+              soft_wrap=True)
 
 
 def _allocator(nodelist=(), count: int = 0, reuse: str | None = None):

@@ -292,6 +292,22 @@ def check_init_from(plan: Plan, entry: tuple[str, ...], init_from: str | None) -
     return path
 
 
+def check_export(plan: Plan, entry: tuple[str, ...], export: str | None, *, steps: int, checkpoint_every: int) -> None:
+    """``launch --export``, refused before any rank starts where it could not be written at the end."""
+    if export is None:
+        return
+    if not mat.reference(plan, entry):
+        raise ConfigError("--export: only hetctl's reference trainer writes checkpoints hetctl can export (this plan "
+                          f"runs {'--entry' if tuple(entry) != mat.REFERENCE_TRAINER else plan.framework})",
+                          "export with your framework's own tools, or drop --export")
+    if not checkpoint_every or steps % checkpoint_every:
+        raise ConfigError(f"--export: step {steps} is not saved with --checkpoint-every {checkpoint_every}",
+                          f"pass a --checkpoint-every that divides --steps {steps} (e.g. {steps})")
+    target = Path(export).expanduser()
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise ConfigError(f"--export {target}: exists and is not an empty folder", "name a new folder")
+
+
 @contextlib.contextmanager
 def stop_on_signals() -> Iterator[threading.Event]:
     """SIGINT/SIGTERM set the yielded event (stop every rank, end ``stopped``); a second one aborts.
