@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -31,25 +30,13 @@ def _digest(data: bytes) -> str:
 
 
 def write_atomic(path: str | Path, data: str | bytes, mode: int = 0o644) -> Path:
-    """Write ``data`` to ``path`` by a temporary file renamed over it: a link at ``path`` is
-    replaced, never written through, and a reader sees the old file or the new one, whole."""
-    p = Path(path)
-    blob = data.encode() if isinstance(data, str) else data
-    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(blob)
-            os.fchmod(f.fileno(), mode)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, p)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    return p
+    """Write ``data`` to ``path`` durably by a temporary file renamed over it
+    (:func:`hetctl.node.runtime.write_atomic`): a link at ``path`` is replaced, never
+    written through, and a reader sees the old file or the new one, whole."""
+    from hetctl.node.runtime import write_atomic as replace
+
+    replace(path, data.encode() if isinstance(data, str) else data, fsync=True, mode=mode)
+    return Path(path)
 
 
 def _record(out: Path) -> dict[str, str]:

@@ -276,12 +276,13 @@ def load_plan(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def write_atomic(path: str | Path, data: bytes, *, fsync: bool = False) -> None:
+def write_atomic(path: str | Path, data: bytes, *, fsync: bool = False, mode: int | None = None) -> None:
     """Replace ``path`` with ``data`` through a temp file in the same folder and a rename.
 
-    Readers see the old file or the new one, never half of one. ``fsync`` makes the
-    bytes durable before the rename (checkpoints); heartbeats skip it to stay cheap.
-    The folder is created on first use.
+    Readers see the old file or the new one, never half of one, and a link at ``path``
+    is replaced, never written through. ``fsync`` makes the bytes durable before the
+    rename (checkpoints); heartbeats skip it to stay cheap. ``mode``: the file's
+    permissions (default: the temp file's 0600). The folder is created on first use.
     """
     p = Path(path)
     try:
@@ -292,6 +293,8 @@ def write_atomic(path: str | Path, data: bytes, *, fsync: bool = False) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+            if mode is not None:
+                os.fchmod(f.fileno(), mode)
             if fsync:
                 f.flush()
                 os.fsync(f.fileno())
