@@ -240,7 +240,15 @@ def test_demo_runs_the_whole_flow_on_this_machine(tmp_path):
     assert "tiny layer measured" in r.stderr
     assert sorted(p.name for p in (tmp_path / "demo" / "plan" / "nodes").iterdir()) == [
         "node-a.sh", "node-b.sh", "node-c.sh"]
-    assert "1/3 probe" in r.stderr and "3/3 launch" in r.stderr and "launched 3 ranks" in r.stderr
+    assert "1/4 data" in r.stderr and "4/4 launch" in r.stderr and "launched 3 ranks" in r.stderr
+    # trained on the shipped text (prepared once into the demo folder), then exported and continued by transformers
+    data = tmp_path / "demo" / "data" / "shakespeare"
+    inputs = yaml.safe_load((Path(summary["run_dir"]) / "run.yaml").read_text())["inputs"]
+    assert inputs["script_args"] == ["--data", str(data)] and data.with_suffix(".idx").is_file()
+    demo = summary["demo"]
+    assert Path(demo["export"]) == tmp_path / "demo" / "export" / summary["run_id"]
+    assert json.loads((Path(demo["export"]) / "config.json").read_text())["vocab_size"] == plan.model.vocab_size
+    assert demo["sample"].startswith(demo["prompt"]) and len(demo["sample"]) > len(demo["prompt"])
 
 
 USER_SCRIPT = """
@@ -248,12 +256,20 @@ import os, sys, time
 import hetctl.node.runtime as rt
 
 ctx = rt.RankContext.from_env()
-print(f"user script rank {ctx.rank}/{ctx.world_size} stage {ctx.stage} layers {ctx.layers} args {sys.argv[1:]}",
-      flush=True)
+print(f"user script rank {ctx.rank}/{ctx.world_size} stage {ctx.stage} layers {ctx.layers} args {sys.argv[1:]} "
+      f"rendezvous port {os.environ['MASTER_PORT']}", flush=True)
 for step in range(1, ctx.steps + 1):
     rt.heartbeat(step, loss=10.0 / step, step_ms=5.0, first_loss=10.0)  # polling may miss step 1
     time.sleep(0.05)
 """
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def test_entry_runs_a_users_own_script(tmp_path):
@@ -268,14 +284,16 @@ def test_entry_runs_a_users_own_script(tmp_path):
     plan = Plan.model_validate({**tiny_plan([4, 2]), "inventory": "inventory.yaml"})
     (tmp_path / "plan").mkdir()
     (tmp_path / "plan" / "plan.yaml").write_text(yaml.safe_dump(plan.model_dump(mode="json")))
+    port = free_port()
     r = hetctl(tmp_path, "launch", "plan", "--entry", f"{tmp_path / 'train.py'} --lr 3e-4", "--steps", "8",
-               "--json", timeout=120)
+               "--master-port", str(port), "--json", timeout=120)
     assert r.returncode == 0, r.stderr
     summary = json.loads(r.stdout)
     assert (summary["state"], summary["steps"], summary["first_loss"], summary["final_loss"]) == (
         "succeeded", 8, 10.0, 1.25)
     run = Path(summary["run_dir"])
-    assert "user script rank 1/2 stage 1 layers (4, 6) args ['--lr', '3e-4']" in \
+    # --master-port reaches the ranks of a real launch (not only the dry run), and run.yaml keeps it for resume
+    assert f"user script rank 1/2 stage 1 layers (4, 6) args ['--lr', '3e-4'] rendezvous port {port}" in \
         (run / "logs" / "n1" / "rank-1.log").read_text()
-    assert yaml.safe_load((run / "run.yaml").read_text())["inputs"]["entry"] == [str(tmp_path / "train.py"),
-                                                                               "--lr", "3e-4"]
+    inputs = yaml.safe_load((run / "run.yaml").read_text())["inputs"]
+    assert inputs["entry"] == [str(tmp_path / "train.py"), "--lr", "3e-4"] and inputs["master_port"] == port

@@ -1,6 +1,9 @@
 """``hetctl demo``: the whole flow on this machine, for a first look.
 
-Three "nodes" with ``transport: local`` share this machine. Each step is the real
+The text it trains on ships with hetctl (``hetctl/data/corpus/tinyshakespeare.txt``,
+its source in ``SOURCE.md``): ``hetctl data prepare`` with the bytes tokenizer
+writes it once into the demo folder as a Megatron indexed dataset, and every rank
+reads its own samples from it. Three "nodes" with ``transport: local`` share this machine. Each step is the real
 one: the probe collector runs on every node and times the ``tiny`` model's layer
 there (a layer profile, as ``probe --model tiny``; the three take turns, since
 they share this machine's CPUs), the planner plans ``tiny`` as a 3-stage pipeline
@@ -8,6 +11,8 @@ from those measured figures (``plan/plan.yaml`` and ``plan/nodes/*.sh``), and th
 launch goes through the per-node agents. The inventory claims no speeds: a claim
 the nodes do not live up to is what the straggler check reports, and a healthy
 demo has none; the run's summary compares its measured step with the plan's.
+At the end the run is exported as a Hugging Face folder and ``transformers``
+(when installed) generates a few lines from it.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from hetctl.files.yamlio import dump_yaml, save_model, written_by
 
 DEMO_NODES = ("node-a", "node-b", "node-c")
 DEMO_MODEL = "tiny"
+CORPUS = Path(__file__).resolve().parents[1] / "data" / "corpus" / "tinyshakespeare.txt"
+PROMPT = "ROMEO:\n"
 
 
 def _written_by_demo(path: Path) -> bool:
@@ -92,3 +99,38 @@ def plan_tiny(directory: str | Path, cluster: Any, stages: int = 3) -> tuple[Pla
                         cluster_path=cluster_path)
     written = write_plan_dir(plan, Path(directory) / "plan", hosts={n.name: n.host for n in cluster.nodes})
     return plan, written[0]
+
+
+def prepare_text(directory: str | Path) -> tuple[Path, Any]:
+    """The shipped corpus as ``<directory>/data/shakespeare.{bin,idx}`` (bytes tokenizer): the dataset's
+    prefix, and :func:`hetctl.corpus.prepare.prepare`'s report (``None`` when an earlier demo wrote it)."""
+    from hetctl.corpus.prepare import Options, prepare
+    from hetctl.corpus.tokenize import byte_tokenizer
+
+    prefix = Path(directory).resolve() / "data" / "shakespeare"
+    if all(prefix.with_suffix(s).is_file() for s in (".bin", ".idx")):
+        return prefix, None
+    if not CORPUS.is_file():
+        raise ConfigError(f"{CORPUS}: the demo's text is missing from this installation",
+                          "reinstall hetctl (`pip install -e '.[dev]'` from a clone)")
+    return prefix, prepare(Options((CORPUS,), prefix), byte_tokenizer())
+
+
+def generate(folder: Path, prompt: str = PROMPT, tokens: int = 120, seed: int = 0) -> str | None:
+    """``tokens`` bytes that ``transformers`` samples from the exported model after ``prompt``, as text;
+    ``None`` without ``transformers``. Sampled (temperature 0.8, top 40, seeded): greedy decoding of a
+    briefly trained model repeats one word."""
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        return None
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder).float()
+    ids = torch.tensor([list(prompt.encode("utf-8"))])
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, do_sample=True,
+                             temperature=0.8, top_k=40, pad_token_id=256, eos_token_id=256)
+    return bytes(t for t in out[0].tolist() if t < 256).decode("utf-8", "replace")

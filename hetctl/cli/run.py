@@ -36,7 +36,8 @@ def launch_cmd(
                                  "config); start nothing, contact no node."),
     json_out: bool = typer.Option(False, "--json", help="Print the summary (or the dry run) as JSON on stdout."),
     master_port: int | None = typer.Option(None, "--master-port", min=1, max=65535,
-                                           help="Rendezvous port; default: a free port on rank 0's node."),
+                                           help="Rendezvous port on rank 0's node, kept by every restart and "
+                                                "resume; default: a free port there, chosen at each attempt."),
     grace: float = GRACE_OPT,
     entry: str | None = typer.Option(None, "--entry", help="What each rank runs after the node's python, e.g. "
                                      "'train.py --lr 3e-4' or '-m mypkg.train' (a path on the node, relative to "
@@ -111,7 +112,7 @@ def launch_cmd(
                     grace=grace, hang_timeout=hang_timeout, node_timeout=node_timeout,
                     allow_mixed_software=allow_mixed_software, progress=progress, json_out=json_out,
                     health_check=health_check, standby=standby, script=script, script_args=extra,
-                    init_from=init_from, export=export)
+                    init_from=init_from, export=export, master_port=master_port)
         finally:
             alloc.release()
         return
@@ -154,7 +155,8 @@ def _warn(line: str) -> None:
 
 def _launch(plan, inv, pf, alloc, *, run_dir, steps, checkpoint_every, entry, max_restarts, max_node_failures,
             rebalance, grace, hang_timeout, node_timeout, allow_mixed_software, progress, json_out,
-            health_check=None, standby="auto", script=None, script_args=(), init_from=None, export=None) -> None:
+            health_check=None, standby="auto", script=None, script_args=(), init_from=None, export=None,
+            master_port=None) -> None:
     """Prepare the run folder and run it live (``alloc``: hetctl's own Slurm job, recorded in run.yaml);
     ``export``: a Hugging Face folder written from the last checkpoint when the run succeeds."""
     from hetctl.elastic import start as launcher
@@ -169,7 +171,7 @@ def _launch(plan, inv, pf, alloc, *, run_dir, steps, checkpoint_every, entry, ma
         policy=_policy(max_restarts, max_node_failures, rebalance),
         thresholds=Thresholds(grace_s=grace, hang_timeout=hang_timeout, node_timeout=node_timeout),
         allow_mixed_software=allow_mixed_software, progress=progress, health_check=health_check,
-        script=script, script_args=script_args,
+        script=script, script_args=script_args, master_port=master_port,
     )
     prepared.info.inputs.standby = standby  # resume keeps it (run.yaml)
     prepared.info.inputs.init_from = init_from  # a restart from scratch re-applies it; a resume does not
@@ -236,7 +238,8 @@ def demo_cmd(
     inject_failure: bool = typer.Option(True, "--inject-failure/--no-inject-failure",
                                         help="kill -9 one rank half-way, to show detection and recovery."),
 ) -> None:
-    """The whole flow on this machine: three local nodes, probe, plan `tiny`, launch, summary."""
+    """The whole flow on this machine: three local nodes, the shipped text tokenized, probe, plan `tiny`, launch,
+    export as a Hugging Face folder, and a few lines `transformers` generates from it."""
     from pathlib import Path
 
     from hetctl.cli import demo
@@ -244,22 +247,26 @@ def demo_cmd(
     from hetctl.launch.controller import Thresholds
 
     inv_path = demo.write_inventory(directory)
-    err.print(text(("1/3 probe", "bold"), f" {inv_path}"), highlight=False)
+    prefix, report = demo.prepare_text(directory)
+    err.print(text(("1/4 data", "bold"), f" {prefix}.bin/.idx: ",
+                   f"{report.documents:,} documents, {report.tokens:,} tokens of {demo.CORPUS.name} (bytes tokenizer)"
+                   if report else "written by an earlier demo"), highlight=False, soft_wrap=True)
+    err.print(text(("2/4 probe", "bold"), f" {inv_path}"), highlight=False)
     inv, cluster = demo.probe_nodes(inv_path)
     for n in cluster.nodes:
         prof = next(c.profile for c in n.chips if c.profile)
         err.print(text(f"  {n.name}: {len(n.chips)} × {n.chips[0].model}, {prof.model} layer measured "
                        f"{prof.layer_fwd_ms:.3g} ms forward + {prof.layer_bwd_ms:.3g} ms backward "
                        f"(micro-batch {prof.micro_batch})"), highlight=False)
-    err.print(text(("2/3 plan", "bold"), " tiny"), highlight=False)
+    err.print(text(("3/4 plan", "bold"), " tiny"), highlight=False)
     plan, plan_path = demo.plan_tiny(directory, cluster)
     for s in plan.stages:
         err.print(text(f"  stage {s.stage} on {s.node}: layers {s.layers[0]}:{s.layers[1]}"), highlight=False)
-    err.print(text(("3/3 launch", "bold"), f" {steps} steps"), highlight=False)
+    err.print(text(("4/4 launch", "bold"), f" {steps} steps"), highlight=False)
     prepared = launcher.prepare_launch(
         plan, inv, run_root=Path(directory) / "runs", plan_path=plan_path, steps=steps,
         checkpoint_every=checkpoint_every, policy=_policy(max_restarts=3, max_node_failures=3, rebalance=False),
-        thresholds=Thresholds(grace_s=3.0),
+        thresholds=Thresholds(grace_s=3.0), script_args=("--data", str(prefix)),
     )
     listeners = []
     if inject_failure:
@@ -271,7 +278,29 @@ def demo_cmd(
                   "(--no-inject-failure for a clean run)", highlight=False, soft_wrap=True)
         listeners.append(KillAtStep(prepared.run.run_id, victim, at, on_fire=lambda line: err.print(
             text((line, "bold magenta")), highlight=False)))
-    _finish_launch(_run_live(prepared, listeners=listeners), json_out)
+    result = _run_live(prepared, listeners=listeners)
+    extra = None
+    if result.summary.state == "succeeded":
+        extra = _demo_sample(result.summary, Path(directory).resolve() / "export" / result.summary.run_id)
+    _finish_launch(result, json_out, extra=extra)
+
+
+def _demo_sample(summary, folder) -> dict:
+    """The demo's ending: the run exported to ``folder`` and ``transformers``' continuation of the prompt
+    (``sample`` is ``None`` without transformers; ``export`` is ``None`` when the export failed, with a
+    warning)."""
+    from hetctl.cli import demo
+    from hetctl.errors import HetctlError
+    from hetctl.train.export import export
+
+    try:
+        done = export(summary.run_dir, folder)
+    except HetctlError as e:
+        _warn(f"export to {folder}: {e.message}; the run's checkpoints are kept")
+        return {"export": None, "prompt": demo.PROMPT, "sample": None}
+    err.print(text(("export", "bold"), f" step {done.step} as a Hugging Face folder: {done.folder}"),
+              highlight=False, soft_wrap=True)
+    return {"export": str(done.folder), "prompt": demo.PROMPT, "sample": demo.generate(done.folder)}
 
 
 def _run_live(prepared, listeners=()):
@@ -303,14 +332,17 @@ def _loss_span(first: float | None, final: float | None) -> str:
     return "-" if first is None and final is None else f"{one(first)} → {one(final)}"
 
 
-def _finish_launch(result, json_out: bool, warning: str | None = None) -> None:
+def _finish_launch(result, json_out: bool, warning: str | None = None, extra: dict | None = None) -> None:
     """Summary on stdout, then ``warning`` (a plan rendered anyway); exit 0 only on success (3: could not start,
-    5: failed, 130: stopped)."""
+    5: failed, 130: stopped). ``extra``: the demo's export and sample (a ``demo`` key in the JSON)."""
     from hetctl.errors import RunFailed
 
     s = result.summary
     if json_out:
-        print_json(s.model_dump_json(indent=2))
+        if extra is None:
+            print_json(s.model_dump_json(indent=2))
+        else:
+            print_json(json_dumps({**s.model_dump(mode="json"), "demo": extra}, indent=2))
     else:
         loss = _loss_span(s.first_loss, s.final_loss)
         tps = "-" if s.tokens_per_s is None else f"{s.tokens_per_s:,.0f}"
@@ -336,6 +368,13 @@ def _finish_launch(result, json_out: bool, warning: str | None = None) -> None:
             for r in s.recoveries:  # seconds from the failure: where each restart's time went
                 if r.restart_s is not None:
                     out.print(text(f"recovery: {describe(r)}"), highlight=False, soft_wrap=True)
+        if extra and extra.get("export"):
+            if extra.get("sample") is None:
+                out.print(text(f"exported to {extra['export']}; `pip install transformers` to see it generate text"),
+                          highlight=False, soft_wrap=True)
+            else:
+                out.print(text(("transformers generated from the export:", "bold")), highlight=False)
+                out.print(text(extra["sample"]), highlight=False, soft_wrap=True)  # the console drops control bytes
     if warning:
         _warn(warning)
     if s.state != "succeeded":

@@ -279,7 +279,8 @@ class ElasticRun:
                              resume_step=step or 0, entry=tuple(info.inputs.entry),
                              allow_mixed_software=info.inputs.allow_mixed_software, progress=info.inputs.progress,
                              script=info.inputs.script, script_args=tuple(info.inputs.script_args),
-                             resume_env=self._resume_env(plan, step), init_from=info.inputs.init_from)
+                             resume_env=self._resume_env(plan, step), init_from=info.inputs.init_from,
+                             master_port=info.inputs.master_port)
         hook = self._hook(attempt, plan)
         kwargs: dict[str, Any] = {"inventory": p.inventory, "run": p.run, "events": self.events,
                                   "thresholds": p.thresholds, "on_progress": hook, "on_update": self.on_update,

@@ -337,7 +337,7 @@ def stop_on_signals() -> Iterator[threading.Event]:
 def new_run(plan: Plan, inventory: Any, *, run_root: str | Path, plan_path: Path | None, steps: int,
             checkpoint_every: int, entry: tuple[str, ...] = mat.REFERENCE_TRAINER,
             allow_mixed_software: bool = False, progress: str | None = None, script: str | None = None,
-            script_args: tuple[str, ...] = ()) -> tuple[RunDir, RunInfo]:
+            script_args: tuple[str, ...] = (), master_port: int | None = None) -> tuple[RunDir, RunInfo]:
     """Create ``runs/<id>/`` with its first ``run.yaml``."""
     import time
 
@@ -356,6 +356,7 @@ def new_run(plan: Plan, inventory: Any, *, run_root: str | Path, plan_path: Path
             progress=progress,
             script=script,
             script_args=list(script_args),
+            master_port=master_port,
         ),
     )
     run.save_info(info)
@@ -367,14 +368,14 @@ def prepare_launch(plan: Plan, inventory: Any, *, run_root: str | Path, plan_pat
                    policy: PolicyConfig | None = None, thresholds: Thresholds | None = None,
                    allow_mixed_software: bool = False, progress: str | None = None,
                    health_check: str | None = None, script: str | None = None,
-                   script_args: tuple[str, ...] = ()) -> Prepared:
+                   script_args: tuple[str, ...] = (), master_port: int | None = None) -> Prepared:
     """A new run folder and the :class:`Prepared` run of ``hetctl launch`` (nothing started).
 
     ``health_check`` (``drop``/``refuse``): check the plan's nodes first (:mod:`hetctl.elastic.health`).
     """
     run, info = new_run(plan, inventory, run_root=run_root, plan_path=plan_path, steps=steps,
                         checkpoint_every=checkpoint_every, entry=entry, allow_mixed_software=allow_mixed_software,
-                        progress=progress, script=script, script_args=script_args)
+                        progress=progress, script=script, script_args=script_args, master_port=master_port)
     return Prepared(run=run, info=info, inventory=inventory, plan=plan, policy=policy or PolicyConfig(),
                     thresholds=thresholds or Thresholds(), plan_file=plan_path, lock=run.lock(),
                     health_check=health_check)

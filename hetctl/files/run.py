@@ -50,6 +50,8 @@ class RunInputs(_Strict):
     script: str | None = Field(None, description="HETCTL_SCRIPT of a rendered torchrun/DeepSpeed plan (--script)")
     script_args: list[str] = Field(default_factory=list,
                                    description="arguments of every rank's rendered command (--args)")
+    master_port: int | None = Field(None, description="rendezvous port on rank 0's node (--master-port); "
+                                    "none: a free port there, chosen at each attempt")
     init_from: str | None = Field(None, description="Hugging Face checkpoint folder the reference trainer starts "
                                   "from (--init-from); a resume from a hetctl checkpoint does not re-apply it")
     slurm_allocation: str | None = Field(None, description="the Slurm job hetctl asked for itself (salloc --no-shell); "
