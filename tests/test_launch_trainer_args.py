@@ -55,7 +55,7 @@ def test_a_bad_trainer_option_is_one_line_before_anything_starts(site, args, nee
 
 
 def test_data_that_does_not_fit_the_model_is_refused_naming_the_file(site, tmp_path):
-    big = corpus(tmp_path / "wide", vocab=1000, top=900)  # the plan's tiny model has 256 ids
+    big = corpus(tmp_path / "wide", vocab=1000, top=900)  # the plan's tiny model has 320 ids
     r = local_cli(site, "launch", "plan", "--steps", "3", "--args", f"--data {big}")
     assert r.returncode == 2 and f"--args --data: {big}" in " ".join(r.stderr.split()), r.stderr
     assert "vocab" in r.stderr and not (site / "runs").exists()
@@ -96,4 +96,4 @@ def test_a_run_exports_itself_and_transformers_loads_it(site, tmp_path):
     assert r.returncode == 0, r.stderr
     assert "exported step 2 " in r.stderr and str(out) in r.stderr
     model = transformers.AutoModelForCausalLM.from_pretrained(out)
-    assert model.config.num_hidden_layers == 8 and model.config.vocab_size == 256
+    assert model.config.num_hidden_layers == 8 and model.config.vocab_size == 320
