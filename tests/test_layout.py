@@ -64,8 +64,7 @@ def test_launch_never_imports_elastic():
     assert {k: v for k, v in bad.items() if v} == {}
 
 
-@pytest.mark.parametrize("folder", ["files", "node", "remote", "probe", "plan", "launch", "elastic", "adapters",
-                                    "train"])
+@pytest.mark.parametrize("folder", ["files", "node", "remote", "probe", "plan", "launch", "elastic", "train"])
 def test_only_cli_imports_typer_or_rich(folder):
     bad = {f.name: sorted(m for m in imports(f) if m.split(".")[0] in ("typer", "rich")) for f in files(folder)}
     assert {k: v for k, v in bad.items() if v} == {}

@@ -120,31 +120,31 @@ def launch_cmd(
     launcher.check_script_options(plan, words, script, extra)
     init_from = launcher.check_init_from(plan, words, init_from)
     launcher.check_export(plan, words, export, steps=steps, checkpoint_every=checkpoint_every)
-    if dry_run:
-        ssh = launcher.ssh_settings(plan, inv)
-        spec = launcher.dry_run(plan, inv, steps=steps, checkpoint_every=checkpoint_every, run_root=run_dir,
-                                master_port=master_port, entry=words, ssh=ssh, progress=progress, script=script,
-                                script_args=extra, init_from=init_from)
-        from hetctl.launch.fwargs import dry_run_note
+    # --dry-run: the spec a launch would run, with what only the nodes know as placeholders
+    ssh = launcher.ssh_settings(plan, inv)
+    spec = launcher.dry_run(plan, inv, steps=steps, checkpoint_every=checkpoint_every, run_root=run_dir,
+                            master_port=master_port, entry=words, ssh=ssh, progress=progress, script=script,
+                            script_args=extra, init_from=init_from)
+    from hetctl.launch.fwargs import dry_run_note
 
-        note = dry_run_note(plan, words)
-        anyway = launcher.rendered_anyway(plan, words)
-        if json_out:
-            data = spec.to_dict(public=inv.public_env)
-            if note:
-                data["not_checked"] = note
-            if anyway:
-                data["warning"] = anyway
-            data["ssh"] = {n: (e if isinstance(e, str) else e.to_dict()) for n, e in ssh.items()}
-            if any(n.transport == "slurm" for n in spec.nodes):  # the step each agent runs in, argv exactly
-                from hetctl.remote.slurm import dry_run_step
+    note = dry_run_note(plan, words)
+    anyway = launcher.rendered_anyway(plan, words)
+    if json_out:
+        data = spec.to_dict(public=inv.public_env)
+        if note:
+            data["not_checked"] = note
+        if anyway:
+            data["warning"] = anyway
+        data["ssh"] = {n: (e if isinstance(e, str) else e.to_dict()) for n, e in ssh.items()}
+        if any(n.transport == "slurm" for n in spec.nodes):  # the step each agent runs in, argv exactly
+            from hetctl.remote.slurm import dry_run_step
 
-                data["srun"] = {n.node: dry_run_step(inv.node(n.node), n) for n in spec.nodes if n.transport == "slurm"}
-            print_json(json_dumps(data, indent=2))
-        else:
-            _print_dry_run(spec, inv, ssh, note)
-        if anyway:  # last, where it is seen
-            _warn(anyway)
+            data["srun"] = {n.node: dry_run_step(inv.node(n.node), n) for n in spec.nodes if n.transport == "slurm"}
+        print_json(json_dumps(data, indent=2))
+    else:
+        _print_dry_run(spec, inv, ssh, note)
+    if anyway:  # last, where it is seen
+        _warn(anyway)
 
 
 def _warn(line: str) -> None:

@@ -6,9 +6,9 @@ State of a run::
 
     PENDING ──launch──▶ RUNNING ──all ranks exit 0──▶ SUCCEEDED
                           │
-                          ├─ rank crash / hang ──▶ RESTARTING (same plan) ──▶ RUNNING
-                          ├─ node lost / abnormal ─▶ REPLANNING (survivors) ──▶ RUNNING
-                          ├─ straggler + --rebalance ▶ REPLANNING (measured speeds) ──▶ RUNNING
+                          ├─ rank crash / hang ──▶ a new attempt (same plan), still RUNNING
+                          ├─ node lost / abnormal ─▶ a new attempt (re-planned on the survivors), still RUNNING
+                          ├─ straggler + --rebalance ▶ a new attempt (measured speeds), still RUNNING
                           ├─ Ctrl-C / SIGTERM ─────▶ STOPPED
                           └─ restarts used up / no feasible plan ─▶ FAILED
 """
@@ -23,8 +23,6 @@ from dataclasses import dataclass, field, replace
 class RunState(str, enum.Enum):
     PENDING = "pending"
     RUNNING = "running"
-    RESTARTING = "restarting"
-    REPLANNING = "replanning"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     STOPPED = "stopped"

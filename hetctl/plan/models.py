@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
-from typing import Any
 
 import yaml
 from pydantic import ValidationError
@@ -205,9 +204,3 @@ def valid_tp(spec: ModelSpec, limit: int) -> list[int]:
             out.append(t)
         t *= 2
     return out
-
-
-def spec_summary(spec: ModelSpec) -> dict[str, Any]:
-    """A short dict for --explain: size in parameters and shape."""
-    c = model_cost(spec)
-    return {"params_b": round(c.total_params() / 1e9, 2), "layers": spec.num_layers, "hidden": spec.hidden_size}

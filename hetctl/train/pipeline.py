@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Callable, Iterator, Mapping
+from typing import Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -310,10 +310,3 @@ def forward_only(module: nn.Module, topo: Topology, comm: Comm, batch, hidden: i
                 links.send_activation(j, m, y)
     comm.wait_sends()
     return total
-
-
-def iter_params(units: nn.ModuleDict) -> Iterator[tuple[str, str, nn.Parameter]]:
-    """``(unit, name, parameter)`` for every parameter, in unit order."""
-    for uname, unit in units.items():
-        for pname, p in unit.named_parameters():
-            yield uname, pname, p
