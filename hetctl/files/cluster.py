@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from hetctl.files.fields import Strict as _Strict
 
 from hetctl.files import fields
 from hetctl.files.fields import Invalid
@@ -21,10 +23,6 @@ Vendor = Literal[
     "cambricon", "hygon", "enflame", "biren", "gaudi", "cpu",
 ]
 VENDORS: tuple[str, ...] = Vendor.__args__  # type: ignore[attr-defined]
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
 
 
 class Tflops(_Strict):

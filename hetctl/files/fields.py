@@ -12,13 +12,19 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 NODE_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._:-]{0,252}")
 # Hostnames, IPv4 and IPv6 literals (with a %zone): what ssh is given to dial. Never a
 # leading '-', which ssh would read as an option (-oProxyCommand=…).
 HOST_RE = re.compile(r"[A-Za-z0-9_:][A-Za-z0-9_.:%-]{0,252}")
 TFLOPS_MAX = 1e6  # a chip a thousand times today's largest is a typo, not a chip
+
+
+class Strict(BaseModel):
+    """The base of every file model: an unknown key is an error (a typo is never silently ignored)."""
+
+    model_config = ConfigDict(extra="forbid")
 
 
 class Invalid(Exception):

@@ -43,7 +43,9 @@ import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, ValidationError, model_validator
+from pydantic import BeforeValidator, Field, StringConstraints, ValidationError, model_validator
+
+from hetctl.files.fields import Strict as _Strict
 
 from hetctl.errors import ConfigError
 from hetctl.files.fields import NoNul, Text, Tflops, host_problem, node_name_problem
@@ -67,10 +69,6 @@ Scalar = Annotated[NoNul, BeforeValidator(_scalar_to_str)]
 Label = Annotated[Text, BeforeValidator(_scalar_to_str)]
 EnvName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
 TransportName = Literal["ssh", "local", "slurm"]
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
 
 
 class SshSettings(_Strict):

@@ -17,16 +17,14 @@ from __future__ import annotations
 from collections import Counter
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from hetctl.files.fields import Strict as _Strict
 
 from hetctl.files.fields import Amount, Invalid, NodeName, Text
 
 Count = Annotated[int, Field(ge=1, le=1_000_000)]
 MAX_SEQ_LEN = 16_777_216
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
 
 
 class RopeScaling(_Strict):

@@ -20,17 +20,15 @@ import secrets
 import time
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from hetctl.files.fields import Strict as _Strict
 
 from hetctl.errors import ConfigError
 from hetctl.files.plan import Plan
 from hetctl.files.yamlio import load_model, save_model
 
 _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
 
 
 class RunInputs(_Strict):

@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import difflib
 import json
-import os
-import tempfile
 import typing
 from pathlib import Path
 from typing import Any, TypeVar
@@ -39,6 +37,7 @@ from pydantic import BaseModel, ValidationError
 
 from hetctl.errors import ConfigError
 from hetctl.files.fields import Invalid
+from hetctl.node.runtime import write_atomic
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -407,10 +406,7 @@ def save_model(path: str | Path, obj: BaseModel, header: str | None = None) -> P
     text = dump_yaml(obj.model_dump(mode="json"))
     if header:
         text = "".join(f"# {line}\n" for line in header.splitlines()) + text
-    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, p)
+    write_atomic(p, text.encode())
     return p
 
 
