@@ -278,7 +278,7 @@ def test_entry_runs_a_users_own_script(tmp_path):
 
     (tmp_path / "home" / ".ssh").mkdir(parents=True)
     (tmp_path / "train.py").write_text(USER_SCRIPT)
-    inv = {"defaults": {"transport": "local", "python": sys.executable},
+    inv = {"defaults": {"transport": "local", "python": sys.executable, "env": {"MY_PASS": "hunter2"}},
            "nodes": [{"name": f"n{i}", "host": "localhost", "workdir": f"wd/n{i}"} for i in range(2)]}
     (tmp_path / "inventory.yaml").write_text(yaml.safe_dump(inv))
     plan = Plan.model_validate({**tiny_plan([4, 2]), "inventory": "inventory.yaml"})
@@ -297,3 +297,11 @@ def test_entry_runs_a_users_own_script(tmp_path):
         (run / "logs" / "n1" / "rank-1.log").read_text()
     inputs = yaml.safe_load((run / "run.yaml").read_text())["inputs"]
     assert inputs["entry"] == [str(tmp_path / "train.py"), "--lr", "3e-4"] and inputs["master_port"] == port
+    # the attempt recorded the exact spec it started: each rank's argv, the port, the inventory's env masked
+    spec = json.loads((run / "attempts" / "0" / "launch.json").read_text())
+    assert int(spec["master_port"]) == port and sorted(n["node"] for n in spec["nodes"]) == ["n0", "n1"]
+    ranks = {r["rank"]: r for n in spec["nodes"] for r in n["ranks"]}
+    assert sorted(ranks) == [0, 1] and ranks[1]["argv"][-3:] == [str(tmp_path / "train.py"), "--lr", "3e-4"][-3:]
+    assert all(n["env"]["MY_PASS"] == "***" for n in spec["nodes"]) and "hunter2" not in json.dumps(spec)
+    shown = hetctl(tmp_path, "status", str(run), "--spec")
+    assert shown.returncode == 0 and json.loads(shown.stdout) == {"attempt": 0, **spec}, shown.stderr

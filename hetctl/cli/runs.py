@@ -78,6 +78,8 @@ def status_cmd(
     json_out: bool = typer.Option(False, "--json", help="The same data as JSON on stdout."),
     watch: bool = typer.Option(False, "--watch", "-w", help="Redraw every second until Ctrl-C (or the run ends)."),
     events: int = typer.Option(8, "--events", min=0, max=1000, help="How many recent events to show for one run."),
+    spec: bool = typer.Option(False, "--spec", help="With RUN_DIR: print, as JSON, the exact spec its newest attempt "
+                              "started (attempts/<n>/launch.json: every rank's argv and environment, secrets masked)."),
 ) -> None:
     """What is running and how it goes: every run under --run-dir, or one run in detail.
 
@@ -85,6 +87,10 @@ def status_cmd(
     the run is live and after it ended.
     """
     from hetctl.elastic import status as st
+
+    if spec:
+        print_json(json_dumps(_launch_spec(run_dir), indent=2))
+        return
 
     def current():
         return st.view(run_dir, events=events) if run_dir else st.runs(runs_root)
@@ -202,3 +208,26 @@ def report_cmd(
     path = Path(output) if output else RunDir.open(run_dir).path / "report.html"
     write_atomic(path, page.encode("utf-8"))  # a link planted at the path is replaced, never written through
     out.print(text(f"wrote {path}"), highlight=False)
+
+
+def _launch_spec(run_dir: str | None) -> dict:
+    """The newest ``attempts/<n>/launch.json`` of ``run_dir``, parsed (a bad or missing one is a one-line error)."""
+    import json
+    from pathlib import Path
+
+    from hetctl.errors import ConfigError
+
+    if run_dir is None:
+        raise ConfigError("--spec needs a run folder", "hetctl status runs/<id> --spec")
+    found = sorted((int(p.parent.name), p) for p in Path(run_dir).glob("attempts/*/launch.json") if p.parent.name.isdigit())
+    if not found:
+        raise ConfigError(f"{run_dir}: no attempt recorded a launch spec (attempts/<n>/launch.json)",
+                          "a run started before hetctl wrote them has none; --dry-run on its plan shows one")
+    path = found[-1][1]
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: not a launch spec: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: not a launch spec (not a JSON object)")
+    return {"attempt": found[-1][0], **data}

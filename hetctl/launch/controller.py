@@ -384,11 +384,23 @@ class AttemptController:
             pythonpath=pythonpath, entry=self.req.entry, progress=self.req.progress, script=self.req.script,
             script_args=self.req.script_args, resume_env=self.req.resume_env, init_from=self.req.init_from,
         )
+        self._record_spec()
         by_name = {n.node: n for n in self.spec.nodes}
         failed, self.shipped = ship_files(
             self.plan_nodes, self.transports, by_name, results, mat.plan_json(plan),
             lambda nodes, fn: _fanout(nodes, self._guard(fn, "shipping the agent failed: "), self._width()))
         return [_start_failure(n, str(v)) for n, v in failed.items()]
+
+    def _record_spec(self) -> None:
+        """``attempts/<n>/launch.json``: the exact spec this attempt starts (each rank's argv, environment, node),
+        the inventory's env values masked as ``--dry-run`` masks them; written before any rank starts, so an
+        attempt that failed to start still says what it tried."""
+        from hetctl.node.runtime import write_atomic
+        from hetctl.textsafe import json_dumps
+
+        public = getattr(self.inventory, "public_env", ()) or ()
+        data = json_dumps(self.spec.to_dict(public=public), indent=2) + "\n"
+        write_atomic(self.run_dir.attempt_dir(self.req.attempt) / "launch.json", data.encode())
 
     def _start_agents(self) -> list[FailureRecord]:
         by_name = {n.node: n for n in self.spec.nodes}
