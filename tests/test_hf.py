@@ -201,3 +201,20 @@ def test_export_refuses_what_is_not_a_run(tmp_path):
     with pytest.raises(ConfigError, match="not a run folder"):
         export(tmp_path, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("case", ["llama-llama3-rope", "qwen2-bias-tied"])
+def test_bf16_logits_agree_with_transformers_within_bf16_rounding(tmp_path, case):
+    """In bf16 as the trainer computes on an accelerator (``torch.autocast`` to bfloat16, fp32 weights; here the
+    CPU's autocast), hetctl's logits and transformers' (under the same autocast) differ by bf16 rounding only:
+    each within 2% of the fp32 logits (bf16 keeps 8 bits of mantissa, and a few layers add up the rounding)."""
+    family, over = CASES[case]
+    ref = save_random(tmp_path, family, **over)
+    model, spec = ours(tmp_path)
+    ids = torch.randint(0, spec["vocab_size"], (3, 16), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        exact = ref(ids).logits
+        with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+            want, got = ref(ids).logits.float(), model(ids).float()
+    assert rel_err(exact, want) < 2e-2 and rel_err(exact, got) < 2e-2 and rel_err(want, got) < 2e-2
+    assert rel_err(exact, got) > 1e-5  # it really ran in bf16 (fp32 agrees to 1e-6)
