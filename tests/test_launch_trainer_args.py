@@ -97,3 +97,27 @@ def test_a_run_exports_itself_and_transformers_loads_it(site, tmp_path):
     assert "exported step 2 " in r.stderr and str(out) in r.stderr
     model = transformers.AutoModelForCausalLM.from_pretrained(out)
     assert model.config.num_hidden_layers == 8 and model.config.vocab_size == 320
+
+
+def test_resume_takes_new_trainer_options_checked_first_and_keeps_them(site, tmp_path):
+    """``resume --args``: what a user changes when a run must go on differently (here a tighter gradient clip; the
+    trainer itself refuses a learning rate other than its checkpoint's schedule); a bad option is one line before
+    anything starts, and the new options reach the ranks and run.yaml."""
+    runs = tmp_path / "runs"
+    r = local_cli(site, "launch", "plan", "--steps", "4", "--checkpoint-every", "2", "--run-dir", str(runs), "--json",
+                  "--standby", "off", "--args", "--lr 1e-3", timeout=600)
+    assert r.returncode == 0, r.stderr
+    run = Path(json.loads(r.stdout)["run_dir"])
+    before = (run / "run.yaml").read_text()
+    bad = local_cli(site, "resume", str(run), "--steps", "6", "--args", "--lr fast")
+    assert bad.returncode == 2 and "--args: argument --lr: invalid float value: 'fast'" in " ".join(bad.stderr.split())
+    assert "Traceback" not in bad.stderr and (run / "run.yaml").read_text() == before
+    assert sorted(p.name for p in (run / "attempts").iterdir()) == ["0"]
+    r = local_cli(site, "resume", str(run), "--steps", "6", "--args", "--lr 1e-3 --clip-grad 0.5", "--json", timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["steps"] == 6
+    import yaml
+
+    assert yaml.safe_load((run / "run.yaml").read_text())["inputs"]["script_args"] == ["--lr", "1e-3", "--clip-grad", "0.5"]
+    spec = json.loads((run / "attempts" / "1" / "launch.json").read_text())
+    assert all(x["argv"][-4:] == ["--lr", "1e-3", "--clip-grad", "0.5"] for n in spec["nodes"] for x in n["ranks"])

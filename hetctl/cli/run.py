@@ -443,10 +443,21 @@ def resume_cmd(
     node_timeout: float = NODE_TIMEOUT_OPT,
     max_node_failures: int = MAX_NODE_FAILURES_OPT,
     rebalance: bool = REBALANCE_OPT,
+    entry: str | None = typer.Option(None, "--entry", help="What each rank runs from now on (as launch --entry); "
+                                     "default: what the run ran."),
+    script: str | None = typer.Option(None, "--script", help="The training script of a torchrun or deepspeed plan "
+                                      "from now on (as launch --script); default: the run's."),
+    script_args: str | None = typer.Option(None, "--args", help="Arguments of every rank's command from now on "
+                                           "(as launch --args, checked the same way; '' for none); default: the "
+                                           "run's. Kept in run.yaml for later restarts."),
 ) -> None:
     """Continue a stopped, killed or failed run from its newest valid checkpoint, on a fresh plan."""
+    from hetctl.elastic import start as launcher
     from hetctl.elastic.resume import prepare
     from hetctl.launch.controller import Thresholds
+
+    words = launcher.parse_entry(entry) if entry is not None else None
+    extra = launcher.parse_args_option(script_args) if script_args is not None else None
 
     err.print(text(("resume", "bold"), f" {run_dir}: checking for live ranks, checkpoints, re-probing"),
               highlight=False)
@@ -455,7 +466,8 @@ def resume_cmd(
         with _allowed(alloc):
             prep = prepare(run_dir, inventory=inventory, steps=steps, wait_s=grace + 10.0,
                            policy=_policy(max_restarts, max_node_failures, rebalance),
-                           thresholds=Thresholds(grace_s=grace, hang_timeout=hang_timeout, node_timeout=node_timeout))
+                           thresholds=Thresholds(grace_s=grace, hang_timeout=hang_timeout, node_timeout=node_timeout),
+                           entry=words, script=script, script_args=extra)
         _resume(prep, alloc, json_out)
     finally:
         alloc.release()

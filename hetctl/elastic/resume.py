@@ -226,6 +226,9 @@ def prepare(
     wait_s: float = 15.0,
     policy: Any = None,
     thresholds: Any = None,
+    entry: tuple[str, ...] | None = None,
+    script: str | None = None,
+    script_args: tuple[str, ...] | None = None,
 ) -> Prepared:
     """Check the run can continue, re-probe, re-plan; start nothing, change nothing.
 
@@ -240,6 +243,8 @@ def prepare(
         probe: inventory → Cluster (default :func:`hetctl.probe.gather.probe`).
         wait_s: how long to wait for ranks of a killed controller to go away.
         policy, thresholds: the elastic policy and timeouts of the continued run.
+        entry, script, script_args: what the ranks run from now on (``--entry``, ``--script``, ``--args``;
+            ``None``: the run's), checked as ``launch`` checks them and kept in ``run.yaml``.
 
     Raises:
         ResumeRefused, ConfigError, PlanInfeasible: with what to do next.
@@ -250,14 +255,16 @@ def prepare(
     lock = run.lock()  # one controller per run: a live launch or resume of it refuses this one
     try:
         return _prepare(run, lock, inventory=inventory, steps=steps, connect=connect, probe=probe, wait_s=wait_s,
-                        policy=policy, thresholds=thresholds)
+                        policy=policy, thresholds=thresholds, entry=entry, script=script, script_args=script_args)
     except BaseException:
         lock.release()
         raise
 
 
 def _prepare(run: Any, lock: Any, *, inventory: Any, steps: int | None, connect: Callable[[Any], Any] | None,
-             probe: Callable[[Any], Any] | None, wait_s: float, policy: Any, thresholds: Any) -> Prepared:
+             probe: Callable[[Any], Any] | None, wait_s: float, policy: Any, thresholds: Any,
+             entry: tuple[str, ...] | None = None, script: str | None = None,
+             script_args: tuple[str, ...] | None = None) -> Prepared:
     from hetctl.elastic.replan import keep_measured, replan
     from hetctl.files.inventory import load_inventory
 
@@ -292,6 +299,7 @@ def _prepare(run: Any, lock: Any, *, inventory: Any, steps: int | None, connect:
             f"pass --steps N with N > {choice.step} to train further",
         )
     info.inputs.steps = target
+    _override_command(info.inputs, last, entry, script, script_args)
 
     if probe is None:
         from hetctl.probe.gather import probe as probe_inventory
@@ -322,6 +330,22 @@ def _prepare(run: Any, lock: Any, *, inventory: Any, steps: int | None, connect:
                     thresholds=thresholds or Thresholds(), first_attempt=attempt, resume_step=choice.step,
                     opening=opening, checkpoint=choice, unchecked=unchecked, cluster=cluster, lock=lock)
 
+
+
+def _override_command(inputs: Any, plan: Any, entry: tuple[str, ...] | None, script: str | None,
+                      script_args: tuple[str, ...] | None) -> None:
+    """``resume --entry/--script/--args``: what the ranks run from now on, checked as ``launch`` checks it
+    (a fixed script, a changed learning rate); what is not given stays the run's."""
+    from hetctl.elastic.start import check_script_options
+
+    if entry is not None:
+        inputs.entry = list(entry)
+    if script is not None:
+        inputs.script = script
+    if script_args is not None:
+        inputs.script_args = list(script_args)
+    if entry is not None or script is not None or script_args is not None:
+        check_script_options(plan, tuple(inputs.entry), inputs.script, tuple(inputs.script_args))
 
 
 def _resume_choice(run: Any, info: Any, attempt: int, plan: Any) -> tuple[CheckpointChoice, Any]:
