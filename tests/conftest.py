@@ -1,7 +1,7 @@
 """Shared fixtures: an isolated HOME for every test and real sshd hosts on loopback.
 
 * ``_isolated_home`` (autouse): ``HOME`` points at an empty per-test folder and
-  ``SSH_AUTH_SOCK`` is unset, so the developer's ``~/.ssh/config``, keys, agent and
+  ``SSH_AUTH_SOCK`` and ``XDG_STATE_HOME`` are unset (the index of runs is per test), so the developer's ``~/.ssh/config``, keys, agent and
   known_hosts never take part in a test.
 * ``_private_runtime_dir`` (session, autouse): ``XDG_RUNTIME_DIR`` points at a short
   private folder removed after the session, so the ssh transport's control sockets
@@ -78,6 +78,7 @@ def _isolated_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest
     (home / ".ssh").mkdir(mode=0o700)
     monkeypatch.setenv("HOME", str(home))
     monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
+    monkeypatch.delenv("XDG_STATE_HOME", raising=False)  # the index of runs (files/runindex.py) lives under HOME
     return home
 
 

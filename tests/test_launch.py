@@ -305,3 +305,11 @@ def test_entry_runs_a_users_own_script(tmp_path):
     assert all(n["env"]["MY_PASS"] == "***" for n in spec["nodes"]) and "hunter2" not in json.dumps(spec)
     shown = hetctl(tmp_path, "status", str(run), "--spec")
     assert shown.returncode == 0 and json.loads(shown.stdout) == {"attempt": 0, **spec}, shown.stderr
+    # the run by its id (a unique prefix) from another folder: the user's index of runs knows where it is
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    for args in (("status", summary["run_id"][:13], "--json"), ("logs", summary["run_id"], "--rank", "1")):
+        r = subprocess.run([sys.executable, "-m", "hetctl", *args], cwd=elsewhere, env=env_of(tmp_path),
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+    assert "user script rank 1/2" in r.stdout

@@ -242,3 +242,11 @@ def main() -> None:  # pragma: no cover - entry point
 
 if __name__ == "__main__":  # pragma: no cover
     main()
+
+
+def run_path(arg: str) -> str:
+    """A RUN_DIR argument as a folder: a path as given, or a run id (or unique prefix) from the user's index of
+    runs (:mod:`hetctl.files.runindex`); an ambiguous prefix is a ConfigError listing the runs."""
+    from hetctl.files.runindex import resolve
+
+    return resolve(arg)

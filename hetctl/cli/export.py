@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from hetctl.cli import app, handle_errors, out, text
+from hetctl.cli import app, handle_errors, out, run_path, text
 
 
 @app.command("export")
@@ -15,6 +15,7 @@ def export_cmd(
     step: int | None = typer.Option(None, "--step", min=1, help="Checkpoint step; default: the newest valid one."),
 ) -> None:
     """Write a run's checkpoint as a Hugging Face folder that transformers loads with no conversion."""
+    run_dir = run_path(run_dir)  # a run id or a unique prefix of one, from the user's index
     from hetctl.errors import ConfigError
 
     try:

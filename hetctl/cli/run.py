@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from hetctl.textsafe import json_dumps
-from hetctl.cli import app, err, handle_errors, out, print_json, text
+from hetctl.cli import app, err, handle_errors, out, print_json, run_path, text
 
 
 # Fault-policy options shared by `launch` and `resume` (one definition, one help text).
@@ -452,6 +452,7 @@ def resume_cmd(
                                            "run's. Kept in run.yaml for later restarts."),
 ) -> None:
     """Continue a stopped, killed or failed run from its newest valid checkpoint, on a fresh plan."""
+    run_dir = run_path(run_dir)  # a run id or a unique prefix of one, from the user's index
     from hetctl.elastic import start as launcher
     from hetctl.elastic.resume import prepare
     from hetctl.launch.controller import Thresholds

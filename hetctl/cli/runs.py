@@ -7,7 +7,7 @@ import time
 import typer
 
 from hetctl.textsafe import json_dumps
-from hetctl.cli import app, err, handle_errors, out, print_json, text
+from hetctl.cli import app, err, handle_errors, out, print_json, run_path, text
 
 
 def _age(ts: float) -> str:
@@ -86,6 +86,8 @@ def status_cmd(
     Reads only the run folder, so it works from any machine that sees it, while
     the run is live and after it ended.
     """
+    if run_dir is not None:
+        run_dir = run_path(run_dir)  # a run id or a unique prefix of one, from the user's index
     from hetctl.elastic import status as st
 
     if spec:
@@ -125,6 +127,7 @@ def logs_cmd(
     tail: int = typer.Option(0, "--tail", min=0, help="Only the last K lines of each log (0: all)."),
 ) -> None:
     """Print rank logs (all attempts, each behind its `==> hetctl attempt N` line), prefixed when several."""
+    run_dir = run_path(run_dir)  # a run id or a unique prefix of one, from the user's index
     import sys
 
     from hetctl.elastic import status as st
@@ -164,6 +167,7 @@ def stop_cmd(
     A second `stop` (or --force) escalates. When the controller is gone, the
     run's processes are stopped on its nodes directly.
     """
+    run_dir = run_path(run_dir)  # a run id or a unique prefix of one, from the user's index
     from dataclasses import asdict
 
     from hetctl.elastic import status as st
@@ -197,6 +201,7 @@ def report_cmd(
 
     Self-contained (no script, nothing fetched); open it in any browser.
     """
+    run_dir = run_path(run_dir)  # a run id or a unique prefix of one, from the user's index
     from pathlib import Path
 
     from hetctl.elastic.report import render

@@ -205,6 +205,9 @@ class RunDir:
             raise ConfigError(f"{path}: cannot create the run folder: {e.strerror}", "check --run-dir") from None
         (path / "attempts").mkdir()
         (path / "logs").mkdir()
+        from hetctl.files import runindex
+
+        runindex.record(rid, path)  # `hetctl status <id>` from any folder
         return cls(path)
 
     @classmethod
@@ -212,7 +215,8 @@ class RunDir:
         """An existing run folder; a clear error when it is not one."""
         rd = cls(path)
         if not rd.run_yaml.is_file():
-            raise ConfigError(f"{rd.path}: not a run folder (no run.yaml)", "pass runs/<run-id>")
+            raise ConfigError(f"{rd.path}: not a run folder (no run.yaml)",
+                              "pass runs/<run-id>, or the id (or a unique prefix) of a run hetctl started on this machine")
         planted = [p for p in (rd.run_yaml, rd.events_path, rd.path / "attempts", rd.path / "logs",
                                *(rd.path / "logs").glob("*"), *(rd.path / "attempts").glob("*")) if p.is_symlink()]
         if planted:
