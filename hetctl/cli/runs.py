@@ -73,7 +73,7 @@ def _detail(v):
 @app.command("status")
 @handle_errors
 def status_cmd(
-    run_dir: str | None = typer.Argument(None, metavar="RUN_DIR", help="One run folder (runs/<id>); without it, list every run."),
+    run_dir: str | None = typer.Argument(None, metavar="RUN_DIR", help="One run folder (runs/<id>), or a run id or unique prefix; without it, list every run."),
     runs_root: str = typer.Option("runs", "--run-dir", help="Folder of runs to list."),
     json_out: bool = typer.Option(False, "--json", help="The same data as JSON on stdout."),
     watch: bool = typer.Option(False, "--watch", "-w", help="Redraw every second until Ctrl-C (or the run ends)."),
@@ -119,7 +119,7 @@ def status_cmd(
 @app.command("logs")
 @handle_errors
 def logs_cmd(
-    run_dir: str = typer.Argument(..., metavar="RUN_DIR", help="The run folder, runs/<id>."),
+    run_dir: str = typer.Argument(..., metavar="RUN_DIR", help="The run folder (runs/<id>), or a run id or a unique prefix of one."),
     node: str | None = typer.Option(None, "--node", help="Only this node's ranks."),
     rank: int | None = typer.Option(None, "--rank", min=0, help="Only this rank."),
     follow: bool = typer.Option(False, "-f", "--follow", help="Keep printing new lines, across restarts, until the "
@@ -156,7 +156,7 @@ def logs_cmd(
 @app.command("stop")
 @handle_errors
 def stop_cmd(
-    run_dir: str = typer.Argument(..., metavar="RUN_DIR", help="The run folder, runs/<id>."),
+    run_dir: str = typer.Argument(..., metavar="RUN_DIR", help="The run folder (runs/<id>), or a run id or a unique prefix of one."),
     force: bool = typer.Option(False, "--force", help="Do not wait for a clean stop: kill the controller (on this "
                                "machine) and the run's processes on its nodes."),
     wait: float = typer.Option(60.0, "--wait", min=0.0, max=3600.0, help="Seconds to wait for the clean stop."),
@@ -193,7 +193,7 @@ def stop_cmd(
 @app.command("report")
 @handle_errors
 def report_cmd(
-    run_dir: str = typer.Argument(..., metavar="RUN_DIR", help="The run folder, runs/<id>."),
+    run_dir: str = typer.Argument(..., metavar="RUN_DIR", help="The run folder (runs/<id>), or a run id or a unique prefix of one."),
     output: str | None = typer.Option(None, "-o", "--output", help="Where to write the page (default: "
                                       "RUN_DIR/report.html)."),
 ) -> None:
