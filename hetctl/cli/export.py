@@ -10,7 +10,8 @@ from hetctl.cli import app, handle_errors, out, run_path, text
 @app.command("export")
 @handle_errors
 def export_cmd(
-    run_dir: str = typer.Argument(..., help="The run folder (runs/<run-id>), or its id or a unique prefix, whose checkpoint to export."),
+    run_dir: str = typer.Argument(...,
+        help="The run folder (runs/<run-id>), or its id or a unique prefix, whose checkpoint to export."),
     output: str = typer.Option(..., "-o", "--output", help="New folder for the Hugging Face model."),
     step: int | None = typer.Option(None, "--step", min=1, help="Checkpoint step; default: the newest valid one."),
 ) -> None:

@@ -431,7 +431,8 @@ def _print_dry_run(spec, inv=None, ssh=None, note=None) -> None:
 @app.command("resume")
 @handle_errors
 def resume_cmd(
-    run_dir: str = typer.Argument(..., metavar="RUN_DIR", help="The run folder (runs/<run-id>), or a run id or a unique prefix of one."),
+    run_dir: str = typer.Argument(..., metavar="RUN_DIR",
+        help="The run folder (runs/<run-id>), or a run id or a unique prefix of one."),
     inventory: str | None = typer.Option(None, "-i", "--inventory", help="Inventory YAML; default: the run's."),
     steps: int | None = typer.Option(None, "--steps", min=1, max=MAX_STEPS,
                                      help="Total steps to reach; default: the run's."),

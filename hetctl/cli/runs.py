@@ -73,7 +73,8 @@ def _detail(v):
 @app.command("status")
 @handle_errors
 def status_cmd(
-    run_dir: str | None = typer.Argument(None, metavar="RUN_DIR", help="One run folder (runs/<id>), or a run id or unique prefix; without it, list every run."),
+    run_dir: str | None = typer.Argument(None, metavar="RUN_DIR",
+        help="One run folder (runs/<id>), or a run id or unique prefix; without it, list every run."),
     runs_root: str = typer.Option("runs", "--run-dir", help="Folder of runs to list."),
     json_out: bool = typer.Option(False, "--json", help="The same data as JSON on stdout."),
     watch: bool = typer.Option(False, "--watch", "-w", help="Redraw every second until Ctrl-C (or the run ends)."),
