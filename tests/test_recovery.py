@@ -357,18 +357,23 @@ CPU_CGROUP = Path("/sys/fs/cgroup/cpu")
 @pytest.mark.skipif(not (CPU_CGROUP / "cgroup.procs").exists(), reason="needs the cgroup v1 cpu controller")
 def test_slow_node_is_reported_as_straggler_and_rebalanced(cluster, site, reference):
     """node-2 gets a quarter of one CPU: its python joins a cgroup before it runs anything (the agent and its
-    ranks inherit it), so node-2 is really slower, whatever the other suites on the machine do."""
-    group = CPU_CGROUP / f"hetctl-test-{cluster.id}"
-    group.mkdir()
-    wrapper = site / "python-in-slow-cgroup"
-    wrapper.write_text(f"#!/bin/sh\necho $$ > {group / 'cgroup.procs'}\nexec {sys.executable} \"$@\"\n")
-    wrapper.chmod(0o755)
+    ranks inherit it), so node-2 is really slower. The other nodes join one cgroup of ten times the default CPU
+    weight, so that they stay faster whatever else the machine runs: under a load of 11 on 2 cores every process
+    got less than a quarter CPU, node-1 as little as node-2, and no node was slower than the other (a CI flake)."""
+    groups = {"fast": CPU_CGROUP / f"hetctl-test-fast-{cluster.id}", "slow": CPU_CGROUP / f"hetctl-test-{cluster.id}"}
     inv = yaml.safe_load((site / "inventory.yaml").read_text())
-    for n in inv["nodes"]:
-        if n["name"] == "node-2":
-            n["python"] = str(wrapper)
+    for kind, group in groups.items():
+        group.mkdir()
+        wrapper = site / f"python-in-cgroup-{kind}"
+        wrapper.write_text(f"#!/bin/sh\necho $$ > {group / 'cgroup.procs'}\nexec {sys.executable} \"$@\"\n")
+        wrapper.chmod(0o755)
+        for n in inv["nodes"]:
+            if (n["name"] == "node-2") == (kind == "slow"):
+                n["python"] = str(wrapper)
     (site / "inventory-slow.yaml").write_text(yaml.safe_dump(inv, sort_keys=False))
+    group = groups["slow"]
     try:
+        (groups["fast"] / "cpu.shares").write_text("10240")
         (group / "cpu.cfs_period_us").write_text("100000")
         (group / "cpu.cfs_quota_us").write_text("25000")
         # (no warm spares: their imports hold the watch, and node-2's took 21 s of this short run on a quarter CPU)
@@ -376,12 +381,13 @@ def test_slow_node_is_reported_as_straggler_and_rebalanced(cluster, site, refere
         summary = run.finish()
         throttled = dict(line.split() for line in (group / "cpu.stat").read_text().splitlines())
     finally:
-        for pid in (group / "cgroup.procs").read_text().split():
-            try:
-                (CPU_CGROUP / "cgroup.procs").write_text(pid)
-            except OSError:
-                pass
-        group.rmdir()
+        for g in groups.values():
+            for pid in (g / "cgroup.procs").read_text().split():
+                try:
+                    (CPU_CGROUP / "cgroup.procs").write_text(pid)
+                except OSError:
+                    pass
+            g.rmdir()
     assert int(throttled["nr_throttled"]) > 0  # the quota really bit
     stragglers = run.events("straggler")
     assert stragglers and stragglers[0]["node"] == "node-2" and stragglers[0]["slowdown"] > 1.25, run.story()
