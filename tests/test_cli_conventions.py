@@ -74,3 +74,27 @@ def test_no_color_is_honoured():
     assert COLOR.search(_error_output({}))  # in colour when forced
     plain = _error_output({"NO_COLOR": "1"})
     assert "cluster file not found" in plain and not COLOR.search(plain)
+
+
+def test_hetctl_environment_variables_stand_for_the_repeated_options(tmp_path):
+    """HETCTL_INVENTORY is -i of probe/launch/resume, HETCTL_RUN_DIR is --run-dir of launch/status; the command
+    line wins. Checked by what each command then reads (a missing file named in its error, the runs it lists)."""
+    def run(*args, **env):
+        return subprocess.run([sys.executable, "-m", "hetctl", *args], cwd=tmp_path, capture_output=True, text=True,
+                              env={**os.environ, "COLUMNS": "200", **env}, timeout=60)
+
+    r = run("probe", HETCTL_INVENTORY="from-env.yaml")
+    assert r.returncode == 2 and "from-env.yaml" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    r = run("probe", "-i", "from-flag.yaml", HETCTL_INVENTORY="from-env.yaml")
+    assert r.returncode == 2 and "from-flag.yaml" in r.stderr and "from-env.yaml" not in r.stderr, r.stderr
+    from hetctl.files.run import RunDir
+
+    (tmp_path / "elsewhere").mkdir()
+    made = RunDir.create(tmp_path / "elsewhere", "20261205-101010-abcd")
+    (made.path / "run.yaml").write_text("run_id: 20261205-101010-abcd\ncreated: 0\nupdated: 0\n"
+                                        "inputs: {steps: 1, checkpoint_every: 0, checkpoint_dir: c}\n")
+    r = run("status", "--json", HETCTL_RUN_DIR="elsewhere")
+    assert r.returncode == 0, r.stderr
+    assert [v["run_id"] for v in json.loads(r.stdout)] == ["20261205-101010-abcd"]
+    r = run("status", "--json", "--run-dir", "nowhere", HETCTL_RUN_DIR="elsewhere")
+    assert r.returncode == 2 and "nowhere: no such run folder" in r.stderr, r.stderr

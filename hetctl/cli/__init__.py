@@ -45,7 +45,7 @@ def _app() -> typer.Typer:
         name="hetctl",
         help="Train one model across mixed accelerators: probe nodes, plan layers, launch ranks, resume after faults.",
         no_args_is_help=True,
-        add_completion=False,
+        add_completion=True,  # --install-completion / --show-completion: bash, zsh, fish, powershell
         pretty_exceptions_enable=False,
         context_settings={"help_option_names": ["-h", "--help"]},  # -h as every Unix tool has it
     )

@@ -10,7 +10,8 @@ from hetctl.cli import app, handle_errors, out, text
 @app.command("probe")
 @handle_errors
 def probe_cmd(
-    inventory: str | None = typer.Option(None, "-i", "--inventory", help="Inventory YAML naming the nodes."),
+    inventory: str | None = typer.Option(None, "-i", "--inventory", envvar="HETCTL_INVENTORY",
+                                            help="Inventory YAML naming the nodes."),
     output: str | None = typer.Option(None, "-o", "--output", help="Write the cluster file (YAML) here."),
     json_out: bool = typer.Option(False, "--json", help="Print the cluster facts as JSON on stdout, no table."),
     bench: bool = typer.Option(False, "--bench", help="Measure matmul TFLOPS per chip on nodes that have torch, "

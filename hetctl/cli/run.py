@@ -26,11 +26,13 @@ REBALANCE_OPT = typer.Option(False, "--rebalance", help="Re-plan with measured s
 @handle_errors
 def launch_cmd(
     plan_dir: str = typer.Argument(..., metavar="PLAN_DIR", help="Plan folder written by `hetctl plan` (or its plan.yaml)."),
-    inventory: str | None = typer.Option(None, "-i", "--inventory", help="Inventory YAML; default: the plan's."),
+    inventory: str | None = typer.Option(None, "-i", "--inventory", envvar="HETCTL_INVENTORY",
+                                            help="Inventory YAML; default: the plan's."),
     steps: int = typer.Option(100, "--steps", min=1, max=MAX_STEPS, help="Optimizer steps to train."),
     checkpoint_every: int = typer.Option(10, "--checkpoint-every", min=0, max=MAX_STEPS,
                                          help="Checkpoint every K steps (0: none)."),
-    run_dir: str = typer.Option("runs", "--run-dir", help="Folder that receives runs/<run-id>/."),
+    run_dir: str = typer.Option("runs", "--run-dir", envvar="HETCTL_RUN_DIR",
+                                 help="Folder that receives runs/<run-id>/."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print every node's commands and environment, and the ssh "
                                  "settings `ssh -G` gives (which, like ssh, evaluates `Match exec` in your ssh "
                                  "config); start nothing, contact no node."),
@@ -433,7 +435,8 @@ def _print_dry_run(spec, inv=None, ssh=None, note=None) -> None:
 def resume_cmd(
     run_dir: str = typer.Argument(..., metavar="RUN_DIR",
         help="The run folder (runs/<run-id>), or a run id or a unique prefix of one."),
-    inventory: str | None = typer.Option(None, "-i", "--inventory", help="Inventory YAML; default: the run's."),
+    inventory: str | None = typer.Option(None, "-i", "--inventory", envvar="HETCTL_INVENTORY",
+                                            help="Inventory YAML; default: the run's."),
     steps: int | None = typer.Option(None, "--steps", min=1, max=MAX_STEPS,
                                      help="Total steps to reach; default: the run's."),
     json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON on stdout."),

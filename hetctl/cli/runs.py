@@ -75,7 +75,7 @@ def _detail(v):
 def status_cmd(
     run_dir: str | None = typer.Argument(None, metavar="RUN_DIR",
         help="One run folder (runs/<id>), or a run id or unique prefix; without it, list every run."),
-    runs_root: str = typer.Option("runs", "--run-dir", help="Folder of runs to list."),
+    runs_root: str = typer.Option("runs", "--run-dir", envvar="HETCTL_RUN_DIR", help="Folder of runs to list."),
     json_out: bool = typer.Option(False, "--json", help="The same data as JSON on stdout."),
     watch: bool = typer.Option(False, "--watch", "-w", help="Redraw every second until Ctrl-C (or the run ends)."),
     events: int = typer.Option(8, "--events", min=0, max=1000, help="How many recent events to show for one run."),
