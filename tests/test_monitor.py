@@ -442,6 +442,24 @@ def test_live_view_table_and_plain_lines(plan, spec, tmp_path):
         "  step 7, loss 3.2500, 42 ms/step", "attempt 2: rank 5 on n5 failed: killed by SIGKILL"]
 
 
+def test_live_view_shows_step_of_steps_and_the_time_left_at_the_pace_since_the_last_start():
+    from rich.console import Console
+
+    from hetctl.cli.live import LiveView
+
+    plain = Console(width=200, record=True, force_terminal=False)
+    with LiveView(plain, live=False, steps=100) as view:
+        for ts, step in [(1000.0, 1), (1010.0, 11), (1020.0, 21), (2000.0, 5), (2004.0, 9)]:  # a restart at step 5
+            view.event({"kind": "progress", "ts": ts, "attempt": 0, "step": step, "loss": 2.5, "stages": []})
+    assert plain.export_text().splitlines() == [
+        "  step 1/100, loss 2.5000",
+        "  step 11/100, loss 2.5000, ETA 1m29s",  # 10 steps in 10 s: 89 left
+        "  step 21/100, loss 2.5000, ETA 1m19s",
+        "  step 5/100, loss 2.5000",  # back to a checkpoint: the start-up is not the pace
+        "  step 9/100, loss 2.5000, ETA 1m31s",  # 4 steps in 4 s: 91 left
+    ]
+
+
 def _plain_lines(events: list[dict]) -> list[str]:
     """What a LiveView prints for ``events`` without a terminal."""
     from rich.console import Console

@@ -244,6 +244,38 @@ def event_line(ev: dict) -> str | None:
     return fn(ev) if fn is not None else None
 
 
+def _duration(s: float) -> str:
+    """``45s``, ``3m05s``, ``2h07m``."""
+    s = max(0, round(s))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+class _Pace:
+    """The time left to step ``steps``, from the steps trained since this tracker last saw the step go back (a
+    restart: its start-up is not the training's pace)."""
+
+    def __init__(self, steps: int | None) -> None:
+        self.steps = steps
+        self.since: tuple[float, int] | None = None
+        self.last = 0
+
+    def eta(self, now: float, step: int) -> str | None:
+        back, self.last = step < self.last, step
+        if self.since is None or back:
+            self.since = (now, step)
+            return None
+        if not self.steps or step >= self.steps:
+            return None
+        t0, s0 = self.since
+        if step <= s0 or now <= t0:
+            return None
+        return _duration((self.steps - step) * (now - t0) / (step - s0))
+
+
 class LiveView:
     """Context manager that shows a run as it goes.
 
@@ -251,14 +283,18 @@ class LiveView:
         console: where to draw (stderr in the CLI, so stdout stays for ``--json``).
         title: shown above the table (run id).
         live: force the table on or off; default: on when ``console`` is a terminal.
+        steps: the run's last step: shown as ``step N/M`` with the time left (ETA) at the pace since the
+            attempt's first trained step.
     """
 
-    def __init__(self, console: Console, title: str = "", live: bool | None = None) -> None:
+    def __init__(self, console: Console, title: str = "", live: bool | None = None, steps: int | None = None) -> None:
         self.console = console
         self.title = title
+        self.steps = steps
         self.live_mode = console.is_terminal if live is None else live
         self._live: Live | None = None
         self._lock = threading.Lock()
+        self._table_pace, self._line_pace = _Pace(steps), _Pace(steps)
 
     def __enter__(self) -> "LiveView":
         if self.live_mode:
@@ -275,6 +311,10 @@ class LiveView:
         """Controller hook: redraw the table (terminal only)."""
         if self._live is not None:
             title = f"{self.title}  attempt {snap.attempt}  {snap.elapsed_s:.0f}s"
+            step = max((r.step for r in snap.ranks if r.step is not None), default=None)
+            if self.steps and step is not None:
+                eta = self._table_pace.eta(snap.elapsed_s, step)
+                title += f"  step {step}/{self.steps}" + (f"  ETA {eta}" if eta else "")
             with self._lock:
                 self._live.update(render_table(snap, title))
 
@@ -285,6 +325,11 @@ class LiveView:
         line = event_line(ev)
         if line is None:
             return
+        if ev.get("kind") == "progress" and self.steps and isinstance(ev.get("step"), int):
+            step = ev["step"]
+            line = line.replace(f"step {step}", f"step {step}/{self.steps}", 1)
+            eta = self._line_pace.eta(float(ev.get("ts") or 0.0), step)
+            line += f", ETA {eta}" if eta else ""
         style = _STYLE.get(ev.get("kind"))
         with self._lock:
             self.console.print(Text(line, style=style or ""), highlight=False, soft_wrap=True)  # never markup

@@ -314,7 +314,8 @@ def _run_live(prepared, listeners=()):
     from hetctl.elastic.loop import ElasticRun
     from hetctl.elastic.start import stop_on_signals
 
-    with LiveView(err, title=f"run {prepared.run.run_id}") as view, stop_on_signals() as stop:
+    with LiveView(err, title=f"run {prepared.run.run_id}", steps=prepared.info.inputs.steps) as view, \
+            stop_on_signals() as stop:
         return ElasticRun(prepared).run(stop, listeners=[view.event, *listeners], on_update=view.update)
 
 
