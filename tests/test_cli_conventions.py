@@ -98,3 +98,30 @@ def test_hetctl_environment_variables_stand_for_the_repeated_options(tmp_path):
     assert [v["run_id"] for v in json.loads(r.stdout)] == ["20261205-101010-abcd"]
     r = run("status", "--json", "--run-dir", "nowhere", HETCTL_RUN_DIR="elsewhere")
     assert r.returncode == 2 and "nowhere: no such run folder" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("columns", [80, 120])
+def test_what_a_user_copies_is_never_cut_at_80_or_120_columns(tmp_path, columns):
+    """Run ids, node names: whole at any width; columns a narrow terminal has no room for are left out and named."""
+    from rich.console import Console
+
+    from hetctl.cli.fit import Col, fitted
+    from hetctl.files.run import RunDir
+
+    rid = "20261205-101010-abcd"
+    made = RunDir.create(tmp_path / "runs", rid)
+    (made.path / "run.yaml").write_text(f"run_id: {rid}\ncreated: 0\nupdated: 0\n"
+                                        "inputs: {steps: 100, checkpoint_every: 0, checkpoint_dir: c}\n")
+    r = subprocess.run([sys.executable, "-m", "hetctl", "status"], cwd=tmp_path, capture_output=True, text=True,
+                       env={**os.environ, "COLUMNS": str(columns)}, timeout=60)
+    assert r.returncode == 0 and rid in r.stdout, r.stdout
+    assert max(len(line) for line in r.stdout.splitlines()) <= columns
+    assert ("left out at this width" in r.stdout) == (columns == 80), r.stdout
+    long_node = "gpu-node-" + "x" * 40 + "-17"
+    console = Console(width=columns, record=True)
+    cols = [Col("node", keep=True), *(Col(f"figure {i}", "right", drop=i) for i in range(1, 8))]
+    console.print(fitted(console, cols, [[long_node, *(f"{1000.5 * i:.1f}" for i in range(1, 8))]]))
+    text = console.export_text()
+    assert long_node in text and "…" not in text and max(len(line) for line in text.splitlines()) <= columns
+    left = " ".join(text.split()).split("left out at this width: ")[1]
+    assert left.startswith("figure") and "figure 7" in left and "figure 1" not in left  # the highest drop goes first

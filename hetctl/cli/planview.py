@@ -5,8 +5,12 @@ Returns renderables; ``hetctl.cli`` prints them.
 
 from __future__ import annotations
 
+from rich.console import Console
 from rich.table import Table
 from rich.text import Text
+
+from hetctl.cli import out
+from hetctl.cli.fit import Col, fitted
 
 from hetctl.plan.planner import WARNING
 from hetctl.files.plan import Estimate, Plan
@@ -16,7 +20,7 @@ def _fmt_tokens(x: float) -> str:
     return f"{x:,.0f}"
 
 
-def stage_table(plan: Plan) -> Table:
+def stage_table(plan: Plan, console: Console | None = None) -> Table:
     """One row per stage of replica 0 (every replica has the same layout)."""
     par = plan.parallel
     title = (f"{plan.model.name}: pp {par.pp} × dp {par.dp} ({len(plan.ranks)} ranks, {len(plan.nodes)} nodes), "
@@ -27,20 +31,19 @@ def stage_table(plan: Plan) -> Table:
         title = (f"{plan.model.name}: {par.dp} replicas of different shape ({len(plan.ranks)} ranks, "
                  f"{len(plan.nodes)} nodes), {plan.micro_batches_of(0)} micro-batches of {par.micro_batch} in "
                  f"replica 0, global batch {par.global_batch}")
-    table = Table(title=title, title_justify="left")
-    for col, just in (("stage", "right"), ("node", "left"), ("chips", "left"), ("tp", "right"),
-                      ("layers", "left"), ("prec", "left"), ("TFLOPS (from)", "left"), ("est ms", "right"),
-                      ("memory GB", "right"), ("to next", "left")):
-        table.add_column(col, justify=just)
-    stages = plan.stages_of(0)
-    for s in stages:
+    cols = [Col("stage", "right"), Col("node", keep=True), Col("chips", drop=1), Col("tp", "right", drop=3),
+            Col("layers"), Col("prec", drop=4), Col("TFLOPS (from)", drop=5), Col("est ms", "right"),
+            Col("memory GB", "right", drop=2), Col("to next", drop=6)]
+    rows = []
+    for s in plan.stages_of(0):
         chips = ",".join(map(str, s.chips)) if len(s.chips) <= 4 else f"{s.chips[0]}-{s.chips[-1]}"
         limit = f"{s.memory_limit_gb:g}" if s.memory_limit_gb is not None else "?"
-        table.add_row(*(Text(cell) for cell in (  # node and chip names come from outside: never markup
+        rows.append([Text(cell) for cell in (  # node and chip names come from outside: never markup
             str(s.stage), s.node, f"{s.vendor} {s.model} [{chips}]", str(s.tp),
             _layers(s), s.precision, _speed(s), f"{s.est_ms:.4g}",
             f"{s.memory_gb:g} / {limit}", s.backend_next or "-",
-        )))
+        )])
+    table = fitted(console or out, cols, rows, title=title, title_justify="left")
     if plan.replicas:  # replicas of different shape: say how many share replica 0's, and where the rest are
         same = sum(1 for r in plan.replicas if r.part == plan.replicas[0].part)
         table.caption = (f"replica 0 (and {same - 1} more of its part); the other {par.dp - same} replica(s) differ "

@@ -48,16 +48,18 @@ def _fmt_tflops(t) -> str:
 
 def _print_probe(cluster, *, bench: bool) -> None:
     """The probe table: one row per node and chip model, with footnotes for bench misses."""
-    from rich.table import Table
     from rich.text import Text
 
-    table = Table(title=f"{len(cluster.reachable_nodes())}/{len(cluster.nodes)} nodes answered")
-    for col in ("node", "vendor", "model", "chips", "memory", "TFLOPS (peak)" + (" / measured" if bench else ""), "NIC"):
-        table.add_column(col, justify="right" if col in ("chips", "memory") else "left")
+    from hetctl.cli.fit import Col, fitted
+
+    cols = [Col("node", keep=True), Col("vendor"), Col("model"), Col("chips", "right"),
+            Col("memory", "right", drop=2), Col("TFLOPS (peak)" + (" / measured" if bench else ""), drop=1),
+            Col("NIC", drop=3)]
+    rows: list[list] = []
     notes = []
     for node in cluster.nodes:
         if not node.reachable:
-            table.add_row(Text(node.name), Text("unreachable", "red"), Text(str(node.error), "red"), "", "", "", "")
+            rows.append([Text(node.name), Text("unreachable", "red"), Text(str(node.error), "red"), "", "", "", ""])
             continue
         nics = [n for n in node.nics if n.kind not in ("loopback", "other")]
         best = max(nics, key=lambda n: n.speed_gbps or 0, default=None)
@@ -75,10 +77,10 @@ def _print_probe(cluster, *, bench: bool) -> None:
             if bench:
                 measured = [c.measured_tflops for c in chips if c.measured_tflops is not None]
                 tf += f" / {_fmt_tflops(measured[0])}" if measured else " / -"
-            table.add_row(*(Text(cell) for cell in (  # outside strings: never markup
+            rows.append([Text(cell) for cell in (  # outside strings: never markup
                 node.name if i == 0 else "", vendor, model, str(len(chips)),
                 f"{mem:g} GB" if mem is not None else "?", tf, nic if i == 0 else "",
-            )))
+            )])
         if bench and node.bench_error:
             lead = "" if node.bench_error.startswith("layer profile:") else "not measured: "
             notes.append(f"{node.name}: {lead}{node.bench_error}")
@@ -86,7 +88,7 @@ def _print_probe(cluster, *, bench: bool) -> None:
         if prof is not None:
             notes.append(f"{node.name}: layer profile ({prof.model}, micro-batch {prof.micro_batch}, seq {prof.seq_len}, "
                          f"{prof.precision}): forward {prof.layer_fwd_ms:g} ms, backward {prof.layer_bwd_ms:g} ms per layer")
-    out.print(table)
+    out.print(fitted(out, cols, rows, title=f"{len(cluster.reachable_nodes())}/{len(cluster.nodes)} nodes answered"))
     if bench and cluster.links:
         out.print(text(_links_line(cluster.links)), highlight=False, soft_wrap=True)
     for note in notes:

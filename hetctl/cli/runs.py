@@ -16,19 +16,18 @@ def _age(ts: float) -> str:
 
 
 def _list_table(views):
-    from rich.table import Table
     from rich.text import Text
 
-    t = Table(title=f"{len(views)} run(s)", title_justify="left")
-    for col in ("run", "state", "step", "loss", "tokens/s", "attempts", "restarts", "started", "nodes"):
-        t.add_column(col, justify="right" if col in ("step", "loss", "tokens/s", "attempts", "restarts") else "left",
-                     no_wrap=col != "nodes")
-    for v in views:
-        t.add_row(*(Text(c) for c in (
-            v.run_id, v.state, f"{v.steps_done}/{v.steps}", "-" if v.loss is None else f"{v.loss:.4f}",
-            "-" if v.tokens_per_s is None else f"{v.tokens_per_s:,.0f}", str(v.attempts), str(v.restarts),
-            _age(v.started), ", ".join(v.nodes) or "-")))
-    return t
+    from hetctl.cli.fit import Col, fitted
+
+    cols = [Col("run", keep=True), Col("state"), Col("step", "right"), Col("loss", "right", drop=2),
+            Col("tokens/s", "right", drop=3), Col("attempts", "right", drop=5), Col("restarts", "right", drop=6),
+            Col("started", drop=4), Col("nodes", drop=1)]
+    rows = [[Text(c) for c in (
+        v.run_id, v.state, f"{v.steps_done}/{v.steps}", "-" if v.loss is None else f"{v.loss:.4f}",
+        "-" if v.tokens_per_s is None else f"{v.tokens_per_s:,.0f}", str(v.attempts), str(v.restarts),
+        _age(v.started), ", ".join(v.nodes) or "-")] for v in views]
+    return fitted(out, cols, rows, title=f"{len(views)} run(s)", title_justify="left")
 
 
 def _detail(v):
