@@ -29,23 +29,25 @@ def _fmt(v: float | None, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
-def render_table(snap: Snapshot, title: str = "") -> Table:
-    """The table: one row per rank (node, vendor, stage, layers, state, step, loss, step ms, heartbeat age)."""
-    t = Table(title=title or None, title_justify="left", expand=False)
-    for col, just in (("node", "left"), ("vendor", "left"), ("rank", "right"), ("stage", "right"),
-                      ("layers", "left"), ("state", "left"), ("step", "right"), ("loss", "right"),
-                      ("step ms", "right"), ("hb age", "right")):
-        t.add_column(col, justify=just, no_wrap=True)
+def render_table(snap: Snapshot, title: str = "", console: Console | None = None) -> Table:
+    """The table: one row per rank (node, vendor, stage, layers, state, step, loss, step ms, heartbeat age); on a
+    narrow ``console`` the least needed columns are left out, never the node's name (:mod:`hetctl.cli.fit`)."""
+    from hetctl.cli.fit import Col, fitted
+
+    cols = [Col("node", keep=True), Col("vendor", drop=3), Col("rank", "right"), Col("stage", "right", drop=2),
+            Col("layers", drop=4), Col("state"), Col("step", "right"), Col("loss", "right"),
+            Col("step ms", "right", drop=1), Col("hb age", "right", drop=5)]
+    rows = []
     for st in sorted(snap.ranks, key=lambda s: s.rank):
         age = snap.ages.get(st.rank)
         stage = f"{st.replica}.{st.stage}" if any(s.replica for s in snap.ranks) else str(st.stage)
         state = Text(str(st.state) + (" (T)" if st.proc_state == "T" else ""), style=_STATE_STYLE.get(str(st.state), ""))
-        t.add_row(
+        rows.append([
             Text(st.node), st.vendor, str(st.rank), stage, f"{st.layers[0]}:{st.layers[1]}", state,
             _fmt(st.step, "d"), _fmt(st.loss, ".4f"), _fmt(st.step_ms, ".0f"),
             "-" if age is None or str(st.state) not in ("running", "starting", "hung") else f"{age:.1f}s",
-        )
-    return t
+        ])
+    return fitted(console or Console(width=200), cols, rows, title=title or None, title_justify="left", expand=False)
 
 
 def _ms(v: float | None) -> str:
@@ -316,7 +318,7 @@ class LiveView:
                 eta = self._table_pace.eta(snap.elapsed_s, step)
                 title += f"  step {step}/{self.steps}" + (f"  ETA {eta}" if eta else "")
             with self._lock:
-                self._live.update(render_table(snap, title))
+                self._live.update(render_table(snap, title, self.console))
 
     def event(self, ev: dict) -> None:
         """EventLog listener: print notable events (and, without a terminal, progress)."""
