@@ -93,7 +93,8 @@ class RankStatus:
 
     def copy(self) -> "RankStatus":
         """A shallow copy for a snapshot (its fields are immutable values). ``dataclasses.replace`` re-runs
-        ``__init__`` and cost 6× as much: at 8,192 ranks and four snapshots a second, a third of a core."""
+        ``__init__`` and cost 6× as much (10 against 1.75 µs each on the loaded 2-core VM: at 8,192 ranks and four
+        snapshots a second, a third of a core there)."""
         twin = object.__new__(RankStatus)
         twin.__dict__.update(self.__dict__)
         return twin
