@@ -267,6 +267,9 @@ class AttemptController:
                 whatever had started is stopped first.
         """
         try:
+            from hetctl.launch.fdlimit import ensure
+
+            ensure(len(self.plan_nodes), self._width())  # before any node: a limit too low is one line, not EMFILE
             failures = self._prepare()
             if failures:
                 raise start_failed(failures)

@@ -91,6 +91,14 @@ class RankStatus:
     exit_code: int | None = None
     signal: int | None = None
 
+    def copy(self) -> "RankStatus":
+        """A shallow copy for a snapshot (its fields are immutable values). ``dataclasses.replace`` re-runs
+        ``__init__`` and cost 6× as much (10 against 1.75 µs each on the loaded 2-core VM: at 8,192 ranks and four
+        snapshots a second, a third of a core there)."""
+        twin = object.__new__(RankStatus)
+        twin.__dict__.update(self.__dict__)
+        return twin
+
 
 @dataclass(frozen=True)
 class Snapshot:
@@ -428,8 +436,10 @@ class Monitor:
         if (now - t0 < PROGRESS_EVERY_S and not force) or step == s0:
             return
         self._last_progress_ev = (now, step)
-        stages = [StageProgress(st.replica, st.stage, st.step, st.loss, st.step_ms)
-                  for st in sorted(self.ranks.values(), key=lambda s: s.rank) if st.step is not None]
+        # One entry per stage, its representative rank's (TP peers agree): per rank it was 8 copies of each
+        # stage at 8-way TP, and at 1,024 nodes × 8 ranks 20 GB of events a day (bench/scale.py).
+        reps = (self.ranks[r] for _, r in sorted(self.rep.items()))
+        stages = [StageProgress(st.replica, st.stage, st.step, st.loss, st.step_ms) for st in reps if st.step is not None]
         now_ = [st for st in last if st.step == step]
         loss = next((st.loss for st in now_ if st.replica == 0), None)
         norm = next((st.grad_norm for st in now_ if st.grad_norm is not None), None)
@@ -440,7 +450,7 @@ class Monitor:
     def snapshot(self, now: float | None = None) -> Snapshot:
         now = self.clock() if now is None else now
         ages = {r: now - st.progress_at for r, st in self.ranks.items() if st.progress_at is not None}
-        return Snapshot(self.attempt, [replace(st) for st in self.ranks.values()], dict(self.node_state),
+        return Snapshot(self.attempt, [st.copy() for st in self.ranks.values()], dict(self.node_state),
                         now - self.started_at, ages)
 
     def outcome(self, state: RunState, failures: list[FailureRecord] | None = None) -> AttemptOutcome:

@@ -8,6 +8,7 @@ folder that is a planted symbolic link is refused, never followed.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from pathlib import Path
 from typing import IO, Mapping
 
@@ -15,40 +16,57 @@ from hetctl.files.events import open_append
 from hetctl.files.run import RunDir
 
 
+# Log files kept open at once: the ranks that print most keep theirs, the others are reopened for a write.
+# Without a bound an attempt held one descriptor per rank (8,192 at 1,024 nodes × 8, bench/scale.py),
+# past the usual soft limit of 1,024 before any connection was counted.
+MAX_OPEN = 64
+
+
 class RankLogs:
-    """The open log files of one attempt's ranks.
+    """The log files of one attempt's ranks, at most ``max_open`` of them open at a time.
 
     Args:
         run: the run folder.
         attempt: the attempt, for the header line.
         nodes: rank → node.
         node_paths: rank → where the node keeps the rank's full log (for the dropped-lines note).
+        max_open: how many log files stay open (least recently written closed first).
     """
 
-    def __init__(self, run: RunDir, attempt: int, nodes: Mapping[int, str], node_paths: Mapping[int, str]) -> None:
+    def __init__(self, run: RunDir, attempt: int, nodes: Mapping[int, str], node_paths: Mapping[int, str],
+                 max_open: int = MAX_OPEN) -> None:
         self.run, self.attempt, self.nodes, self.node_paths = run, attempt, dict(nodes), dict(node_paths)
-        self._open: dict[int, IO[str]] = {}
+        self.max_open = max(1, max_open)
+        self._open: OrderedDict[int, IO[str]] = OrderedDict()
+        self._headed: set[int] = set()  # ranks whose header this attempt wrote
         self._failed: set[int] = set()
         self._errors: list[tuple[str, str]] = []
 
     def file(self, rank: int) -> IO[str] | None:
-        """The rank's log, opened (and headed) on first use; None once writing it failed (see :meth:`errors`)."""
+        """The rank's log, opened (and headed, once per attempt) on use; None once writing it failed
+        (see :meth:`errors`)."""
         if rank in self._failed:
             return None
         f = self._open.get(rank)
-        if f is None:
-            node = self.nodes[rank]
-            path = self.run.log_path(node, rank)
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                if path.parent.is_symlink():
-                    raise OSError(f"{path.parent}: a symbolic link in the run folder")
-                f = self._open[rank] = open_append(path)  # closed in close()
+        if f is not None:
+            self._open.move_to_end(rank)
+            return f
+        node = self.nodes[rank]
+        path = self.run.log_path(node, rank)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if path.parent.is_symlink():
+                raise OSError(f"{path.parent}: a symbolic link in the run folder")
+            while len(self._open) >= self.max_open:
+                _close(self._open.popitem(last=False)[1])
+            f = self._open[rank] = open_append(path)  # closed when evicted or in close()
+            if rank not in self._headed:
                 f.write(f"==> hetctl attempt {self.attempt}, rank {rank} on {node} <==\n")
                 f.flush()
-            except OSError as e:
-                self._fail(rank, path, e)
-                return None
+                self._headed.add(rank)
+        except OSError as e:
+            self._fail(rank, path, e)
+            return None
         return f
 
     def write(self, rank: int, lines: list[str], dropped: int) -> None:
@@ -86,10 +104,7 @@ class RankLogs:
 
     def close(self) -> None:
         for f in self._open.values():
-            try:
-                f.close()
-            except OSError:  # the last buffered bytes on a full disk: already recorded or lost either way
-                pass
+            _close(f)
         self._open.clear()
 
     def tail(self, rank: int, n: int = 20) -> str:
@@ -99,3 +114,10 @@ class RankLogs:
         except OSError:
             return ""
         return "\n".join(lines[-n:])
+
+
+def _close(f: IO[str]) -> None:
+    try:
+        f.close()
+    except OSError:  # the last buffered bytes on a full disk: already recorded or lost either way
+        pass

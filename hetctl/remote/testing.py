@@ -175,6 +175,18 @@ class _FakeAgent:
         self.stdout.feed(None)
 
 
+def preflight_answer(argv: Sequence[str], extra: Mapping[str, Any]) -> dict | None:
+    """A healthy node's answer to the controller's pre-flight command (None: ``argv`` is not one), ``extra`` merged."""
+    if not (len(argv) >= 6 and argv[1] == "-c" and argv[2] == source("preflight.py")):
+        return None
+    answer = {"python": "3.11.7", "executable": argv[0], "workdir": argv[3], "writable": True,
+              "modules": {m: True for m in argv[5].split(",") if m}}
+    if argv[4] == "1":
+        answer["port"] = 29500
+    answer.update(extra)
+    return answer
+
+
 class FakeProcess:
     """The :class:`~hetctl.remote.base.Process` of a fake agent."""
 
@@ -211,12 +223,8 @@ class FakeTransport:
     def run(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: str | None = None,
             input: bytes | None = None, timeout: float | None = None, check: bool = True) -> Result:
         self.fleet.runs.setdefault(self.node, []).append(list(argv))
-        if len(argv) >= 6 and argv[1] == "-c" and argv[2] == source("preflight.py"):
-            answer = {"python": "3.11.7", "executable": argv[0], "workdir": argv[3], "writable": True,
-                      "modules": {m: True for m in argv[5].split(",") if m}}
-            if argv[4] == "1":
-                answer["port"] = 29500
-            answer.update(self.script.preflight)
+        answer = preflight_answer(argv, self.script.preflight)
+        if answer is not None:
             return Result(self.node, " ".join(argv), 0, json.dumps(answer) + "\n", "")
         return Result(self.node, " ".join(argv), 127, "", f"fake node: no script for {argv[0]}")
 
