@@ -10,13 +10,18 @@ that cross switches and vendors, for the plan and for the speed-only order.
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hetctl.errors import PlanInfeasible
+import pytest
+
+from hetctl.errors import ConfigError, PlanInfeasible
 from hetctl.files.cluster import Cluster
+from hetctl.plan.costmodel import Workload, link
 from hetctl.plan.devices import Group, collect
+from hetctl.plan.models import model_cost
 from hetctl.plan.planner import plan_cluster
 from hetctl.plan.search import Pins
 from hetctl.plan.topology import crosses, p2p_bytes, speed_placement, switch_placement
@@ -141,7 +146,9 @@ def test_explain_prints_the_bytes_across_switches_and_vendors_for_the_plan_and_t
 def test_explain_says_when_there_is_nothing_to_weigh():
     bare = Cluster(nodes=[node(f"n{i}", *H100[:2], 1, *H100[2:]) for i in range(3)])
     plan = plan_cluster(bare, SMALL, global_batch=64, framework="torchrun", pins=Pins(pp=3, dp=1))
-    assert _p2p_line(plan).endswith("fewer than two switch labels, so the order weighs speed only")
+    assert _p2p_line(plan) == ("pipeline p2p bytes per step: 0 GB across switches (at most 0 cross-switch hop(s) a "
+                               "replica), 0 GB across vendors; the plan's nodes sit on fewer than two labelled "
+                               "switches, so no hop crosses one")
 
 
 def _group(name: str, vendor: str, switch: str) -> Group:
@@ -158,3 +165,22 @@ def test_bytes_count_both_directions_every_micro_batch_and_the_interleaved_wrap(
     sw, ve, most = p2p_bytes([row, row], ["bf16", "fp32", "bf16"], act=10, m=3, vp=2)
     assert (sw, ve, most) == (2 * 2 * (2 * 3 * 10 * 2), 2 * (2 * (2 * 3 * 10 * 2) + 2 * 3 * 10 * 2), 1)
     assert not crosses("", "s1") and not crosses("s1", "s1") and crosses("s1", "s2")
+
+
+def test_an_uplink_label_prices_the_hop_across_switches_and_a_bad_one_is_one_clear_error():
+    work = Workload(cost=model_cost(SMALL), micro_batch=1, global_batch=64)
+    nbytes = SMALL.seq_len * SMALL.hidden_size * 2
+    a, b = replace(_group("a", "nvidia", "s1"), nic_gbs=25.0), replace(_group("b", "nvidia", "s2"), nic_gbs=25.0)
+    assert link(a, b, "bf16", work)[0] == pytest.approx(3e-5 + nbytes / 12.5e9)  # unlabelled: half the NIC
+    slow = replace(b, uplink_gbs=1.0)  # uplink_gbps: 8
+    assert link(a, slow, "bf16", work)[0] == pytest.approx(3e-5 + nbytes / 1e9)
+    same = replace(slow, switch="s1")
+    assert link(a, same, "bf16", work)[0] == pytest.approx(3e-5 + nbytes / 25e9)  # one switch: the NIC
+
+    labels = {"switch": "leaf-a", "uplink_gbps": "8"}
+    (kind,) = collect(Cluster(nodes=[node("n1", *H100[:2], 1, *H100[2:], labels=labels)])).kinds
+    assert kind.groups[0].uplink_gbs == 1.0
+    for bad in ("fast", "0", "-5", "nan"):
+        with pytest.raises(ConfigError) as e:
+            collect(Cluster(nodes=[node("n9", *H100[:2], 1, *H100[2:], labels={"uplink_gbps": bad})]))
+        assert e.value.message == f"node n9: labels.uplink_gbps {bad!r} is not a positive number of Gb/s"

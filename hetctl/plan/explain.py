@@ -177,6 +177,9 @@ def _gb(nbytes: float) -> str:
     return f"{nbytes / 1e9:,.3g} GB"
 
 
+_COSTED = "a hop across switches is costed at the nodes' uplink_gbps label, else at half the NIC's speed"
+
+
 def crossings(lay: Layout, plan: Plan) -> list[str]:
     """Pipeline bytes per step across switches and across vendors, for the plan and for the speed-only order."""
     if lay.pp < 2 or not lay.placement:
@@ -192,11 +195,10 @@ def crossings(lay: Layout, plan: Plan) -> list[str]:
     labels = {g.switch for row in lay.placement for g, _ in row if g.switch}
     line = f"pipeline p2p bytes per step: {figures(lay.placement)}"
     if len(labels) < 2:
-        return [line + "; the nodes carry fewer than two switch labels, so the order weighs speed only"]
+        return [line + "; the plan's nodes sit on fewer than two labelled switches, so no hop crosses one"]
     twin = lay.speed_twin
     if twin is None:
         return [line + "; the speed-only order places the same way or was faster (switch-aware placement is kept "
-                "only when it simulates no slower; a hop across switches is costed at half the NIC's speed)"]
+                "only when it simulates no slower; " + _COSTED + ")"]
     return [line + f"; the speed-only order: {figures(twin.placement)}, {twin.step:.4g} s/step against "
-            f"{lay.step:.4g} (switch-aware: neighbours share a switch where the free slots allow; a hop across "
-            "switches is costed at half the NIC's speed)"]
+            f"{lay.step:.4g} (switch-aware: neighbours share a switch where the free slots allow; " + _COSTED + ")"]

@@ -15,9 +15,10 @@ Pure. Two placements of the same columns (:mod:`hetctl.plan.layout`):
 
 The search simulates both and keeps the switch-aware one unless it is slower
 (:meth:`hetctl.plan.search.Searcher.place`). Only the ``switch`` label is
-priced (a hop between two labelled switches runs at half the NIC's speed,
-:func:`hetctl.plan.costmodel.link_seconds`); ``rack`` only breaks ties between
-nodes on one switch. An unlabelled node is never counted as a crossing.
+priced (a hop between two labelled switches runs at the nodes' ``uplink_gbps``
+label, else at half the NIC's speed, :func:`hetctl.plan.costmodel.link_seconds`);
+``rack`` only breaks ties between nodes on one switch. An unlabelled node is
+never counted as a crossing.
 """
 
 from __future__ import annotations
