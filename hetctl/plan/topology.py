@@ -109,16 +109,19 @@ def _plan_block(free: _Free, n: int, prev: str | None, nxt: _Free | None, order:
     """
     have = sorted((w for w in free.count if free.count[w] > 0), key=lambda w: order[w])
 
+    # Leaving for a switch the next kind lacks costs a crossing only if the next kind has labelled slots at all.
+    nxt_labelled = nxt is not None and any(x and c for x, c in nxt.count.items())
+
     def out_cost(w: str) -> int:
-        return int(nxt is not None and bool(w) and not nxt.has(w) and any(x and c for x, c in nxt.count.items()))
+        return int(nxt_labelled and bool(w) and not nxt.has(w))
 
     def in_cost(w: str) -> int:
         return int(prev is not None and crosses(prev, w))
 
-    options: list[tuple[int, int, int, list[tuple[str, int]]]] = []
+    options: list[tuple[int, int, int, int, list[tuple[str, int]]]] = []  # crossings, runs, switch order
     for w in have:
         if free.count[w] >= n:
-            options.append((in_cost(w) + out_cost(w), order[w], order[w], [(w, n)]))
+            options.append((in_cost(w) + out_cost(w), 1, order[w], order[w], [(w, n)]))
     if n > 1 and len(have) > 1:
         roomy = max(have, key=lambda w: (free.count[w], -order[w]))
         firsts = {w for w in (prev, roomy) if w is not None and free.has(w)}
@@ -129,9 +132,9 @@ def _plan_block(free: _Free, n: int, prev: str | None, nxt: _Free | None, order:
             first = min(free.count[e], n - 1)
             if first + free.count[x] >= n:
                 cost = in_cost(e) + int(crosses(e, x)) + out_cost(x)
-                options.append((cost, order[e], order[x], [(e, first), (x, n - first)]))
+                options.append((cost, 2, order[e], order[x], [(e, first), (x, n - first)]))
     if options:  # ties by switch order, not by set order: the plan must not depend on PYTHONHASHSEED
-        return min(options, key=lambda o: o[:3])[3]
+        return min(options, key=lambda o: o[:4])[4]
     runs, left = [], n  # no one or two switches hold it: fill the roomiest first
     for w in sorted(have, key=lambda w: (-free.count[w], order[w])):
         take = min(free.count[w], left)
