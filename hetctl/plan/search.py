@@ -93,7 +93,9 @@ class Searcher:
         self.keep, self.uneven = keep, uneven
         # Hetero parts (uneven) are re-simulated at their final micro-batch counts by hetdp, after
         # placement, so a per-part "no slower" check here would not hold for the whole: speed-only there.
-        self.switch_aware = topology and not uneven and topology_labelled(kinds)
+        # One kind (the per-type references among them) is already placed switch by switch in
+        # group order, and there is no next kind to meet: the second placement would only cost time.
+        self.switch_aware = topology and not uneven and len(kinds) > 1 and topology_labelled(kinds)
         self.L = spec.num_layers
         self._types: dict[tuple, StageType | None] = {}
         self._links: dict[tuple, float] = {}
@@ -475,7 +477,7 @@ class Searcher:
         """Put the layout on real chips, redo the split with exact links, simulate.
 
         First in the speed-only order (:func:`hetctl.plan.topology.speed_placement`); where the
-        nodes carry two or more switch labels, also switch-aware
+        nodes of two or more kinds carry two or more switch labels, also switch-aware
         (:func:`~hetctl.plan.topology.switch_placement`), kept when it simulates no slower, with
         the speed-only layout as its ``speed_twin``.
         """
