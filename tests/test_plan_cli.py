@@ -55,7 +55,7 @@ def test_plan_writes_plan_and_scripts_and_prints_the_estimate(site):
     assert "npu-2" not in plan.nodes
     assert "warning: node npu-2 left out: unreachable (ssh: connect timed out)" in r.stderr
     for text in ("llama2-7b: pp", "estimate (1F1B simulation)", "uniform", "proportional", "ideal",
-                 "• layout:", "• stage order per replica"):
+                 "• layout:", "• stage order per replica", "• pipeline p2p bytes per step:"):
         assert text in r.stdout
     assert "Traceback" not in r.stderr
 

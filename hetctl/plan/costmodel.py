@@ -209,11 +209,13 @@ def stage_type(kind: Kind, tp: int, work: Workload, dp: int, tp_vocab: bool = Tr
 
 def link_seconds(nbytes: float, vendor_a: str, vendor_b: str, same_node: bool,
                  nic_gbs: float, cross_switch: bool = False, tcp_gbs: float | None = None,
-                 latency_s: float | None = None) -> float:
+                 latency_s: float | None = None, uplink_gbs: float | None = None) -> float:
     """Seconds to move ``nbytes`` of activations between two stages.
 
     Same node and vendor: the vendor's chip-to-chip link. Same vendor across
-    nodes: the slower node's network (halved across two labelled switches).
+    nodes: the slower node's network; across two labelled switches, the nodes'
+    uplink (``uplink_gbs``, GB/s: the inventory label ``uplink_gbps``) where
+    one is labelled, else half the network (the spine is shared).
     Across vendors: gloo through host memory (same node) or TCP. A hop that
     runs over gloo across nodes (across vendors, or between CPU nodes) takes
     the measured TCP rate of its two nodes (``tcp_gbs``, GB/s, from ``probe
@@ -227,7 +229,9 @@ def link_seconds(nbytes: float, vendor_a: str, vendor_b: str, same_node: bool,
         if vendor_a == vendor_b:
             return 1e-5 + nbytes / (vendor_info(vendor_a).intra_node_gbs * GB)
         return 5e-5 + nbytes / (VENDOR_TABLE["cpu"].intra_node_gbs * GB)
-    bw = nic_gbs * GB * (0.5 if cross_switch else 1.0)
+    bw = nic_gbs * GB
+    if cross_switch:
+        bw = min(bw, uplink_gbs * GB) if uplink_gbs else 0.5 * bw
     gloo = link_backend(vendor_a, vendor_b) == "gloo"
     lat = latency_s if latency_s is not None else (1e-4 if vendor_a != vendor_b else 3e-5)
     if gloo and tcp_gbs:
@@ -242,8 +246,9 @@ def link(a: Group, b: Group, precision: str, work: Workload) -> tuple[float, str
     nbytes = work.tokens * work.cost.hidden * elem_bytes(precision)
     cross = bool(a.switch and b.switch and a.switch != b.switch)
     tcp = min(a.tcp_gbs, b.tcp_gbs) if a.tcp_gbs and b.tcp_gbs else None
+    ups = [x.uplink_gbs for x in (a, b) if x.uplink_gbs]
     secs = link_seconds(nbytes, a.vendor, b.vendor, a.node == b.node, min(a.nic_gbs, b.nic_gbs), cross, tcp,
-                        _latency(a, b))
+                        _latency(a, b), min(ups) if ups else None)
     return secs, link_backend(a.vendor, b.vendor)
 
 

@@ -19,6 +19,7 @@ it, else fp16, else fp32 (CPUs train in fp32).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +59,7 @@ class Group:
     nic_gbs: float
     switch: str = ""
     rack: str = ""
+    uplink_gbs: float | None = None  # GB/s across the node's switch (label uplink_gbps; None: half the NIC)
     sources: tuple[str, ...] = ()
     tcp_gbs: float | None = None  # GB/s: the slowest TCP link measured to or from the node (probe --bench)
     link_latency_s: float | None = None  # per message, the slowest calibrated link of the node (plan --calibrate)
@@ -221,6 +223,22 @@ def _nic_gbs(node: NodeFacts) -> float:
     return (max(eth) if eth else DEFAULT_NIC_GBPS) / 8.0
 
 
+def _uplink_gbs(node: NodeFacts) -> float | None:
+    """GB/s a hop from this node to another switch gets (the label ``uplink_gbps``, Gb/s), or None."""
+    raw = node.labels.get("uplink_gbps")
+    if raw is None:
+        return None
+    try:
+        gbps = float(raw)
+    except ValueError:
+        gbps = math.nan
+    if not (math.isfinite(gbps) and gbps > 0):
+        raise ConfigError(f"node {node.name}: labels.uplink_gbps {str(raw)[:40]!r} is not a positive number of Gb/s",
+                          "fix the label in the inventory (e.g. uplink_gbps: 100) and probe again, or edit the "
+                          "cluster file's labels")
+    return gbps / 8.0
+
+
 def node_chips(node: NodeFacts) -> list[Chip]:
     """The node's chips by index; a node listing none offers its CPU as one chip."""
     if node.chips:
@@ -236,12 +254,13 @@ def node_groups(node: NodeFacts, use: ProfileUse | None = None, tcp_gbs: float |
     """Group one reachable node's chips by vendor and model (``use``: see :func:`chip_rate`).
 
     Raises:
-        ConfigError: a chip has no TFLOPS figure, or its memory is unknown.
+        ConfigError: a chip has no TFLOPS figure, or its memory is unknown, or a label is not a number.
     """
     by_key: dict[tuple[str, str], list[Chip]] = {}
     for chip in node_chips(node):
         by_key.setdefault((chip.vendor, chip.model), []).append(chip)
     groups = []
+    uplink = _uplink_gbs(node)
     for (vendor, model), chips in by_key.items():
         rates, mems, sources, precs, checks, peaks = [], [], set(), set(), [], []
         for c in chips:
@@ -266,7 +285,7 @@ def node_groups(node: NodeFacts, use: ProfileUse | None = None, tcp_gbs: float |
             node=node.name, host=node.host, vendor=vendor, model=model,
             chips=tuple(c.index for c in chips), tflops=min(rates), precision=prec,
             memory_gb=min(mems), nic_gbs=_nic_gbs(node),
-            switch=str(node.labels.get("switch", "")), rack=str(node.labels.get("rack", "")),
+            switch=str(node.labels.get("switch", "")), rack=str(node.labels.get("rack", "")), uplink_gbs=uplink,
             sources=tuple(sorted(sources)), tcp_gbs=tcp_gbs, link_latency_s=latency_s,
             memory_check=strongest(checks), peak_tflops=None if None in peaks else float(min(peaks)),
         ))

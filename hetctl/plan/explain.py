@@ -9,6 +9,7 @@ from hetctl.plan.devices import Devices
 from hetctl.files.plan import Plan
 from hetctl.vendors import vendor_info
 from hetctl.plan.layout import Found, Layout
+from hetctl.plan.topology import p2p_bytes
 
 
 def _library(vendors: tuple[str, ...]) -> str | None:
@@ -117,10 +118,7 @@ def explain(plan: Plan, lay: Layout, devices: Devices, found: Found, homog, toke
         lines.extend(_efficiency(st.kind, srcs))
         if st.kind.memory_check is not None:  # a layer profile at the plan's shape (plan.profmem)
             lines.append(f"{st.kind.label} memory: {st.kind.memory_check.line()}")
-    switches = [{g.switch for g, _ in row if g.switch} for row in lay.placement]
-    if any(switches):
-        lines.append(f"switch labels: nodes are assigned to replicas switch by switch; a replica spans at most "
-                     f"{max(len(x) for x in switches)} switch(es) (links across switches are costed at half speed)")
+    lines.extend(crossings(lay, plan))
     stages = {(s.replica, s.stage): s for s in plan.stages}
     links = sorted({(s.vendor, stages[(s.replica, s.stage + 1)].vendor, s.backend_next)
                     for s in plan.stages if s.backend_next})
@@ -173,3 +171,34 @@ def calibrated_links(types) -> list[str]:
         return []
     return ["links calibrated by plan --calibrate (per-message latency fitted to a run's measured step; "
             "slowest link of each node): " + ", ".join(f"{n} {1e3 * x:.3g} ms" for n, x in lat)]
+
+
+def _gb(nbytes: float) -> str:
+    return f"{nbytes / 1e9:,.3g} GB"
+
+
+_COSTED = "a hop across switches is costed at the nodes' uplink_gbps label, else at half the NIC's speed"
+
+
+def crossings(lay: Layout, plan: Plan) -> list[str]:
+    """Pipeline bytes per step across switches and across vendors, for the plan and for the speed-only order."""
+    if lay.pp < 2 or not lay.placement:
+        return []
+    par = plan.parallel
+    act = par.micro_batch * plan.model.seq_len * plan.model.hidden_size
+    precisions = [st.kind.precision for st in lay.types]
+
+    def figures(placement) -> str:
+        sw, ve, most = p2p_bytes(placement, precisions, act, lay.m, lay.vp)
+        return f"{_gb(sw)} across switches (at most {most} cross-switch hop(s) a replica), {_gb(ve)} across vendors"
+
+    labels = {g.switch for row in lay.placement for g, _ in row if g.switch}
+    line = f"pipeline p2p bytes per step: {figures(lay.placement)}"
+    if len(labels) < 2:
+        return [line + "; the plan's nodes sit on fewer than two labelled switches, so no hop crosses one"]
+    twin = lay.speed_twin
+    if twin is None:
+        return [line + "; the speed-only order places the same way or was faster (switch-aware placement is kept "
+                "only when it simulates no slower; " + _COSTED + ")"]
+    return [line + f"; the speed-only order: {figures(twin.placement)}, {twin.step:.4g} s/step against "
+            f"{lay.step:.4g} (switch-aware: neighbours share a switch where the free slots allow; " + _COSTED + ")"]

@@ -81,6 +81,8 @@ class Layout:
         vfwd, vbwd: per rank and chunk, seconds per micro-batch (``vp > 1``).
         wrap: seconds of the link from the last rank back to the first (``vp > 1``).
         plain: the same placement under plain 1F1B, when interleaving won.
+        speed_twin: the same layout in the speed-only order, where the switch-aware
+            placement (:mod:`hetctl.plan.topology`) differs and won.
     """
 
     dp: int
@@ -105,6 +107,7 @@ class Layout:
     vbwd: list[list[float]] = field(default_factory=list)
     wrap: float = 0.0
     plain: "Layout | None" = None
+    speed_twin: "Layout | None" = None
 
     @property
     def pp(self) -> int:

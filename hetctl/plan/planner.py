@@ -52,6 +52,7 @@ def plan_cluster(
     pins: Pins = Pins(),
     cluster_path: str | Path | None = None,
     homogeneous: bool = True,
+    topology: bool = True,
 ) -> Plan:
     """Decide the fastest layout of ``spec`` on ``cluster``.
 
@@ -69,6 +70,8 @@ def plan_cluster(
             against its folder.
         homogeneous: compute each chip type's alone-figure (the second
             utilization); off only for callers that plan repeatedly.
+        topology: weigh the nodes' switch labels in placement (:mod:`hetctl.plan.topology`);
+            off: the speed-only order (what ``--explain`` compares against).
 
     Raises:
         ConfigError: bad options or a chip without a TFLOPS or memory figure.
@@ -87,7 +90,7 @@ def plan_cluster(
             "probe the cluster again once nodes are reachable",
         )
     work = Workload(cost=cost, micro_batch=micro_batch, global_batch=gb)
-    found = Searcher(devices.kinds, spec, work, framework, pins).run()
+    found = Searcher(devices.kinds, spec, work, framework, pins, topology=topology).run()
     if found.best is None:
         raise _with_other_frameworks(_infeasible(found, pins, work, spec, devices), found, devices, spec, work,
                                      framework, pins)
@@ -95,7 +98,7 @@ def plan_cluster(
     notes = [WARNING + n for n in devices.notes]
     free = lay
     if pins.any():
-        free = Searcher(devices.kinds, spec, work, framework, Pins()).run().best or lay
+        free = Searcher(devices.kinds, spec, work, framework, Pins(), topology=topology).run().best or lay
         if free.step < lay.step * 0.99:
             notes.append(
                 f"{WARNING}the pin ({_pins(pins)}) costs {100 * (1 - free.step / lay.step):.1f}% throughput: "

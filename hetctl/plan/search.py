@@ -29,9 +29,11 @@ split exactly for each:
 
 Candidates are ranked by a fast estimate (a lower bound prunes hopeless
 compositions); the best few are placed on real nodes (a replica's stages of one
-kind on consecutive slots, so same-node and same-switch neighbours), re-split
-with exact link times and simulated (:mod:`hetctl.plan.simulate`); the fastest
-wins.
+kind on consecutive slots, so same-node neighbours; with switch labels, also so
+that neighbours share a switch, :mod:`hetctl.plan.topology`, kept where no
+slower), re-split with exact link times and simulated
+(:mod:`hetctl.plan.simulate`); the fastest wins, never slower than the
+speed-only order's own winner.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ from hetctl.plan.costmodel import StageType, Workload, kind_link, link, stage_ty
 from hetctl.plan.deepspeed_layout import deepspeed_split
 from hetctl.plan.frameworks import CAPABILITIES
 from hetctl.plan import interleave as il
+from hetctl.plan import topology
+from hetctl.plan.topology import labelled as topology_labelled
 from hetctl.plan.devices import Kind, merge
 from hetctl.plan.layout import (
     Columns, Found, Layout, Miss, cut_columns, pairs, split_terms, stage_times, sync_times,
@@ -76,16 +80,22 @@ class Searcher:
     """Enumerates and scores layouts for one set of kinds and one workload."""
 
     def __init__(self, kinds: list[Kind], spec: ModelSpec, work: Workload, framework: str, pins: Pins,
-                 keep: int = KEEP, uneven: bool = False, interleave: bool = True):
+                 keep: int = KEEP, uneven: bool = False, interleave: bool = True, topology: bool = True):
         """Args:
             uneven: replicas may take different micro-batch counts (one group of a
                 hetero data-parallel layout, :mod:`hetctl.plan.hetdp`): ``dp`` need
                 not divide the micro-batches; each layout is costed at the most a
                 replica takes, ``ceil(micro-batches / dp)``.
             interleave: consider interleaved 1F1B where the framework runs it (off: plain 1F1B only).
+            topology: also place switch-aware (:mod:`hetctl.plan.topology`; off: the speed-only order).
         """
         self.kinds, self.spec, self.work, self.framework, self.pins = kinds, spec, work, framework, pins
         self.keep, self.uneven = keep, uneven
+        # Hetero parts (uneven) are re-simulated at their final micro-batch counts by hetdp, after
+        # placement, so a per-part "no slower" check here would not hold for the whole: speed-only there.
+        # One kind (the per-type references among them) is already placed switch by switch in
+        # group order, and there is no next kind to meet: the second placement would only cost time.
+        self.switch_aware = topology and not uneven and len(kinds) > 1 and topology_labelled(kinds)
         self.L = spec.num_layers
         self._types: dict[tuple, StageType | None] = {}
         self._links: dict[tuple, float] = {}
@@ -380,7 +390,7 @@ class Searcher:
             out = Layout(dp=lay.dp, m=lay.m, types=types, counts=list(counts), links=lay.links, est=est, ends=ends,
                          fwd=[sum(f) for f in vfwd], bwd=[sum(b) for b in vbwd], syncs=syncs, caps=lay.caps,
                          placement=lay.placement, rule=lay.rule, vp=v, group=group, chunks=chunked, vfwd=vfwd,
-                         vbwd=vbwd, wrap=wrap, plain=lay.plain or lay)
+                         vbwd=vbwd, wrap=wrap, plain=lay.plain or lay, speed_twin=lay.speed_twin)
             if exact:
                 out.sim = il.simulate_interleaved(vfwd, vbwd, lay.m, group)
             if best is None or out.step < best.step:
@@ -431,7 +441,7 @@ class Searcher:
             exact = self.place(lay, tps, cols)
             if exact is not None:
                 placed.append(exact)
-        plain_best = min(placed, key=lambda lay: lay.step) if placed else None
+        n_plain = len(placed)
         if self.interleave:
             # The leaders by the interleaved estimate too; the plain leaders stay placed, so the
             # winner is never slower than the search without interleaving.
@@ -440,32 +450,52 @@ class Searcher:
                 exact = self.place(lay, tps, cols) if i not in chosen else None
                 if exact is not None:
                     placed.append(exact)
+        best = self._conclude(placed, n_plain, finish)
+        if any(p.speed_twin is not None for p in placed):
+            # What the speed-only order alone would end with (its winner's other splits included):
+            # the switch-aware search keeps it where it is faster, so it is never the slower one.
+            speed = self._conclude([p.speed_twin or p for p in placed], n_plain, finish)
+            if speed is not None and (best is None or speed.step < best.step):
+                best = speed
         placed.sort(key=lambda lay: lay.step)
-        best = (self.finish(placed[0]) if finish else placed[0]) if placed else None
-        if finish and best is not None and plain_best is not None and plain_best is not placed[0]:
+        return Found(best=best, ranked=placed, miss=self.miss, considered=self.considered)
+
+    def _conclude(self, placed: list[Layout], n_plain: int, finish: bool) -> Layout | None:
+        """The fastest placed layout (``placed[:n_plain]``: the plain 1F1B leaders), with
+        :meth:`finish`'s other splits of it and of the fastest plain leader."""
+        if not placed:
+            return None
+        plain_best = min(placed[:n_plain], key=lambda lay: lay.step) if n_plain else None
+        ordered = sorted(placed, key=lambda lay: lay.step)
+        best = self.finish(ordered[0]) if finish else ordered[0]
+        if finish and plain_best is not None and plain_best is not ordered[0]:
             other = self.finish(plain_best)  # its baseline splits may beat the interleaved winner
             best = other if other.step < best.step * (1 - 1e-9) else best
-        return Found(best=best, ranked=placed, miss=self.miss, considered=self.considered)
+        return best
 
     def place(self, lay: Layout, tps: tuple[int, ...], cols: Columns) -> Layout | None:
         """Put the layout on real chips, redo the split with exact links, simulate.
 
-        A kind's slots are handed out replica by replica, so one replica's
-        stages of a kind sit on consecutive slots: the same node where a node
-        holds several, and nodes sorted by switch label otherwise.
+        First in the speed-only order (:func:`hetctl.plan.topology.speed_placement`); where the
+        nodes of two or more kinds carry two or more switch labels, also switch-aware
+        (:func:`~hetctl.plan.topology.switch_placement`), kept when it simulates no slower, with
+        the speed-only layout as its ``speed_twin``.
         """
-        positions: dict[int, list[tuple[int, int]]] = {}
-        for s, col in enumerate(cols):
-            r = 0
-            for i, n in col:
-                positions.setdefault(i, []).extend((r + x, s) for x in range(n))
-                r += n
-        placement: list[list] = [[None] * len(cols) for _ in range(lay.dp)]
-        for i, where in positions.items():
-            t = tps[i]
-            pool = ((g, g.chips[j * t:(j + 1) * t]) for g in self.kinds[i].groups for j in range(len(g.chips) // t))
-            for (r, s), slot in zip(sorted(where), pool):
-                placement[r][s] = slot
+        speed = topology.speed_placement(self.kinds, tps, cols, lay.dp)
+        out = self._placed(lay, speed)
+        if out is None or not self.switch_aware:
+            return out
+        aware = topology.switch_placement(self.kinds, tps, cols, lay.dp)
+        if aware == speed:
+            return out
+        alt = self._placed(lay, aware)
+        if alt is None or alt.step > out.step:  # never a slower plan for fewer crossings
+            return out
+        alt.speed_twin = out
+        return alt
+
+    def _placed(self, lay: Layout, placement: list[list]) -> Layout | None:
+        """``lay`` on ``placement``: the exact split and 1F1B simulation, and the best interleaving."""
         links = []
         for s in range(lay.pp - 1):
             links.append(max(link(row[s][0], row[s + 1][0], lay.types[s].kind.precision, self.work)[0]
@@ -519,4 +549,5 @@ class Searcher:
         est, ends = estimate_1f1b(fwd, bwd, lay.m)
         return Layout(dp=lay.dp, m=lay.m, types=lay.types, counts=list(counts), links=lay.links, est=est,
                       ends=ends, fwd=fwd, bwd=bwd, syncs=sync_times(lay.types, counts), caps=lay.caps,
-                      placement=lay.placement, rule=rule, sim=simulate_1f1b(fwd, bwd, lay.m))
+                      placement=lay.placement, rule=rule, sim=simulate_1f1b(fwd, bwd, lay.m),
+                      speed_twin=lay.speed_twin)
