@@ -313,3 +313,6 @@ def test_entry_runs_a_users_own_script(tmp_path):
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, r.stderr
     assert "user script rank 1/2" in r.stdout
+    lines = [json.loads(x) for x in hetctl(tmp_path, "logs", str(run), "--json").stdout.splitlines()]
+    assert {(x["node"], x["rank"]) for x in lines} == {("n0", 0), ("n1", 1)}
+    assert any(x["rank"] == 1 and x["line"].startswith("user script rank 1/2") for x in lines)

@@ -95,6 +95,9 @@ def test_a_run_exports_itself_and_transformers_loads_it(site, tmp_path):
                   "--run-dir", str(tmp_path / "runs"), "--export", str(out), timeout=600)
     assert r.returncode == 0, r.stderr
     assert "exported step 2 " in r.stderr and str(out) in r.stderr
+    again = local_cli(site, "export", str(next((tmp_path / "runs").iterdir())), "-o", str(tmp_path / "hf2"), "--json")
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout)["step"] == 2 and json.loads(again.stdout)["folder"] == str(tmp_path / "hf2")
     model = transformers.AutoModelForCausalLM.from_pretrained(out)
     assert model.config.num_hidden_layers == 8 and model.config.vocab_size == 320
 

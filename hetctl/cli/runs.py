@@ -125,6 +125,7 @@ def logs_cmd(
     follow: bool = typer.Option(False, "-f", "--follow", help="Keep printing new lines, across restarts, until the "
                                 "run ends (Ctrl-C to leave)."),
     tail: int = typer.Option(0, "--tail", min=0, help="Only the last K lines of each log (0: all)."),
+    json_out: bool = typer.Option(False, "--json", help="One JSON object a line: node, rank, line (JSON Lines)."),
 ) -> None:
     """Print rank logs (all attempts, each behind its `==> hetctl attempt N` line), prefixed when several."""
     run_dir = run_path(run_dir)  # a run id or a unique prefix of one, from the user's index
@@ -138,6 +139,9 @@ def logs_cmd(
     from hetctl.textsafe import clean
 
     def emit(nd: str, r: int, line: str) -> None:  # a rank's output is text, never terminal control
+        if json_out:
+            sys.stdout.write(json_dumps({"node": nd, "rank": r, "line": line}) + "\n")
+            return
         sys.stdout.write(clean((f"[{nd} rank {r}] " if prefix else "") + line) + "\n")
 
     for nd, r, path in files:
