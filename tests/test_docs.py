@@ -133,3 +133,28 @@ def test_the_walk_finds_an_option_missing_from_its_own_section():
     stop = _section(text, "## hetctl stop")
     assert _undocumented(text.replace(stop, stop.replace("`--force`", "`--f0rce`"))) == ["hetctl stop --force"]
     assert _undocumented(text.replace("## hetctl report\n", "## hetctl rep0rt\n")) == ["## hetctl report"]
+
+
+def test_the_json_page_names_every_field_of_each_output_model():
+    """docs/json.md lists the top-level fields of what each --json prints: checked against the models, so that
+    a field added to a model is added to the page."""
+    import dataclasses
+
+    from hetctl.corpus.prepare import Report
+    from hetctl.elastic.status import RunView, StopResult
+    from hetctl.files.cluster import Cluster
+    from hetctl.files.plan import Plan
+    from hetctl.files.run import RunSummary
+    from hetctl.launch.materialize import LaunchSpec, NodeLaunch, RankLaunch
+
+    page = (DOCS / "json.md").read_text()
+    rows = {line.split("|")[1].strip(): line for line in page.splitlines() if line.startswith("| `")}
+    want = {"`probe`": list(Cluster.model_fields), "`plan`": list(Plan.model_fields),
+            "`launch`, `resume`": list(RunSummary.model_fields),
+            "`status`": [f.name for f in dataclasses.fields(RunView)],
+            "`stop`": [f.name for f in dataclasses.fields(StopResult)],
+            "`data prepare`": [f.name for f in dataclasses.fields(Report)],
+            "`launch --dry-run`": [f.name for c in (LaunchSpec, NodeLaunch, RankLaunch) for f in dataclasses.fields(c)]}
+    for command, fields in want.items():
+        missing = [f for f in fields if f"`{f}`" not in rows[command]]
+        assert not missing, f"docs/json.md, {command}: {missing}"
