@@ -568,6 +568,27 @@ def test_progress_carries_the_trainers_grad_norm_lr_and_skipped_steps(plan, spec
     assert _plain_lines([last]) == ["  step 2, grad norm 1, lr 0.002, 1 skipped (non-finite), 40 ms/step"]
 
 
+def test_progress_carries_the_gradient_bytes_sent_across_vendors(plan, spec, tmp_path):
+    """The trainer's ``xv_bytes`` (sent so far, compressed by --grad-compress) and ``xv_raw_bytes`` (their fp32
+    size) reach each stage of the progress event and the live line; a rank without them has none."""
+    clock = Clock()
+    mon, run = make_monitor(plan, spec, tmp_path, clock)
+    start_all(mon, clock, plan)
+    for r in plan.ranks:
+        hb = {"step": 3, "time": 103.0, "step_ms": 40.0, **({"loss": 4.0} if r.stage == 2 else {})}
+        if r.rank != 5:
+            hb.update(xv_bytes=1_000_000 * (r.rank + 1), xv_raw_bytes=4_000_000 * (r.rank + 1))
+        feed(mon, clock, r.node, "heartbeat", 1.0, rank=r.rank, hb=hb)
+    mon.progress(clock(), force=True)
+    last = read_events(run.events_path, "progress")[-1]
+    got = [(s["xv_bytes"], s["xv_raw_bytes"]) for s in last["stages"]]
+    assert got == [(1_000_000 * (r + 1), 4_000_000 * (r + 1)) for r in range(5)] + [(None, None)]
+    assert _plain_lines([last]) == ["  step 3, loss 4.0000, 40 ms/step, 15 MB of gradients across vendors (25% of fp32)"]
+    feed(mon, clock, "n1", "heartbeat", rank=1, hb={"step": 4, "xv_bytes": -1})  # checked at the edge
+    assert mon.ranks[1].step == 3 and read_events(run.events_path, "bad_message")[-1]["reason"] == \
+        "heartbeat of rank 1: xv_bytes is -1"
+
+
 def test_validation_loss_becomes_one_evaluated_event_per_evaluation(plan, spec, tmp_path):
     """The trainer repeats its last eval_loss in every heartbeat; the monitor reports each evaluation once."""
     clock = Clock()

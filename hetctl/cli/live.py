@@ -76,6 +76,11 @@ def _progress(ev: dict) -> str | None:
         parts.append(f"{ev['skipped']} skipped (non-finite)")
     if ms:
         parts.append(f"{max(ms):.0f} ms/step")
+    crossed = [(s["xv_bytes"], s.get("xv_raw_bytes")) for s in ev.get("stages", []) if s.get("xv_bytes") is not None]
+    if crossed:  # every rank's gradient bytes across vendors this attempt (the trainer's --grad-compress)
+        sent, raw = sum(b for b, _ in crossed), sum(r or 0 for _, r in crossed)
+        parts.append(f"{sent / 1e6:.3g} MB of gradients across vendors" + (f" ({100 * sent / raw:.3g}% of fp32)"
+                                                                         if raw else ""))
     return "  " + ", ".join(parts)
 
 

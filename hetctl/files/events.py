@@ -66,6 +66,10 @@ class StageProgress:
     step: int
     loss: float | None = None
     step_ms: float | None = None
+    # The reference trainer's gradient bytes sent across vendors in this attempt so far (``--grad-compress``),
+    # and what they would have been in fp32; None where the rank's reduce crosses no vendor.
+    xv_bytes: int | None = None
+    xv_raw_bytes: int | None = None
 
 
 @dataclass(frozen=True)

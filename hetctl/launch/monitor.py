@@ -81,6 +81,8 @@ class RankStatus:
     step: int | None = None
     loss: float | None = None
     step_ms: float | None = None
+    xv_bytes: int | None = None  # gradient bytes sent across vendors this attempt, and their fp32 size (--grad-compress)
+    xv_raw_bytes: int | None = None
     grad_norm: float | None = None  # the trainer's global gradient norm (hetctl.train.optim), lr and skipped steps
     lr: float | None = None
     skipped: int = 0
@@ -315,6 +317,9 @@ class Monitor:
         for key in ("grad_norm", "lr"):
             if isinstance(hb.get(key), (int, float)):
                 setattr(st, key, float(hb[key]))
+        for key in ("xv_bytes", "xv_raw_bytes"):  # checked at the edge (wire): whole and not negative
+            if isinstance(hb.get(key), int):
+                setattr(st, key, hb[key])
         if isinstance(hb.get("skipped"), int):
             st.skipped = hb["skipped"]
         if hb.get("first_loss") is not None:  # the trainer's own, exact even when polling missed step 1
@@ -437,9 +442,11 @@ class Monitor:
             return
         self._last_progress_ev = (now, step)
         # One entry per stage, its representative rank's (TP peers agree): per rank it was 8 copies of each
-        # stage at 8-way TP, and at 1,024 nodes × 8 ranks 20 GB of events a day (bench/scale.py).
+        # stage at 8-way TP, and at 1,024 nodes × 8 ranks 20 GB of events a day (bench/scale.py). The bytes across
+        # vendors are the representative's (its TP peers send as many of their own shards).
         reps = (self.ranks[r] for _, r in sorted(self.rep.items()))
-        stages = [StageProgress(st.replica, st.stage, st.step, st.loss, st.step_ms) for st in reps if st.step is not None]
+        stages = [StageProgress(st.replica, st.stage, st.step, st.loss, st.step_ms, st.xv_bytes, st.xv_raw_bytes)
+                  for st in reps if st.step is not None]
         now_ = [st for st in last if st.step == step]
         loss = next((st.loss for st in now_ if st.replica == 0), None)
         norm = next((st.grad_norm for st in now_ if st.grad_norm is not None), None)

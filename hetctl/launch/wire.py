@@ -76,6 +76,8 @@ _HB_FIELDS: dict[str, Any] = {
     "step_ms": _opt(lambda v: _is_num(v) and v >= 0),
     "compute_ms": _opt(lambda v: _is_num(v) and v >= 0),
     "tokens_per_s": _opt(lambda v: _is_num(v) and v >= 0),
+    "xv_bytes": _opt(lambda v: _is_int(v) and v >= 0),
+    "xv_raw_bytes": _opt(lambda v: _is_int(v) and v >= 0),
     "time": _opt(_is_num),
     "phase": _opt(_text),
 }

@@ -96,7 +96,7 @@ def host_buffers(units: nn.ModuleDict, optimizer: torch.optim.Optimizer) -> Snap
 
 
 def write_units(ckpt_dir: Path, step: int, snap: Snapshot, state: Mapping[str, Any] | None,
-                delay_s: float = 0.0) -> dict[str, dict[str, Any]]:
+                delay_s: float = 0.0, own: Mapping[str, Any] | None = None) -> dict[str, dict[str, Any]]:
     """Serialize and durably write one rank's files of checkpoint ``step`` (each synced, then renamed).
 
     Args:
@@ -106,6 +106,8 @@ def write_units(ckpt_dir: Path, step: int, snap: Snapshot, state: Mapping[str, A
             serializing (training goes on changing the live tensors meanwhile, which
             the snapshot must not see) and again after the files are written, before
             they are reported (a test kills the job while the save is provably in flight).
+        own: files of this rank's own state, ``{file name: object}`` (``--grad-compress``'s error
+            feedback: :func:`hetctl.train.gradmode.state_file`), written by every rank, any replica.
 
     Returns:
         The manifest entries ``{file: {"size", "sha256"}}`` of what was written.
@@ -115,12 +117,12 @@ def write_units(ckpt_dir: Path, step: int, snap: Snapshot, state: Mapping[str, A
     if delay_s > 0:
         time.sleep(delay_s)
     entries: dict[str, dict[str, Any]] = {}
-    for name, payload in snap.items():
+    for fname, payload in [*((f"{name}.pt", p) for name, p in snap.items()), *(own or {}).items()]:
         buf = io.BytesIO()
         torch.save(payload, buf)
         data = buf.getvalue()
-        manifest.write_atomic(d / f"{name}.pt", data)
-        entries[f"{name}.pt"] = manifest.file_entry(data)
+        manifest.write_atomic(d / fname, data)
+        entries[fname] = manifest.file_entry(data)
     if state is not None:
         data = json.dumps(dict(state), indent=1).encode()
         manifest.write_atomic(d / STATE, data)

@@ -36,10 +36,18 @@ unit's pieces as its reduce-scatter completes, then the all-gathers, so a unit w
 holders' gradients but not for another rank's earlier units. Every rank issues
 its collectives on a group in one global order (phase, unit, piece), so groups
 of different members cannot deadlock.
+
+What crosses vendors (a flat all-reduce whose holders span vendors, or the
+pieces of step 2) goes through a :class:`hetctl.train.gradcomp.Compressor`:
+with ``--grad-compress`` other than ``none`` it is compressed, and each rank
+waits for it in that same global order (flat buckets by their first unit, then
+the pieces' groups by their first piece), a batch a group, so that the small
+tensors of one group go as one message. The compressor counts the bytes either way.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
@@ -48,11 +56,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hetctl.train.gradcomp import Compressor
 from hetctl.train.topology import Topology
 
 
-def unit_numel(spec: Mapping[str, Any], name: str, tp: int = 1) -> int:
-    """Parameters of unit ``name`` on one TP rank (built on the meta device: no memory, no initialisation).
+def unit_shapes(spec: Mapping[str, Any], name: str, tp: int = 1) -> list[tuple[int, ...]]:
+    """The shapes of unit ``name``'s parameters on one TP rank, in parameter order (built on the meta
+    device: no memory, no initialisation).
 
     Under tensor parallelism a layer's split parameters are a 1/``tp`` slice on every TP rank (the
     degree divides heads and MLP width, so every rank's count is the same); embedding, head and a
@@ -64,8 +74,38 @@ def unit_numel(spec: Mapping[str, Any], name: str, tp: int = 1) -> int:
     with torch.device("meta"):
         unit = {"embedding": Embedding, "head": Head}.get(name, Block)(spec)
     if tp > 1 and isinstance(unit, Block):
-        return sum(shard(k, p, 0, tp).numel() for k, p in unit.named_parameters())
-    return sum(p.numel() for p in unit.parameters())
+        return [tuple(shard(k, p, 0, tp).shape) for k, p in unit.named_parameters()]
+    return [tuple(p.shape) for p in unit.parameters()]
+
+
+def segments(shapes: list[tuple[int, ...]], a: int, b: int) -> list[tuple[int, int]]:
+    """Elements ``[a, b)`` of a unit's flat gradient as ``(numel, cols)`` runs: the whole rows of one weight
+    matrix (``cols`` its row length), or anything else (``cols`` 0: a vector, or a row cut by ``a`` or ``b``).
+
+    PowerSGD (:mod:`hetctl.train.gradcomp`) compresses each matrix run as that weight's gradient, whose
+    low rank is what it relies on; the same range gives the same runs on every holder.
+    """
+    out: list[tuple[int, int]] = []
+    o = 0
+    for shape in shapes:
+        n = 1
+        for x in shape:
+            n *= x
+        lo, hi = max(a, o), min(b, o + n)
+        if lo < hi:
+            c = shape[-1] if len(shape) == 2 else 0
+            r0 = o + -(-(lo - o) // c) * c if c else hi
+            r1 = o + ((hi - o) // c) * c if c else hi
+            runs = [(r0 - lo, 0), (r1 - r0, c), (hi - r1, 0)] if r1 > r0 else [(hi - lo, 0)]
+            for numel, cols in runs:
+                if numel == 0:
+                    continue
+                if cols == 0 and out and out[-1][1] == 0:
+                    out[-1] = (out[-1][0] + numel, 0)  # vectors and cut rows go on as one run
+                else:
+                    out.append((numel, cols))
+        o += n
+    return out
 
 
 def rank_vendors(plan: Mapping[str, Any]) -> dict[int, tuple[str, str]]:
@@ -93,6 +133,8 @@ class Unit:
     """How this rank reduces one of its units."""
 
     name: str
+    order: int = 0
+    """The unit's place in the model's unit order (the same on every rank)."""
     flat: tuple[dist.ProcessGroup, str] | None = None
     """Flat all-reduce: its group and comm library (None when hierarchical)."""
     intra: dist.ProcessGroup | None = None
@@ -103,21 +145,29 @@ class Unit:
     index: int = 0
     """This rank's place in it (its shard)."""
     numel: int = 0
-    cross: list[tuple[int, int, dist.ProcessGroup]] = field(default_factory=list)
-    """Pieces of this rank's shard, as ``(start, end)`` within the shard, and the gloo group reducing each."""
+    shapes: list[tuple[int, ...]] = field(default_factory=list)
+    """Hierarchical: this rank's parameter shapes of the unit (PowerSGD's matrices)."""
+    cross: list[tuple[int, int, dist.ProcessGroup, int]] = field(default_factory=list)
+    """Pieces of this rank's shard, as ``(start, end)`` within the shard, the gloo group reducing each, and the
+    piece's number among all the unit's pieces (the same on all its holders)."""
+    spans_vendors: bool = False
+    """Flat: the holders are of more than one vendor (the all-reduce crosses vendors, over gloo)."""
 
 
 class Reducer:
     """Builds every group at start-up (every rank, one order) and reduces this rank's units each step."""
 
     def __init__(self, topo: Topology, plan: Mapping[str, Any], new_group: Callable[..., dist.ProcessGroup],
-                 flat_groups: Mapping[str, tuple[dist.ProcessGroup, str]], hierarchical: bool = True) -> None:
+                 flat_groups: Mapping[str, tuple[dist.ProcessGroup, str]], hierarchical: bool = True,
+                 compressor: Compressor | None = None) -> None:
         """Args:
             new_group: ``dist.new_group`` with the run's timeout (``(ranks, backend) -> group``).
             flat_groups: per unit of this rank, its flat data-parallel group and library (the trainer's).
             hierarchical: False forces the flat all-reduce everywhere (for comparison runs).
+            compressor: what carries the cross-vendor reduces (``--grad-compress``); None: fp32, uncounted.
         """
         self.units: dict[str, Unit] = {}
+        self.compressor = compressor
         vendor = rank_vendors(plan)
         made: dict[tuple[tuple[int, ...], str], dist.ProcessGroup] = {}
 
@@ -126,7 +176,7 @@ class Reducer:
                 made[(ranks, lib)] = new_group(list(ranks), backend="gloo" if lib == "gloo" else None)
             return made[(ranks, lib)]
 
-        for name, members, _lib in topo.unit_groups:
+        for order, (name, members, _lib) in enumerate(topo.unit_groups):
             by: dict[str, list[int]] = {}
             for r in members:
                 by.setdefault(vendor[r][0], []).append(r)
@@ -134,10 +184,12 @@ class Reducer:
             mine = topo.rank in members
             if not hierarchical or len(domains) < 2 or all(len(d) == 1 for d in domains):
                 if mine:
-                    self.units[name] = Unit(name=name, flat=flat_groups[name])
+                    self.units[name] = Unit(name=name, order=order, flat=flat_groups[name],
+                                            spans_vendors=len(domains) > 1)
                 continue
-            numel = unit_numel(plan["model"], name, topo.tp)
-            unit = Unit(name=name, numel=numel)
+            shapes = unit_shapes(plan["model"], name, topo.tp)
+            numel = sum(math.prod(x) for x in shapes)
+            unit = Unit(name=name, order=order, numel=numel, shapes=shapes)
             for d in domains:  # every rank creates every group, in this order
                 if len(d) > 1:
                     g = group(tuple(d), vendor[d[0]][1])
@@ -146,19 +198,21 @@ class Reducer:
                 if topo.rank in d:
                     unit.size, unit.index = len(d), d.index(topo.rank)
             sizes = [len(d) for d in domains]
-            for a, b, at in pieces(numel, sizes):
+            for k, (a, b, at) in enumerate(pieces(numel, sizes)):
                 holders = tuple(d[i] for d, i in zip(domains, at))
                 g = group(holders, "gloo")
                 if topo.rank in holders:
                     base = unit.index * -(-numel // unit.size)
-                    unit.cross.append((a - base, b - base, g))
+                    unit.cross.append((a - base, b - base, g, k))
             if mine:
                 self.units[name] = unit
 
     def describe(self) -> str:
         """One line for the rank's log: how many of its units go hierarchically."""
         hier = sum(u.flat is None for u in self.units.values())
-        return f"dp_reduce: hierarchical {hier} of {len(self.units)} units"
+        cross = sum(u.flat is None or u.spans_vendors for u in self.units.values())
+        mode = self.compressor.mode if self.compressor is not None else "none"
+        return f"dp_reduce: hierarchical {hier} of {len(self.units)} units; across vendors {cross}, grad-compress {mode}"
 
     def reduce(self, units: nn.ModuleDict, comm: Any) -> None:
         """Sum this rank's units' gradients over their holders in every replica (in place).
@@ -172,6 +226,11 @@ class Reducer:
         comm.wait_s += time.perf_counter() - t0
 
     def _reduce(self, units: nn.ModuleDict, device: torch.device) -> None:
+        comp = self.compressor
+        squeeze = comp is not None and comp.mode.kind != "none"
+        # Compressed cross-vendor reduces, waited for after every other collective is issued: (order key, group,
+        # [(state key, CPU tensor, its segments)]), one batch a group.
+        held: dict[int, tuple[tuple, dist.ProcessGroup, list[tuple[str, torch.Tensor, list]]]] = {}
         flats: dict[str, torch.Tensor] = {}
         work: dict[str, Any] = {}
         buckets: dict[int, tuple[Any, list[str]]] = {}  # flat units by group, in unit order
@@ -202,7 +261,16 @@ class Reducer:
                     bucket[offset:offset + g.numel()].copy_(g.reshape(-1))
                     offset += g.numel()
                 spans[n] = (start, offset)
-            handle = dist.all_reduce(bucket, group=group, async_op=True)
+            first = self.units[names[0]]
+            if first.spans_vendors and squeeze:
+                held[id(group)] = ((0, first.order), group, [
+                    (n, bucket[a:b], segments([tuple(g.shape) for g in grads[n]], 0, b - a))
+                    for n, (a, b) in spans.items()])
+                handle = None
+            else:
+                if first.spans_vendors and comp is not None:
+                    comp.count(bucket.numel(), dist.get_world_size(group))
+                handle = dist.all_reduce(bucket, group=group, async_op=True)
             for n, (a, b) in spans.items():
                 flats[n], work[n] = bucket[a:b], handle
         hosts: dict[str, tuple[torch.Tensor, list]] = {}
@@ -216,7 +284,19 @@ class Reducer:
                 handle, shard = work[name]
                 handle.wait()
             host = shard.to("cpu")
-            hosts[name] = (host, [dist.all_reduce(host[a:b], group=g, async_op=True) for a, b, g in u.cross])
+            handles = []
+            for a, b, g, k in u.cross:
+                if squeeze:
+                    base = u.index * len(host)  # where this rank's shard starts in the unit
+                    held.setdefault(id(g), ((1, u.order, k), g, []))[2].append(
+                        (f"{name}#{k}", host[a:b], segments(u.shapes, base + a, base + b)))
+                    continue
+                if comp is not None:
+                    comp.count(b - a, dist.get_world_size(g))
+                handles.append(dist.all_reduce(host[a:b], group=g, async_op=True))
+            hosts[name] = (host, handles)
+        for _, group, parts in sorted(held.values(), key=lambda h: h[0]):  # one global order: no deadlock
+            comp.all_reduce(group, parts)  # type: ignore[union-attr]  # held only when squeezing
         gathers: dict[str, Any] = {}
         for name in units:  # phase 3: all-gather inside each vendor group
             u = self.units[name]
@@ -233,7 +313,7 @@ class Reducer:
             gathers[name] = dist.all_gather_into_tensor(flats[name], shard, group=u.intra, async_op=True)
         for name, unit in units.items():  # phase 4: back into .grad
             u = self.units[name]
-            if u.flat is not None:
+            if u.flat is not None and work[name] is not None:
                 work[name].wait()
             elif name in gathers:
                 gathers[name].wait()

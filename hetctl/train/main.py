@@ -25,6 +25,7 @@ import argparse
 import datetime
 import functools
 import importlib
+import io
 import json
 import os
 import sys
@@ -32,7 +33,7 @@ import time
 
 from hetctl.errors import HetctlError
 from hetctl.node.runtime import RankContext, load_plan
-from hetctl.train import optim
+from hetctl.train import gradmode, optim
 from hetctl.train.units import parse_test_delay
 from hetctl.vendors import VENDOR_TABLE
 
@@ -61,6 +62,10 @@ def parse_args(argv: list[str] | None, env: os._Environ | dict) -> argparse.Name
     ap.add_argument("--dp-reduce", choices=("auto", "flat"), default="auto",
                     help="auto: hierarchical across vendors where it applies (hetctl.train.dpreduce); flat: one "
                     "all-reduce over every replica (default auto)")
+    ap.add_argument("--grad-compress", default="none", metavar="{none,bf16,int8,powersgd:R}",
+                    help="compress the data-parallel reduce where it crosses vendors (over gloo): bf16, int8 or "
+                    "rank-R PowerSGD, the last two with error feedback; within a vendor it is never compressed "
+                    "(default none)")
     ap.add_argument("--comm-timeout", type=float, default=300.0,
                     help="seconds a collective or receive may wait before the rank fails (default 300)")
     optim.add_args(ap)
@@ -75,6 +80,10 @@ def parse_args(argv: list[str] | None, env: os._Environ | dict) -> argparse.Name
     ap.add_argument("--log-samples", action="store_true", default=env.get("HETCTL_LOG_SAMPLES") == "1",
                     help="first-stage ranks print the ids of the samples of each step (default $HETCTL_LOG_SAMPLES=1)")
     args = ap.parse_args(argv)
+    try:
+        args.grad_compress = gradmode.parse_mode(args.grad_compress)
+    except ValueError as e:
+        ap.error(f"--grad-compress {e}; pass none, bf16, int8 or powersgd:R (R a rank such as 4)")
     try:
         args.test_save_delay = parse_test_delay(env.get("HETCTL_TEST_SAVE_DELAY"))
     except ValueError:
@@ -158,6 +167,7 @@ def _state(step: int, args: argparse.Namespace, topo, spec: dict, sources: list 
                  "sources": sources},
         "rng": {"kind": "counter", "seed": args.seed, "counter": step},
         "optimizer": args.optim.record(),
+        "grad_compress": str(args.grad_compress),
         "model": spec,
     }
 
@@ -175,7 +185,7 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
     if ctx.resume_step and ctx.ckpt_dir is None:
         raise HetctlError(f"HETCTL_RESUME_STEP={ctx.resume_step} but HETCTL_CKPT_DIR is not set")
     tied = bool(spec.get("tie_embeddings"))
-    blobs = resumed = None
+    blobs = resumed = squeezed = None
     if ctx.resume_step:
         # Read and verify this stage's files before importing torch and joining the group, so a
         # missing, foreign or corrupted checkpoint is one clear error instead of a peer's hang.
@@ -186,6 +196,10 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
                               model_digest(spec))
         resumed = json.loads(blobs[STATE])
         check_state(resumed, args.seed, topo.global_batch, args.optim, step_dir(ctx.ckpt_dir, ctx.resume_step))
+        if args.grad_compress.feedback and topo.dp > 1:
+            squeezed, why = gradmode.saved_state(ctx.ckpt_dir, ctx.resume_step, ctx.rank, model_digest(spec))
+            if why:
+                print(f"grad-compress: {why}", file=sys.stderr)
 
     corpus = eval_set = sources = None
     if args.data:  # opened and checked before torch and the process group, like the checkpoint above
@@ -242,12 +256,19 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
                                                    backend="gloo" if lib == "gloo" else None)
                 if topo.rank in members:
                     groups[name] = (made[members], lib)
-        reducer = None
+        reducer = compressor = None
         if topo.dp > 1:  # after the flat groups: every rank creates the hierarchical ones in one order too
             from hetctl.train.dpreduce import Reducer
+            from hetctl.train.gradcomp import Compressor
 
+            compressor = Compressor(args.grad_compress)
+            if squeezed is not None:
+                why = compressor.load_state_dict(torch.load(io.BytesIO(squeezed), weights_only=True))
+                if why:
+                    print(f"grad-compress: checkpoint step-{ctx.resume_step}: {why}; error feedback starts from zero",
+                          file=sys.stderr)
             reducer = Reducer(topo, plan, functools.partial(dist.new_group, timeout=timeout), groups,
-                              hierarchical=args.dp_reduce == "auto")
+                              hierarchical=args.dp_reduce == "auto", compressor=compressor)
             print(reducer.describe(), flush=True)
         # The saves gather on a group of their own, so a background save never interleaves with training's.
         save_group = dist.new_group(backend="gloo", timeout=timeout) if args.checkpoint_every else None
@@ -349,6 +370,8 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
                     first_loss = loss_value if first_loss is None else first_loss
             ms = (time.perf_counter() - t0) * 1000.0
             timing = {"step_ms": round(ms, 3), "compute_ms": round(ms - comm.take_wait() * 1000.0, 3)}
+            if compressor is not None and compressor.raw:  # this attempt's cross-vendor gradient bytes, so far
+                timing.update(xv_bytes=compressor.sent, xv_raw_bytes=compressor.raw)
             step_times.append(ms)
             if args.eval_every and step % args.eval_every == 0:
                 value = data.eval_loss(module, topo, comm, eval_set, args.eval_iters, int(spec["hidden_size"]), seq, amp)
@@ -375,10 +398,14 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
                         "pp": topo.pp, "dp": topo.dp, "global_batch": topo.global_batch}
                 waiting = functools.partial(ctx.heartbeat, step, phase="checkpoint_wait", **last_metrics, **timing,
                                             **role)
-                saver.save(step, units, optimizer, state=state, meta=meta, on_wait=waiting)
+                own = {gradmode.state_file(ctx.rank): compressor.state_dict()} \
+                    if compressor is not None and args.grad_compress.feedback else None
+                saver.save(step, units, optimizer, state=state, meta=meta, on_wait=waiting, own=own)
 
         steady = step_times[1:] or step_times
         final = {"done": True, "steps": args.steps, "skipped": stepper.skipped_total, **role}
+        if compressor is not None and compressor.raw:
+            final.update(xv_bytes=compressor.sent, xv_raw_bytes=compressor.raw)
         if saver is not None:  # the last save must be on disk, manifest and all, before the rank reports done
             final.update(saver.close(on_wait=functools.partial(ctx.heartbeat, args.steps, phase="checkpoint_wait",
                                                                **role)))

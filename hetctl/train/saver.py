@@ -154,8 +154,13 @@ class Saver:
         self._submit(make, None)
 
     def save(self, step: int, units: nn.ModuleDict, optimizer: torch.optim.Optimizer, *,
-             state: Mapping[str, Any], meta: Mapping[str, Any], on_wait: Callable[[], None] | None = None) -> None:
-        """Take checkpoint ``step`` (collective: every rank calls it at the same step)."""
+             state: Mapping[str, Any], meta: Mapping[str, Any], on_wait: Callable[[], None] | None = None,
+             own: Mapping[str, Any] | None = None) -> None:
+        """Take checkpoint ``step`` (collective: every rank calls it at the same step).
+
+        ``own``: files of this rank's own state, ``{file: object}`` (a copy the training may not change;
+        :func:`hetctl.train.ckpt.write_units`), written on every replica.
+        """
         t0 = time.perf_counter()
         if not self._idle.is_set() and self._step is not None:
             self.stats.waits += 1
@@ -172,12 +177,13 @@ class Saver:
             (manifest.step_dir(self.dir, step) / manifest.MANIFEST).unlink(missing_ok=True)
         copy = self.mode == "async"
         snap = ckpt.snapshot(units, optimizer, reuse=self._spare, copy=copy) if self.replica == 0 else {}
+        snap_own = dict(own or {})
         if self.tp is not None and self.replica == 0:
             from hetctl.train.tensor import gather_snapshot
 
             snap = gather_snapshot(snap, self.tp)  # whole tensors on TP rank 0, nothing to write elsewhere
         self._spare = None
-        args = (step, snap, dict(state) if self.rank == 0 else None, dict(meta))
+        args = (step, snap, dict(state) if self.rank == 0 else None, dict(meta), snap_own)
         if self.mode == "blocking":
             self._write(*args, raise_error=True)
         else:
@@ -185,12 +191,13 @@ class Saver:
         self.stats.saves += 1
         self.stats.stall_ms.append((time.perf_counter() - t0) * 1000.0)
 
-    def _write(self, step: int, snap: ckpt.Snapshot, state: dict | None, meta: dict, raise_error: bool = False) -> None:
+    def _write(self, step: int, snap: ckpt.Snapshot, state: dict | None, meta: dict, own: dict,
+               raise_error: bool = False) -> None:
         t0 = time.perf_counter()
         delay = self.test_delay[1] if self.test_delay and self.test_delay[0] == step else 0.0
         failure: BaseException | None = None
         try:
-            part: dict[str, Any] = ckpt.write_units(self.dir, step, snap, state, delay)
+            part: dict[str, Any] = ckpt.write_units(self.dir, step, snap, state, delay, own=own)
         except Exception as e:  # noqa: BLE001 - any failure: still join the gather, so no peer waits forever
             failure, part = e, {ckpt.ERROR: f"rank {self.rank}: {e}"}
         try:

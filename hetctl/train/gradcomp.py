@@ -1,0 +1,231 @@
+"""Compressed gradient sync on the links between vendors (``--grad-compress``).
+
+Between vendors the data-parallel reduce goes over gloo on TCP, the slowest
+link of a mixed cluster; :mod:`hetctl.train.dpreduce` hands exactly that part
+(a flat all-reduce whose holders span vendors, or the cross-vendor pieces of
+the hierarchical one) to a :class:`Compressor`. Inside one vendor nothing
+changes. The modes:
+
+* ``none``: fp32, as before (the bytes are still counted).
+* ``bf16``: the all-reduce runs on a bf16 copy (half the bytes; no error feedback,
+  the rounding is 2⁻⁹ relative per element and per addition).
+* ``int8``: each rank quantizes its share to int8 with one fp32 scale per
+  :data:`CHUNK` elements (round to nearest), the ranks all-gather the int8 values
+  and scales, and every rank adds the dequantized shares in group-rank order, so
+  every holder gets the same bits. A ring all-reduce of fp32 sends
+  ``2(d−1)/d · 4n`` bytes, the all-gather ``(d−1) · n``: a quarter at two vendors.
+* ``powersgd:R``: PowerSGD (Vogels et al., 2019) on each weight matrix's gradient
+  ``M`` (``rows × cols``; under the hierarchy, the whole rows of it in a piece):
+  ``P = all_reduce(M Q)``, orthonormalized, ``Q = all_reduce(Mᵀ P)``, and the sum
+  is ``P Qᵀ``. ``Q`` is warm-started from the previous step. It sends
+  ``R·(rows + cols)`` floats instead of ``rows·cols``; vectors (norms, biases), rows cut
+  by a piece's ends and matrices too small to gain go in fp32.
+
+int8 and PowerSGD keep error feedback: what a rank's share lost to compression
+(``M − decompress(compress(M))``, its own part of the result) is added to its
+next gradient, so nothing is lost, only late. The residuals and PowerSGD's ``Q``
+are this rank's state: carried across steps and kept in checkpoints (one file a
+rank, :func:`hetctl.train.gradmode.state_file`), so a resumed run continues bit for bit.
+
+The orthonormalization and ``P Qᵀ`` run in float64 before rounding to float32, so
+that hosts of different CPU kinds (another BLAS, another vector width) still give
+the replicas the same bits.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hetctl.train.gradmode import Mode, ring_bytes
+
+Part = tuple[str, torch.Tensor, list[tuple[int, int]]]
+"""What :meth:`Compressor.all_reduce` sums: a state key, a CPU float32 vector, its ``(numel, cols)`` runs."""
+CHUNK = 1024
+"""Elements per int8 scale: 4 bytes of scale per 1024 bytes of values (0.4%)."""
+
+
+class Compressor:
+    """One rank's compressed all-reduce (sum) over a cross-vendor gloo group, with its state.
+
+    Args:
+        mode: the ``--grad-compress`` value.
+    """
+
+    def __init__(self, mode: Mode) -> None:
+        self.mode = mode
+        self.error: dict[str, torch.Tensor] = {}
+        self.q: dict[str, torch.Tensor] = {}
+        self.sent = 0
+        """Bytes this rank sent on the cross-vendor path since the attempt started (as a ring sends them)."""
+        self.raw = 0
+        """What the same reduces would have sent in fp32."""
+
+    # -- the reduce ---------------------------------------------------------------------
+    def count(self, numel: int, d: int) -> None:
+        """Count an uncompressed fp32 all-reduce of ``numel`` elements over ``d`` ranks (mode ``none``)."""
+        self.raw += ring_bytes(numel, 4, d)
+        self.sent += ring_bytes(numel, 4, d)
+
+    def all_reduce(self, group: dist.ProcessGroup, parts: list[Part]) -> None:
+        """Sum each CPU float32 1-D tensor of ``parts`` over ``group``, in place; every member gets the same bits.
+
+        A part is ``(key, tensor, runs)``: ``key`` names its state (error feedback), ``runs`` is its
+        layout as :func:`hetctl.train.dpreduce.segments` gives it (PowerSGD's matrices). Every member
+        calls it with the same keys, sizes and runs, in one order (they hold the same pieces).
+        """
+        if not parts:
+            return
+        d = dist.get_world_size(group)
+        n = sum(t.numel() for _, t, _ in parts)
+        self.raw += ring_bytes(n, 4, d)
+        kind = self.mode.kind
+        if kind == "none":
+            flat = torch.cat([t for _, t, _ in parts])
+            dist.all_reduce(flat, group=group)
+            self.sent += ring_bytes(n, 4, d)
+            _scatter(flat, parts)
+        elif kind == "bf16":
+            flat = torch.cat([t for _, t, _ in parts]).to(torch.bfloat16)
+            dist.all_reduce(flat, group=group)
+            self.sent += ring_bytes(n, 2, d)
+            _scatter(flat.float(), parts)
+        elif kind == "int8":
+            self._int8(group, d, parts)
+        else:
+            self._powersgd(group, d, parts)
+
+    def _fed(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        """The gradient plus what earlier steps' compression owed it."""
+        e = self.error.get(key)
+        return t + e if e is not None and e.shape == t.shape else t.clone()
+
+    def _int8(self, group: dist.ProcessGroup, d: int, parts: list[Part]) -> None:
+        # One vector for the whole batch: its chunks may span two parts, but only the last chunk is padded.
+        fed = torch.cat([self._fed(k, t) for k, t, _ in parts])
+        q, s = quantize(fed)
+        owed = fed - dequantize(q, s, fed.numel())
+        at = 0
+        for key, t, _ in parts:
+            self.error[key] = owed[at:at + t.numel()].clone()
+            at += t.numel()
+        got_q = [torch.empty_like(q) for _ in range(d)]
+        got_s = [torch.empty_like(s) for _ in range(d)]
+        dist.all_gather(got_q, q, group=group)
+        dist.all_gather(got_s, s, group=group)
+        self.sent += (d - 1) * (q.numel() + 4 * s.numel())
+        total = torch.zeros_like(fed)
+        for q_r, s_r in zip(got_q, got_s):  # group-rank order: the same additions on every member
+            total += dequantize(q_r, s_r, fed.numel())
+        _scatter(total, parts)
+
+    def _powersgd(self, group: dist.ProcessGroup, d: int, parts: list[Part]) -> None:
+        r = self.mode.rank
+        fed = [self._fed(key, t) for key, t, _ in parts]
+        low: list[tuple[int, int, int, int, str]] = []  # (part, start, rows, cols, Q's key)
+        dense: list[tuple[int, int, int]] = []  # (part, start, numel): vectors, cut rows, matrices too small to gain
+        for i, (key, t, runs) in enumerate(parts):
+            at = 0
+            for j, (numel, cols) in enumerate(runs or [(t.numel(), 0)]):
+                rows = numel // cols if cols else 0
+                if cols and r * (rows + cols) < numel:
+                    low.append((i, at, rows, cols, f"{key}/{j}"))
+                else:
+                    dense.append((i, at, numel))
+                at += numel
+        out = [torch.empty_like(f) for f in fed]
+        owed = [torch.zeros_like(f) for f in fed]  # what goes dense is summed exactly: nothing owed
+        if dense:
+            flat = torch.cat([fed[i][a:a + n] for i, a, n in dense])
+            dist.all_reduce(flat, group=group)
+            self.sent += ring_bytes(flat.numel(), 4, d)
+            at = 0
+            for i, a, n in dense:
+                out[i][a:a + n] = flat[at:at + n]
+                at += n
+        if low:
+            ms = [fed[i][a:a + rows * cols].view(rows, cols) for i, a, rows, cols, _ in low]
+            qs = []
+            for _, _, _, cols, key in low:
+                q = self.q.get(key)
+                qs.append(q if q is not None and q.shape == (cols, r) else _initial_q(key, cols, r))
+            ps = torch.cat([(m @ q).reshape(-1) for m, q in zip(ms, qs)])
+            dist.all_reduce(ps, group=group)
+            self.sent += ring_bytes(ps.numel(), 4, d)
+            pmats, at = [], 0
+            for m in ms:
+                pmats.append(_orthonormal(ps[at:at + m.shape[0] * r].view(m.shape[0], r)))
+                at += m.shape[0] * r
+            mine = [(m.double().T @ p).float() for m, p in zip(ms, pmats)]  # this rank's Q, before the sum
+            total = torch.cat([q.reshape(-1) for q in mine])
+            dist.all_reduce(total, group=group)
+            self.sent += ring_bytes(total.numel(), 4, d)
+            at = 0
+            for (i, a, rows, cols, key), m, p, q_mine in zip(low, ms, pmats, mine):
+                q = total[at:at + cols * r].view(cols, r).clone()
+                at += cols * r
+                self.q[key] = q  # the warm start of the next step
+                # Feedback: this rank's share less its own part of the result (the parts sum to the result).
+                owed[i][a:a + rows * cols] = (m - (p @ q_mine.double().T).float()).reshape(-1)
+                out[i][a:a + rows * cols] = (p @ q.double().T).float().reshape(-1)
+        for (key, t, _), e, o in zip(parts, owed, out):
+            self.error[key] = e
+            t.copy_(o)
+
+    # -- the state ----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """A copy of the state (for a checkpoint; training goes on changing the live one)."""
+        return {"mode": str(self.mode),
+                "error": {k: v.clone() for k, v in self.error.items()},
+                "q": {k: v.clone() for k, v in self.q.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> str | None:
+        """Take a checkpoint's state; returns why it was not taken (another mode), else None."""
+        if state.get("mode") != str(self.mode):
+            return f"it was written with --grad-compress {state.get('mode')}, this run has {self.mode}"
+        self.error = {k: v.float() for k, v in state.get("error", {}).items()}
+        self.q = {k: v.float() for k, v in state.get("q", {}).items()}
+        return None
+
+
+def quantize(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-chunk int8 of a 1-D float tensor: values ``(chunks, CHUNK)`` and one fp32 scale a chunk."""
+    pad = -v.numel() % CHUNK
+    x = torch.nn.functional.pad(v, (0, pad)).view(-1, CHUNK)
+    scale = x.abs().amax(dim=1) / 127.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero chunk stays zero
+    q = torch.round(x / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, numel: int) -> torch.Tensor:
+    """The float32 values :func:`quantize` stands for, cut to ``numel``."""
+    return (q.view(-1, CHUNK).float() * scale[:, None]).reshape(-1)[:numel]
+
+
+def _scatter(flat: torch.Tensor, parts: list[Part]) -> None:
+    at = 0
+    for _, t, _ in parts:
+        t.copy_(flat[at:at + t.numel()])
+        at += t.numel()
+
+
+def _initial_q(key: str, cols: int, r: int) -> torch.Tensor:
+    """A Gaussian start for ``Q``, the same on every member: seeded by the segment's key."""
+    g = torch.Generator().manual_seed(zlib.crc32(key.encode()))
+    return torch.randn(cols, r, generator=g)
+
+
+def _orthonormal(p: torch.Tensor) -> torch.Tensor:
+    """Gram–Schmidt on the columns of ``p`` in float64 (a zero column stays zero)."""
+    p = p.double().clone()
+    for i in range(p.shape[1]):
+        col = p[:, i]
+        for j in range(i):
+            col -= (p[:, j] @ col) * p[:, j]
+        norm = col.norm()
+        p[:, i] = col / norm if norm > 0 else col
+    return p

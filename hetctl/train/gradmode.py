@@ -1,0 +1,62 @@
+"""What ``--grad-compress`` asks for (pure; no torch): the trainer's parser, and so ``hetctl launch --args``, read it.
+
+The compression itself is :mod:`hetctl.train.gradcomp`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KINDS = ("none", "bf16", "int8", "powersgd")
+
+
+@dataclass(frozen=True)
+class Mode:
+    """A ``--grad-compress`` value: its kind and, for PowerSGD, its rank."""
+
+    kind: str = "none"
+    rank: int = 0
+
+    def __str__(self) -> str:
+        return f"powersgd:{self.rank}" if self.kind == "powersgd" else self.kind
+
+    @property
+    def feedback(self) -> bool:
+        """Whether the mode keeps error feedback (and so per-rank state that checkpoints carry)."""
+        return self.kind in ("int8", "powersgd")
+
+
+def parse_mode(text: str) -> Mode:
+    """``none``, ``bf16``, ``int8`` or ``powersgd:R`` (R ≥ 1). Raises ValueError saying what is wrong."""
+    kind, sep, rank = text.strip().partition(":")
+    if kind == "powersgd":
+        if not rank.isdigit() or int(rank) < 1:
+            raise ValueError(f"{text!r}: powersgd needs its rank, a whole number >= 1, as in powersgd:4")
+        return Mode("powersgd", int(rank))
+    if kind not in KINDS or sep:
+        raise ValueError(f"{text!r} is not one of none, bf16, int8, powersgd:R")
+    return Mode(kind)
+
+
+def state_file(rank: int) -> str:
+    """The checkpoint file of one rank's compression state (error feedback, PowerSGD's Q)."""
+    return f"gradcomp-rank-{rank:05d}.pt"
+
+
+def ring_bytes(numel: int, itemsize: int, d: int) -> int:
+    """Bytes one rank sends in a ring all-reduce of ``numel`` elements of ``itemsize`` bytes over ``d`` ranks."""
+    return (2 * (d - 1) * numel * itemsize) // d
+
+
+def saved_state(ckpt_dir, step: int, rank: int, digest: str) -> tuple[bytes | None, str | None]:
+    """This rank's compression state in checkpoint ``step`` (verified against the manifest), or why there is none.
+
+    A checkpoint written without error feedback, or assembled from the survivors' just-in-time dumps (which
+    carry none), has no such file: the run goes on, its feedback starting from zero.
+    """
+    from hetctl.node.manifest import read_verified, require_manifest
+
+    name = state_file(rank)
+    if name not in require_manifest(ckpt_dir, step, digest).get("files", {}):
+        return None, f"checkpoint step-{step} holds no {name}; error feedback starts from zero"
+    return read_verified(ckpt_dir, step, [name], digest)[name], None
