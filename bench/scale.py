@@ -160,13 +160,15 @@ def measure(nodes: int, o: argparse.Namespace) -> dict:
         runner.start()
         limit = 120 + nodes * 0.1
 
-        def launched() -> bool:
-            """every rank's first heartbeat"""
-            if "error" in out:
-                raise SystemExit(f"the run failed: {out['error']!r}")
-            return 0 in watch.all_seen
+        def beating(attempt: int):
+            def every_rank() -> bool:
+                """every rank's first heartbeat of the attempt"""
+                if "error" in out:
+                    raise SystemExit(f"the run failed: {out['error']!r}")
+                return attempt in watch.all_seen
+            return every_rank
 
-        watch.wait(launched, limit)
+        watch.wait(beating(0), limit)
         launch_s = watch.all_seen[0] - t0
         ev_launched = watch.first("launched")["ts"] - t0
         time.sleep(o.settle)
@@ -189,13 +191,7 @@ def measure(nodes: int, o: argparse.Namespace) -> dict:
 
         detect_s = watch.wait(failed, 60)["ts"] - t_crash
 
-        def restarted() -> bool:
-            """every rank's first heartbeat of attempt 1"""
-            if "error" in out:
-                raise SystemExit(f"the run failed: {out['error']!r}")
-            return 1 in watch.all_seen
-
-        watch.wait(restarted, limit)
+        watch.wait(beating(1), limit)
         restart_s = watch.all_seen[1] - t_crash
         rec = watch.wait(lambda: watch.first("recovery"), 30)
         t_stop = time.time()
