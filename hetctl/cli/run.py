@@ -239,6 +239,9 @@ def demo_cmd(
     json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON on stdout."),
     inject_failure: bool = typer.Option(True, "--inject-failure/--no-inject-failure",
                                         help="kill -9 one rank half-way, to show detection and recovery."),
+    export: bool = typer.Option(True, "--export/--no-export",
+                                help="At the end, export the run as a Hugging Face folder and print a few lines "
+                                     "transformers generates from it."),
 ) -> None:
     """The whole flow on this machine: three local nodes, the shipped text tokenized, probe, plan `tiny`, launch,
     export as a Hugging Face folder, and a few lines `transformers` generates from it."""
@@ -282,7 +285,7 @@ def demo_cmd(
             text((line, "bold magenta")), highlight=False)))
     result = _run_live(prepared, listeners=listeners)
     extra = None
-    if result.summary.state == "succeeded":
+    if export and result.summary.state == "succeeded":
         extra = _demo_sample(result.summary, Path(directory).resolve() / "export" / result.summary.run_id)
     _finish_launch(result, json_out, extra=extra)
 
