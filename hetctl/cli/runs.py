@@ -222,13 +222,15 @@ def report_cmd(
 def _launch_spec(run_dir: str | None) -> dict:
     """The newest ``attempts/<n>/launch.json`` of ``run_dir``, parsed (a bad or missing one is a one-line error)."""
     import json
-    from pathlib import Path
 
     from hetctl.errors import ConfigError
+    from hetctl.files.run import RunDir
 
     if run_dir is None:
         raise ConfigError("--spec needs a run folder", "hetctl status runs/<id> --spec")
-    found = sorted((int(p.parent.name), p) for p in Path(run_dir).glob("attempts/*/launch.json") if p.parent.name.isdigit())
+    run = RunDir.open(run_dir)  # a run folder, with no link planted in it
+    found = [(n, run.attempt_dir(n) / "launch.json") for n in run.attempts()]
+    found = [(n, path) for n, path in found if path.is_file()]
     if not found:
         raise ConfigError(f"{run_dir}: no attempt recorded a launch spec (attempts/<n>/launch.json)",
                           "a run started before hetctl wrote them has none; --dry-run on its plan shows one")
