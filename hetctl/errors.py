@@ -91,3 +91,18 @@ class RunFailed(HetctlError):
     """A training run ended in failure (restarts exhausted, no feasible plan)."""
 
     exit_code = 5
+
+
+class CheckpointUnloadable(HetctlError):
+    """A rank could not load a checkpoint whose files passed their size and sha256 check (the trainer's exit 7).
+
+    The controller marks that step unloadable and restarts from the one before; no node is blamed.
+    """
+
+    exit_code = 7
+
+    def __init__(self, step: int, error: BaseException) -> None:
+        first = (str(error).strip().splitlines() or [""])[0][:300]
+        super().__init__(f"checkpoint step {step} cannot be loaded: {type(error).__name__}: {first}",
+                         "the controller restarts from the checkpoint before it")
+        self.step = step

@@ -138,3 +138,23 @@ def test_manifest_naming_outside_files_is_invalid(tmp_path):
     man["files"]["../../outside"] = {"size": 1, "sha256": "0"}
     (d / "manifest.json").write_text(json.dumps(man))
     assert any("not a file name inside the step directory" in p for p in ck.validate(d))
+
+
+def test_a_step_marked_unloadable_is_skipped_with_the_ranks_reason(tmp_path):
+    for step in (4, 8):
+        sd = ck.step_dir(tmp_path, step)
+        sd.mkdir()
+        (sd / "layer-00000.pt").write_bytes(b"w" * 64)
+        ck.write_manifest(sd, step, "d")
+    ck.mark_unloadable(ck.step_dir(tmp_path, 8), "rank 2 on n2 exited 7: checkpoint step 8 cannot be loaded")
+    skipped = []
+    assert ck.latest_valid(tmp_path, "d", on_skip=skipped.append)[0] == 4
+    assert skipped[0].problems == ["a rank could not load it: rank 2 on n2 exited 7: checkpoint step 8 cannot be loaded"]
+    planted = ck.step_dir(tmp_path, 4) / ck.UNLOADABLE
+    planted.symlink_to("/etc/passwd")  # a link is never read through, and still keeps the step from being used
+    assert ck.validate(ck.step_dir(tmp_path, 4), "d") == [
+        "unloadable.json: a symbolic link inside the step folder (planted?); not followed"]
+    planted.unlink()
+    planted.write_bytes(b"\xff not json")
+    assert ck.validate(ck.step_dir(tmp_path, 4), "d") == ["a rank could not load it: reason unknown "
+                                                          "(unloadable.json unreadable)"]

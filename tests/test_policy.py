@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hetctl.errors import PlanInfeasible
-from hetctl.launch.outcome import AttemptOutcome, FailureRecord, FaultKind, RunState
+from hetctl.launch.outcome import AttemptOutcome, FailureRecord, FaultKind, RunState, classify, CAUSE_ORDER
 from hetctl.elastic.policy import Action, PolicyConfig, Tally, decide, describe, run_loop
 from hetctl.elastic.straggler import StragglerHook, StragglerWatch, find_stragglers, predicted_gain, speed_factors
 
@@ -475,7 +475,6 @@ def test_straggler_hook_restarts_only_when_confirm_sees_a_gain():
 
 # --- deterministic faults: classified from the rank's log, never retried ----------------------------
 
-from hetctl.launch.outcome import classify  # noqa: E402
 
 
 @pytest.mark.parametrize("tail, kind, says", [
@@ -529,3 +528,43 @@ def test_an_oom_kill_counts_against_its_node_like_a_crash():
     d = decide(failed(FailureRecord(FaultKind.OOM, "n1", 0.0, rank=0, reason="killed by SIGKILL: out of memory")),
                tally, PolicyConfig(), attempt=0)
     assert d.action == Action.RESTART and tally.node_failures == {"n1": 1} and "out of memory" in d.reason
+
+
+# --- a checkpoint a rank cannot load (issue 33, kind 7) ------------------------------------------
+
+_LOAD_TAIL = ("[rank2]: Traceback (most recent call last):\n"
+              "hetctl.train: error: checkpoint step 12 cannot be loaded: RuntimeError: Error(s) in loading "
+              "state_dict for Layer: Missing key(s) in state_dict: \"attn.wq.weight\" (hint: the controller "
+              "restarts from the checkpoint before it)\n")
+
+
+def unloadable(node="n2", rank=2, exit_code=7, tail=_LOAD_TAIL):
+    return classify(FailureRecord(FaultKind.CRASH, node, 0.0, rank=rank, exit_code=exit_code,
+                                  reason=f"exited {exit_code}", log_tail=tail))
+
+
+def test_a_rank_that_cannot_load_its_checkpoint_is_the_checkpoints_fault_not_the_nodes():
+    f = unloadable()
+    assert f.kind == FaultKind.CHECKPOINT and "checkpoint step 12 cannot be loaded: RuntimeError" in f.reason
+    assert unloadable(exit_code=1).kind == FaultKind.CRASH  # the line without the trainer's exit 7 is not believed
+    tally = Tally()
+    fails = sorted([crash(node="n1", rank=0), f], key=lambda r: CAUSE_ORDER.get(r.kind, 2))  # as the monitor does
+    assert fails[0] is f  # the load error explains the peer's crash, which came first
+    d = decide(failed(*fails), tally, PolicyConfig(max_node_failures=1), attempt=1)
+    assert d.action == Action.RESTART and d.unloadable == 12 and d.drop == ()
+    assert tally.node_failures == {} and tally.restarts == 1 and "RuntimeError" in d.reason
+    d = decide(failed(f), Tally(restarts=3), PolicyConfig(max_restarts=3), attempt=4)
+    assert d.action == Action.GIVE_UP and "restarts used up" in d.reason
+
+
+def test_loop_marks_only_the_step_the_attempt_started_from_then_uses_the_one_before():
+    marked = []
+    s = Script([failed(unloadable()), OK], checkpoints=[8])
+    r = s.go(PolicyConfig(max_restarts=2), resume_step=12, first_attempt=3,
+             mark_unloadable=lambda step, why: marked.append((step, why)))
+    assert r.state == RunState.SUCCEEDED and s.calls == [(3, "p0", 12), (4, "p0", 8)]
+    assert [m[0] for m in marked] == [12] and "cannot be loaded" in marked[0][1]
+    lied = []  # a rank that names a step it was not given marks nothing
+    s = Script([failed(unloadable()), OK], checkpoints=[8])
+    s.go(PolicyConfig(max_restarts=2), resume_step=16, mark_unloadable=lambda step, why: lied.append(step))
+    assert lied == []

@@ -255,6 +255,39 @@ def test_corrupted_newest_checkpoint_is_skipped_and_the_previous_used(cluster, s
 
 
 @e2e
+def test_a_checkpoint_that_passes_sha256_but_cannot_load_is_marked_and_the_previous_used(cluster, site, reference):
+    """Kind 7: the rank's own load error marks the step unloadable; no node is blamed, the step before is used."""
+    import io
+
+    import torch
+
+    run = Launch(site, "unloadable")
+    run.wait_checkpoint(EVERY * 2)
+    for p in rank_procs(run.run_id, 0):  # freeze training so no newer checkpoint appears
+        os.kill(p.pid, signal.SIGSTOP)
+    newest, path = ckpt.latest_valid(run.ckpt)
+    victim = sorted(f for f in path.iterdir() if f.name.startswith("layer-"))[0]
+    buf = io.BytesIO()
+    torch.save({"params": {"not.a.weight": torch.zeros(3)}, "optim": {}}, buf)  # loads, but fits no layer
+    victim.write_bytes(buf.getvalue())
+    man = json.loads((path / ckpt.MANIFEST).read_text())
+    man["files"][victim.name] = ckpt.file_entry(buf.getvalue())  # the manifest agrees: only loading can tell
+    (path / ckpt.MANIFEST).write_text(json.dumps(man))
+    assert ckpt.validate(path) == []
+    signal_rank(run.run_id, 1, signal.SIGKILL)
+    summary = run.finish()
+    assert summary["final_loss"] == reference["final_loss"], run.story()
+    failed = [e for e in run.events("rank_failed") if "cannot be loaded" in e["reason"]]
+    assert failed and f"checkpoint step {newest} cannot be loaded: RuntimeError" in failed[0]["reason"], run.story()
+    restarts = run.events("restart")
+    assert [r["resume_step"] for r in restarts] == [newest, newest - EVERY], run.story()
+    assert "marked unloadable" in restarts[1]["reason"]
+    assert not run.events("node_abnormal") and not run.events("replan"), run.story()  # no node blamed
+    assert (path / ckpt.UNLOADABLE).is_file() and ckpt.validate(path)[0].startswith("a rank could not load it: ")
+    assert cluster.wait_no_session_processes(30) == []
+
+
+@e2e
 def test_sigkilled_controller_then_resume_finishes_with_the_same_loss(cluster, site, reference):
     run = Launch(site, "ctl")
     run.wait_checkpoint(EVERY * 2)

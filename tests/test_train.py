@@ -255,6 +255,31 @@ def test_resume_from_missing_or_foreign_checkpoint(baseline, tmp_path):
         _one_line_error(ranks.start(), "this plan's model is")
 
 
+def test_a_verified_file_that_cannot_load_exits_7_with_the_ranks_own_error(baseline, tmp_path):
+    """Issue 33, kind 7: the sha256 matches (the manifest was rewritten), the tensors fit no layer."""
+    import io
+    import shutil
+
+    import torch
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(baseline.ckpt_dir / "step-20", ckpt / "step-20")
+    layer = ckpt / "step-20" / "layer-00004.pt"  # stage 1's in a 3+3 split
+    buf = io.BytesIO()
+    torch.save({"params": {"not.a.weight": torch.zeros(3)}, "optim": {}}, buf)
+    layer.write_bytes(buf.getvalue())
+    man = json.loads((ckpt / "step-20" / checkpoint.MANIFEST).read_text())
+    man["files"]["layer-00004.pt"] = checkpoint.file_entry(buf.getvalue())
+    (ckpt / "step-20" / checkpoint.MANIFEST).write_text(json.dumps(man))
+    assert checkpoint.validate(ckpt / "step-20", checkpoint.model_digest(TINY)) == []
+    with Ranks(tiny_plan([3, 3]), tmp_path, steps=STEPS, resume_step=20, ckpt_dir=ckpt) as ranks:
+        ranks.start()
+        assert ranks.procs[1].wait(120) == 7
+        err = ranks.stderr(1)
+        assert "hetctl.train: error: checkpoint step 20 cannot be loaded: RuntimeError: " in err, err
+        assert "Traceback" not in err
+
+
 def test_corrupted_file_is_refused_by_the_rank_that_needs_it(baseline, tmp_path):
     import shutil
 

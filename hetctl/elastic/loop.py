@@ -249,7 +249,7 @@ class ElasticRun:
                 result = run_loop(
                     plan, run_attempt=self._attempt, replan=self._replan, latest_step=self._latest_step,
                     emit=events.emit, config=p.policy, tally=self.tally, first_attempt=p.first_attempt,
-                    resume_step=p.resume_step or None,
+                    resume_step=p.resume_step or None, mark_unloadable=self._mark_unloadable,
                 )
             except StartFailed as e:
                 self._close(AttemptOutcome(RunState.FAILED, failures=list(e.failures)), attempt=p.first_attempt,
@@ -329,6 +329,21 @@ class ElasticRun:
                                self.events.emit, latest_checkpoint)
         self._recoveries += [record] if record is not None else []
         return step
+
+    def _mark_unloadable(self, step: int, reason: str) -> None:
+        """Mark hetctl checkpoint ``step`` unloadable in its folder (manifest.UNLOADABLE), so that this run's
+        next attempt and every later ``resume`` skip it; a folder the controller cannot see or write is said."""
+        if self.p.plan.framework in fwckpt.LAYOUTS:
+            return
+        d = ckpt.step_dir(self.p.info.inputs.checkpoint_dir, step)
+        try:
+            if d.is_symlink() or not d.is_dir():
+                raise FileNotFoundError(f"{d}: not a step folder the controller sees")
+            ckpt.mark_unloadable(d, reason)
+        except OSError as e:
+            self.events.emit(CheckpointUnseen(
+                path=str(d), reason=f"could not mark step {step} unloadable ({e}); the next attempt may try it "
+                                    "again: move the folder aside, then resume"))
 
     def _resume_env(self, plan: Plan, step: int | None) -> dict[str, str] | None:
         """Where a framework's own checkpoint of ``step`` lies, for the ranks (None: hetctl's manifests, or none)."""

@@ -19,6 +19,7 @@ one removes a node, so the loop ends when no feasible plan remains.
 from __future__ import annotations
 
 import enum
+import re
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -84,6 +85,7 @@ class Decision:
     drop: tuple[str, ...] = ()
     abnormal: tuple[str, ...] = ()
     measured: bool = False
+    unloadable: int | None = None  # a checkpoint step a rank could not load: marked, and the one before is used
 
 
 @dataclass
@@ -137,7 +139,7 @@ def describe(f: FailureRecord) -> str:
     """
     who = f"rank {f.rank} on {f.node}" if f.rank is not None else f"node {f.node}"
     if f.kind in (FaultKind.CRASH, FaultKind.HANG, FaultKind.OOM, FaultKind.SETUP, FaultKind.STORAGE,
-                  FaultKind.DIVERGED) and f.reason:
+                  FaultKind.DIVERGED, FaultKind.CHECKPOINT) and f.reason:
         return f"{who}: {f.reason}"
     if f.kind == FaultKind.CRASH:
         if f.signal:
@@ -155,6 +157,9 @@ def describe(f: FailureRecord) -> str:
     else:
         what = "could not start"
     return f"{who} {what}" + (f": {f.reason}" if f.reason else "")
+
+
+_UNLOADABLE_STEP = re.compile(r"checkpoint step (\d+) cannot be loaded")
 
 
 def decide(outcome: AttemptOutcome, tally: Tally, config: PolicyConfig, *, attempt: int) -> Decision:
@@ -203,6 +208,15 @@ def decide(outcome: AttemptOutcome, tally: Tally, config: PolicyConfig, *, attem
     if root.kind == FaultKind.STORAGE:
         return Decision(Action.GIVE_UP, f"{describe(root)} (the last complete checkpoint is kept; free space or fix "
                                         "checkpoint_dir, then resume)")
+
+    if root.kind == FaultKind.CHECKPOINT:  # the checkpoint's fault, not the node's: nobody is blamed
+        m = _UNLOADABLE_STEP.search(root.reason)
+        if tally.restarts >= config.max_restarts:
+            return Decision(Action.GIVE_UP, f"restarts used up ({tally.restarts}/{config.max_restarts}): "
+                                            f"{describe(root)}")
+        tally.restarts += 1
+        return Decision(Action.RESTART, f"{describe(root)} (marked unloadable; restarting from the checkpoint "
+                                        "before it)", unloadable=int(m.group(1)) if m else None)
 
     if root.kind == FaultKind.STRAGGLER:
         if not config.rebalance:
@@ -288,6 +302,7 @@ def run_loop(
     resume_step: int | None = None,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
+    mark_unloadable: Callable[[int, str], None] = lambda step, reason: None,
 ) -> LoopResult:
     """Run attempts until the run succeeds, is stopped, or the policy gives up.
 
@@ -305,6 +320,9 @@ def run_loop(
         resume_step: checkpoint step the first attempt starts from.
         clock: time source for ``replan_s`` (how long re-planning took) in the ``replan`` event.
         sleep: used for ``restart_delay_s`` only.
+        mark_unloadable: ``(step, reason)``: record that a rank could not load checkpoint ``step``, so that
+            ``latest_step`` skips it. Called only for the step the failed attempt started from (a rank's
+            claim about any other step is not believed).
 
     Returns:
         The :class:`LoopResult`. Never raises for a training fault; a PlanInfeasible from
@@ -333,6 +351,8 @@ def run_loop(
 
         for node in decision.abnormal:
             emit(NodeAbnormal(attempt=attempt, node=node, failures=tally.node_failures[node]))
+        if decision.unloadable is not None and decision.unloadable == step:
+            mark_unloadable(step, decision.reason)
         step = latest_step()
         if decision.action == Action.REPLAN:
             t0 = clock()

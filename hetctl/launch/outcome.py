@@ -38,6 +38,7 @@ class FaultKind(str, enum.Enum):
     STORAGE = "storage"      # a rank could not write its checkpoint: disk full, read-only, no permission
     OOM = "oom"              # a rank was killed by the node's out-of-memory killer
     DIVERGED = "diverged"    # the trainer stopped after --max-skipped-steps non-finite steps in a row (exit 6)
+    CHECKPOINT = "checkpoint"  # a rank could not load a checkpoint whose files passed their sha256 check (exit 7)
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,7 @@ _STORAGE = re.compile(r"^\w*(?:OSError|PermissionError|IOError)?:? ?\[Errno (28|
 # hetctl's trainer (hetctl.train.main): a divergence it stopped on (exit 6), and a configuration
 # mistake it refused before training (exit 2). Neither goes away by restarting.
 _DIVERGED = re.compile(r"^hetctl\.train: error: (training diverged: [^\n]*)$", re.M)
+_UNLOADABLE = re.compile(r"^hetctl\.train: error: (checkpoint step (\d+) cannot be loaded: [^\n]*)$", re.M)
 _TRAINER_CONFIG = re.compile(r"^hetctl\.train: error: ([^\n]*)$", re.M)
 _RANK_PREFIX = re.compile(r"^\[rank\d+\]: ", re.M)
 _STORAGE_WHY = {"28": "the disk is full", "30": "the file system is read-only", "13": "permission denied",
@@ -101,12 +103,12 @@ _STORAGE_WHY = {"28": "the disk is full", "30": "the file system is read-only", 
 # Which failure of an attempt explains the others: a lost node takes its peers' ranks down, and a
 # deterministic error (a missing module, a full disk, the OOM killer) makes the peers crash on broken pipes.
 CAUSE_ORDER = {FaultKind.NODE_LOST: 0, FaultKind.SETUP: 1, FaultKind.STORAGE: 1, FaultKind.OOM: 1,
-               FaultKind.DIVERGED: 1}
+               FaultKind.DIVERGED: 1, FaultKind.CHECKPOINT: 1}
 
 
 def classify(f: FailureRecord) -> FailureRecord:
     """Re-read a crash with its log tail: a missing script or module, a checkpoint write that failed, a
-    divergence or configuration mistake the trainer reported.
+    divergence or configuration mistake the trainer reported, a checkpoint it could not load.
 
     All are deterministic: a restart would fail the same way on any node, so the
     policy stops the run with the reason (and the last good checkpoint) instead of
@@ -118,6 +120,9 @@ def classify(f: FailureRecord) -> FailureRecord:
     m = _DIVERGED.search(tail)
     if m:
         return replace(f, kind=FaultKind.DIVERGED, reason=f"{f.reason}: {m.group(1)}")
+    m = _UNLOADABLE.search(tail)
+    if m and f.exit_code == 7:
+        return replace(f, kind=FaultKind.CHECKPOINT, reason=f"{f.reason}: {m.group(1)}")
     for pattern, what in _SETUP:
         m = pattern.search(tail)
         if m:

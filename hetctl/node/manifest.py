@@ -30,6 +30,10 @@ from hetctl.node import runtime
 from hetctl.errors import ConfigError
 
 MANIFEST = "manifest.json"
+# Written by the controller into a step folder that a rank could not load although every file passed its
+# size and sha256 check (a torch file that does not unpickle, tensors of another shape): validate() then
+# skips the step, so the next attempt and every later `resume` start from the one before.
+UNLOADABLE = "unloadable.json"
 FORMAT = 1
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _CHUNK = 1 << 20
@@ -228,6 +232,8 @@ def validate(directory: str | Path, model_digest: str | None = None, hash_files:
         problems.append(f"model digest {man.get('model_digest')} is not this model's {model_digest}")
     if not man["files"]:
         problems.append("manifest lists no files")
+    if os.path.lexists(d / UNLOADABLE):
+        problems.append(f"a rank could not load it: {unloadable_reason(d)}")
     for name, entry in sorted(man["files"].items()):
         if "/" in name or "\\" in name or name in ("", ".", ".."):
             problems.append(f"{name!r}: not a file name inside the step directory")
@@ -243,6 +249,23 @@ def validate(directory: str | Path, model_digest: str | None = None, hash_files:
         elif hash_files and sha256_file(p) != entry.get("sha256"):
             problems.append(f"{name}: sha256 mismatch (corrupted)")
     return problems
+
+
+def mark_unloadable(directory: str | Path, reason: str) -> None:
+    """Record in step folder ``directory`` that a rank could not load it, and why (the rank's own error)."""
+    runtime.write_atomic(Path(directory) / UNLOADABLE,
+                         json.dumps({"reason": reason[:2000], "time": time.time()}).encode(), fsync=True, mode=0o644)
+
+
+def unloadable_reason(directory: str | Path) -> str:
+    """What :func:`mark_unloadable` recorded (a link or a file that is not ours reads as unknown, never followed)."""
+    try:
+        fd = os.open(Path(directory) / UNLOADABLE, os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd, "rb") as f:
+            reason = json.loads(f.read(8192)).get("reason")
+    except (OSError, ValueError, AttributeError):
+        return "reason unknown (unloadable.json unreadable)"
+    return str(reason) if reason else "reason unknown"
 
 
 @dataclass(frozen=True)

@@ -28,10 +28,11 @@ import importlib
 import io
 import json
 import os
+import pickle
 import sys
 import time
 
-from hetctl.errors import HetctlError
+from hetctl.errors import CheckpointUnloadable, HetctlError
 from hetctl.node.runtime import RankContext, load_plan
 from hetctl.train import gradmode, optim
 from hetctl.train.units import parse_test_delay
@@ -194,7 +195,10 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
 
         blobs = read_verified(ctx.ckpt_dir, ctx.resume_step, unit_files(topo.spans, topo.is_first, topo.is_last, tied),
                               model_digest(spec))
-        resumed = json.loads(blobs[STATE])
+        try:
+            resumed = json.loads(blobs[STATE])
+        except ValueError as e:
+            raise CheckpointUnloadable(ctx.resume_step, e) from None
         check_state(resumed, args.seed, topo.global_batch, args.optim, step_dir(ctx.ckpt_dir, ctx.resume_step))
         if args.grad_compress.feedback and topo.dp > 1:
             squeezed, why = gradmode.saved_state(ctx.ckpt_dir, ctx.resume_step, ctx.rank, model_digest(spec))
@@ -311,9 +315,12 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
         digest = model_digest(spec)
         start = ctx.resume_step or 0
         if start:
-            ckpt.load(blobs, units, optimizer, tp=(topo.tp_rank, topo.tp))
-            if copy is not None:
-                ckpt.load_copy(blobs, copy, optimizer)
+            try:  # the files passed their sha256 check; what fails here is the checkpoint, not this node
+                ckpt.load(blobs, units, optimizer, tp=(topo.tp_rank, topo.tp))
+                if copy is not None:
+                    ckpt.load_copy(blobs, copy, optimizer)
+            except (RuntimeError, ValueError, KeyError, TypeError, EOFError, pickle.UnpicklingError) as e:
+                raise CheckpointUnloadable(start, e) from None
             del blobs
 
         saver = Saver(ctx.ckpt_dir, args.save_mode, rank=ctx.rank, replica=topo.replica, num_layers=topo.num_layers,
