@@ -234,14 +234,19 @@ def test_sigstopped_rank_is_a_hang_and_the_restart_matches(cluster, site, refere
     assert cluster.wait_no_session_processes(30) == []
 
 
+def _frozen_newest_layer(run):
+    """Freeze rank 0 after the second checkpoint (so no newer one appears): that step, its folder, a layer file."""
+    run.wait_checkpoint(EVERY * 2)
+    for p in rank_procs(run.run_id, 0):
+        os.kill(p.pid, signal.SIGSTOP)
+    newest, path = ckpt.latest_valid(run.ckpt)
+    return newest, path, sorted(f for f in path.iterdir() if f.name.startswith("layer-"))[0]
+
+
 @e2e
 def test_corrupted_newest_checkpoint_is_skipped_and_the_previous_used(cluster, site, reference):
     run = Launch(site, "corrupt")
-    run.wait_checkpoint(EVERY * 2)
-    for p in rank_procs(run.run_id, 0):  # freeze training so no newer checkpoint appears
-        os.kill(p.pid, signal.SIGSTOP)
-    newest, path = ckpt.latest_valid(run.ckpt)
-    victim = sorted(f for f in path.iterdir() if f.name.startswith("layer-"))[0]
+    newest, path, victim = _frozen_newest_layer(run)
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0x01  # one flipped bit, same size: only the sha256 can tell
     victim.write_bytes(bytes(data))
@@ -262,11 +267,7 @@ def test_a_checkpoint_that_passes_sha256_but_cannot_load_is_marked_and_the_previ
     import torch
 
     run = Launch(site, "unloadable")
-    run.wait_checkpoint(EVERY * 2)
-    for p in rank_procs(run.run_id, 0):  # freeze training so no newer checkpoint appears
-        os.kill(p.pid, signal.SIGSTOP)
-    newest, path = ckpt.latest_valid(run.ckpt)
-    victim = sorted(f for f in path.iterdir() if f.name.startswith("layer-"))[0]
+    newest, path, victim = _frozen_newest_layer(run)
     buf = io.BytesIO()
     torch.save({"params": {"not.a.weight": torch.zeros(3)}, "optim": {}}, buf)  # loads, but fits no layer
     victim.write_bytes(buf.getvalue())
