@@ -278,11 +278,13 @@ def test_a_checkpoint_that_passes_sha256_but_cannot_load_is_marked_and_the_previ
     signal_rank(run.run_id, 1, signal.SIGKILL)
     summary = run.finish()
     assert summary["final_loss"] == reference["final_loss"], run.story()
-    failed = [e for e in run.events("rank_failed") if "cannot be loaded" in e["reason"]]
-    assert failed and f"checkpoint step {newest} cannot be loaded: RuntimeError" in failed[0]["reason"], run.story()
+    assert 7 in [e["exit_code"] for e in run.events("rank_failed") if e["attempt"] == 1], run.story()
     restarts = run.events("restart")
     assert [r["resume_step"] for r in restarts] == [newest, newest - EVERY], run.story()
+    assert f"checkpoint step {newest} cannot be loaded: RuntimeError" in restarts[1]["reason"], run.story()
     assert "marked unloadable" in restarts[1]["reason"]
+    skipped = run.events("checkpoint_skipped")
+    assert skipped and skipped[0]["step"] == newest and "a rank could not load it: " in skipped[0]["problems"][0]
     assert not run.events("node_abnormal") and not run.events("replan"), run.story()  # no node blamed
     assert (path / ckpt.UNLOADABLE).is_file() and ckpt.validate(path)[0].startswith("a rank could not load it: ")
     assert cluster.wait_no_session_processes(30) == []

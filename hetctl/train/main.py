@@ -320,7 +320,12 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
                 if copy is not None:
                     ckpt.load_copy(blobs, copy, optimizer)
             except (RuntimeError, ValueError, KeyError, TypeError, EOFError, pickle.UnpicklingError) as e:
-                raise CheckpointUnloadable(start, e) from None
+                # Out at once, before destroy_process_group: a peer's broken pipe must not reach the controller
+                # first, or the peer's node would be blamed for this checkpoint (issue 33, kind 7).
+                err = CheckpointUnloadable(start, e)
+                print(f"hetctl.train: error: {err.message} (hint: {err.hint})", file=sys.stderr, flush=True)
+                sys.stdout.flush()
+                os._exit(err.exit_code)
             del blobs
 
         saver = Saver(ctx.ckpt_dir, args.save_mode, rank=ctx.rank, replica=topo.replica, num_layers=topo.num_layers,
