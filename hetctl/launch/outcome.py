@@ -112,7 +112,8 @@ def classify(f: FailureRecord) -> FailureRecord:
 
     All are deterministic: a restart would fail the same way on any node, so the
     policy stops the run with the reason (and the last good checkpoint) instead of
-    burning restarts and blaming a healthy node. Anything else stays a crash.
+    burning restarts and blaming a healthy node; an unloadable checkpoint instead
+    restarts from the step before it, again blaming no node. Anything else stays a crash.
     """
     if f.kind != FaultKind.CRASH or not f.log_tail:
         return f
