@@ -38,7 +38,7 @@ CHIPS_MD = [
     ("ascend", "910B4", None, "Ascend 910B4", (280, 280, None)),
     ("ascend", "Ascend910", None, "Ascend 910C", (376, 376, None)),
     ("iluvatar", "Iluvatar BI-V100", None, "BI-V100", (147, 147, 37)),
-    ("iluvatar", "Iluvatar BI-V150S", None, "BI-V150", (None, None, None)),
+    ("iluvatar", "Iluvatar BI-V150S", None, "BI-V150", (None, 96, 18.5)),  # a board's FP16 192 / FP32 37, per die
     ("iluvatar", "Iluvatar MR-V100", None, "MR-V100", (96, 96, 24)),
     ("iluvatar", "Iluvatar MR-V50", None, "MR-V50", (None, None, None)),
     ("metax", "MetaX C500", None, "C500", (280, 280, 36)),
@@ -108,7 +108,7 @@ def test_package_figures_are_divided_per_listed_device() -> None:
 
 def test_unknowns_stay_null() -> None:
     for vendor, name in [("metax", "MetaX C550"), ("enflame", "S60"), ("mthreads", "MTT S5000"),
-                         ("iluvatar", "Iluvatar BI-V150S"), ("biren", "BR166")]:
+                         ("enflame", "Enflame L300"), ("biren", "BR166")]:
         assert _t(lookup(vendor, name)) == (None, None, None), name
     assert lookup("ascend", "910A").tflops.bf16 is None
     assert lookup("nvidia", "Tesla T4").tflops.bf16 is None
