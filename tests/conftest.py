@@ -2,7 +2,8 @@
 
 * ``_isolated_home`` (autouse): ``HOME`` points at an empty per-test folder and
   ``SSH_AUTH_SOCK`` and ``XDG_STATE_HOME`` are unset (the index of runs is per test), so the developer's ``~/.ssh/config``, keys, agent and
-  known_hosts never take part in a test.
+  known_hosts never take part in a test. ``TORCH_EXTENSIONS_DIR`` is one folder per
+  session, so a torch C++ extension (DeepSpeed's shared-memory op) is built once.
 * ``_private_runtime_dir`` (session, autouse): ``XDG_RUNTIME_DIR`` points at a short
   private folder removed after the session, so the ssh transport's control sockets
   and generated configs (one per distinct ``ssh:`` settings, many in a test run) do
@@ -77,6 +78,11 @@ def _isolated_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest
     home = tmp_path_factory.mktemp("home")
     (home / ".ssh").mkdir(mode=0o700)
     monkeypatch.setenv("HOME", str(home))
+    # torch's C++ extensions (DeepSpeed builds its shared-memory op on the first init_distributed, ~35 s of
+    # CPU) are built once per session, not once per test's HOME; torch locks the folder while building.
+    base = tmp_path_factory.getbasetemp()
+    session = base.parent if base.name.startswith("popen-gw") else base  # shared by the xdist workers
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(session / "torch-extensions"))
     monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
     monkeypatch.delenv("XDG_STATE_HOME", raising=False)  # the index of runs (files/runindex.py) lives under HOME
     return home

@@ -217,14 +217,25 @@ def test_broken_node_is_a_clear_error_before_anything_starts(cluster, site, tmp_
 
 
 def test_demo_runs_the_whole_flow_on_this_machine(tmp_path):
-    """``hetctl demo``: local inventory → probe with the tiny layer profile → plan tiny from it → launch → summary."""
+    """``hetctl demo`` as the README gives it: local inventory → probe with the tiny layer profile → plan tiny from
+    it → launch with the injected ``kill -9`` of the last rank, detected and restarted from the checkpoint → summary
+    → export, continued by ``transformers``. One run for all of it: the demo is the suite's most expensive test."""
+    from hetctl.launch.inject import rank_procs
+
     (tmp_path / "home" / ".ssh").mkdir(parents=True)
-    r = hetctl(tmp_path, "demo", "--dir", "demo", "--steps", "12", "--checkpoint-every", "6", "--no-inject-failure",
-               "--json")
+    r = hetctl(tmp_path, "demo", "--dir", "demo", "--steps", "12", "--checkpoint-every", "3", "--json")
     assert r.returncode == 0, r.stderr
     summary = json.loads(r.stdout)
     assert summary["state"] == "succeeded" and summary["steps"] == 12
     assert summary["final_loss"] < summary["first_loss"]
+    # the injected fault: rank 2 gets SIGKILL past step 6, and the run restarts once from its checkpoint
+    assert summary["attempts"] == 2 and summary["restarts"] == 1
+    assert "injected fault: SIGKILL sent to rank 2" in r.stderr
+    events = read_events(Path(summary["run_dir"]) / "events.jsonl")
+    assert [(e["rank"], e["signal"]) for e in events if e["kind"] == "rank_failed"] == [(2, 9)]
+    assert [e["kind"] for e in events if e["kind"] in ("rank_failed", "restart", "launched", "finished")] == \
+        ["launched", "rank_failed", "restart", "launched", "finished"]
+    assert rank_procs(summary["run_id"]) == []
     assert Path(summary["run_dir"]).parent == tmp_path / "demo" / "runs"
     plan = load_model(tmp_path / "demo" / "plan" / "plan.yaml", Plan)
     layers = {s.node: s.layers[1] - s.layers[0] for s in plan.stages}

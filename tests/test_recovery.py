@@ -350,24 +350,6 @@ def test_lost_node_replans_on_the_survivors_and_matches(make_sshd_cluster, tmp_p
     assert info["membership_changes"] == 1 and info["restarts"] == 0
 
 
-@pytest.mark.e2e
-def test_demo_injects_a_kill_and_recovers(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "hetctl", "demo", "--dir", str(tmp_path / "demo"), "--steps", "20",
-                        "--checkpoint-every", "5", "--json", "--no-export"], capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "COLUMNS": "200"})
-    assert r.returncode == 0, r.stderr
-    summary = json.loads(r.stdout)
-    assert summary["state"] == "succeeded" and summary["steps"] == 20
-    assert summary["attempts"] == 2 and summary["restarts"] == 1 and "demo" not in summary  # --no-export
-    assert "injected fault: SIGKILL sent to rank 2" in r.stderr
-    events = read_events(Path(summary["run_dir"]) / "events.jsonl")
-    failed = [e for e in events if e["kind"] == "rank_failed"]
-    assert [(e["rank"], e["signal"]) for e in failed] == [(2, 9)]
-    assert [e["kind"] for e in events if e["kind"] in ("rank_failed", "restart", "launched", "finished")] == \
-        ["launched", "rank_failed", "restart", "launched", "finished"]
-    assert rank_procs(summary["run_id"]) == []
-
-
 @e2e
 def test_restarts_used_up_fail_cleanly_and_resume_finishes_the_run(cluster, site, reference):
     run = Launch(site, "used-up", "--max-restarts", "0")

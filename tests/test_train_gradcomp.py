@@ -56,11 +56,26 @@ def uncompressed(tmp_path_factory):
     return {k: run_plan(plan_of(k), tmp_path_factory.mktemp(k), steps=STEPS) for k in PLANS}
 
 
+@pytest.fixture(scope="module")
+def compressed(tmp_path_factory):
+    """A plan's undisturbed run with a mode, once per module: the loss-tracking test's run and the killed-and-resumed
+    test's twin. It saves every 5 steps, which changes no loss (the trainer's tests hold saves to that)."""
+    runs: dict[tuple[str, str], object] = {}
+
+    def get(kind: str, mode: str):
+        if (kind, mode) not in runs:
+            runs[kind, mode] = run_plan(plan_of(kind), tmp_path_factory.mktemp(f"{kind}-{mode.replace(':', '')}"),
+                                        steps=STEPS, ckpt_every=5, args=("--grad-compress", mode))
+        return runs[kind, mode]
+
+    return get
+
+
 @pytest.mark.parametrize("kind,mode", [("hier", "bf16"), ("hier", "int8"), ("hier", "powersgd:4"),
                                        ("flat", "int8"), ("flat", "powersgd:4")])
-def test_each_mode_tracks_the_uncompressed_loss(kind, mode, uncompressed, tmp_path):
+def test_each_mode_tracks_the_uncompressed_loss(kind, mode, uncompressed, compressed):
     ref = uncompressed[kind]
-    run = run_plan(plan_of(kind), tmp_path, steps=STEPS, args=("--grad-compress", mode))
+    run = compressed(kind, mode)
     ours, theirs = run.losses(0), ref.losses(0)
     assert sorted(ours) == list(range(1, STEPS + 1))
     assert all(run.losses(r) == ours for r in range(len(PLANS[kind][0])))  # the replicas stay in step
@@ -76,11 +91,11 @@ def test_each_mode_tracks_the_uncompressed_loss(kind, mode, uncompressed, tmp_pa
 
 
 @pytest.mark.parametrize("kind,mode", [("hier", "powersgd:4"), ("flat", "int8")])
-def test_killed_and_resumed_with_compression_is_bit_identical(kind, mode, tmp_path):
+def test_killed_and_resumed_with_compression_is_bit_identical(kind, mode, compressed, tmp_path):
     plan = plan_of(kind)
     args = ("--grad-compress", mode)
     last = len(plan["ranks"]) - 1
-    calm = run_plan(plan, tmp_path / "calm", steps=STEPS, ckpt_every=5, args=args)
+    calm = compressed(kind, mode)
     with Ranks(plan, tmp_path / "crash", steps=STEPS, ckpt_every=5, args=args) as crashed:
         crashed.start()
         crashed.wait_for_step(last, 12)

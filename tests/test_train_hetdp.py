@@ -68,8 +68,14 @@ def single(tmp_path_factory):
 SHAPES = [([6], 3), ([3, 3], 1)]  # replica 0: one stage, 3 micro-batches; replica 1: two stages, 1
 
 
-def test_replicas_of_different_shape_match_a_single_rank(single, tmp_path):
-    run = run_plan(uneven_plan(SHAPES), tmp_path, steps=STEPS, ckpt_every=10)
+@pytest.fixture(scope="module")
+def uneven(tmp_path_factory):
+    """The uneven plan's undisturbed run, saving every 5 steps: held to the single rank, and the killed run's twin."""
+    return run_plan(uneven_plan(SHAPES), tmp_path_factory.mktemp("uneven"), steps=STEPS, ckpt_every=5)
+
+
+def test_replicas_of_different_shape_match_a_single_rank(single, uneven, tmp_path):
+    run = uneven
     ours, ref = run.losses(0), single.losses()
     assert sorted(ref) == list(range(1, STEPS + 1))
     assert run.losses(1) == ours  # both replicas' last stages report the all-reduced loss
@@ -81,9 +87,9 @@ def test_replicas_of_different_shape_match_a_single_rank(single, tmp_path):
     assert sorted(again.losses()) == [21, 22]
 
 
-def test_uneven_run_killed_and_resumed_is_bit_identical(tmp_path):
+def test_uneven_run_killed_and_resumed_is_bit_identical(uneven, tmp_path):
     plan = uneven_plan(SHAPES)
-    calm = run_plan(plan, tmp_path / "calm", steps=STEPS, ckpt_every=5)
+    calm = uneven
     with Ranks(plan, tmp_path / "crash", steps=STEPS, ckpt_every=5) as crashed:
         crashed.start()
         crashed.wait_for_step(2, 12)
@@ -102,12 +108,18 @@ PARTS = [([6], 1), ([6], 1), ([3, 3], 2)]
 VENDORS = ["nvidia", "nvidia", "ascend"]
 
 
-def test_hierarchical_allreduce_across_two_parts_matches_a_single_rank_and_the_flat_one(single, tmp_path):
+@pytest.fixture(scope="module")
+def hier(tmp_path_factory):
+    """The two-vendor plan's undisturbed run, saving every 5 steps: held to the single rank and the flat reduce,
+    and the killed run's twin."""
+    return run_plan(uneven_plan(PARTS, vendors=VENDORS), tmp_path_factory.mktemp("hier"), steps=STEPS, ckpt_every=5)
+
+
+def test_hierarchical_allreduce_across_two_parts_matches_a_single_rank_and_the_flat_one(single, hier, tmp_path):
     from hetctl.train.dpreduce import pieces
 
     plan = uneven_plan(PARTS, vendors=VENDORS)
     assert len(pieces(1000, [2, 1])) == 2  # the nvidia halves, each reduced with the ascend rank's whole
-    hier = run_plan(plan, tmp_path / "hier", steps=STEPS)
     flat = run_plan(plan, tmp_path / "flat", steps=STEPS, args=("--dp-reduce", "flat"))
     ours, ref, plain = hier.losses(0), single.losses(), flat.losses(0)
     assert sorted(ours) == list(range(1, STEPS + 1))
@@ -121,9 +133,9 @@ def test_hierarchical_allreduce_across_two_parts_matches_a_single_rank_and_the_f
         assert float(ours[s]) == pytest.approx(float(plain[s]), rel=1e-4, abs=1e-5), s
 
 
-def test_hierarchical_run_killed_and_resumed_is_bit_identical(tmp_path):
+def test_hierarchical_run_killed_and_resumed_is_bit_identical(hier, tmp_path):
     plan = uneven_plan(PARTS, vendors=VENDORS)
-    calm = run_plan(plan, tmp_path / "calm", steps=STEPS, ckpt_every=5)
+    calm = hier
     with Ranks(plan, tmp_path / "crash", steps=STEPS, ckpt_every=5) as crashed:
         crashed.start()
         crashed.wait_for_step(3, 12)

@@ -76,10 +76,25 @@ def single(tmp_path_factory):
     return run_plan(tiny_plan([6]), tmp_path_factory.mktemp("single"), steps=STEPS)
 
 
+@pytest.fixture(scope="module")
+def interleaved(tmp_path_factory):
+    """An interleaved plan's undisturbed run, once per module, saving every 5 steps: held to the single rank, and
+    the killed run's twin."""
+    runs: dict[str, object] = {}
+
+    def get(name: str, chunks, group: int):
+        if name not in runs:
+            runs[name] = run_plan(interleaved_plan(chunks, group=group), tmp_path_factory.mktemp(name), steps=STEPS,
+                                  ckpt_every=5)
+        return runs[name]
+
+    return get
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize("chunks, group", [(PP3_V2, 4), (PP2_V3, 2)], ids=["pp3-v2", "pp2-v3-empty-chunk"])
-def test_interleaved_run_matches_a_single_rank(single, tmp_path, chunks, group):
-    run = run_plan(interleaved_plan(chunks, group=group), tmp_path, steps=STEPS, ckpt_every=10)
+def test_interleaved_run_matches_a_single_rank(single, interleaved, tmp_path, chunks, group):
+    run = interleaved(f"pp{len(chunks)}-g{group}", chunks, group)
     ours, ref = run.losses(), single.losses()
     assert sorted(ours) == sorted(ref) == list(range(1, STEPS + 1))
     for s in range(1, STEPS + 1):
@@ -93,9 +108,9 @@ def test_interleaved_run_matches_a_single_rank(single, tmp_path, chunks, group):
 
 
 @pytest.mark.e2e
-def test_interleaved_run_killed_and_resumed_is_bit_identical(tmp_path):
+def test_interleaved_run_killed_and_resumed_is_bit_identical(interleaved, tmp_path):
     plan = interleaved_plan(PP3_V2, group=4)
-    calm = run_plan(plan, tmp_path / "calm", steps=STEPS, ckpt_every=5)
+    calm = interleaved(f"pp{len(PP3_V2)}-g4", PP3_V2, 4)
     with Ranks(plan, tmp_path / "crash", steps=STEPS, ckpt_every=5) as crashed:
         crashed.start()
         crashed.wait_for_step(2, 12)

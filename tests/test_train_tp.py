@@ -16,6 +16,7 @@ under TP = 2, weights and AdamW state both.
 from __future__ import annotations
 
 import signal
+import time
 
 import pytest
 
@@ -94,10 +95,25 @@ def single(tmp_path_factory):
     return run_plan(tiny_plan([6]), tmp_path_factory.mktemp("single"), steps=STEPS, ckpt_every=5)
 
 
+@pytest.fixture(scope="module")
+def tp2(tmp_path_factory):
+    """A TP = 2 plan's undisturbed run, once per module, saving every 5 steps: held to the single rank, and the
+    killed run's twin."""
+    runs: dict[str, object] = {}
+
+    def get(split: list[int]):
+        name = "pp" + "-".join(map(str, split))
+        if name not in runs:
+            runs[name] = run_plan(tiny_plan(split, tp=2), tmp_path_factory.mktemp(name), steps=STEPS, ckpt_every=5)
+        return runs[name]
+
+    return get
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize("split", [[6], [2, 4]], ids=["pp1-tp2", "pp2-tp2"])
-def test_tp2_run_matches_a_single_rank_and_its_checkpoint_loads_under_tp1(single, tmp_path, split):
-    run = run_plan(tiny_plan(split, tp=2), tmp_path, steps=STEPS, ckpt_every=5)
+def test_tp2_run_matches_a_single_rank_and_its_checkpoint_loads_under_tp1(single, tp2, tmp_path, split):
+    run = tp2(split)
     ours, ref = run.losses(), single.losses()
     assert sorted(ours) == sorted(ref) == list(range(1, STEPS + 1))
     _close(ours, ref, range(1, STEPS + 1))
@@ -123,12 +139,16 @@ def test_tp1_checkpoint_resumes_under_tp2(single, tmp_path):
 
 
 @pytest.mark.e2e
-def test_tp2_run_killed_and_resumed_is_bit_identical(tmp_path):
+def test_tp2_run_killed_and_resumed_is_bit_identical(tp2, tmp_path):
     plan = tiny_plan([2, 4], tp=2)
-    calm = run_plan(plan, tmp_path / "calm", steps=STEPS, ckpt_every=3)
-    with Ranks(plan, tmp_path / "crash", steps=STEPS, ckpt_every=3) as crashed:
+    calm = tp2([2, 4])
+    digest = checkpoint.model_digest(TINY)
+    with Ranks(plan, tmp_path / "crash", steps=STEPS, ckpt_every=5) as crashed:
         crashed.start()
         crashed.wait_for_step(1, 7)
+        deadline = time.monotonic() + 120  # the step-5 save is asynchronous: killed before it commits, none is found
+        while checkpoint.latest_valid(crashed.ckpt_dir, digest) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
         crashed.kill(1, signal.SIGKILL)  # TP rank 1 of the first stage dies; its TP peer is stuck in a collective
         crashed.stop_all()
         assert crashed.procs[1].returncode == -signal.SIGKILL
@@ -136,7 +156,7 @@ def test_tp2_run_killed_and_resumed_is_bit_identical(tmp_path):
     assert seen and all(seen[s] == calm.losses()[s] for s in seen)
     found = checkpoint.latest_valid(crashed.ckpt_dir, checkpoint.model_digest(TINY))
     assert found is not None and found[0] < STEPS
-    resumed = run_plan(plan, tmp_path / "crash", steps=STEPS, ckpt_every=3, attempt=2, resume_step=found[0])
+    resumed = run_plan(plan, tmp_path / "crash", steps=STEPS, ckpt_every=5, attempt=2, resume_step=found[0])
     assert resumed.losses() == {s: calm.losses()[s] for s in range(found[0] + 1, STEPS + 1)}
 
 
