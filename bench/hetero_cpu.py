@@ -11,7 +11,7 @@ not declared ones. The model is
    (equal layers per stage, Megatron's default) — the run a user starts with;
 2. ``hetctl plan --calibrate`` on that run: per-node speeds from its measured
    stage compute, and the per-message cost of its links from its measured step
-   (:mod:`hetctl.elastic.linkfit`); then, up to ``--rounds`` (3) calibrations in
+   (:mod:`hetctl.runs.linkfit`); then, up to ``--rounds`` (3) calibrations in
    all, the plan just made is run and calibrated on again together with every run
    before it, as a user would (``plan --calibrate RUN --calibrate RUN2 ...``: each
    node's speed from the run it was busiest in, the links from the newest): a
@@ -71,7 +71,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hetctl.elastic.calibrate import calibrate  # noqa: E402
+from hetctl.runs.calibrate import calibrate  # noqa: E402
 from hetctl.files.cluster import Cluster  # noqa: E402
 from hetctl.files.yamlio import dump_yaml, load_model, save_model  # noqa: E402
 from hetctl.plan.models import load_model as load_spec  # noqa: E402

@@ -141,7 +141,7 @@ def test_the_json_page_names_every_field_of_each_output_model():
     import dataclasses
 
     from hetctl.corpus.prepare import Report
-    from hetctl.elastic.status import RunView, StopResult
+    from hetctl.runs.status import RunView, StopResult
     from hetctl.files.cluster import Cluster
     from hetctl.files.plan import Plan
     from hetctl.files.run import RunSummary

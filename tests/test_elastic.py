@@ -253,7 +253,7 @@ def test_calibrate_plans_on_the_measured_speeds(site):
     prep = prepared(site)
     m = plan.parallel.micro_batches
     slow = plan.stages[1].node
-    from hetctl.elastic.linkfit import sends_per_step
+    from hetctl.runs.linkfit import sends_per_step
 
     sends = sends_per_step(plan, cpu_cluster("a", "b", "c"))  # est_ms holds them, a heartbeat's compute does not
     for s in plan.stages:  # the plan's compute_ms is exactly its est_ms less the sends the cost model put in it
@@ -286,7 +286,7 @@ def test_calibrate_plans_on_the_measured_speeds(site):
 def test_report_draws_the_planned_and_the_measured_timeline(site):
     from html.parser import HTMLParser
 
-    from hetctl.elastic.report import render
+    from hetctl.runs.report import render
 
     tmp_path, plan, _ = site
     prep = prepared(site)

@@ -2,7 +2,8 @@
 
 * ``node/`` is what ships to a node: the standard library plus ``hetctl.errors`` and
   the vendor table ``hetctl.vendors`` (both stdlib-only, both in the zipapp);
-* ``launch/`` (one attempt) never imports ``elastic/`` (many attempts);
+* ``launch/`` (one attempt) never imports ``elastic/`` (many attempts), and nothing but
+  ``cli/`` imports ``runs/`` (what reads run folders);
 * only ``cli/`` imports typer or rich;
 * ``plan/`` and ``files/`` never import ``remote/`` (one exception, below); ``plan/`` is
   pure and imports neither ``launch/`` nor ``elastic/``.
@@ -64,7 +65,14 @@ def test_launch_never_imports_elastic():
     assert {k: v for k, v in bad.items() if v} == {}
 
 
-@pytest.mark.parametrize("folder", ["files", "node", "remote", "probe", "plan", "launch", "elastic", "train"])
+@pytest.mark.parametrize("folder", ["launch", "elastic", "plan", "files", "node", "remote", "probe", "train"])
+def test_nothing_below_runs_imports_it(folder):
+    """``runs/`` reads run folders (status, report, calibrate); the code that makes runs never needs it."""
+    bad = {f.name: sorted(m for m in imports(f) if m.startswith("hetctl.runs")) for f in files(folder)}
+    assert {k: v for k, v in bad.items() if v} == {}
+
+
+@pytest.mark.parametrize("folder", ["files", "node", "remote", "probe", "plan", "launch", "elastic", "runs", "train"])
 def test_only_cli_imports_typer_or_rich(folder):
     bad = {f.name: sorted(m for m in imports(f) if m.split(".")[0] in ("typer", "rich")) for f in files(folder)}
     assert {k: v for k, v in bad.items() if v} == {}

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from hetctl.elastic.calibrate import calibrate, with_links
-from hetctl.elastic.linkfit import _makespan, _predicted_makespan, fit_links
+from hetctl.runs.calibrate import calibrate, with_links
+from hetctl.runs.linkfit import _makespan, _predicted_makespan, fit_links
 from hetctl.files.cluster import Chip, Cluster, NodeFacts
 from hetctl.files.events import Measured, StageMeasured, parse_event, read_events
 from hetctl.files.yamlio import load_model, save_model

@@ -64,7 +64,7 @@ def plan_cmd(
     if calibrate:
         from pathlib import Path
 
-        from hetctl.elastic.calibrate import calibrate as calibrated
+        from hetctl.runs.calibrate import calibrate as calibrated
         from hetctl.files.yamlio import save_model
 
         cal = calibrated(*calibrate)

@@ -88,7 +88,7 @@ def status_cmd(
     """
     if run_dir is not None:
         run_dir = run_path(run_dir)  # a run id or a unique prefix of one, from the user's index
-    from hetctl.elastic import status as st
+    from hetctl.runs import status as st
 
     if spec:
         print_json(json_dumps(_launch_spec(run_dir), indent=2))
@@ -131,7 +131,7 @@ def logs_cmd(
     run_dir = run_path(run_dir)  # a run id or a unique prefix of one, from the user's index
     import sys
 
-    from hetctl.elastic import status as st
+    from hetctl.runs import status as st
 
     files = st.log_files(run_dir, node, rank)
     prefix = len(files) > 1
@@ -174,7 +174,7 @@ def stop_cmd(
     run_dir = run_path(run_dir)  # a run id or a unique prefix of one, from the user's index
     from dataclasses import asdict
 
-    from hetctl.elastic import status as st
+    from hetctl.runs import status as st
 
     err.print(text(("stop", "bold"), f" {run_dir}"), highlight=False)
     res = st.stop_run(run_dir, force=force, wait_s=wait)
@@ -208,7 +208,7 @@ def report_cmd(
     run_dir = run_path(run_dir)  # a run id or a unique prefix of one, from the user's index
     from pathlib import Path
 
-    from hetctl.elastic.report import render
+    from hetctl.runs.report import render
     from hetctl.files.run import RunDir
 
     page = render(run_dir)

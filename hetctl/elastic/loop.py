@@ -42,7 +42,7 @@ from hetctl.files.events import (
 )
 from hetctl.files.plan import Plan
 from hetctl.files.run import RunDir, RunInfo, RunSummary
-from hetctl.elastic.calibrate import compare
+from hetctl.elastic.measure import compare
 from hetctl.elastic.peers import record_of, recover
 from hetctl.elastic.recovery import RecoveryClock, with_timing
 from hetctl.elastic.policy import Decision, PolicyConfig, Tally, describe, run_loop

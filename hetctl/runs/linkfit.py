@@ -1,7 +1,7 @@
 """Per-link cost fitted from a finished run: what the plan's point-to-point messages really cost.
 
 ``hetctl plan --calibrate`` first fits each node's speed from the stages' measured
-compute (:mod:`hetctl.elastic.calibrate`). What the step took beyond that
+compute (:mod:`hetctl.runs.calibrate`). What the step took beyond that
 compute is the pipeline's waits: the 1F1B bubble, which the simulator knows, and
 the messages between stages, whose cost the planner only assumed (a fixed
 latency plus the bytes over the probed or declared bandwidth). This module

@@ -1,7 +1,8 @@
 """Predicted against measured: each attempt compared with its plan, and ``hetctl plan --calibrate RUN_DIR``.
 
-:func:`compare` turns an attempt's outcome into the ``measured`` event; :func:`calibrate`
-turns a run's newest one into the cluster facts to plan from.
+:func:`hetctl.elastic.measure.compare` turns an attempt's outcome into the ``measured``
+event as the run goes; :func:`calibrate` turns a run's newest one into the cluster facts
+to plan from.
 
 Each attempt that trained wrote a ``measured`` event: per stage, the compute time
 per step the plan predicted and the one the heartbeats reported. A node whose
@@ -10,7 +11,7 @@ used, so its chips get ``calibrated_tflops`` at that figure (and the inventory's
 ``tflops`` override, which wins in the planner, is scaled alike). Planning on
 those facts makes the planner's compute times the measured ones. The step time
 beyond that compute fits the cost of the messages between stages
-(:mod:`hetctl.elastic.linkfit`): ``calibrated`` links in the cluster file. The
+(:mod:`hetctl.runs.linkfit`): ``calibrated`` links in the cluster file. The
 bubble stays the simulator's; ``--explain`` says which nodes and links were calibrated.
 With several runs (``--calibrate A --calibrate B``), :func:`combine` takes each node's
 speed from the run that kept it busiest and the links from the newest.
@@ -22,14 +23,13 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hetctl.elastic.linkfit import LinkFit, fit_links, sends_per_step
 from hetctl.errors import ConfigError, HetctlError
 from hetctl.files.cluster import Cluster
-from hetctl.files.events import Measured, StageMeasured, parse_event, read_events
+from hetctl.files.events import Measured, parse_event, read_events
 from hetctl.files.plan import Plan
 from hetctl.files.run import RunDir
 from hetctl.files.yamlio import load_model
-from hetctl.launch.outcome import AttemptOutcome
+from hetctl.runs.linkfit import LinkFit, fit_links, sends_per_step
 
 
 @dataclass(frozen=True)
@@ -78,39 +78,6 @@ class Calibration:
         except HetctlError:
             return ""
         return f" → {rate:.3g} TFLOPS {prec}"
-
-
-def compare(plan: Plan, outcome: AttemptOutcome, attempt: int) -> Measured | None:
-    """The attempt's measured stage compute and step times against the plan's; None when it trained no step.
-
-    Predicted per stage: the plan's compute of one step (``compute_ms``, one micro-batch's
-    forward + backward without the sends, × the replica's micro-batches:
-    :meth:`hetctl.files.plan.Plan.compute_ms_per_step`). Measured: the mean ``compute_ms`` the stage's heartbeats reported
-    (warm-up step left out), and their ``step_ms`` (so the wait on peers is the
-    difference). The step: the plan's simulated step time against tokens/s measured
-    over the attempt.
-    """
-    if not outcome.stage_step_ms:
-        return None
-    stages = []
-    for s in plan.stages:
-        got = outcome.stage_step_ms.get((s.replica, s.stage))
-        want = plan.compute_ms_per_step(s)
-        if got is None or want <= 0:
-            continue
-        wall = outcome.stage_wall_ms.get((s.replica, s.stage))
-        stages.append(StageMeasured(
-            replica=s.replica, stage=s.stage, node=s.node, predicted_ms=round(want, 4), measured_ms=round(got, 4),
-            ratio=round(got / want, 4), step_ms=round(wall, 4) if wall is not None else None,
-            wait_ms=round(max(0.0, wall - got), 4) if wall is not None else None,
-            predicted_wait_ms=round(max(0.0, 1e3 * plan.estimate.step_time_s - want), 4)))
-    step_pred = plan.estimate.step_time_s
-    step_meas = None
-    if outcome.tokens_per_s:
-        step_meas = plan.parallel.global_batch * plan.model.seq_len / outcome.tokens_per_s
-    ratio = round(step_meas / step_pred, 4) if step_meas and step_pred else None
-    return Measured(attempt=attempt, step_s_predicted=step_pred,
-                    step_s_measured=round(step_meas, 6) if step_meas else None, step_ratio=ratio, stages=stages)
 
 
 def node_factors(measured: Measured, sends_ms: dict[tuple[int, int], float] | None = None) -> dict[str, float]:
