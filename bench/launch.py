@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 from hetctl.files.inventory import load_inventory  # noqa: E402
 from hetctl.files.plan import Plan  # noqa: E402
 from hetctl.launch import materialize as mat  # noqa: E402
-from hetctl.files.events import read_events  # noqa: E402
+from hetctl.files.eventlog import read_events  # noqa: E402
 from hetctl.files.yamlio import save_model  # noqa: E402
 from tests.rankrunner import TINY, tiny_plan  # noqa: E402
 from tests.sshd import SshdCluster  # noqa: E402

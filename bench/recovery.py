@@ -62,7 +62,7 @@ sys.path.insert(0, str(ROOT))
 from hetctl.files.inventory import load_inventory  # noqa: E402
 from hetctl.files.plan import Plan  # noqa: E402
 from hetctl.launch import materialize as mat  # noqa: E402
-from hetctl.files.events import read_events  # noqa: E402
+from hetctl.files.eventlog import read_events  # noqa: E402
 from hetctl.launch.inject import rank_procs  # noqa: E402
 from hetctl.node.runtime import read_heartbeat  # noqa: E402
 from hetctl.files.yamlio import dump_yaml, save_model  # noqa: E402

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hetctl.files.events import read_events
+from hetctl.files.eventlog import read_events
 from hetctl.launch.inject import rank_procs, signal_rank
 from hetctl.node import manifest
 from hetctl.node.runtime import read_heartbeat

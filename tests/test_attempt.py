@@ -13,7 +13,7 @@ import json
 import pytest
 
 from hetctl.errors import StartFailed
-from hetctl.files.events import EVENT_TYPES, EventLog, read_events
+from hetctl.files.eventlog import EVENT_TYPES, EventLog, read_events
 from hetctl.files.inventory import Inventory, Node
 from hetctl.files.plan import Plan
 from hetctl.files.run import RunDir

@@ -17,7 +17,7 @@ from hetctl.elastic.policy import PolicyConfig
 from hetctl.elastic.start import prepare_launch
 from hetctl.errors import StartFailed
 from hetctl.files.cluster import Chip, Cluster, NodeFacts
-from hetctl.files.events import EVENT_TYPES, parse_event, read_events
+from hetctl.files.eventlog import EVENT_TYPES, parse_event, read_events
 from hetctl.files.inventory import Inventory, Node
 from hetctl.files.yamlio import save_model
 from hetctl.launch.outcome import AttemptOutcome, FailureRecord, FaultKind, RunState
@@ -213,7 +213,7 @@ def sample_event(cls):
 
 def test_every_event_kind_round_trips_through_its_model(site):
     """What the loop and the controller write is what the typed models read back, for every kind."""
-    from hetctl.files.events import EventLog
+    from hetctl.files.eventlog import EventLog
 
     for kind, cls in EVENT_TYPES.items():
         ev = sample_event(cls)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hetctl.files.events import read_events
+from hetctl.files.eventlog import read_events
 from tests.sites import local_cli as cli
 from tests.sites import local_site
 

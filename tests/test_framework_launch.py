@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hetctl.files.events import read_events
+from hetctl.files.eventlog import read_events
 from tests.sites import local_cli, local_site, wait_while_running
 
 pytestmark = pytest.mark.e2e

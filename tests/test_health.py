@@ -16,7 +16,7 @@ import yaml
 
 from hetctl.errors import StartFailed
 from hetctl.files.cluster import Cluster, Link
-from hetctl.files.events import read_events
+from hetctl.files.eventlog import read_events
 from hetctl.files.plan import Plan
 from hetctl.files.yamlio import load_model
 from hetctl.elastic.health import gate

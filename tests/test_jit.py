@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from hetctl.elastic.peers import CHECKPOINT, PEER, recover, resume_point
-from hetctl.files.events import EventLog, ResumeSource, parse_event, read_events
+from hetctl.files.events import ResumeSource
+from hetctl.files.eventlog import EventLog, parse_event, read_events
 from hetctl.node import jitstate, manifest
 from hetctl.node.jitstate import Dump, choose
 from hetctl.train.units import STATE, expected_files, unit_files

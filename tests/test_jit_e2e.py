@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hetctl.files.events import read_events
+from hetctl.files.eventlog import read_events
 from hetctl.launch.inject import signal_rank
 from hetctl.node import jitstate, manifest
 from hetctl.node.runtime import read_heartbeat

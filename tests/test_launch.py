@@ -24,7 +24,7 @@ import yaml
 from hetctl.files.cluster import Cluster
 from hetctl.files.plan import Plan
 from hetctl.node.manifest import latest_valid, steps as checkpoint_steps, validate
-from hetctl.files.events import read_events
+from hetctl.files.eventlog import read_events
 from hetctl.files.yamlio import load_model
 from tests.sites import env_of, hetctl, probed_site
 from tests.sshd import SshdCluster

@@ -19,7 +19,8 @@ import pytest
 from hetctl.runs.calibrate import calibrate, with_links
 from hetctl.runs.linkfit import _makespan, _predicted_makespan, fit_links
 from hetctl.files.cluster import Chip, Cluster, NodeFacts
-from hetctl.files.events import Measured, StageMeasured, parse_event, read_events
+from hetctl.files.events import Measured, StageMeasured
+from hetctl.files.eventlog import parse_event, read_events
 from hetctl.files.yamlio import load_model, save_model
 from hetctl.plan.costmodel import Workload, link
 from hetctl.plan.devices import collect

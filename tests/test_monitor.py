@@ -18,7 +18,7 @@ from hetctl.files.inventory import Node
 from hetctl.files.plan import Plan
 from hetctl.launch import materialize as mat
 from hetctl.launch.controller import Thresholds
-from hetctl.files.events import EventLog, read_events
+from hetctl.files.eventlog import EventLog, read_events
 from hetctl.launch.monitor import Monitor
 from hetctl.launch.outcome import FaultKind, RunState
 from hetctl.files.run import RunDir
@@ -529,7 +529,7 @@ def test_live_view_straggler_shows_the_slowdown_not_a_rounded_plan():
 def test_live_view_has_a_line_for_every_kind_the_loop_emits():
     """Every typed event kind gets a line, except the two the closing summary speaks for."""
     from hetctl.cli.live import event_line
-    from hetctl.files.events import EVENT_TYPES
+    from hetctl.files.eventlog import EVENT_TYPES
     from tests.test_elastic import sample_event
 
     silent = {"failed", "stopped"}  # the summary line that follows says it

@@ -105,7 +105,7 @@ import psutil  # noqa: E402
 import yaml  # noqa: E402
 
 from hetctl.files.plan import Plan  # noqa: E402
-from hetctl.files.events import read_events  # noqa: E402
+from hetctl.files.eventlog import read_events  # noqa: E402
 from hetctl.launch.inject import rank_procs, signal_rank  # noqa: E402
 from hetctl.files.yamlio import load_model  # noqa: E402
 from tests.sites import env_of, hetctl, probed_site, wait_while_running  # noqa: E402

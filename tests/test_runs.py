@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hetctl.files.events import read_events
+from hetctl.files.eventlog import read_events
 from hetctl.files.run import RunDir
 from tests.sites import local_cli as cli
 from tests.sites import local_site

@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from hetctl.errors import StartFailed
-from hetctl.files.events import EventLog, read_events
+from hetctl.files.eventlog import EventLog, read_events
 from hetctl.files.inventory import Inventory, Node
 from hetctl.files.plan import Plan
 from hetctl.files.run import RunDir
@@ -90,7 +90,7 @@ def test_a_hard_limit_too_low_for_the_nodes_is_one_line_naming_the_limit():
 LOW_LIMIT = """
 import resource, sys
 from hetctl.errors import StartFailed
-from hetctl.files.events import EventLog
+from hetctl.files.eventlog import EventLog
 from hetctl.files.inventory import Inventory, Node
 from hetctl.files.plan import Plan
 from hetctl.files.run import RunDir

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from hetctl.errors import RemoteError
-from hetctl.files.events import read_events
+from hetctl.files.eventlog import read_events
 from hetctl.files.inventory import load_inventory
 from hetctl.remote import connect, fanout
 from tests.sites import hetctl, probed_site

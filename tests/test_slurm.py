@@ -33,7 +33,7 @@ from hetctl.files.cluster import Cluster
 from hetctl.remote import slurmq
 from hetctl.remote.slurm import SlurmTransport, clean_stderr, step_failure
 from hetctl.node import manifest as ckpt
-from hetctl.files.events import read_events
+from hetctl.files.eventlog import read_events
 from hetctl.launch.inject import rank_procs, signal_rank
 from hetctl.files.yamlio import load_model
 from tests.slurm import NodeSpec, SlurmCluster, skip_reason

@@ -27,7 +27,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from hetctl.files.events import read_events
+from hetctl.files.eventlog import read_events
 from hetctl.files.plan import Plan
 from hetctl.files.yamlio import dump_yaml, save_model
 from hetctl.launch.inject import rank_procs

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hetctl.files.events import read_events
+from hetctl.files.eventlog import read_events
 from hetctl.launch import wire
 from hetctl.launch.controller import _Agent
 from hetctl.launch.monitor import RankState
@@ -342,7 +342,8 @@ HOSTILE = "boom \x1b]0;pwned\x07\x1b[2J\x1b]52;c;ZXZpbA==\x07\u202eevil"
 
 
 def _hostile_run(tmp_path):
-    from hetctl.files.events import EventLog, RankFailed
+    from hetctl.files.events import RankFailed
+    from hetctl.files.eventlog import EventLog
 
     run = _run_folder(tmp_path)
     with EventLog(run.events_path) as ev:
@@ -424,7 +425,8 @@ def test_status_json_of_a_nan_loss_is_valid_json(tmp_path):
     from typer.testing import CliRunner
 
     from hetctl.cli import app
-    from hetctl.files.events import EventLog, Progress, StageProgress
+    from hetctl.files.events import Progress, StageProgress
+    from hetctl.files.eventlog import EventLog
 
     run = _run_folder(tmp_path)
     with EventLog(run.events_path) as ev:

@@ -2,7 +2,7 @@
 
 :class:`LiveView` is fed from two sides: :meth:`update` gets the controller's
 :class:`~hetctl.launch.monitor.Snapshot` a few times a second (the table), and
-:meth:`event` is an :class:`~hetctl.files.events.EventLog` listener (launches,
+:meth:`event` is an :class:`~hetctl.files.eventlog.EventLog` listener (launches,
 failures, restarts, progress as lines). On a terminal the table redraws in
 place and notable events scroll above it; without a terminal (CI, ``| tee``)
 only the event lines are printed, ``progress`` included, so a log shows the

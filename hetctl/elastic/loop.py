@@ -26,20 +26,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from hetctl.errors import HetctlError, StartFailed
-from hetctl.files.events import (
-    CheckpointSkipped,
-    CheckpointUnseen,
-    Event,
-    EventLog,
-    Failed,
-    Finished,
-    Listener,
-    Measured,
-    Rebalanced,
-    ResumeSource,
-    ReplanLayout,
-    Stopped,
-)
+from hetctl.files.events import (CheckpointSkipped, CheckpointUnseen, Event, Failed, Finished, Measured, Rebalanced,
+                                 ResumeSource, ReplanLayout, Stopped)
+from hetctl.files.eventlog import EventLog, Listener
 from hetctl.files.plan import Plan
 from hetctl.files.run import RunDir, RunInfo, RunSummary
 from hetctl.elastic.measure import compare

@@ -356,7 +356,7 @@ def _resume_choice(run: Any, info: Any, attempt: int, plan: Any) -> tuple[Checkp
     by :func:`begin`. Returns the choice and its :class:`~hetctl.elastic.peers.ResumePoint`.
     """
     from hetctl.elastic.peers import CHECKPOINT, PEER, ResumePoint, peer_choice
-    from hetctl.files.events import read_events
+    from hetctl.files.eventlog import read_events
 
     ckpt_dir, model = info.inputs.checkpoint_dir, plan.model.model_dump()
     peer, notes, dumped = peer_choice(ckpt_dir, model, attempt) if Path(ckpt_dir).is_dir() else (None, [], None)

@@ -203,7 +203,7 @@ class SpareImports:
             watch.hold(spare)
 
     def listen(self, ev: Mapping) -> None:
-        """An event listener (:class:`hetctl.files.events.EventLog`)."""
+        """An event listener (:class:`hetctl.files.eventlog.EventLog`)."""
         if ev.get("kind") == "standby":
             self.now.update(str(ev.get("node")), int(ev.get("rank", -1)), str(ev.get("state")), ev.get("pid"))
 
@@ -282,7 +282,7 @@ class StragglerHook:
 
     Args:
         watch: the attempt's :class:`StragglerWatch`.
-        emit: ``emit(event)`` (an :class:`~hetctl.files.events.EventLog`).
+        emit: ``emit(event)`` (an :class:`~hetctl.files.eventlog.EventLog`).
         attempt: attempt number, for the event.
         rebalance: when True a straggler may end the attempt with a STRAGGLER failure record
             (the policy then re-plans with measured speeds); otherwise it is only reported.

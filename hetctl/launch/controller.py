@@ -42,7 +42,8 @@ from hetctl.errors import HetctlError, StartFailed
 from hetctl.files.plan import Plan
 from hetctl.launch import materialize as mat, wire
 from hetctl.launch.ship import ship as ship_files
-from hetctl.files.events import EventLog, Launched
+from hetctl.files.events import Launched
+from hetctl.files.eventlog import EventLog
 from hetctl.launch.monitor import Monitor, OnProgress, OnUpdate
 from hetctl.launch.outcome import AttemptOutcome, FailureRecord, FaultKind, RunState
 from hetctl.files.run import RunDir

@@ -87,7 +87,7 @@ def signal_rank(run_id: str, rank: int, sig: int = signal.SIGKILL, attempt: int 
 class KillAtStep:
     """An event listener that kills one rank once the run reaches a step.
 
-    Attach it to the run's :class:`~hetctl.files.events.EventLog` (or a view, see
+    Attach it to the run's :class:`~hetctl.files.eventlog.EventLog` (or a view, see
     :class:`Tee`). On the first ``progress`` event of ``attempt`` at or past
     ``step`` it sends ``sig`` to ``rank`` from a separate thread and records
     ``fired_at`` (wall clock, the event log's time base) and the pid.

@@ -26,8 +26,9 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Mapping
 
-from hetctl.files.events import (BadMessage, Evaluated, EventLog, NodeLost, ProcessesLeft, Progress, RankFailed, StageProgress,
+from hetctl.files.events import (BadMessage, Evaluated, NodeLost, ProcessesLeft, Progress, RankFailed, StageProgress,
                                  Standby, StorageWarning)
+from hetctl.files.eventlog import EventLog
 from hetctl.launch.outcome import CAUSE_ORDER, AttemptOutcome, FailureRecord, FaultKind, RunState, classify
 from hetctl.files.run import RunDir
 from hetctl.launch.spares import SparesImporting

@@ -12,7 +12,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import IO, Mapping
 
-from hetctl.files.events import open_append
+from hetctl.files.eventlog import open_append
 from hetctl.files.run import RunDir
 
 

@@ -25,7 +25,8 @@ from pathlib import Path
 
 from hetctl.errors import ConfigError, HetctlError
 from hetctl.files.cluster import Cluster
-from hetctl.files.events import Measured, parse_event, read_events
+from hetctl.files.events import Measured
+from hetctl.files.eventlog import parse_event, read_events
 from hetctl.files.plan import Plan
 from hetctl.files.run import RunDir
 from hetctl.files.yamlio import load_model

@@ -20,7 +20,8 @@ import html
 import time
 from pathlib import Path
 
-from hetctl.files.events import Measured, parse_event, read_events
+from hetctl.files.events import Measured
+from hetctl.files.eventlog import parse_event, read_events
 from hetctl.files.plan import Plan
 from hetctl.files.run import RunDir
 from hetctl.plan.simulate import FWD, Op, timeline_1f1b

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from hetctl.errors import ConfigError, HetctlError
-from hetctl.files.events import read_events
+from hetctl.files.eventlog import read_events
 from hetctl.files.run import RunDir
 
 TERMINAL = ("succeeded", "failed", "stopped")
