@@ -123,8 +123,10 @@ def test_controller_killed_during_an_async_save_resumes_from_the_previous_step(s
         assert rank_procs(run.run_id) == []
     assert manifest.validate(d) == ["no manifest.json (the checkpoint was never finished)"]
     assert manifest.latest_valid(run.ckpt)[0] == SLOW - EVERY
-    r = cli(site, "resume", str(run.run), "--json", *FAST)
+    r = cli(site, "resume", str(run.run), "--json")  # launch's FAST options are the run's: resume keeps them
     assert r.returncode == 0, r.stderr
+    faults = yaml.safe_load((run.run / "run.yaml").read_text())["inputs"]["faults"]
+    assert (faults["hang_timeout"], faults["node_timeout"], faults["grace"]) == (120.0, 20.0, 2.0)
     summary = json.loads(r.stdout)
     assert summary["state"] == "succeeded" and summary["steps"] == STEPS
     assert summary["final_loss"] == blocking["final_loss"]

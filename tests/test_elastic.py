@@ -82,6 +82,32 @@ def write_checkpoint(ck_dir, step, plan, corrupt=False):
         (d / "layer-0.pt").write_bytes(b"weights %d" % (step + 1))
 
 
+def test_the_fault_policy_is_recorded_and_a_resume_keeps_what_it_is_not_given(site):
+    """launch's --max-restarts, --hang-timeout, … go into run.yaml; resume takes them from there, except the
+    options it is given, and records the result (it used to fall back to its own defaults)."""
+    from hetctl.elastic.resume import resumed_faults
+    from hetctl.elastic.start import policy_and_thresholds
+    from hetctl.files.run import RunDir
+    from hetctl.launch.controller import Thresholds
+
+    tmp_path, plan, inv = site
+    prep = prepare_launch(plan, inv, run_root=tmp_path / "runs", plan_path=None, steps=20, checkpoint_every=4,
+                          policy=PolicyConfig(max_restarts=7, max_node_failures=2, rebalance=True),
+                          thresholds=Thresholds(grace_s=1.5, hang_timeout=3600.0, node_timeout=45.0))
+    prep.lock.release()
+    recorded = RunDir.open(prep.run.path).load_info().inputs.faults
+    assert recorded.model_dump() == {"max_restarts": 7, "max_node_failures": 2, "rebalance": True, "grace": 1.5,
+                                     "hang_timeout": 3600.0, "node_timeout": 45.0}
+    policy, th = policy_and_thresholds(recorded)
+    assert (policy.max_restarts, policy.max_node_failures, policy.rebalance) == (7, 2, True)
+    assert (th.grace_s, th.hang_timeout, th.node_timeout) == (1.5, 3600.0, 45.0)
+    assert resumed_faults(recorded, {"hang_timeout": None, "grace": None}) == recorded  # nothing given: the run's
+    changed = resumed_faults(recorded, {"node_timeout": 10.0, "rebalance": False, "hang_timeout": None})
+    assert changed.model_dump() == {**recorded.model_dump(), "node_timeout": 10.0, "rebalance": False}
+    with pytest.raises(TypeError, match="not a fault option: hang"):
+        resumed_faults(recorded, {"hang": 1.0})
+
+
 def test_restarts_used_up_fail_with_exit_5_and_the_resume_line(site, capsys):
     prep = prepared(site, max_restarts=1, max_node_failures=9)
     script = Script(crash(), crash(last=9))

@@ -444,13 +444,23 @@ def resume_cmd(
     steps: int | None = typer.Option(None, "--steps", min=1, max=MAX_STEPS,
                                      help="Total steps to reach; default: the run's."),
     json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON on stdout."),
-    grace: float = GRACE_OPT,
-    max_restarts: int = typer.Option(3, "--max-restarts", min=0, max=10_000,
-                                     help="Restarts after a crash or hang before giving up (a fresh budget)."),
-    hang_timeout: float = HANG_TIMEOUT_OPT,
-    node_timeout: float = NODE_TIMEOUT_OPT,
-    max_node_failures: int = MAX_NODE_FAILURES_OPT,
-    rebalance: bool = REBALANCE_OPT,
+    grace: float | None = typer.Option(None, "--grace", min=0.0, max=600.0,
+                                       help="Seconds between SIGTERM and SIGKILL when stopping; default: the run's."),
+    max_restarts: int | None = typer.Option(None, "--max-restarts", min=0, max=10_000,
+                                            help="Restarts after a crash or hang before giving up (a fresh budget); "
+                                                 "default: the run's."),
+    hang_timeout: float | None = typer.Option(None, "--hang-timeout", min=0.5, max=7 * 86400.0,
+                                              help="Seconds without heartbeat progress before a rank counts as hung; "
+                                                   "default: the run's."),
+    node_timeout: float | None = typer.Option(None, "--node-timeout", min=1.0, max=86400.0,
+                                              help="Seconds of silence from a node's agent before the node counts as "
+                                                   "lost; default: the run's."),
+    max_node_failures: int | None = typer.Option(None, "--max-node-failures", min=1, max=10_000,
+                                                 help="Crashes or hangs on one node before it is marked abnormal and "
+                                                      "dropped; default: the run's."),
+    rebalance: bool | None = typer.Option(None, "--rebalance/--no-rebalance",
+                                          help="Re-plan with measured stage speeds when a straggler persists; "
+                                               "default: the run's."),
     entry: str | None = typer.Option(None, "--entry", help="What each rank runs from now on (as launch --entry); "
                                      "default: what the run ran."),
     script: str | None = typer.Option(None, "--script", help="The training script of a torchrun or deepspeed plan "
@@ -459,11 +469,12 @@ def resume_cmd(
                                            "(as launch --args, checked the same way; '' for none); default: the "
                                            "run's. Kept in run.yaml for later restarts."),
 ) -> None:
-    """Continue a stopped, killed or failed run from its newest valid checkpoint, on a fresh plan."""
+    """Continue a stopped, killed or failed run from its newest valid checkpoint, on a fresh plan.
+
+    The run's fault policy (launch's --max-restarts, --hang-timeout, …) is kept unless given here."""
     run_dir = run_path(run_dir)  # a run id or a unique prefix of one, from the user's index
     from hetctl.elastic import start as launcher
     from hetctl.elastic.resume import prepare
-    from hetctl.launch.controller import Thresholds
 
     words = launcher.parse_entry(entry) if entry is not None else None
     extra = launcher.parse_args_option(script_args) if script_args is not None else None
@@ -473,10 +484,10 @@ def resume_cmd(
     alloc = _resume_allocator(run_dir)
     try:
         with _allowed(alloc):
-            prep = prepare(run_dir, inventory=inventory, steps=steps, wait_s=grace + 10.0,
-                           policy=_policy(max_restarts, max_node_failures, rebalance),
-                           thresholds=Thresholds(grace_s=grace, hang_timeout=hang_timeout, node_timeout=node_timeout),
-                           entry=words, script=script, script_args=extra)
+            faults = {"grace": grace, "max_restarts": max_restarts, "hang_timeout": hang_timeout,
+                      "node_timeout": node_timeout, "max_node_failures": max_node_failures, "rebalance": rebalance}
+            prep = prepare(run_dir, inventory=inventory, steps=steps, faults=faults, entry=words, script=script,
+                           script_args=extra)
         _resume(prep, alloc, json_out)
     finally:
         alloc.release()

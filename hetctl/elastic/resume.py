@@ -27,10 +27,8 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from hetctl.elastic.loop import Prepared
-from hetctl.elastic.policy import PolicyConfig
 from hetctl.errors import HetctlError
 from hetctl.files.events import CheckpointSkipped, Resumed
-from hetctl.launch.controller import Thresholds
 from hetctl.node import manifest as ckpt
 
 
@@ -223,9 +221,8 @@ def prepare(
     steps: int | None = None,
     connect: Callable[[Any], Any] | None = None,
     probe: Callable[[Any], Any] | None = None,
-    wait_s: float = 15.0,
-    policy: Any = None,
-    thresholds: Any = None,
+    wait_s: float | None = None,
+    faults: dict[str, Any] | None = None,
     entry: tuple[str, ...] | None = None,
     script: str | None = None,
     script_args: tuple[str, ...] | None = None,
@@ -241,8 +238,10 @@ def prepare(
         steps: new total step count (``--steps``); default: the run's.
         connect: node → Transport (default :func:`hetctl.remote.connect`).
         probe: inventory → Cluster (default :func:`hetctl.probe.gather.probe`).
-        wait_s: how long to wait for ranks of a killed controller to go away.
-        policy, thresholds: the elastic policy and timeouts of the continued run.
+        wait_s: how long to wait for ranks of a killed controller to go away; default: the run's grace
+            period plus 10 s.
+        faults: fault options given to ``resume`` (:class:`hetctl.files.run.FaultOptions` field → value; None:
+            not given); the others stay the run's, and the result is recorded for later resumes.
         entry, script, script_args: what the ranks run from now on (``--entry``, ``--script``, ``--args``;
             ``None``: the run's), checked as ``launch`` checks them and kept in ``run.yaml``.
 
@@ -255,20 +254,25 @@ def prepare(
     lock = run.lock()  # one controller per run: a live launch or resume of it refuses this one
     try:
         return _prepare(run, lock, inventory=inventory, steps=steps, connect=connect, probe=probe, wait_s=wait_s,
-                        policy=policy, thresholds=thresholds, entry=entry, script=script, script_args=script_args)
+                        faults=faults, entry=entry, script=script, script_args=script_args)
     except BaseException:
         lock.release()
         raise
 
 
 def _prepare(run: Any, lock: Any, *, inventory: Any, steps: int | None, connect: Callable[[Any], Any] | None,
-             probe: Callable[[Any], Any] | None, wait_s: float, policy: Any, thresholds: Any,
+             probe: Callable[[Any], Any] | None, wait_s: float | None, faults: dict[str, Any] | None,
              entry: tuple[str, ...] | None = None, script: str | None = None,
              script_args: tuple[str, ...] | None = None) -> Prepared:
     from hetctl.elastic.replan import keep_measured, replan
+    from hetctl.elastic.start import policy_and_thresholds
     from hetctl.files.inventory import load_inventory
 
     info = run.load_info()
+    info.inputs.faults = resumed_faults(info.inputs.faults, faults)
+    policy, thresholds = policy_and_thresholds(info.inputs.faults)
+    if wait_s is None:
+        wait_s = thresholds.grace_s + 10.0
     done = run.attempts()
     if not done:
         raise ResumeRefused(f"{run.path}: no attempt was ever started", "start it with `hetctl launch`")
@@ -326,10 +330,23 @@ def _prepare(run: Any, lock: Any, *, inventory: Any, steps: int | None, connect:
         opening.append(recovery.event(attempt, done[-1]))
     opening.append(Resumed(attempt=attempt, resume_step=choice.step, steps=target,
                            nodes=list(dict.fromkeys(r.node for r in plan.ranks)), unchecked=unchecked))
-    return Prepared(run=run, info=info, inventory=inv, plan=plan, policy=policy or PolicyConfig(),
-                    thresholds=thresholds or Thresholds(), first_attempt=attempt, resume_step=choice.step,
+    return Prepared(run=run, info=info, inventory=inv, plan=plan, policy=policy,
+                    thresholds=thresholds, first_attempt=attempt, resume_step=choice.step,
                     opening=opening, checkpoint=choice, unchecked=unchecked, cluster=cluster, lock=lock)
 
+
+
+def resumed_faults(recorded: Any, given: dict[str, Any] | None) -> Any:
+    """The fault options of a resumed run: the run's (``run.yaml``), with those given to ``resume`` in their place.
+
+    A run launched with ``--hang-timeout 3600`` (a first step that compiles for half an hour) keeps it when
+    resumed without the option; before, ``resume`` used its own defaults and could take such a rank for hung.
+    """
+    changes = {k: v for k, v in (given or {}).items() if v is not None}
+    unknown = sorted(set(changes) - set(type(recorded).model_fields))
+    if unknown:
+        raise TypeError(f"not a fault option: {', '.join(unknown)}")
+    return type(recorded).model_validate({**recorded.model_dump(), **changes})
 
 
 def _override_command(inputs: Any, plan: Any, entry: tuple[str, ...] | None, script: str | None,

@@ -21,7 +21,7 @@ from hetctl.errors import ConfigError
 from hetctl.files.plan import Plan
 from hetctl.launch import materialize as mat
 from hetctl.launch.controller import Thresholds
-from hetctl.files.run import RunDir, RunInfo, RunInputs
+from hetctl.files.run import FaultOptions, RunDir, RunInfo, RunInputs
 from hetctl.elastic.loop import Prepared
 from hetctl.elastic.policy import PolicyConfig
 from hetctl.files.yamlio import load_model
@@ -334,10 +334,25 @@ def stop_on_signals() -> Iterator[threading.Event]:
             signal.signal(s, h)
 
 
+def fault_options(policy: PolicyConfig, thresholds: Thresholds) -> FaultOptions:
+    """What ``run.yaml`` records of the policy and timeouts (the options ``launch`` and ``resume`` take)."""
+    return FaultOptions(max_restarts=policy.max_restarts, max_node_failures=policy.max_node_failures,
+                        rebalance=policy.rebalance, grace=thresholds.grace_s, hang_timeout=thresholds.hang_timeout,
+                        node_timeout=thresholds.node_timeout)
+
+
+def policy_and_thresholds(faults: FaultOptions) -> tuple[PolicyConfig, Thresholds]:
+    """The elastic policy and the controller's timeouts of recorded fault options (the rest at their defaults)."""
+    return (PolicyConfig(max_restarts=faults.max_restarts, max_node_failures=faults.max_node_failures,
+                         rebalance=faults.rebalance),
+            Thresholds(grace_s=faults.grace, hang_timeout=faults.hang_timeout, node_timeout=faults.node_timeout))
+
+
 def new_run(plan: Plan, inventory: Any, *, run_root: str | Path, plan_path: Path | None, steps: int,
             checkpoint_every: int, entry: tuple[str, ...] = mat.REFERENCE_TRAINER,
             allow_mixed_software: bool = False, progress: str | None = None, script: str | None = None,
-            script_args: tuple[str, ...] = (), master_port: int | None = None) -> tuple[RunDir, RunInfo]:
+            script_args: tuple[str, ...] = (), master_port: int | None = None,
+            faults: FaultOptions | None = None) -> tuple[RunDir, RunInfo]:
     """Create ``runs/<id>/`` with its first ``run.yaml``."""
     import time
 
@@ -357,6 +372,7 @@ def new_run(plan: Plan, inventory: Any, *, run_root: str | Path, plan_path: Path
             script=script,
             script_args=list(script_args),
             master_port=master_port,
+            faults=faults or FaultOptions(),
         ),
     )
     run.save_info(info)
@@ -373,9 +389,10 @@ def prepare_launch(plan: Plan, inventory: Any, *, run_root: str | Path, plan_pat
 
     ``health_check`` (``drop``/``refuse``): check the plan's nodes first (:mod:`hetctl.elastic.health`).
     """
+    policy, thresholds = policy or PolicyConfig(), thresholds or Thresholds()
     run, info = new_run(plan, inventory, run_root=run_root, plan_path=plan_path, steps=steps,
                         checkpoint_every=checkpoint_every, entry=entry, allow_mixed_software=allow_mixed_software,
-                        progress=progress, script=script, script_args=script_args, master_port=master_port)
-    return Prepared(run=run, info=info, inventory=inventory, plan=plan, policy=policy or PolicyConfig(),
-                    thresholds=thresholds or Thresholds(), plan_file=plan_path, lock=run.lock(),
-                    health_check=health_check)
+                        progress=progress, script=script, script_args=script_args, master_port=master_port,
+                        faults=fault_options(policy, thresholds))
+    return Prepared(run=run, info=info, inventory=inventory, plan=plan, policy=policy, thresholds=thresholds,
+                    plan_file=plan_path, lock=run.lock(), health_check=health_check)

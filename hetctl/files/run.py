@@ -31,6 +31,19 @@ from hetctl.files.yamlio import load_model, save_model
 _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
 
+class FaultOptions(_Strict):
+    """The fault policy the run was launched with (``launch``'s options of the same names); ``hetctl resume``
+    keeps it, except for the options given to it, which it records here for later resumes."""
+
+    max_restarts: int = Field(3, description="restarts after a crash or hang before giving up (each resume: a fresh "
+                                             "budget of this size)")
+    max_node_failures: int = Field(3, description="crashes or hangs on one node before it is dropped")
+    rebalance: bool = Field(False, description="re-plan with measured stage speeds when a straggler persists")
+    grace: float = Field(5.0, description="seconds between SIGTERM and SIGKILL when stopping")
+    hang_timeout: float = Field(300.0, description="seconds without heartbeat progress before a rank counts as hung")
+    node_timeout: float = Field(20.0, description="seconds of silence from an agent before its node counts as lost")
+
+
 class RunInputs(_Strict):
     """What the run was started with; ``hetctl resume`` starts from these."""
 
@@ -54,6 +67,8 @@ class RunInputs(_Strict):
                                   "from (--init-from); a resume from a hetctl checkpoint does not re-apply it")
     slurm_allocation: str | None = Field(None, description="the Slurm job hetctl asked for itself (salloc --no-shell); "
                                                            "cancelled when the run ends or is stopped")
+    faults: FaultOptions = Field(default_factory=FaultOptions,
+                                 description="the fault policy (--max-restarts, --hang-timeout, …); resume keeps it")
 
 
 class RecoveryRecord(_Strict):
