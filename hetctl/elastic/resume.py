@@ -29,6 +29,7 @@ from typing import Any, Callable, Mapping, Sequence
 from hetctl.elastic.loop import Prepared
 from hetctl.errors import HetctlError
 from hetctl.files.events import CheckpointSkipped, Resumed
+from hetctl.files.run import FaultOptions
 from hetctl.node import manifest as ckpt
 
 
@@ -222,7 +223,7 @@ def prepare(
     connect: Callable[[Any], Any] | None = None,
     probe: Callable[[Any], Any] | None = None,
     wait_s: float | None = None,
-    faults: dict[str, Any] | None = None,
+    faults: Mapping[str, Any] | None = None,
     entry: tuple[str, ...] | None = None,
     script: str | None = None,
     script_args: tuple[str, ...] | None = None,
@@ -261,7 +262,7 @@ def prepare(
 
 
 def _prepare(run: Any, lock: Any, *, inventory: Any, steps: int | None, connect: Callable[[Any], Any] | None,
-             probe: Callable[[Any], Any] | None, wait_s: float | None, faults: dict[str, Any] | None,
+             probe: Callable[[Any], Any] | None, wait_s: float | None, faults: Mapping[str, Any] | None,
              entry: tuple[str, ...] | None = None, script: str | None = None,
              script_args: tuple[str, ...] | None = None) -> Prepared:
     from hetctl.elastic.replan import keep_measured, replan
@@ -336,17 +337,17 @@ def _prepare(run: Any, lock: Any, *, inventory: Any, steps: int | None, connect:
 
 
 
-def resumed_faults(recorded: Any, given: dict[str, Any] | None) -> Any:
+def resumed_faults(recorded: FaultOptions, given: Mapping[str, Any] | None) -> FaultOptions:
     """The fault options of a resumed run: the run's (``run.yaml``), with those given to ``resume`` in their place.
 
     A run launched with ``--hang-timeout 3600`` (a first step that compiles for half an hour) keeps it when
     resumed without the option; before, ``resume`` used its own defaults and could take such a rank for hung.
     """
     changes = {k: v for k, v in (given or {}).items() if v is not None}
-    unknown = sorted(set(changes) - set(type(recorded).model_fields))
+    unknown = sorted(set(changes) - set(FaultOptions.model_fields))
     if unknown:
         raise TypeError(f"not a fault option: {', '.join(unknown)}")
-    return type(recorded).model_validate({**recorded.model_dump(), **changes})
+    return FaultOptions.model_validate({**recorded.model_dump(), **changes})
 
 
 def _override_command(inputs: Any, plan: Any, entry: tuple[str, ...] | None, script: str | None,
