@@ -10,7 +10,11 @@ Issue 29. In one run, on the CPU:
     single-process loop written here; both loss curves are printed side by
     side, and the gap of the final losses;
 (b) **speed**: the same training at PP=1 (one rank of the engine) against the
-    peer, in ``--pairs`` alternating pairs; the ratio of the medians of tokens/s.
+    peer, in ``--pairs`` pairs. By default (``--schedule shared-cpu``) each pair
+    runs both at the same time, bound to one CPU (the next CPU each pair), and the
+    figure is the median of the pair ratios; ``--schedule alternate`` runs them one
+    after the other, alternating which goes first, and takes the ratio of the
+    medians.
 
 The data is the shipped ``tinyshakespeare.txt``, prepared by the real command
 line (``hetctl data prepare … --tokenizer bytes``) into Megatron's ``.bin/.idx``;
@@ -51,7 +55,13 @@ What is shared, and why the comparison stays fair:
   outside (its heartbeat file polled every 5 ms; its per-step heartbeat and log
   line included, as they are part of its step), in wall-clock seconds and in
   CPU seconds of the training process (all its threads; ``/proc/<pid>/stat``
-  for the rank, ``time.process_time`` for the peer). The same number of CPU
+  for the rank, ``time.process_time`` for the peer). Under the shared-CPU
+  schedule the peer runs in a child process bound to the engine's CPU and
+  writes the end of each of its steps to a file; it is measured over the steps
+  that ended inside the engine's span, so both meet the same core, neighbours
+  and clock at the same moments (on a shared VM one CPU's speed swings by a
+  third from minute to minute, which made alternating pairs disagree by up to
+  ±40%; shared-CPU pairs agree within about 1%). The same number of CPU
   threads each (``--threads``). The goal is judged on ``--clock`` (default
   ``cpu``: on a shared machine the wall clock mostly measures the neighbours;
   both are printed, and the engine's own heartbeat figure beside them).
@@ -59,12 +69,12 @@ What is shared, and why the comparison stays fair:
 Goals (issue 29): the final loss within 1% of the single-process loop; tokens/s
 ≥ 0.95× of it at PP=1. From the repository root::
 
-    python bench/engine_quality.py                     # 200 steps, 3 speed pairs of 80 steps
+    python bench/engine_quality.py                     # 200 steps, 4 speed pairs of 80 steps
     python bench/engine_quality.py --steps 400 --pairs 5 --json
 
 ``loss_gap`` is ``|engine − plain| / plain`` of the last step's loss (the same
-batch for both), in percent; ``speed_vs_plain`` the engine's median speed over
-the peer's at PP=1. ``--json`` prints the figures and both curves as one JSON
+batch for both), in percent; ``speed_vs_plain`` the engine's speed over the
+peer's at PP=1 (median of the pair ratios under the shared-CPU schedule). ``--json`` prints the figures and both curves as one JSON
 object before that line. The last line, for scripts:
 ``engine_quality: loss_gap=<pct> speed_vs_plain=<ratio>``. ``tests/test_bench_quality.py``
 checks the peer's schedule, model and corpus reader against hetctl's (nothing
@@ -84,6 +94,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -275,10 +286,11 @@ class Corpus:
 
 
 # --- the peer's training loop -------------------------------------------------------------------------------------
-def plain_run(m: dict, corpus: Corpus, o: argparse.Namespace, steps: int, init: PlainLlama | None = None
-              ) -> dict:
+def plain_run(m: dict, corpus: Corpus, o: argparse.Namespace, steps: int, init: PlainLlama | None = None,
+              on_step: Callable[[int, float, float], None] | None = None) -> dict:
     """Train the peer ``steps`` steps (from ``init``'s weights, else fresh ones): its loss and gradient norm per
-    step, and its tokens per second of wall clock and of CPU time from the end of step 1 to the end of the last."""
+    step, and its tokens per second of wall clock and of CPU time from the end of step 1 to the end of the last.
+    ``on_step(step, perf_counter, process_time)`` is told the end of every step (the shared-CPU schedule)."""
     model = init if init is not None else PlainLlama(m, o.seed)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     keep = [p for p in model.parameters() if p.dim() < 2]
@@ -308,6 +320,8 @@ def plain_run(m: dict, corpus: Corpus, o: argparse.Namespace, steps: int, init: 
             skipped += 1
         if step in (1, steps):
             marks[step] = (time.perf_counter(), time.process_time())
+        if on_step is not None:
+            on_step(step, time.perf_counter(), time.process_time())
         losses.append(value)
         norms.append(norm)
     tokens = corpus.global_batch * corpus.seq_len * (steps - 1)
@@ -363,14 +377,18 @@ def proc_cpu_s(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def engine_speed_run(m: dict, o: argparse.Namespace, prefix: Path, steps: int, work: Path) -> dict:
+def engine_speed_run(m: dict, o: argparse.Namespace, prefix: Path, steps: int, work: Path,
+                     cpu: int | None = None) -> dict:
     """The engine at PP=1, timed from outside over the same span as the peer: from the end of step 1 to the end
-    of the last step (its heartbeat files, polled), in wall-clock and in the rank process's CPU seconds."""
+    of the last step (its heartbeat files, polled), in wall-clock and in the rank process's CPU seconds. With
+    ``cpu``, the rank is bound to that CPU from its start (before it imports torch or starts a thread)."""
     plan = tiny_plan([m["num_layers"]], micro_batch=o.micro_batch, micro_batches=o.micro_batches, model=m)
     with Ranks(plan, work, steps=steps, seed=o.seed, run_id="engine-quality-speed",
                args=engine_args(o, prefix)) as ranks:
         ranks.start()
         pid, marks = ranks.procs[0].pid, {}
+        if cpu is not None:
+            os.sched_setaffinity(pid, {cpu})
         deadline = time.monotonic() + 1800
         while len(marks) < 2:
             hb = ranks.heartbeat(0) or {}
@@ -392,7 +410,51 @@ def engine_speed_run(m: dict, o: argparse.Namespace, prefix: Path, steps: int, w
     (s1, w1, c1), (sn, wn, cn) = marks["first"], marks["last"]
     tokens = o.micro_batch * o.micro_batches * m["seq_len"] * (sn - s1)
     return {"wall": tokens / (wn - w1), "cpu": tokens / max(cn - c1, 1e-9) if c1 is not None and cn is not None else None,
-            "heartbeat": float(hb.get("tokens_per_s") or 0.0), "span": (s1, sn)}
+            "heartbeat": float(hb.get("tokens_per_s") or 0.0), "span": (s1, sn), "window": (w1, wn)}
+
+
+# --- the shared-CPU schedule: engine and peer at the same time on one CPU -------------------------------------------
+def peer_worker(o: argparse.Namespace) -> None:
+    """``--peer-worker PREFIX OUT``: the peer trains until it is stopped, writing ``step perf_counter process_time``
+    to OUT at the end of every step (a file, so a slow reader never stalls it)."""
+    prefix, out = o.peer_worker
+    m = model_spec(o)
+    torch.set_num_threads(o.threads)
+    corpus = Corpus(Path(prefix), m["seq_len"], o.seed, o.micro_batch * o.micro_batches)
+    with open(out, "w", buffering=1) as f:
+        plain_run(m, corpus, o, 10 ** 9, on_step=lambda s, w, c: f.write(f"{s} {w!r} {c!r}\n"))
+
+
+def shared_cpu_pair(m: dict, o: argparse.Namespace, prefix: Path, cpu: int, work: Path) -> tuple[dict, dict]:
+    """The engine's rank and the peer, both bound to CPU ``cpu`` and running at the same time: the kernel
+    interleaves them every few milliseconds, so both are measured on the same core, under the same neighbours and
+    clock, over the same stretch of time (the engine's span, from the end of its step 1 to its last step). Each
+    gets about half the core; tokens per CPU second is the figure that compares them. The bench itself polls from
+    another CPU."""
+    work.mkdir(parents=True, exist_ok=True)
+    out = work / "peer-steps.txt"
+    own = os.sched_getaffinity(0)
+    others = own - {cpu}
+    peer = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *o.argv, "--peer-worker", str(prefix),
+                             str(out)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
+    try:
+        os.sched_setaffinity(peer.pid, {cpu})
+        if others:
+            os.sched_setaffinity(0, others)
+        eng = engine_speed_run(m, o, prefix, o.speed_steps, work / "engine", cpu=cpu)
+    finally:
+        peer.terminate()
+        peer.wait(60)
+        os.sched_setaffinity(0, own)
+    w1, wn = eng["window"]
+    recs = [(int(a), float(b), float(c)) for a, b, c in
+            (ln.split() for ln in out.read_text().splitlines() if len(ln.split()) == 3)]
+    inside = [r for r in recs if w1 <= r[1] <= wn]
+    if len(inside) < 2:
+        raise SystemExit(f"the peer finished {len(inside)} step(s) while the engine was timed: raise --speed-steps")
+    (s1, pw1, pc1), (sn, pwn, pcn) = inside[0], inside[-1]
+    tokens = o.micro_batch * o.micro_batches * m["seq_len"] * (sn - s1)
+    return eng, {"wall": tokens / (pwn - pw1), "cpu": tokens / max(pcn - pc1, 1e-9), "span": (s1, sn)}
 
 
 def check_same_data(eng: dict, corpus: Corpus, steps: int) -> None:
@@ -431,7 +493,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=200, help="training steps of the quality runs (default 200)")
     ap.add_argument("--speed-steps", type=int, default=80,
                     help="steps of each PP=1 speed run, the first left out (default 80)")
-    ap.add_argument("--pairs", type=int, default=3, help="engine/peer speed pairs at PP=1, alternating order (default 3)")
+    ap.add_argument("--pairs", type=int, default=4, help="engine/peer speed pairs at PP=1 (default 4)")
     ap.add_argument("--split", default="3,3,2", help="layers per stage of the three-node plan (default 3,3,2)")
     ap.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default: the tiny preset's, 32)")
     ap.add_argument("--micro-batch", type=int, default=4, help="sequences per micro-batch (default 4)")
@@ -454,9 +516,17 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     help="the speed goal's clock: cpu (tokens per CPU second of the training process; robust on a "
                     "shared machine) or wall (tokens/s); both are printed (default cpu)")
     ap.add_argument("--every", type=int, default=None, help="print the curves every K steps (default steps/20)")
+    ap.add_argument("--schedule", choices=("shared-cpu", "alternate"), default=None,
+                    help="shared-cpu: each pair runs the engine and the peer at the same time, both bound to one CPU "
+                    "(the next CPU each pair), so both meet the same machine; alternate: one after the other, "
+                    "alternating which goes first (default: shared-cpu where this process may set CPU affinity)")
     ap.add_argument("--json", action="store_true", help="print the figures and curves as one JSON object "
                     "(before the last line)")
+    ap.add_argument("--peer-worker", nargs=2, metavar=("PREFIX", "OUT"), help=argparse.SUPPRESS)
     o = ap.parse_args(argv)
+    o.argv = [a for a in (sys.argv[1:] if argv is None else argv)]
+    if o.schedule is None:
+        o.schedule = "shared-cpu" if hasattr(os, "sched_setaffinity") else "alternate"
     o.min_lr = o.lr / 10 if o.min_lr is None else o.min_lr
     o.split_layers = [int(x) for x in o.split.split(",")]
     if o.vocab < 257:
@@ -472,6 +542,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     o = parse(argv)
+    if o.peer_worker:
+        return peer_worker(o)
     m = model_spec(o)
     if sum(o.split_layers) != m["num_layers"]:
         raise SystemExit(f"--split {o.split} does not add up to the model's {m['num_layers']} layers")
@@ -505,16 +577,25 @@ def main(argv: list[str] | None = None) -> None:
         say(f"  trained: engine PP={len(o.split_layers)} (split {o.split}) in {t_eng:.1f} s wall (start-up included), "
             f"peer in {t_plain:.1f} s; the engine's sample ids matched the peer's at every step", flush=True)
 
-        # (b) speed at PP=1, alternating pairs
+        # (b) speed at PP=1: pairs on one shared CPU (each pair on the next CPU), or run one after the other
         runs: dict[str, list[dict]] = {"engine": [], "plain": []}
+        cpus = sorted(os.sched_getaffinity(0))
         for pair in range(o.pairs):
-            for who in (("engine", "plain") if pair % 2 == 0 else ("plain", "engine")):
-                if who == "engine":
-                    runs["engine"].append(engine_speed_run(m, o, prefix, o.speed_steps, tmp / f"speed-{pair}"))
-                else:
-                    runs["plain"].append(plain_run(m, corpus, o, o.speed_steps))
-            e, p = runs["engine"][-1], runs["plain"][-1]
-            say(f"  speed pair {pair + 1}: engine {e['wall']:.0f} (its heartbeat: {e['heartbeat']:.0f}), plain "
+            where = ""
+            if o.schedule == "shared-cpu":
+                cpu = cpus[pair % len(cpus)]
+                e, p = shared_cpu_pair(m, o, prefix, cpu, tmp / f"speed-{pair}")
+                runs["engine"].append(e)
+                runs["plain"].append(p)
+                where = f" together on CPU {cpu}"
+            else:
+                for who in (("engine", "plain") if pair % 2 == 0 else ("plain", "engine")):
+                    if who == "engine":
+                        runs["engine"].append(engine_speed_run(m, o, prefix, o.speed_steps, tmp / f"speed-{pair}"))
+                    else:
+                        runs["plain"].append(plain_run(m, corpus, o, o.speed_steps))
+                e, p = runs["engine"][-1], runs["plain"][-1]
+            say(f"  speed pair {pair + 1}{where}: engine {e['wall']:.0f} (its heartbeat: {e['heartbeat']:.0f}), plain "
                 f"{p['wall']:.0f} tokens/s; per CPU second {fmt(e['cpu'])} / {fmt(p['cpu'])} (load average "
                 f"{os.getloadavg()[0]:.2f})", flush=True)
 
@@ -527,8 +608,11 @@ def main(argv: list[str] | None = None) -> None:
             continue
         speed[clock] = {"engine": es, "plain": ps, "engine_median": statistics.median(es),
                         "plain_median": statistics.median(ps),
-                        "ratio": statistics.median(es) / statistics.median(ps),
                         "pair_ratios": [a / b for a, b in zip(es, ps)]}
+        # Shared-CPU pairs are each one measurement of both (same core, same time): the median of their ratios.
+        # Alternating runs meet different moments of the machine: the ratio of the medians.
+        speed[clock]["ratio"] = (statistics.median(speed[clock]["pair_ratios"]) if o.schedule == "shared-cpu"
+                                 else statistics.median(es) / statistics.median(ps))
     clock = o.clock if o.clock in speed else "wall"
     ratio = speed[clock]["ratio"]
     tail = max(1, o.steps // 10)
@@ -546,7 +630,7 @@ def main(argv: list[str] | None = None) -> None:
             "final_loss": {"engine": e_final, "plain": p_final}, "loss_gap_pct": gap,
             f"mean_loss_last_{tail}": {"engine": mean_tail[0], "plain": mean_tail[1]},
             "skipped": {"engine": eng["skipped"], "plain": plain["skipped"]},
-            "speed_steps": o.speed_steps, "tokens_per_s": speed,
+            "speed_steps": o.speed_steps, "speed_schedule": o.schedule, "tokens_per_s": speed,
             "engine_heartbeat_tokens_per_s": [r["heartbeat"] for r in runs["engine"]],
             "speed_clock": clock, "speed_vs_plain": ratio,
             "goals": {"loss_gap_pct_max": GOAL_GAP_PCT, "loss_gap_met": ok_gap, "speed_min": GOAL_SPEED,
@@ -563,11 +647,12 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  final loss: engine {e_final:.5f}, plain {p_final:.5f} (first {eng['loss'][0]:.4f} / "
               f"{plain['loss'][0]:.4f}; mean of the last {tail}: {mean_tail[0]:.4f} / {mean_tail[1]:.4f}); "
               f"skipped steps {eng['skipped']} / {plain['skipped']}")
+        how = "median of the pair ratios" if o.schedule == "shared-cpu" else "ratio of the medians"
         for c, what in (("wall", "tokens/s (wall clock)"), ("cpu", "tokens per CPU second")):
             if c in speed:
                 r = speed[c]
                 print(f"  {what} at PP=1, median of {o.pairs} x {o.speed_steps} steps (step 1 left out): engine "
-                      f"{r['engine_median']:.0f}, plain {r['plain_median']:.0f}: {r['ratio']:.3f}x (pairs: "
+                      f"{r['engine_median']:.0f}, plain {r['plain_median']:.0f}; {how}: {r['ratio']:.3f}x (pairs: "
                       f"{', '.join(f'{x:.3f}' for x in r['pair_ratios'])})")
         print(f"  goal: final loss within {GOAL_GAP_PCT:g}% of the plain loop: {gap:.3f}% "
               f"{'PASS' if ok_gap else 'MISS'}")
