@@ -163,6 +163,8 @@ def test_reports_death_by_signal_and_process_state(agent, tmp_path):
     a.send({"cmd": "stop"})
     a.wait_for(lambda e: e["ev"] == "stopped")
     assert gone([pid])
+    # SIGCONT follows SIGTERM: the stopped rank ends on SIGTERM at once, not on SIGKILL when the grace runs out
+    assert a.wait_for(lambda e: e["ev"] == "exited" and e["rank"] == 1)["signal"] == signal.SIGTERM
 
 
 def test_stop_escalates_to_sigkill_and_leaves_no_descendant(agent, tmp_path):

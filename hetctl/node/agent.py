@@ -208,14 +208,17 @@ class Agent:
 
         pids = [pid for pid, _state, _cmd in alive(self.run_id)["pids"] if not is_spare(pid)]
         for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
+            for s in (sig, signal.SIGCONT) if sig == signal.SIGTERM else (sig,):
+                try:
+                    os.kill(pid, s)
+                except (ProcessLookupError, PermissionError):
+                    pass
         return pids
 
     def stop(self, reason: str, keep: bool = False) -> None:
         """SIGTERM every live rank group and stray of the run, wait ``grace_s``, SIGKILL the rest, report, return.
+        SIGCONT follows each SIGTERM (as systemd does), so that a stopped process (state T: a debugger, a
+        ``kill -STOP``) handles it now instead of being killed when the grace runs out.
 
         The ``stopped`` event lists under ``left`` any process of the run still alive at
         the end (an unkillable one in D state), so the controller can say so. With ``keep``
@@ -224,6 +227,7 @@ class Agent:
         live = [rp for rp in self.ranks.values() if not rp.exited]
         for rp in live:
             rp.signal_group(signal.SIGTERM)
+            rp.signal_group(signal.SIGCONT)
         self._sweep(signal.SIGTERM)
         deadline = time.monotonic() + self.grace_s
         killed = False
