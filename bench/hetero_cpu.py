@@ -38,6 +38,15 @@ Each node's group also gets a large CFS weight (``cpu.shares``), so that other
 work on the machine cannot take it below its quota. The load average is printed
 at the start and the end: on a shared machine it moves the figures.
 
+**Cores of its own** (``--cpus-per-node 8,4,2``, issue 31): instead of quotas,
+each node gets that many CPUs of this machine's, disjoint (``taskset``, no
+cgroup, no CFS quota, no root), and as many torch threads (``OMP_NUM_THREADS``
+in its inventory entry, which the trainer follows): node speeds come from core
+counts and do not drift with bursts and waits. It needs as many cores as the
+counts add up to (14 for 8,4,2: a 16-core GPU machine, from
+``scripts/device_check.sh``); with fewer, the sets wrap around and share cores,
+the bench still runs, and it says that its figures are not evidence.
+
 Printed: measured tokens/s of each, hetctl's prediction error against its own
 measured run, the speed-up over uniform and proportional, and measured
 utilization against the homogeneous sum (the published metric for mixed-chip
@@ -46,6 +55,7 @@ training, here measured). Needs root and ``/sys/fs/cgroup/cpu``.
 From the repo root::
 
     python bench/hetero_cpu.py            # 24 layers, global batch 64 in micro-batches of 2, 8 steps (3 alone)
+    python bench/hetero_cpu.py --cpus-per-node 8,4,2 --pairs 2     # 14 cores of its own (no root needed)
 
 Last line, for scripts::
 
@@ -123,6 +133,16 @@ def pin_cpus(quotas: list[int]) -> dict[str, int]:
     return cpus
 
 
+def core_sets(counts: list[int], allowed: list[int]) -> tuple[dict[str, list[int]], bool]:
+    """``--cpus-per-node``: each node's CPUs, consecutive and disjoint from the CPUs this process may use; and
+    whether they had to wrap around (more asked for than there are: the nodes then share cores)."""
+    sets, i = {}, 0
+    for node, n in zip(NODES, counts):
+        sets[node] = [allowed[(i + k) % len(allowed)] for k in range(n)]
+        i += n
+    return sets, sum(counts) > len(allowed)
+
+
 def make_groups(tag: str, quotas: list[int], top_cpu: float, cpus: dict[str, int] | None = None,
                 spin: bool = True) -> dict[str, Path]:
     """One cgroup per node; the largest quota is ``top_cpu`` of one CPU (``cpus`` and ``spin``: a spinner pinned in
@@ -162,16 +182,22 @@ def remove_groups(groups: dict[str, Path]) -> None:
             print(f"note: could not remove {g}: {e.strerror}", file=sys.stderr)
 
 
-def write_site(d: Path, groups: dict[str, Path], layers: int, cpus: dict[str, int] | None = None) -> None:
-    """Inventory (each node's python enters its cgroup first, pinned to its CPU with ``cpus``), the model file,
-    and the probe."""
+def write_site(d: Path, groups: dict[str, Path], layers: int, cpus: dict[str, int] | None = None,
+               cores: dict[str, list[int]] | None = None) -> None:
+    """Inventory (each node's python enters its cgroup first, pinned to its CPU with ``cpus``; or, with
+    ``cores``, bound to its own CPUs with as many torch threads), the model file, and the probe."""
     nodes = []
     for node in NODES:
         wrap = d / f"python-{node}"
-        pin = f"taskset -c {cpus[node]} " if cpus is not None else ""
-        wrap.write_text(f"#!/bin/sh\necho $$ > {groups[node] / 'cgroup.procs'}\nexec {pin}{sys.executable} \"$@\"\n")
+        enter = f"echo $$ > {groups[node] / 'cgroup.procs'}\n" if node in groups else ""
+        pin = (f"taskset -c {_ranges(cores[node])} " if cores is not None
+               else f"taskset -c {cpus[node]} " if cpus is not None else "")
+        wrap.write_text(f"#!/bin/sh\n{enter}exec {pin}{sys.executable} \"$@\"\n")
         wrap.chmod(0o755)
-        nodes.append({"name": node, "host": "localhost", "python": str(wrap), "workdir": f"nodes/{node}", "tflops": 1.0})
+        entry = {"name": node, "host": "localhost", "python": str(wrap), "workdir": f"nodes/{node}", "tflops": 1.0}
+        if cores is not None:  # the trainer's torch threads follow OMP_NUM_THREADS (its --threads default)
+            entry["env"] = {"OMP_NUM_THREADS": str(len(cores[node]))}
+        nodes.append(entry)
     inv = {"defaults": {"transport": "local", "env": {"OMP_NUM_THREADS": "1"}}, "checkpoint_dir": "checkpoints",
            "nodes": nodes}
     (d / "inventory.yaml").write_text(dump_yaml(inv))
@@ -269,6 +295,18 @@ def apparatus_noise(pairs: list) -> float | None:
     return max(spreads)
 
 
+def _ranges(cpus: list[int]) -> str:
+    """``[0, 1, 2, 5]`` → ``0-2,5``."""
+    out, start = [], None
+    for i, c in enumerate(cpus):
+        if start is None:
+            start = c
+        if i + 1 == len(cpus) or cpus[i + 1] != c + 1:
+            out.append(str(start) if start == c else f"{start}-{c}")
+            start = None
+    return ",".join(out)
+
+
 def load() -> str:
     return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
 
@@ -309,13 +347,30 @@ def main() -> int:
                     help="pin each node to a CPU (largest quota first, each on the least-loaded CPU), no spinner: "
                          "pipeline neighbours wake each other with every message, and the scheduler's wake-affine "
                          "placement can put two nodes on one CPU while the other idles")
+    ap.add_argument("--cpus-per-node", metavar="A,B,C",
+                    help="give node-a, node-b, node-c that many CPUs each, disjoint, and as many torch threads, "
+                         "instead of CFS quotas (no cgroup, no root): speeds from core counts, which do not drift; "
+                         "needs their sum in cores (8,4,2: 14), else the sets share cores and the figures are no "
+                         "evidence")
     ap.add_argument("--keep-run", metavar="DIR", help="copy the uniform run's folder here (a recorded run for tests)")
     ap.add_argument("--keep-runs", metavar="DIR", help="copy every run calibrated on here, as DIR/uniform, DIR/round1…")
     args = ap.parse_args()
     if args.pairs < 1:
         ap.error("--pairs must be at least 1")
-    if os.geteuid() != 0 or not (CPU / "cgroup.procs").exists():
-        print("needs root and the cgroup v1 cpu controller at /sys/fs/cgroup/cpu", file=sys.stderr)
+    cores, shared = None, False
+    if args.cpus_per_node is not None:
+        try:
+            counts = [int(x) for x in args.cpus_per_node.split(",")]
+        except ValueError:
+            counts = []
+        if len(counts) != len(NODES) or min(counts) < 1:
+            ap.error(f"--cpus-per-node takes {len(NODES)} positive CPU counts, e.g. 8,4,2 (got {args.cpus_per_node!r})")
+        if args.steady or args.pin:
+            ap.error("--cpus-per-node gives each node its own CPUs: --steady and --pin are for the quota mode")
+        cores, shared = core_sets(counts, sorted(os.sched_getaffinity(0)))
+    elif os.geteuid() != 0 or not (CPU / "cgroup.procs").exists():
+        print("needs root and the cgroup v1 cpu controller at /sys/fs/cgroup/cpu (or --cpus-per-node, which needs "
+              "neither)", file=sys.stderr)
         return 2
     quotas = [int(q) for q in args.quotas.split(":")]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the finally below runs
@@ -323,15 +378,19 @@ def main() -> int:
     t0 = time.monotonic()
     groups: dict[str, Path] = {}
     try:
-        groups = make_groups(uuid.uuid4().hex[:6], quotas, args.top_cpu, cpus, spin=args.steady)
+        if cores is None:
+            groups = make_groups(uuid.uuid4().hex[:6], quotas, args.top_cpu, cpus, spin=args.steady)
         with tempfile.TemporaryDirectory(prefix="hetctl-hetero-") as tmp:
             d = Path(tmp)
-            write_site(d, groups, args.layers, cpus)
+            write_site(d, groups, args.layers, cpus, cores)
             facts = load_model(d / "cluster.yaml", Cluster)
             spec = load_spec(str(d / "model.yaml"))
             shape = {"global_batch": args.global_batch, "micro_batch": args.micro_batch}
-            print(f"cluster: {len(NODES)} CPU nodes, quotas {args.quotas} (largest {args.top_cpu:g} CPU), one thread "
-                  f"per rank, {os.cpu_count()} cores; model {args.layers} "
+            how = (f"cores of their own: {', '.join(f'{n} CPUs {_ranges(c)}' for n, c in cores.items())} "
+                   f"(as many threads each{'; SHARED: more asked for than there are' if shared else ''})"
+                   if cores is not None else
+                   f"quotas {args.quotas} (largest {args.top_cpu:g} CPU), one thread per rank")
+            print(f"cluster: {len(NODES)} CPU nodes, {how}, {os.cpu_count()} cores; model {args.layers} "
                   f"layers; global batch {args.global_batch}, micro-batch {args.micro_batch}; {args.steps} steps "
                   f"({args.alone_steps} alone); "
                   + (f"{'steady' if args.steady else 'pin'}: pinned {', '.join(f'{n} CPU {c}' for n, c in cpus.items())}"
@@ -419,9 +478,14 @@ def main() -> int:
     noise = apparatus_noise(pairs)
     print("apparatus noise (largest spread of a node-alone reference between pairs): "
           + (f"{100 * noise:.1f}%" if noise is not None else "not measured (one pair: run --pairs 2 or more)"))
-    if (os.cpu_count() or 1) < MIN_CORES:
+    if cores is not None and shared:
+        print(f"--cpus-per-node {args.cpus_per_node} asks for {sum(len(c) for c in cores.values())} CPUs and this "
+              f"process may use {len(os.sched_getaffinity(0))}: the nodes shared cores, so these figures are not "
+              "evidence for the goals")
+    elif cores is None and (os.cpu_count() or 1) < MIN_CORES:
         print(f"on {os.cpu_count()} cores the nodes share cores and their speeds drift: these figures are not "
-              f"evidence for the goals (they need {MIN_CORES} or more cores, each node on its own)")
+              f"evidence for the goals (they need {MIN_CORES} or more cores, each node on its own: "
+              "--cpus-per-node 8,4,2)")
     print(f"took {time.monotonic() - t0:.0f} s; at the end {load()}")
     print(f"hetero_cpu: prediction_error={100 * abs(err):.1f} vs_uniform={vs_u:.3f} vs_proportional={vs_p:.3f} "
           f"vs_homogeneous={100 * vs_h:.1f} vs_plain_pipeline={vs_pl:.3f}")

@@ -6,7 +6,10 @@
 #   and megatron-core's own torch_dist save (the test skipped without CUDA).
 #
 #   bash scripts/device_check.sh            # from the repository root
+#   PART=cpu bash scripts/device_check.sh   # the measured mixed-speed bench on pinned cores instead (issue 31):
+#                                           # bench/hetero_cpu.py --cpus-per-node 8,4,2 (14 of the 16 cores)
 #
+# Each part fits one 10-minute device command; PART=all runs both (gpu, then cpu).
 # Environment: OUT (default: a new folder) receives log.txt, captures.tgz and results.tgz;
 # MODEL (default scripts/model-1b.yaml), GB (global batch, 32), STEPS (30);
 # WHEELS=folder installs those wheels first, for a machine without a package index
@@ -26,6 +29,14 @@ fi
 
 log machine; uname -r; nproc
 python3 -c "import torch,sys;print(sys.version.split()[0],torch.__version__,torch.cuda.is_available(),torch.version.cuda)"
+
+PART=${PART:-gpu}
+if [ "$PART" = cpu ] || [ "$PART" = all ]; then
+  log "mixed-speed cluster on cores of its own: node-a 8, node-b 4, node-c 2 CPUs (issue 31, part 4)"
+  ( cd "$R" && timeout 540 python3 bench/hetero_cpu.py --cpus-per-node 8,4,2 --pairs 2 --steps 6 --rounds 2 2>&1 \
+      | tail -40 )
+  [ "$PART" = cpu ] && { log "done: $O"; exit 0; }
+fi
 
 log "engine speed: the engine at PP=1 against a plain tuned torch loop, same model and batch (issue 30)"
 ( cd "$R" && timeout 240 python3 bench/engine_speed.py --device cuda --model scripts/model-1b.yaml \

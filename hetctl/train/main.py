@@ -42,6 +42,13 @@ from hetctl.vendors import VENDOR_TABLE
 DEVICE_PLUGINS = {v.device_type: v.torch_module for v in VENDOR_TABLE.values() if v.torch_module}
 
 
+def _omp_threads(env: os._Environ | dict) -> int:
+    """The node's ``OMP_NUM_THREADS`` where it is one positive number (an inventory may set it per node); else 1,
+    as torchrun's default, so that ranks sharing a machine do not oversubscribe it."""
+    value = str(env.get("OMP_NUM_THREADS") or "").strip()
+    return int(value) if value.isdigit() and int(value) > 0 else 1
+
+
 def parse_args(argv: list[str] | None, env: os._Environ | dict) -> argparse.Namespace:
     """Options of the trainer; ``HETCTL_STEPS``/``HETCTL_CKPT_EVERY`` give the defaults."""
     ap = argparse.ArgumentParser(prog="python -m hetctl.train", description=__doc__.splitlines()[0])
@@ -59,7 +66,8 @@ def parse_args(argv: list[str] | None, env: os._Environ | dict) -> argparse.Name
     ap.add_argument("--init-from", metavar="HF_FOLDER", default=None,
                     help="start from a Hugging Face checkpoint folder (config.json and safetensors): each stage "
                     "reads only its own layers; ignored when resuming from a hetctl checkpoint")
-    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads per rank (default 1)")
+    ap.add_argument("--threads", type=int, default=_omp_threads(env),
+                    help="torch CPU threads per rank (default $OMP_NUM_THREADS where it is one number, else 1)")
     ap.add_argument("--dp-reduce", choices=("auto", "flat"), default="auto",
                     help="auto: hierarchical across vendors where it applies (hetctl.train.dpreduce); flat: one "
                     "all-reduce over every replica (default auto)")
