@@ -68,7 +68,8 @@ class Progress(Event):
     """The attempt's step (the slowest last-stage rank's) and each stage's last figures, every few seconds.
 
     ``grad_norm`` and ``lr`` are the reference trainer's (:mod:`hetctl.train.optim`) at that step;
-    ``skipped``: steps it skipped so far in the attempt for a non-finite loss or gradient norm.
+    ``skipped``: steps it skipped so far in the attempt for a non-finite loss or gradient norm. ``replicas``:
+    set where ``stages`` summarizes that many replicas, one entry per stage (:mod:`hetctl.launch.progress`).
     """
 
     kind: ClassVar[str] = "progress"
@@ -79,6 +80,7 @@ class Progress(Event):
     grad_norm: float | None = None
     lr: float | None = None
     skipped: int = 0
+    replicas: int | None = None
 
 
 @dataclass(frozen=True)

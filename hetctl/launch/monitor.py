@@ -31,6 +31,7 @@ from hetctl.files.events import (BadMessage, Evaluated, NodeLost, ProcessesLeft,
 from hetctl.files.eventlog import EventLog
 from hetctl.launch.outcome import CAUSE_ORDER, AttemptOutcome, FailureRecord, FaultKind, RunState, classify
 from hetctl.files.run import RunDir
+from hetctl.launch.progress import ProgressEntries
 from hetctl.launch.spares import SparesImporting
 from hetctl.launch.ranklogs import RankLogs
 from hetctl.launch.wire import Refused, check as check_message
@@ -170,6 +171,7 @@ class Monitor:
         self.last_stage = max(s.stage for s in plan.stages)
         self.eval_step = 0  # the last validation step reported as an event
         self._last_progress_ev = (0.0, -1)
+        self._entries = ProgressEntries()  # every replica's entry, or a summary per stage at scale
         # Recovery timing (hetctl.elastic.recovery): each rank's wall time at its resume step and the step after.
         self.resume_step = int(getattr(spec, "resume_step", 0) or 0)
         self.ready_wall: dict[int, float] = {}
@@ -443,17 +445,19 @@ class Monitor:
             return
         self._last_progress_ev = (now, step)
         # One entry per stage, its representative rank's (TP peers agree): per rank it was 8 copies of each
-        # stage at 8-way TP, and at 1,024 nodes × 8 ranks 20 GB of events a day (bench/scale.py). The bytes across
-        # vendors are the representative's (its TP peers send as many of their own shards).
+        # stage at 8-way TP, and at 1,024 nodes × 8 ranks 20 GB of events a day (bench/scale.py); past 64
+        # entries, one per stage (launch/progress.py). The bytes across vendors are the representative's (its TP
+        # peers send as many of their own shards).
         reps = (self.ranks[r] for _, r in sorted(self.rep.items()))
-        stages = [StageProgress(st.replica, st.stage, st.step, st.loss, st.step_ms, st.xv_bytes, st.xv_raw_bytes)
-                  for st in reps if st.step is not None]
+        stages, replicas = self._entries([StageProgress(st.replica, st.stage, st.step, st.loss, st.step_ms, st.xv_bytes,
+                                                        st.xv_raw_bytes) for st in reps if st.step is not None], now)
         now_ = [st for st in last if st.step == step]
         loss = next((st.loss for st in now_ if st.replica == 0), None)
         norm = next((st.grad_norm for st in now_ if st.grad_norm is not None), None)
         lr = next((st.lr for st in now_ if st.lr is not None), None)
         self.events.emit(Progress(attempt=self.attempt, step=step, loss=loss, stages=stages, grad_norm=norm, lr=lr,
-                                  skipped=max((st.skipped for st in self.ranks.values()), default=0)))
+                                  skipped=max((st.skipped for st in self.ranks.values()), default=0),
+                                  replicas=replicas))
 
     def snapshot(self, now: float | None = None) -> Snapshot:
         now = self.clock() if now is None else now
