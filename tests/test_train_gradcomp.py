@@ -123,3 +123,11 @@ def test_killed_and_resumed_with_compression_is_bit_identical(kind, mode, compre
                     ckpt_dir=crashed.ckpt_dir, args=args)
     assert "error feedback starts from zero" in bare.stderr(0)
     assert bare.losses() != want
+
+
+def test_the_plans_mode_is_the_ranks_default(tmp_path):
+    """``hetctl plan --grad-compress int8`` records the mode it priced; ranks given no ``--grad-compress`` use it."""
+    run = run_plan({**plan_of("flat"), "grad_compress": "int8"}, tmp_path, steps=3)
+    assert "grad-compress int8" in run.stdout(0)
+    hb = run.heartbeat(0)
+    assert 0 < hb["xv_bytes"] <= RATIO["int8"] * hb["xv_raw_bytes"]

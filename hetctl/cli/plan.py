@@ -32,6 +32,11 @@ def plan_cmd(
     output: str = typer.Option("plan", "-o", "--output", help="Folder for plan.yaml and nodes/<node>.sh."),
     json_out: bool = typer.Option(False, "--json", help="Print the plan as JSON on stdout, no tables."),
     explain: bool = typer.Option(False, "--explain", help="Say why each choice was made."),
+    grad_compress: str | None = typer.Option(None, "--grad-compress", metavar="MODE",
+                                             help="How hetctl's trainer sends the gradient reduces that cross "
+                                             "vendors: none, bf16, int8 or powersgd:R. The plan prices those bytes "
+                                             "and its ranks use the mode (default none; with --calibrate, the "
+                                             "run's)."),
     allow_mixed_software: bool = typer.Option(False, "--allow-mixed-software",
                                               help="Plan even when nodes run different torch major.minor versions."),
     force: bool = typer.Option(False, "--force", help="Replace launch scripts in the output folder that were "
@@ -74,6 +79,7 @@ def plan_cmd(
         global_batch = global_batch or cal.plan.parallel.global_batch
         micro_batch = micro_batch or cal.plan.parallel.micro_batch
         framework = framework or cal.plan.framework
+        grad_compress = grad_compress or cal.plan.grad_compress
     else:
         if model is None:
             raise ConfigError("no model given", "pass -m/--model (a preset such as tiny or llama2-7b, or a YAML file)")
@@ -92,7 +98,7 @@ def plan_cmd(
         err.print(text(("warning:", "yellow"), f" {mixed} (--allow-mixed-software)"), highlight=False, soft_wrap=True)
     plan = plan_cluster(
         facts, spec, global_batch=global_batch, micro_batch=micro_batch or 1, framework=framework or "hetctl",
-        pins=Pins(pp=pp, dp=dp, tp=tp), cluster_path=cluster,
+        pins=Pins(pp=pp, dp=dp, tp=tp), cluster_path=cluster, grad_compress=grad_compress or "none",
     )
     if note:
         plan = plan.model_copy(update={"notes": [note, *plan.notes]})

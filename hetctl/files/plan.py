@@ -160,6 +160,8 @@ class Plan(_Strict):
     model: ModelSpec
     parallel: Parallel
     framework: str = "hetctl"
+    grad_compress: str = Field(default="none", description="the reference trainer's --grad-compress the plan was "
+                               "priced with (the gradient reduces that cross vendors); its ranks' default")
     cluster: str | None = Field(default=None, description="path of the cluster file planned on")
     inventory: str | None = Field(default=None, description="path of the inventory, for launch")
     nodes: list[NodeName] = Field(default_factory=list, description="nodes used, in rank order")

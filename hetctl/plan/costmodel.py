@@ -39,6 +39,7 @@ from typing import NamedTuple
 
 from hetctl.plan.devices import Group, Kind
 from hetctl.plan.models import ModelCost
+from hetctl.train.gradmode import Mode, wire_fraction
 from hetctl.vendors import GLOO_EFFICIENCY, VENDOR_TABLE, link_backend, stage_backend, vendor_info
 
 GB = 1e9
@@ -51,6 +52,19 @@ class Workload:
     cost: ModelCost
     micro_batch: int
     global_batch: int
+    compress: Mode = Mode()
+    """``--grad-compress`` of the reference trainer: how the gradient reduces that cross vendors are sent."""
+
+    def wire(self, unit: str, d: int) -> float:
+        """Fraction of fp32's bytes a cross-vendor reduce of one ``unit`` (``embed``, ``layer``, ``head``) over
+        ``d`` ranks sends under :attr:`compress` (:func:`hetctl.train.gradmode.wire_fraction`)."""
+        if self.compress.kind == "none":
+            return 1.0
+        c = self.cost
+        if unit == "layer":
+            return wire_fraction(self.compress, d, c.layer_params, c.layer_matrices)
+        return wire_fraction(self.compress, d, c.embed_params if unit == "embed" else c.head_params,
+                             ((c.vocab, c.hidden),))
 
     @property
     def tokens(self) -> int:
@@ -187,6 +201,8 @@ def stage_type(kind: Kind, tp: int, work: Workload, dp: int, tp_vocab: bool = Tr
     if kind.tcp_gbs and (len(vendors) > 1 or stage_backend(vendors[0]) == "gloo"):
         sync_bw = kind.tcp_gbs * GB / kind.max_group()  # gloo's TCP path, as measured (see link_seconds)
     per_param = sync_bytes / sync_bw / tp  # seconds per parameter of the stage
+    # Across vendors the reference trainer may compress the reduce (--grad-compress): fewer bytes per unit.
+    wire = (lambda unit: work.wire(unit, dp)) if len(vendors) > 1 else (lambda unit: 1.0)
     # A calibrated per-message cost (plan --calibrate: what a message cost on these very nodes) bounds
     # each of a ring's 2(d−1) steps; the reference trainer sends a stage's units as one bucket
     # (hetctl.train.dpreduce), so a stage pays them once.
@@ -201,8 +217,9 @@ def stage_type(kind: Kind, tp: int, work: Workload, dp: int, tp_vocab: bool = Tr
         mem_layer=k * mem.mem_layer, act_layer=k * mem.act_layer, mem_first=k * mem.mem_first,
         act_first=k * mem.act_first, mem_last=k * mem.mem_last,
         reserve=0.05 * limit + (0.5 if vendors == ("cpu",) else 1.5) * GB, limit=limit,
-        sync_layer=per_param * c.layer_params, sync_first=per_param * c.embed_params * tp / vt,
-        sync_last=per_param * c.head_params * tp / vt, sync_fixed=3e-5 * dp + ring if dp > 1 else 0.0,
+        sync_layer=per_param * c.layer_params * wire("layer"),
+        sync_first=per_param * c.embed_params * tp / vt * wire("embed"),
+        sync_last=per_param * c.head_params * tp / vt * wire("head"), sync_fixed=3e-5 * dp + ring if dp > 1 else 0.0,
         flops=rate, vocab_split=vt,
     )
 

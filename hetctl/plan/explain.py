@@ -119,6 +119,10 @@ def explain(plan: Plan, lay: Layout, devices: Devices, found: Found, homog, toke
         if st.kind.memory_check is not None:  # a layer profile at the plan's shape (plan.profmem)
             lines.append(f"{st.kind.label} memory: {st.kind.memory_check.line()}")
     lines.extend(crossings(lay, plan))
+    if lay.dp > 1:
+        from hetctl.plan.hetdp import Part
+
+        lines.append(sync_bytes_line(plan, [Part(kinds=(), lay=lay)]))
     stages = {(s.replica, s.stage): s for s in plan.stages}
     links = sorted({(s.vendor, stages[(s.replica, s.stage + 1)].vendor, s.backend_next)
                     for s in plan.stages if s.backend_next})
@@ -162,6 +166,21 @@ def explain(plan: Plan, lay: Layout, devices: Devices, found: Found, homog, toke
         parts = [f"{k}: {v:,.0f} tokens/s" if isinstance(v, float) else f"{k}: {v}" for k, v in homog.items()]
         lines.append("each chip type alone: " + "; ".join(parts))
     return lines
+
+
+def sync_bytes_line(plan: Plan, parts) -> str:
+    """Gradient-sync bytes per step inside and across vendors, as the planner priced them
+    (:func:`hetctl.plan.gradsync.sync_bytes`; ``parts``: the plan's :class:`~hetctl.plan.hetdp.Part` list)."""
+    from hetctl.plan.costmodel import Workload
+    from hetctl.plan.frameworks import capability
+    from hetctl.plan.gradsync import bytes_line, sync_bytes
+    from hetctl.plan.models import model_cost
+    from hetctl.train.gradmode import parse_mode
+
+    work = Workload(cost=model_cost(plan.model), micro_batch=plan.parallel.micro_batch,
+                    global_batch=plan.parallel.global_batch, compress=parse_mode(plan.grad_compress))
+    within, sent, raw = sync_bytes(parts, work, capability(plan.framework or "hetctl").hierarchical_dp)
+    return bytes_line(within, sent, raw, plan.grad_compress)
 
 
 def calibrated_links(types) -> list[str]:

@@ -57,7 +57,7 @@ def alone_at_share(devices: Devices, spec, work: Workload, framework: str) -> di
             out[name] = 0.0  # too slow to earn one micro-batch of the batch: no share to train
             continue
         batch = reference_batch(exact, work.micro_batch)
-        w = Workload(cost=work.cost, micro_batch=work.micro_batch, global_batch=batch)
+        w = Workload(cost=work.cost, micro_batch=work.micro_batch, global_batch=batch, compress=work.compress)
         best = Searcher(subset(devices, {kind.id}).kinds, spec, w, framework, Pins(), keep=1).run(False).best
         out[name] = batch * spec.seq_len / best.step if best is not None else "cannot hold the model alone"
     return out

@@ -24,6 +24,9 @@ every TP rank holds those whole: ``StageType.vocab_split``):
   latency counted per piece). A chip of a stage position whose kind spans
   vendors is a group of its own. When all holders are one vendor, or every
   group is one chip, it is the flat all-reduce, exactly.
+- **Compression** (``--grad-compress``, :attr:`Workload.compress`): the bytes that cross vendors over
+  gloo are those the mode sends (:func:`hetctl.train.gradmode.wire_fraction`); within a vendor, and the
+  host copies, stay fp32.
 - **Latency**: :data:`STEP_LATENCY_S` per member of each ring all-reduce
   (half that for a reduce-scatter or an all-gather), as the stage syncs of
   :mod:`hetctl.plan.costmodel`; where ``plan --calibrate`` fitted a
@@ -45,8 +48,9 @@ every TP rank holds those whole: ``StageType.vocab_split``):
 
 from __future__ import annotations
 
+import functools
 from math import ceil
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from hetctl.plan.costmodel import GB, StageType, Workload
 from hetctl.plan.simulate import simulate_1f1b
@@ -97,15 +101,21 @@ def ring_latency(members: Sequence[Member]) -> float:
     return 2 * (d - 1) * max(fitted) if fitted else STEP_LATENCY_S * d
 
 
+def _fp32(d: int) -> float:
+    return 1.0
+
+
 def member_seconds(params: float, members: Sequence[Member], hierarchical: bool, vocab: bool = False,
-                   latency: bool = True) -> list[float]:
+                   latency: bool = True, wire: Callable[[int], float] = _fp32) -> list[float]:
     """Per member (stage position), seconds its chips spend in one unit's gradient all-reduce over ``members``.
 
     A ring runs at its slowest member's pace, so a flat all-reduce takes every member the slowest one's time;
     in the hierarchical one only the gloo phase across groups is shared, each group's reduce-scatter and
     all-gather run at its own vendor library's pace. ``vocab``: the unit is the embedding or the head, split
     ``vocab_split`` ways over a stage's chips rather than ``tp``. ``latency`` False leaves a flat ring's
-    message latency out (a unit that joins a bucket already paying it).
+    message latency out (a unit that joins a bucket already paying it). ``wire(d)``: the fraction of fp32's
+    bytes a reduce over ``d`` ranks sends across vendors (``--grad-compress``; :meth:`Workload.wire`); the
+    host copies stay fp32 (the trainer compresses on the host).
     """
     d = sum(n for _, n in members)
     if d < 2:
@@ -118,7 +128,7 @@ def member_seconds(params: float, members: Sequence[Member], hierarchical: bool,
         for st, _ in members:
             nbytes = 4.0 * params / (st.vocab_split if vocab else st.tp)
             if across:
-                secs = 2 * (d - 1) / d * nbytes / _gloo(st) + 2 * nbytes / (PCIE_GBS * GB)
+                secs = 2 * (d - 1) / d * nbytes * wire(d) / _gloo(st) + 2 * nbytes / (PCIE_GBS * GB)
             else:
                 secs = 2 * (d - 1) / d * nbytes / _line(st)
             worst = max(worst, secs)
@@ -131,15 +141,16 @@ def member_seconds(params: float, members: Sequence[Member], hierarchical: bool,
         nbytes = 4.0 * params / (st.vocab_split if vocab else st.tp)
         shard = nbytes / g
         pieces = 1 + sum(max(0, ceil(o / g) - 1) for o in sizes)  # its shard is cut where the others' start
-        cross = max(cross, 2 * (k - 1) / k * shard / _gloo(st) + 2 * shard / (PCIE_GBS * GB)
+        cross = max(cross, 2 * (k - 1) / k * shard * wire(k) / _gloo(st) + 2 * shard / (PCIE_GBS * GB)
                     + STEP_LATENCY_S * k * pieces)
         intra.append(2 * (g - 1) / g * nbytes / _line(st) + STEP_LATENCY_S * g if g > 1 else 0.0)
     return [t + cross for t in intra]
 
 
-def unit_seconds(params: float, members: Sequence[Member], hierarchical: bool, vocab: bool = False) -> float:
+def unit_seconds(params: float, members: Sequence[Member], hierarchical: bool, vocab: bool = False,
+                 wire: Callable[[int], float] = _fp32) -> float:
     """Seconds of one unit's gradient all-reduce over ``members``: its slowest member's (the module docstring)."""
-    return max(member_seconds(params, members, hierarchical, vocab))
+    return max(member_seconds(params, members, hierarchical, vocab, wire=wire))
 
 
 def _units(part: "Part", work: Workload) -> list[tuple[int, float]]:
@@ -179,11 +190,14 @@ def reduce_seconds(parts: Sequence["Part"], work: Workload, hierarchical: bool, 
     # Holder sets seen: a later unit of one joins its bucket (only a flat ring's latency is per bucket; the
     # holders decide whether a unit's reduction is flat, so a set's units are all flat or all not).
     buckets: set[tuple[int, ...]] = set()
+    wires = {unit: functools.partial(work.wire, unit) if work.compress.kind != "none" else _fp32
+             for unit in ("embed", "layer", "head")}
     for u in range(len(holders[0])):
         at = tuple(h[u][0] for h in holders)
         members = [(p.lay.types[s], p.lay.dp) for p, s in zip(parts, at)]
-        secs = member_seconds(holders[0][u][1], members, hierarchical, vocab=u in (0, len(holders[0]) - 1),
-                              latency=at not in buckets)
+        unit = "embed" if u == 0 else "head" if u == len(holders[0]) - 1 else "layer"
+        secs = member_seconds(holders[0][u][1], members, hierarchical, vocab=unit != "layer",
+                              latency=at not in buckets, wire=wires[unit])
         buckets.add(at)
         end = max(f[s] for f, s in zip(free, at)) + max(secs)
         for k, s in enumerate(at):
@@ -191,3 +205,49 @@ def reduce_seconds(parts: Sequence["Part"], work: Workload, hierarchical: bool, 
             late[k][s] = max(late[k][s], end)
     done = max(max(max(a, b) for a, b in zip(o, la)) for o, la in zip(own, late))
     return max(0.0, done - span)
+
+
+def unit_bytes(params: float, members: Sequence[Member], hierarchical: bool,
+               wire: Callable[[int], float] = _fp32) -> tuple[float, float, float]:
+    """Bytes all holders send in one unit's gradient reduce per step: ``(within vendors, across vendors as sent,
+    across vendors in fp32)``.
+
+    A ring over ``d`` holders sends ``2(d−1)·4P`` bytes in all, whatever the TP split (each of a holder's TP
+    ranks rings its own shard). Across vendors, flat: all of it goes over gloo, ``wire(d)`` of it as sent;
+    hierarchical (as :func:`member_seconds` takes it): each vendor group of ``g`` sends ``2(g−1)·4P`` inside,
+    and the ``k`` groups ``2(k−1)·4P`` across, ``wire(k)`` of it as sent.
+    """
+    d = sum(n for _, n in members)
+    if d < 2:
+        return 0.0, 0.0, 0.0
+    if len({v for st, _ in members for v in st.kind.vendors}) == 1:
+        return 8.0 * (d - 1) * params, 0.0, 0.0
+    groups = groups_of(members) if hierarchical else []
+    k = len(groups)
+    if k in (0, 1, d):
+        raw = 8.0 * (d - 1) * params
+        return 0.0, raw * wire(d), raw
+    raw = 8.0 * (k - 1) * params
+    return sum(8.0 * (g - 1) * params for g, _ in groups), raw * wire(k), raw
+
+
+def sync_bytes(parts: Sequence["Part"], work: Workload, hierarchical: bool) -> tuple[float, float, float]:
+    """:func:`unit_bytes` summed over every unit of the parts' replicas (the units of :func:`reduce_seconds`)."""
+    holders = [_units(p, work) for p in parts]
+    total = [0.0, 0.0, 0.0]
+    for u in range(len(holders[0])):
+        members = [(p.lay.types[h[u][0]], p.lay.dp) for p, h in zip(parts, holders)]
+        unit = "embed" if u == 0 else "head" if u == len(holders[0]) - 1 else "layer"
+        got = unit_bytes(holders[0][u][1], members, hierarchical, wire=functools.partial(work.wire, unit))
+        total = [a + b for a, b in zip(total, got)]
+    return total[0], total[1], total[2]
+
+
+def bytes_line(within: float, sent: float, raw: float, compress: str) -> str:
+    """The ``--explain`` line of :func:`sync_bytes`' figures."""
+    line = f"gradient sync per step: {within / 1e9:,.3g} GB inside vendors (vendor library)"
+    if raw:
+        line += f", {sent / 1e9:,.3g} GB across vendors over gloo"
+        line += (f" ({compress}: {100 * sent / raw:.2g}% of fp32's {raw / 1e9:,.3g} GB)" if compress != "none" else
+                 " (fp32; `--grad-compress bf16|int8|powersgd:R` sends less)")
+    return line

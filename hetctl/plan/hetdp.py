@@ -193,7 +193,7 @@ class HeteroSearch:
         key = (kinds, micro)
         if key not in self._parts:
             work = Workload(cost=self.work.cost, micro_batch=self.work.micro_batch,
-                            global_batch=micro * self.work.micro_batch)
+                            global_batch=micro * self.work.micro_batch, compress=self.work.compress)
             s = Searcher([self.kinds[i] for i in kinds], self.spec, work, self.framework, Pins(), keep=1, uneven=True)
             found = s.run(finish=False)
             self.considered += s.considered

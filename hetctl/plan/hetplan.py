@@ -11,7 +11,7 @@ from hetctl.files.plan import Baseline, Estimate, Parallel, Plan, Rank, Replica,
 from hetctl.plan.costmodel import Workload
 from hetctl.plan.devices import Devices
 from hetctl.plan.frameworks import capability
-from hetctl.plan.explain import _idle, _runs, calibrated_links
+from hetctl.plan.explain import _idle, _runs, calibrated_links, sync_bytes_line
 from hetctl.plan.hetdp import PCIE_GBS, HeteroLayout, Part
 
 
@@ -96,12 +96,14 @@ def explain_hetero(plan: Plan, hl: HeteroLayout, uniform: Plan, devices: Devices
            "at half line rate)")
     lines.append(
         f"gradient all-reduce over all {par.dp} replicas: adds {1e3 * hl.cross:.4g} ms "
-        f"({100 * hl.cross / est.step_time_s:.1f}% of the step) — fp32; "
+        f"({100 * hl.cross / est.step_time_s:.1f}% of the step) — "
+        + ("fp32; " if plan.grad_compress == "none" else f"{plan.grad_compress} across vendors, fp32 inside; ")
         + (f"unit by unit over the ranks holding each layer, across vendors {how}" if across else
            "each rank's units of one holder set as one bucket, one ring over the vendor library (gloo on CPU)")
         + ("; each stage starts it after its own last backward, while the stages before it drain"
            if cap.overlap_cross_vendor_dp else "; after the slowest part's last backward, not overlapped with it")
     )
+    lines.append(sync_bytes_line(plan, hl.parts))
     lines.extend(calibrated_links([st for part in hl.parts for st in part.lay.types]))
     lines.append(f"bubble {100 * est.bubble:.1f}% of the replicas' stage time under 1F1B")
     lines.extend(_idle(plan, devices))

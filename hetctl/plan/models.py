@@ -159,6 +159,8 @@ class ModelCost:
         return 3.0 * (self.num_layers * self.layer_flops + self.head_flops)
 
     tied: bool = False
+    layer_matrices: tuple[tuple[int, int], ...] = ()
+    """A layer's weight matrices as ``(rows, cols)`` (what PowerSGD compresses: ``--grad-compress``)."""
 
     def total_params(self) -> float:
         """The model's distinct parameters (a tied table counted once)."""
@@ -188,6 +190,7 @@ def model_cost(spec: ModelSpec) -> ModelCost:
         seq_len=spec.seq_len,
         num_layers=spec.num_layers,
         tied=spec.tie_embeddings,
+        layer_matrices=((h, h), (kv, h), (kv, h), (h, h)) + (((f, h),) * (2 if spec.swiglu else 1) + ((h, f),)),
     )
 
 

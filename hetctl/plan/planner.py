@@ -35,6 +35,7 @@ from hetctl.plan.frameworks import capability
 from hetctl.plan.hetdp import HeteroSearch
 from hetctl.plan.hetplan import build_hetero
 from hetctl.files.cluster import Cluster
+from hetctl.train.gradmode import Mode, parse_mode
 from hetctl.vendors import link_backend, stage_backend, vendor_info
 
 FRAMEWORKS = ("hetctl", "megatron", "flagscale", "deepspeed", "torchrun")
@@ -53,6 +54,7 @@ def plan_cluster(
     cluster_path: str | Path | None = None,
     homogeneous: bool = True,
     topology: bool = True,
+    grad_compress: str = "none",
 ) -> Plan:
     """Decide the fastest layout of ``spec`` on ``cluster``.
 
@@ -72,6 +74,9 @@ def plan_cluster(
             utilization); off only for callers that plan repeatedly.
         topology: weigh the nodes' switch labels in placement (:mod:`hetctl.plan.topology`);
             off: the speed-only order (what ``--explain`` compares against).
+        grad_compress: the reference trainer's ``--grad-compress`` (``none``, ``bf16``, ``int8``,
+            ``powersgd:R``): the gradient reduces that cross vendors are priced at its bytes, and the plan
+            records it for its ranks. Only ``framework="hetctl"`` compresses.
 
     Raises:
         ConfigError: bad options or a chip without a TFLOPS or memory figure.
@@ -89,7 +94,7 @@ def plan_cluster(
             "no usable chips: " + ("; ".join(devices.notes) if devices.notes else "the cluster file lists no nodes"),
             "probe the cluster again once nodes are reachable",
         )
-    work = Workload(cost=cost, micro_batch=micro_batch, global_batch=gb)
+    work = Workload(cost=cost, micro_batch=micro_batch, global_batch=gb, compress=_compress(grad_compress, framework))
     found = Searcher(devices.kinds, spec, work, framework, pins, topology=topology).run()
     if found.best is None:
         raise _with_other_frameworks(_infeasible(found, pins, work, spec, devices), found, devices, spec, work,
@@ -119,6 +124,18 @@ def plan_cluster(
                                                      for k, v in at_share.items()))
     plan.plan_time_s = round(time.perf_counter() - t0, 4)
     return plan
+
+
+def _compress(text: str, framework: str) -> Mode:
+    """``--grad-compress`` as the planner prices it; only the reference trainer compresses."""
+    try:
+        mode = parse_mode(text)
+    except ValueError as e:
+        raise ConfigError(f"--grad-compress {e}", "pass none, bf16, int8 or powersgd:R (R a rank such as 4)") from None
+    if mode.kind != "none" and framework != "hetctl":
+        raise ConfigError(f"--grad-compress {mode}: only hetctl's own trainer compresses gradients, not {framework}",
+                          "use --framework hetctl, or leave --grad-compress out")
+    return mode
 
 
 def _hetero(plan: Plan, lay: Layout, spec: ModelSpec, work: Workload, devices: Devices, framework: str,
@@ -383,6 +400,7 @@ def _build(lay: Layout, spec, work, devices: Devices, framework, cluster: Cluste
         baselines=_baselines(lay, work, spec, total, search),
         ideal_tokens_per_s=round(total / (work.cost.train_flops_per_token()), 2),
         notes=[],
+        grad_compress=str(work.compress),
     )
     parts = breakdown(lay)
     plan.estimate.step_breakdown_s = {k: round(v, 6) for k, v in parts.items()}

@@ -38,6 +38,7 @@ from hetctl.plan.costmodel import GB, Workload, elem_bytes, link
 from hetctl.plan.devices import Group, collect
 from hetctl.plan.models import model_cost
 from hetctl.plan.simulate import simulate_1f1b
+from hetctl.train.gradmode import parse_mode
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,7 @@ def _node_groups(cluster: Cluster) -> dict[str, list[Group]]:
 def _workload(plan: Plan) -> Workload:
     """The plan's model and batch as the cost model takes them."""
     return Workload(cost=model_cost(plan.model), micro_batch=plan.parallel.micro_batch,
-                    global_batch=plan.parallel.global_batch)
+                    global_batch=plan.parallel.global_batch, compress=parse_mode(plan.grad_compress))
 
 
 def _group(groups: dict[str, list[Group]], s: Stage) -> Group | None:

@@ -40,12 +40,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hetctl.train.gradmode import Mode, ring_bytes
+from hetctl.train.gradmode import CHUNK, Mode, ring_bytes
 
 Part = tuple[str, torch.Tensor, list[tuple[int, int]]]
 """What :meth:`Compressor.all_reduce` sums: a state key, a CPU float32 vector, its ``(numel, cols)`` runs."""
-CHUNK = 1024
-"""Elements per int8 scale: 4 bytes of scale per 1024 bytes of values (0.4%)."""
 
 
 class Compressor:

@@ -6,8 +6,11 @@ The compression itself is :mod:`hetctl.train.gradcomp`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 KINDS = ("none", "bf16", "int8", "powersgd")
+CHUNK = 1024
+"""int8: elements per fp32 scale (4 bytes of scale per 1024 bytes of values, 0.4%)."""
 
 
 @dataclass(frozen=True)
@@ -60,3 +63,23 @@ def saved_state(ckpt_dir, step: int, rank: int, digest: str) -> tuple[bytes | No
     if name not in require_manifest(ckpt_dir, step, digest).get("files", {}):
         return None, f"checkpoint step-{step} holds no {name}; error feedback starts from zero"
     return read_verified(ckpt_dir, step, [name], digest)[name], None
+
+
+def wire_fraction(mode: Mode, d: int, numel: float, matrices: Sequence[tuple[int, int]] = ()) -> float:
+    """Bytes a rank sends reducing ``numel`` fp32 gradient elements over ``d`` ranks in ``mode``, as a fraction
+    of the fp32 ring all-reduce's (what the planner prices on a cross-vendor link; :mod:`hetctl.train.gradcomp`
+    sends exactly this).
+
+    ``matrices``: the ``(rows, cols)`` weight matrices among the elements (PowerSGD compresses those where
+    ``R·(rows + cols) < rows·cols``; the rest goes in fp32). int8 all-gathers, ``(d − 1)·n·(1 + 4/CHUNK)``
+    bytes against the ring's ``2(d − 1)/d·4n``: a quarter at two ranks, as much as fp32 at eight.
+    """
+    if d < 2 or numel <= 0 or mode.kind == "none":
+        return 1.0
+    if mode.kind == "bf16":
+        return 0.5
+    if mode.kind == "int8":
+        return d * (1 + 4 / CHUNK) / 8
+    low = [(r, c) for r, c in matrices if mode.rank * (r + c) < r * c]
+    dense = numel - sum(r * c for r, c in low)
+    return (max(dense, 0.0) + sum(mode.rank * (r + c) for r, c in low)) / numel

@@ -71,10 +71,10 @@ def parse_args(argv: list[str] | None, env: os._Environ | dict) -> argparse.Name
     ap.add_argument("--dp-reduce", choices=("auto", "flat"), default="auto",
                     help="auto: hierarchical across vendors where it applies (hetctl.train.dpreduce); flat: one "
                     "all-reduce over every replica (default auto)")
-    ap.add_argument("--grad-compress", default="none", metavar="{none,bf16,int8,powersgd:R}",
+    ap.add_argument("--grad-compress", default=None, metavar="{none,bf16,int8,powersgd:R}",
                     help="compress the data-parallel reduce where it crosses vendors (over gloo): bf16, int8 or "
                     "rank-R PowerSGD, the last two with error feedback; within a vendor it is never compressed "
-                    "(default none)")
+                    "(default: the plan's grad_compress, `hetctl plan --grad-compress`, else none)")
     ap.add_argument("--comm-timeout", type=float, default=300.0,
                     help="seconds a collective or receive may wait before the rank fails (default 300)")
     optim.add_args(ap)
@@ -90,7 +90,7 @@ def parse_args(argv: list[str] | None, env: os._Environ | dict) -> argparse.Name
                     help="first-stage ranks print the ids of the samples of each step (default $HETCTL_LOG_SAMPLES=1)")
     args = ap.parse_args(argv)
     try:
-        args.grad_compress = gradmode.parse_mode(args.grad_compress)
+        args.grad_compress = None if args.grad_compress is None else gradmode.parse_mode(args.grad_compress)
     except ValueError as e:
         ap.error(f"--grad-compress {e}; pass none, bf16, int8 or powersgd:R (R a rank such as 4)")
     try:
@@ -189,6 +189,11 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
 
     topo = topology(plan, ctx)
     spec = plan["model"]
+    if args.grad_compress is None:  # the mode the plan was priced with (plan --grad-compress)
+        try:
+            args.grad_compress = gradmode.parse_mode(str(plan.get("grad_compress") or "none"))
+        except ValueError as e:
+            raise HetctlError(f"{ctx.plan}: grad_compress {e}", "re-plan with `hetctl plan --grad-compress …`") from None
     if args.checkpoint_every and ctx.ckpt_dir is None:
         raise HetctlError("--checkpoint-every is set but HETCTL_CKPT_DIR is not", "set it, or pass --checkpoint-every 0")
     if ctx.resume_step and ctx.ckpt_dir is None:
