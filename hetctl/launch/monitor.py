@@ -445,7 +445,7 @@ class Monitor:
             return
         self._last_progress_ev = (now, step)
         # One entry per stage, its representative rank's (TP peers agree): per rank it was 8 copies of each
-        # stage at 8-way TP, and at 1,024 nodes × 8 ranks 20 GB of events a day (bench/scale.py); past 64
+        # stage at 8-way TP, and at 1,024 nodes × 8 ranks 20 GB of events a day (bench/scale.py); past 16
         # entries, one per stage (launch/progress.py). The bytes across vendors are the representative's (its TP
         # peers send as many of their own shards).
         reps = (self.ranks[r] for _, r in sorted(self.rep.items()))

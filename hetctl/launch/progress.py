@@ -14,7 +14,7 @@ from typing import Iterable
 
 from hetctl.files.events import StageProgress
 
-FULL_ENTRIES = 64  # up to this many (replica, stage) entries, every event lists them all
+FULL_ENTRIES = 16  # up to this many (replica, stage) entries, every event lists them all
 FULL_EVERY_S = 600.0  # past it, the full list at most this often
 
 
