@@ -8,6 +8,8 @@
   private folder removed after the session, so the ssh transport's control sockets
   and generated configs (one per distinct ``ssh:`` settings, many in a test run) do
   not pile up in the developer's ``/tmp/hetctl-<uid>``.
+* ``_no_spares_unless_asked`` (session, autouse): ``HETCTL_STANDBY=off``, so a launch
+  starts no warm spares unless the test passes ``--standby`` (the standby tests do).
 * ``sshd_cluster`` (session): three running hosts shared by tests that only read
   from them. Do not kill, pause or install tools on it.
 * ``make_sshd_cluster`` (function): a factory for private clusters a test may
@@ -71,6 +73,22 @@ def _private_runtime_dir():
         else:
             os.environ["XDG_RUNTIME_DIR"] = before
         shutil.rmtree(runtime, ignore_errors=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_spares_unless_asked():
+    """``HETCTL_STANDBY=off`` for every ``hetctl launch`` the tests start (issue 38): a warm spare per rank imports
+    torch beside the training ranks, about a quarter of a launch test's time on two cores, and only a restart
+    uses it. The tests of warm standby itself, and of its processes' cleanup, pass ``--standby auto``."""
+    before = os.environ.get("HETCTL_STANDBY")
+    os.environ["HETCTL_STANDBY"] = "off"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("HETCTL_STANDBY", None)
+        else:
+            os.environ["HETCTL_STANDBY"] = before
 
 
 @pytest.fixture(autouse=True)

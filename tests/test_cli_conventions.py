@@ -98,6 +98,8 @@ def test_hetctl_environment_variables_stand_for_the_repeated_options(tmp_path):
     assert [v["run_id"] for v in json.loads(r.stdout)] == ["20261205-101010-abcd"]
     r = run("status", "--json", "--run-dir", "nowhere", HETCTL_RUN_DIR="elsewhere")
     assert r.returncode == 2 and "nowhere: no such run folder" in r.stderr, r.stderr
+    r = run("launch", "plan", HETCTL_STANDBY="sometimes")  # HETCTL_STANDBY is launch's --standby
+    assert r.returncode == 2 and "--standby 'sometimes': not a mode" in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("columns", [80, 120])

@@ -89,7 +89,9 @@ def check_succeeded(d: Path, r: subprocess.CompletedProcess, plan: Plan) -> dict
 def test_pp3_trains_to_the_end_with_logs_and_checkpoints(cluster, site):
     plan = make_plan(site, "plan-pp3", 3, 1)
     assert len({s.node for s in plan.stages}) == 3
-    r = hetctl(site, "launch", "plan-pp3", "--steps", str(STEPS), "--checkpoint-every", "10", "--json")
+    # with warm spares (the tests' default is off, conftest.py): they too must be gone at the end
+    r = hetctl(site, "launch", "plan-pp3", "--steps", str(STEPS), "--checkpoint-every", "10", "--json", "--standby",
+               "auto")
     check_succeeded(site, r, plan)
     assert cluster.wait_no_session_processes(10) == []
 

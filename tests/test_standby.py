@@ -70,7 +70,7 @@ class Run:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "hetctl", "launch", str(site / "plan"), "-i", str(site / "inventory.yaml"),
              "--steps", str(STEPS), "--checkpoint-every", str(EVERY), "--run-dir", str(self.runs), "--json",
-             "--grace", "2", "--node-timeout", "15", *extra],
+             "--grace", "2", "--node-timeout", "15", "--standby", "auto", *extra],
             cwd=site, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.run = self.wait(lambda: next(iter(self.runs.glob("*/run.yaml")), None), "a run folder").parent
         self.run_id = self.run.name

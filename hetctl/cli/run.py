@@ -71,11 +71,12 @@ def launch_cmd(
                                                  "plan's nodes (each chip against its same-model peers, a ring of "
                                                  "links against their NIC speed): drop the flagged nodes and "
                                                  "re-plan on the rest, or refuse to launch."),
-    standby: str = typer.Option("auto", "--standby", metavar="auto|on|off",
+    standby: str = typer.Option("auto", "--standby", metavar="auto|on|off", envvar="HETCTL_STANDBY",
                                 help="Warm standby: each node's agent keeps, per rank, a spare Python that has "
                                      "already imported torch and the trainer, and hands a restarted rank to it. "
                                      "auto: on for the reference trainer, off for --entry scripts (which may read "
-                                     "their environment at import time); on: also for --entry."),
+                                     "their environment at import time); on: also for --entry; off: none (a spare's "
+                                     "import takes CPU from training on CPU-bound nodes)."),
     export: str | None = typer.Option(None, "--export", metavar="HF_FOLDER",
                                       help="When the run succeeds, write its last checkpoint as a Hugging Face "
                                            "folder here (as `hetctl export` does); the folder must be new, and "
