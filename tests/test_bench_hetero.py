@@ -2,22 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 from hetctl.files.inventory import load_inventory
-
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "hetero_cpu.py"
+from tests.benches import load_bench
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("hetero_cpu", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("hetero_cpu")
 
 
 def test_each_node_gets_disjoint_cores_when_there_are_enough(bench):

@@ -8,23 +8,18 @@ schedule is :class:`hetctl.train.optim.Schedule`'s, its model computes what
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
+from tests.benches import load_bench
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "engine_quality.py"
+torch = pytest.importorskip("torch")
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("engine_quality", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("engine_quality")
 
 
 @pytest.mark.parametrize("decay", ["cosine", "linear", "constant"])
