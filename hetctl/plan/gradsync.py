@@ -207,7 +207,7 @@ def reduce_seconds(parts: Sequence["Part"], work: Workload, hierarchical: bool, 
     return max(0.0, done - span)
 
 
-def unit_bytes(params: float, members: Sequence[Member], hierarchical: bool,
+def unit_bytes(params: float, members: Sequence[Member], hierarchical: bool, vocab: bool = False,
                wire: Callable[[int], float] = _fp32) -> tuple[float, float, float]:
     """Bytes all holders send in one unit's gradient reduce per step: ``(within vendors, across vendors as sent,
     across vendors in fp32)``.
@@ -215,11 +215,15 @@ def unit_bytes(params: float, members: Sequence[Member], hierarchical: bool,
     A ring over ``d`` holders sends ``2(d−1)·4P`` bytes in all, whatever the TP split (each of a holder's TP
     ranks rings its own shard). Across vendors, flat: all of it goes over gloo, ``wire(d)`` of it as sent;
     hierarchical (as :func:`member_seconds` takes it): each vendor group of ``g`` sends ``2(g−1)·4P`` inside,
-    and the ``k`` groups ``2(k−1)·4P`` across, ``wire(k)`` of it as sent.
+    and the ``k`` groups ``2(k−1)·4P`` across, ``wire(k)`` of it as sent. ``vocab``: the embedding or the
+    head, of which each TP rank holds ``1/vocab_split`` (the reference trainer: all of it, so its ``tp`` ranks
+    each reduce a whole copy).
     """
     d = sum(n for _, n in members)
     if d < 2:
         return 0.0, 0.0, 0.0
+    if vocab:  # copies of the unit a holder reduces
+        params *= sum(n * st.tp / st.vocab_split for st, n in members) / d
     if len({v for st, _ in members for v in st.kind.vendors}) == 1:
         return 8.0 * (d - 1) * params, 0.0, 0.0
     groups = groups_of(members) if hierarchical else []
@@ -238,7 +242,8 @@ def sync_bytes(parts: Sequence["Part"], work: Workload, hierarchical: bool) -> t
     for u in range(len(holders[0])):
         members = [(p.lay.types[h[u][0]], p.lay.dp) for p, h in zip(parts, holders)]
         unit = "embed" if u == 0 else "head" if u == len(holders[0]) - 1 else "layer"
-        got = unit_bytes(holders[0][u][1], members, hierarchical, wire=functools.partial(work.wire, unit))
+        got = unit_bytes(holders[0][u][1], members, hierarchical, vocab=unit != "layer",
+                         wire=functools.partial(work.wire, unit))
         total = [a + b for a, b in zip(total, got)]
     return total[0], total[1], total[2]
 
