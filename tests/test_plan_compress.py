@@ -99,3 +99,22 @@ def test_a_bad_mode_is_one_clear_error():
 def test_the_trainer_takes_the_plans_mode_unless_told_otherwise():
     assert parse_args(["--steps", "3"], {}).grad_compress is None  # resolved from the plan when the rank starts
     assert str(parse_args(["--steps", "3", "--grad-compress", "int8"], {}).grad_compress) == "int8"
+
+
+@pytest.mark.parametrize("args, warned", [
+    ((), False),
+    (("--grad-compress", "int8"), False),  # what the plan was priced with
+    (("--grad-compress=int8",), False),
+    (("--lr", "1e-3", "--grad-compress", "bf16"), True),
+    (("--grad-compress", "int4"), False),  # refused by the trainer's parser instead
+])
+def test_launch_warns_when_the_ranks_get_another_mode_than_the_plan_priced(args, warned):
+    from hetctl.elastic.start import compress_warning
+    from hetctl.launch.materialize import REFERENCE_TRAINER
+
+    plan = plan_cluster(mixed(), SMALL, global_batch=256, grad_compress="int8", homogeneous=False)
+    got = compress_warning(plan, REFERENCE_TRAINER, args)
+    assert (got is not None) == warned, got
+    if warned:
+        assert "priced with --grad-compress int8 and the ranks get bf16" in got
+        assert "`hetctl plan --grad-compress bf16`" in got

@@ -166,7 +166,8 @@ def _launch(plan, inv, pf, alloc, *, run_dir, steps, checkpoint_every, entry, ma
     from hetctl.launch.controller import Thresholds
 
     anyway = launcher.rendered_anyway(plan, entry)
-    for warning in (launcher.checkpoint_warning(inv, plan), anyway):
+    for warning in (launcher.checkpoint_warning(inv, plan), launcher.compress_warning(plan, entry, script_args),
+                    anyway):
         if warning:
             _warn(warning)
     prepared = launcher.prepare_launch(

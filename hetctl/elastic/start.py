@@ -116,6 +116,26 @@ def checkpoint_dir(inventory: Any, run: RunDir) -> str:
     return str((run.path / "checkpoints").resolve())
 
 
+def compress_warning(plan: Plan, entry: Any, script_args: Any) -> str | None:
+    """A warning when ``--args --grad-compress`` differs from the mode the plan was priced with (``plan
+    --grad-compress``): the run is fine, the plan's figures are not its figures."""
+    if not mat.reference(plan, entry):
+        return None
+    args = list(script_args or ())
+    given = next((a.split("=", 1)[1] if "=" in a else (args[i + 1] if i + 1 < len(args) else None)
+                  for i, a in enumerate(args) if a.split("=", 1)[0] == "--grad-compress"), None)
+    from hetctl.train.gradmode import parse_mode
+
+    try:
+        mode = str(parse_mode(given)) if given is not None else None
+    except ValueError:
+        return None  # the trainer's parser refuses it next, in one line
+    if mode is None or mode == plan.grad_compress:
+        return None
+    return (f"the plan was priced with --grad-compress {plan.grad_compress} and the ranks get {mode}: its step "
+            f"time does not hold for this run (re-plan with `hetctl plan --grad-compress {mode}`)")
+
+
 def checkpoint_warning(inventory: Any, plan: Plan) -> str | None:
     """A warning when checkpoints would land on each node's own disk instead of shared storage."""
     if getattr(inventory, "checkpoint_dir", None):
