@@ -60,3 +60,26 @@ def test_a_summarized_event_is_small_and_reads_back(tmp_path):
     assert len(line) * 100 < len(full_line)  # 2 entries instead of 1,024
     ev = parse_event(read_events(tmp_path / "events.jsonl")[0])
     assert ev.replicas == 512 and ev.stages == stages
+
+
+def test_status_says_when_its_stages_are_a_summary(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from hetctl.files.run import RunDir
+    from hetctl.runs.status import view
+
+    run = RunDir.create(tmp_path / "runs", "20261206-101010-abcd")
+    (run.path / "run.yaml").write_text("run_id: 20261206-101010-abcd\ncreated: 0\nupdated: 0\nstate: succeeded\n"
+                                       "inputs: {steps: 20, checkpoint_every: 0, checkpoint_dir: c}\n")
+    many = entries(dp=512)
+    with EventLog(run.events_path) as log:
+        log.emit(Progress(attempt=0, step=10, loss=2.0, stages=many))
+        log.emit(Progress(attempt=0, step=12, loss=1.9, stages=summarize(many), replicas=512))
+    v = view(run.path)
+    assert v.stages_of_replicas == 512 and [(s.stage, s.step) for s in v.stages] == [(0, 10), (1, 10)]
+    r = subprocess.run([sys.executable, "-m", "hetctl", "status", str(run.path)], capture_output=True, text=True,
+                       env={**os.environ, "COLUMNS": "200"}, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "each stage's slowest of 512 replicas" in " ".join(r.stdout.split())  # the title wraps to the table

@@ -51,8 +51,9 @@ def _detail(v):
         lines += [text(f"recovery: {describe(r)}") for r in v.recoveries]
     parts: list = [*lines]
     if v.stages:
-        t = Table(title=f"stages (last progress {v.last_event_age_s:.0f}s ago)" if v.last_event_age_s is not None
-                  else "stages", title_justify="left")
+        of = f"; each stage's slowest of {v.stages_of_replicas} replicas" if v.stages_of_replicas else ""
+        t = Table(title=f"stages (last progress {v.last_event_age_s:.0f}s ago{of})" if v.last_event_age_s is not None
+                  else f"stages{f' ({of[2:]})' if of else ''}", title_justify="left")
         for col in ("replica", "stage", "step", "loss", "step ms"):
             t.add_column(col, justify="right")
         for s in v.stages:

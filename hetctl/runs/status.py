@@ -61,6 +61,7 @@ class RunView:
     step_ratio: float | None = None
     reason: str | None = None
     recoveries: list[dict] = field(default_factory=list)  # the run's ``recovery`` events, oldest first
+    stages_of_replicas: int | None = None  # set where ``stages`` is one summary per stage of that many replicas
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -93,6 +94,7 @@ def view(run_dir: str | Path, *, events: int = 8, now: float | None = None) -> R
         events=[e for e in evs if e.get("kind") != "progress"][-events:],
         step_ratio=s.step_ratio if s else None, reason=s.reason if s else None,
         recoveries=[{k: v for k, v in e.items() if k not in ("kind",)} for e in evs if e.get("kind") == "recovery"],
+        stages_of_replicas=(last or {}).get("replicas") if isinstance((last or {}).get("replicas"), int) else None,
     )
 
 
