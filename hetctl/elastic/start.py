@@ -119,18 +119,13 @@ def checkpoint_dir(inventory: Any, run: RunDir) -> str:
 def compress_warning(plan: Plan, entry: Any, script_args: Any) -> str | None:
     """A warning when ``--args --grad-compress`` differs from the mode the plan was priced with (``plan
     --grad-compress``): the run is fine, the plan's figures are not its figures."""
-    if not mat.reference(plan, entry):
+    if not mat.reference(plan, entry) or not script_args:
         return None
-    args = list(script_args or ())
-    given = next((a.split("=", 1)[1] if "=" in a else (args[i + 1] if i + 1 < len(args) else None)
-                  for i, a in enumerate(args) if a.split("=", 1)[0] == "--grad-compress"), None)
-    from hetctl.train.gradmode import parse_mode
-
-    try:
-        mode = str(parse_mode(given)) if given is not None else None
-    except ValueError:
-        return None  # the trainer's parser refuses it next, in one line
-    if mode is None or mode == plan.grad_compress:
+    parsed, _ = _trainer_args(tuple(script_args))
+    if parsed is None or parsed.grad_compress is None:  # refused by check_trainer_args next, or not given
+        return None
+    mode = str(parsed.grad_compress)
+    if mode == plan.grad_compress:
         return None
     return (f"the plan was priced with --grad-compress {plan.grad_compress} and the ranks get {mode}: its step "
             f"time does not hold for this run (re-plan with `hetctl plan --grad-compress {mode}`)")
@@ -224,8 +219,6 @@ def check_trainer_args(plan: Plan, args: tuple[str, ...]) -> None:
     """
     if not args:
         return
-    import io
-
     for word in args:
         key = word.split("=", 1)[0]
         if key in _LAUNCH_OWNS:
@@ -233,18 +226,26 @@ def check_trainer_args(plan: Plan, args: tuple[str, ...]) -> None:
             raise ConfigError(f"--args: {key} is set by launch itself" if own else
                               "--args: --help is not a training option",
                               f"use `hetctl launch {own}`" if own else "see `python -m hetctl.train --help`")
+    parsed, error = _trainer_args(args)
+    if parsed is None:
+        raise ConfigError(f"--args: {error}", "see `python -m hetctl.train --help` for the reference trainer's options")
+    if parsed.data:
+        _check_data_here(plan, parsed)
+
+
+def _trainer_args(args: tuple[str, ...]) -> tuple[Any, str | None]:
+    """``args`` as the reference trainer's own parser reads them; or None and its one-line error."""
+    import io
+
     from hetctl.train.main import parse_args
 
     said = io.StringIO()
     try:
         with contextlib.redirect_stderr(said):
-            parsed = parse_args(["--steps", "1", *args], {})
+            return parse_args(["--steps", "1", *args], {}), None
     except SystemExit:
         last = (said.getvalue().strip().splitlines() or ["not accepted"])[-1]
-        raise ConfigError(f"--args: {last.removeprefix('python -m hetctl.train: error: ')}",
-                          "see `python -m hetctl.train --help` for the reference trainer's options") from None
-    if parsed.data:
-        _check_data_here(plan, parsed)
+        return None, last.removeprefix("python -m hetctl.train: error: ")
 
 
 def _check_data_here(plan: Plan, parsed: Any) -> None:

@@ -35,12 +35,15 @@ Assumptions, stated once:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from hetctl.plan.devices import Group, Kind
-from hetctl.plan.models import ModelCost
-from hetctl.train.gradmode import Mode, wire_fraction
+from hetctl.plan.models import ModelCost, model_cost
+from hetctl.train.gradmode import Mode, parse_mode, wire_fraction
 from hetctl.vendors import GLOO_EFFICIENCY, VENDOR_TABLE, link_backend, stage_backend, vendor_info
+
+if TYPE_CHECKING:
+    from hetctl.files.plan import Plan
 
 GB = 1e9
 
@@ -54,6 +57,12 @@ class Workload:
     global_batch: int
     compress: Mode = Mode()
     """``--grad-compress`` of the reference trainer: how the gradient reduces that cross vendors are sent."""
+
+    @classmethod
+    def of_plan(cls, plan: "Plan") -> "Workload":
+        """A written plan's model, batch and ``grad_compress``, as the cost model takes them."""
+        return cls(cost=model_cost(plan.model), micro_batch=plan.parallel.micro_batch,
+                   global_batch=plan.parallel.global_batch, compress=parse_mode(plan.grad_compress))
 
     def wire(self, unit: str, d: int) -> float:
         """Fraction of fp32's bytes a cross-vendor reduce of one ``unit`` (``embed``, ``layer``, ``head``) over

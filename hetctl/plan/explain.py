@@ -174,12 +174,8 @@ def sync_bytes_line(plan: Plan, parts) -> str:
     from hetctl.plan.costmodel import Workload
     from hetctl.plan.frameworks import capability
     from hetctl.plan.gradsync import bytes_line, sync_bytes
-    from hetctl.plan.models import model_cost
-    from hetctl.train.gradmode import parse_mode
 
-    work = Workload(cost=model_cost(plan.model), micro_batch=plan.parallel.micro_batch,
-                    global_batch=plan.parallel.global_batch, compress=parse_mode(plan.grad_compress))
-    within, sent, raw = sync_bytes(parts, work, capability(plan.framework or "hetctl").hierarchical_dp)
+    within, sent, raw = sync_bytes(parts, Workload.of_plan(plan), capability(plan.framework or "hetctl").hierarchical_dp)
     return bytes_line(within, sent, raw, plan.grad_compress)
 
 

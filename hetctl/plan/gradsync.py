@@ -153,6 +153,11 @@ def unit_seconds(params: float, members: Sequence[Member], hierarchical: bool, v
     return max(member_seconds(params, members, hierarchical, vocab, wire=wire))
 
 
+def _unit_kind(u: int, units: int) -> str:
+    """``embed``, ``layer`` or ``head``: unit ``u`` of ``units`` in global order (:func:`_units`)."""
+    return "embed" if u == 0 else "head" if u == units - 1 else "layer"
+
+
 def _units(part: "Part", work: Workload) -> list[tuple[int, float]]:
     """Per unit in global order (embedding, layers, head): the stage of ``part`` holding it, and its parameters."""
     c = work.cost
@@ -195,7 +200,7 @@ def reduce_seconds(parts: Sequence["Part"], work: Workload, hierarchical: bool, 
     for u in range(len(holders[0])):
         at = tuple(h[u][0] for h in holders)
         members = [(p.lay.types[s], p.lay.dp) for p, s in zip(parts, at)]
-        unit = "embed" if u == 0 else "head" if u == len(holders[0]) - 1 else "layer"
+        unit = _unit_kind(u, len(holders[0]))
         secs = member_seconds(holders[0][u][1], members, hierarchical, vocab=unit != "layer",
                               latency=at not in buckets, wire=wires[unit])
         buckets.add(at)
@@ -241,7 +246,7 @@ def sync_bytes(parts: Sequence["Part"], work: Workload, hierarchical: bool) -> t
     total = [0.0, 0.0, 0.0]
     for u in range(len(holders[0])):
         members = [(p.lay.types[h[u][0]], p.lay.dp) for p, h in zip(parts, holders)]
-        unit = "embed" if u == 0 else "head" if u == len(holders[0]) - 1 else "layer"
+        unit = _unit_kind(u, len(holders[0]))
         got = unit_bytes(holders[0][u][1], members, hierarchical, vocab=unit != "layer",
                          wire=functools.partial(work.wire, unit))
         total = [a + b for a, b in zip(total, got)]

@@ -36,9 +36,7 @@ from hetctl.files.events import Measured
 from hetctl.files.plan import Plan, Stage
 from hetctl.plan.costmodel import GB, Workload, elem_bytes, link
 from hetctl.plan.devices import Group, collect
-from hetctl.plan.models import model_cost
 from hetctl.plan.simulate import simulate_1f1b
-from hetctl.train.gradmode import parse_mode
 
 
 @dataclass(frozen=True)
@@ -93,12 +91,6 @@ def _node_groups(cluster: Cluster) -> dict[str, list[Group]]:
     return groups
 
 
-def _workload(plan: Plan) -> Workload:
-    """The plan's model and batch as the cost model takes them."""
-    return Workload(cost=model_cost(plan.model), micro_batch=plan.parallel.micro_batch,
-                    global_batch=plan.parallel.global_batch, compress=parse_mode(plan.grad_compress))
-
-
 def _group(groups: dict[str, list[Group]], s: Stage) -> Group | None:
     mine = groups.get(s.node, [])
     return next((g for g in mine if (g.vendor, g.model) == (s.vendor, s.model)), mine[0] if mine else None)
@@ -129,7 +121,7 @@ def fit_links(plan: Plan, measured: Measured, cluster: Cluster) -> LinkFit:
     if sorted(got) != list(range(pp)):
         return LinkFit([], reason="not every stage was measured")
     comp = [max(0.0, sum(v) / len(v) / m / 1e3) for _, v in sorted(got.items())]
-    groups, work = _node_groups(cluster), _workload(plan)
+    groups, work = _node_groups(cluster), Workload.of_plan(plan)
     bare = dataclasses.replace(work, micro_batch=0)  # a message of no bytes: the latency part alone
     chains = [plan.stages_of(r) for r in range(plan.parallel.dp)]
     modeled: list[list[tuple[float, float, bool]]] = []  # per replica, per hop: cost, latency part, across nodes
@@ -201,7 +193,7 @@ def _predicted_makespan(plan: Plan, hops: list[float], m: int) -> float:
 
 def sends_per_step(plan: Plan, cluster: Cluster) -> dict[tuple[int, int], float]:
     """Per (replica, stage), ms per step of the sends the plan's ``est_ms`` counted (empty where unknown)."""
-    groups, work = _node_groups(cluster), _workload(plan)
+    groups, work = _node_groups(cluster), Workload.of_plan(plan)
     out: dict[tuple[int, int], float] = {}
     for r in range(plan.parallel.dp):
         chain, m = plan.stages_of(r), plan.micro_batches_of(r)
