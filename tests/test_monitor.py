@@ -125,9 +125,27 @@ def test_zipapp_is_deterministic_and_self_contained():
     assert shipped == sorted(p.name for p in node_dir.glob("*.py"))  # the folder is the list
     assert "manifest.py" in shipped  # a --entry script on a bare node can write checkpoints resume accepts
     assert {"__main__.py", "hetctl/__init__.py", "hetctl/errors.py", "hetctl/vendors.py", "hetctl/runtime.py"} <= set(names)
-    mat.agent_zipapp.cache_clear()
-    mat.agent_zipapp_sha256.cache_clear()
-    assert mat.agent_zipapp() == data
+    mat.forget_zipapp()
+    assert mat.agent_zipapp() == data  # deterministic bytes
+
+
+def test_a_fan_out_builds_the_agent_zipapp_once(monkeypatch):
+    """64 pre-flight threads asked for it at once, and each built it (35 s of CPU at 1,024 nodes)."""
+    import threading
+
+    built = []
+    real = mat._build_zipapp
+    monkeypatch.setattr(mat, "_build_zipapp", lambda: built.append(1) or real())
+    mat.forget_zipapp()
+    go = threading.Barrier(16)
+    digests: list[str] = []
+    threads = [threading.Thread(target=lambda: (go.wait(), digests.append(mat.agent_zipapp_digest())))
+               for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(built) == 1 and len(set(digests)) == 1 and len(digests) == 16
 
 
 def test_crash_is_a_rank_failed_event_and_the_root_cause(plan, spec, tmp_path):
@@ -602,3 +620,10 @@ def test_validation_loss_becomes_one_evaluated_event_per_evaluation(plan, spec, 
     feed(mon, clock, "n2", "heartbeat", 0.1, rank=2, hb={"step": 8, "time": 1.0, "eval_loss": 2.5, "eval_step": 8})
     got = [(e["step"], e["eval_loss"], e["attempt"]) for e in read_events(run.events_path, "evaluated")]
     assert got == [(4, 2.75, 2), (8, 2.5, 2)]
+
+
+def test_the_live_view_is_refreshed_less_often_past_a_thousand_ranks():
+    from hetctl.launch.monitor import update_every
+
+    assert update_every(8) == update_every(1024) == 0.25
+    assert update_every(4096) == 1.0 and update_every(8192) == update_every(100_000) == 2.0

@@ -183,24 +183,6 @@ def test_the_reader_survives_a_real_hostile_agent_with_bounded_memory():
     assert "not a port" in agent.tail() and not agent.port_answered.is_set()
 
 
-def test_lines_hold_at_most_the_limit():
-    import io
-
-    class Counting(io.BytesIO):
-        most = 0
-
-        def readline(self, size=-1):
-            line = super().readline(size)
-            Counting.most = max(Counting.most, len(line))
-            return line
-
-    stream = Counting(b"a\n" + b"y" * 100_000 + b"\nb\n")
-    out = list(wire.lines(stream, limit=1000))
-    assert out[0] == b"a\n" and isinstance(out[1], wire.Refused) and out[2] == b"b\n"
-    assert Counting.most == 1000
-
-
-
 @pytest.mark.parametrize("answer, said", [
     ({"port": "29500; touch /tmp/x"}, "the pre-flight's answer has port = '29500; touch /tmp/x'"),
     ({"workdir": None}, "the pre-flight's answer has workdir = None"),

@@ -40,7 +40,7 @@ from typing import Any, Callable, Mapping
 
 from hetctl.errors import HetctlError, StartFailed
 from hetctl.files.plan import Plan
-from hetctl.launch import materialize as mat, wire
+from hetctl.launch import materialize as mat, reader, wire
 from hetctl.launch.ship import ship as ship_files
 from hetctl.files.events import Launched
 from hetctl.files.eventlog import EventLog
@@ -89,7 +89,8 @@ class AttemptRequest:
 
 
 class _Agent:
-    """One node's agent connection: process, reader threads and the stderr tail."""
+    """One node's agent connection: its process, its streams (read by :mod:`hetctl.launch.reader`'s one
+    thread) and its stderr's tail."""
 
     def __init__(self, name: str, transport: Any, proc: Any, inbox: queue.SimpleQueue) -> None:
         self.name = name
@@ -101,28 +102,27 @@ class _Agent:
         self.inbox = inbox  # an agent kept for the next attempt (hetctl.launch.pool) feeds that attempt's inbox
         self.port: int | None = None
         self.port_answered = threading.Event()
-        threading.Thread(target=self._read_stdout, daemon=True, name=f"agent-{name}").start()
-        threading.Thread(target=self._read_stderr, daemon=True, name=f"agent-err-{name}").start()
+        streams = reader.shared()
+        streams.add(proc.stdout, self._stdout_line, self._stdout_end)
+        streams.add(proc.stderr, self._stderr_line, lambda: None, wire.MAX_TEXT)
 
-    def _read_stdout(self) -> None:
+    def _stdout_line(self, raw: bytes | wire.Refused) -> None:
+        if isinstance(raw, wire.Refused):
+            self.inbox.put((self.name, raw))
+            return
         try:
-            for raw in wire.lines(self.proc.stdout):
-                if isinstance(raw, wire.Refused):
-                    self.inbox.put((self.name, raw))
-                    continue
-                try:
-                    msg = json.loads(raw)
-                except ValueError:
-                    self._note(raw)
-                    continue
-                if isinstance(msg, dict) and msg.get("ev") == "port":
-                    self._answer_port(msg.get("port"))  # the answer to ask_port, not an attempt's event
-                elif isinstance(msg, dict) and "ev" in msg:
-                    self.inbox.put((self.name, msg))
-                else:
-                    self.inbox.put((self.name, wire.Refused(f"not an event: {raw[:60]!r}")))
-        except (OSError, ValueError, EOFError):
-            pass
+            msg = json.loads(raw)
+        except ValueError:
+            self._note(raw)
+            return
+        if isinstance(msg, dict) and msg.get("ev") == "port":
+            self._answer_port(msg.get("port"))  # the answer to ask_port, not an attempt's event
+        elif isinstance(msg, dict) and "ev" in msg:
+            self.inbox.put((self.name, msg))
+        else:
+            self.inbox.put((self.name, wire.Refused(f"not an event: {raw[:60]!r}")))
+
+    def _stdout_end(self) -> None:
         self.eof.set()
         self.inbox.put((self.name, None))
 
@@ -134,12 +134,8 @@ class _Agent:
         else:
             self._note(f"the agent answered port {str(port)[:40]!r}, not a port")
 
-    def _read_stderr(self) -> None:
-        try:
-            for raw in wire.lines(self.proc.stderr, wire.MAX_TEXT):
-                self._note(raw.reason if isinstance(raw, wire.Refused) else raw)
-        except (OSError, ValueError, EOFError):
-            pass
+    def _stderr_line(self, raw: bytes | wire.Refused) -> None:
+        self._note(raw.reason if isinstance(raw, wire.Refused) else raw)
 
     def _note(self, raw: bytes | str) -> None:
         text = raw.decode(errors="replace") if isinstance(raw, bytes) else raw

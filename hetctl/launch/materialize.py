@@ -21,9 +21,9 @@ import hashlib
 import io
 import json
 import re
+import threading
 import zipfile
 from dataclasses import dataclass, field, fields, is_dataclass
-from functools import lru_cache
 from importlib import resources
 from typing import Any, Collection, Mapping, Sequence
 
@@ -302,8 +302,27 @@ def plan_json(plan: Plan) -> bytes:
     return plan.model_dump_json(indent=1).encode()
 
 
-@lru_cache(maxsize=1)
+_ZIPAPP: dict[str, Any] = {}  # "bytes" and "sha256" of the agent zipapp, once built
+_ZIPAPP_LOCK = threading.Lock()
+
+
 def agent_zipapp() -> bytes:
+    """The agent zipapp (:func:`_build_zipapp`), built once per process: the first of a fan-out's threads
+    builds it while the others wait (at 1,024 nodes, 64 threads used to build it at the same time)."""
+    with _ZIPAPP_LOCK:
+        if "bytes" not in _ZIPAPP:
+            data = _build_zipapp()
+            _ZIPAPP.update(bytes=data, sha256=hashlib.sha256(data).hexdigest())
+        return _ZIPAPP["bytes"]
+
+
+def forget_zipapp() -> None:
+    """Build the zipapp again on next use (a test that changed ``hetctl/node/``)."""
+    with _ZIPAPP_LOCK:
+        _ZIPAPP.clear()
+
+
+def _build_zipapp() -> bytes:
     """A zipapp of ``hetctl/node/`` (stdlib only) and what it imports, built in memory from the folder.
 
     Everything in ``hetctl/node/`` ships, so the manifest writer, the runtime and
@@ -330,9 +349,9 @@ def agent_zipapp() -> bytes:
     return buf.getvalue()
 
 
-@lru_cache(maxsize=1)
 def agent_zipapp_sha256() -> str:
-    return hashlib.sha256(agent_zipapp()).hexdigest()
+    agent_zipapp()
+    return _ZIPAPP["sha256"]
 
 
 def agent_zipapp_digest() -> str:

@@ -68,6 +68,13 @@ UPDATE_EVERY_S = 0.25
 CHECK_EVERY_S = 0.1
 
 
+def update_every(ranks: int) -> float:
+    """Seconds between the live view's snapshots: 0.25 up to 1,024 ranks, then longer in proportion, to 2 s at
+    8,192. A snapshot copies every rank's status; at 8,192 ranks four a second took a fifth of a core
+    (bench/scale.py), and no terminal shows 8,192 ranks that often."""
+    return UPDATE_EVERY_S * min(8.0, max(1.0, ranks / 1024))
+
+
 @dataclass
 class RankStatus:
     """What the controller last saw of one rank (the observed twin of ``RankLaunch``)."""
@@ -203,7 +210,7 @@ class Monitor:
                 next_check = now + CHECK_EVERY_S
             if now >= next_update:
                 self.progress(now)
-                next_update = now + UPDATE_EVERY_S
+                next_update = now + update_every(len(self.ranks))
             if self.failures:
                 self.progress(now, force=True)
                 return RunState.FAILED

@@ -41,6 +41,7 @@ class RankLogs:
         self._headed: set[int] = set()  # ranks whose header this attempt wrote
         self._failed: set[int] = set()
         self._errors: list[tuple[str, str]] = []
+        self._dirs: set[Path] = set()  # node folders made and checked this attempt (8 ranks share one)
 
     def file(self, rank: int) -> IO[str] | None:
         """The rank's log, opened (and headed, once per attempt) on use; None once writing it failed
@@ -54,9 +55,11 @@ class RankLogs:
         node = self.nodes[rank]
         path = self.run.log_path(node, rank)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            if path.parent.is_symlink():
-                raise OSError(f"{path.parent}: a symbolic link in the run folder")
+            if path.parent not in self._dirs:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                if path.parent.is_symlink():
+                    raise OSError(f"{path.parent}: a symbolic link in the run folder")
+                self._dirs.add(path.parent)
             while len(self._open) >= self.max_open:
                 _close(self._open.popitem(last=False)[1])
             f = self._open[rank] = open_append(path)  # closed when evicted or in close()

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Collection, Iterator
+from typing import Any, Collection
 
 STANDBY_STATES = frozenset({"importing", "ready", "used", "cold", "none", "gone"})
 MAX_TEXT = 4096  # one error or reason; a longer one is cut (the rank's log keeps the whole output)
@@ -131,27 +131,7 @@ def check(msg: Any, owned: Collection[int]) -> dict | Refused:
     return {k: (v[:MAX_TEXT] if isinstance(v, str) else v) for k, v in msg.items()}
 
 
-MAX_LINE = 4 << 20  # bytes of one event line; the agent's log budget keeps real ones far below
-
-
-def lines(stream: Any, limit: int = MAX_LINE) -> Iterator[bytes | Refused]:
-    """The lines of an agent's stdout, each read with at most ``limit`` bytes held.
-
-    A longer line is skipped to its end and stands as a :class:`Refused`, so a node
-    that prints a gigabyte without a line break costs the controller ``limit`` bytes.
-    """
-    while True:
-        raw = stream.readline(limit)
-        if not raw:
-            return
-        if raw.endswith(b"\n") or len(raw) < limit:
-            yield raw
-            continue
-        skipped = len(raw)
-        while raw and not raw.endswith(b"\n"):
-            raw = stream.readline(limit)
-            skipped += len(raw)
-        yield Refused(f"a line of {skipped} bytes or more (the limit is {limit})")
+MAX_LINE = 4 << 20  # bytes of one event line (hetctl.launch.reader); the agent's log budget keeps real ones far below
 
 
 # The pre-flight's answer (hetctl.node.preflight): field → check; the controller reads these.
