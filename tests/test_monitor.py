@@ -252,6 +252,28 @@ def test_silent_or_vanished_agent_is_a_lost_node_listed_first(plan, spec, tmp_pa
     assert {e["node"] for e in read_events(run.events_path, "node_lost")} == {"n1", "n3"}
 
 
+def test_a_monitor_behind_its_queue_does_not_call_a_node_silent_whose_lines_wait_there(plan, spec, tmp_path):
+    """A monitor starved of CPU handles lines read long ago: their wait stretches the node timeout (3 s here),
+    so no node is lost while its newer lines may still be queued; once the monitor has caught up, silence counts."""
+    import queue
+    import time as _time
+
+    clock = Clock()
+    mon, _ = make_monitor(plan, spec, tmp_path, clock)
+    start_all(mon, clock, plan)
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+    clock.t += 4.0  # nobody handled for 4 s > node_timeout
+    inbox.put(("n0", {"ev": "alive", "ranks": {}}, _time.monotonic() - 5.0))  # read 5 s ago: the monitor lags
+    mon.handle(*mon._take(inbox.get()))
+    mon.check(clock.t)
+    assert mon.lag >= 5.0 and not mon.failures
+    inbox.put(("n0", {"ev": "alive", "ranks": {}}, _time.monotonic()))  # caught up
+    mon.handle(*mon._take(inbox.get()))
+    mon.check(clock.t)
+    assert mon.lag < 1.0 and {f.node for f in mon.failures} == set(plan.nodes) - {"n0"}
+    assert all(f.kind == FaultKind.NODE_LOST for f in mon.failures)
+
+
 def _slurm_monitor(plan, spec, tmp_path):
     clock = Clock()
     mon, run = make_monitor(plan, spec, tmp_path, clock)

@@ -8,6 +8,7 @@ import queue
 import subprocess
 import sys
 import threading
+import time
 
 from hetctl.launch import reader, wire
 
@@ -118,7 +119,9 @@ def test_the_agent_connection_reads_its_streams_through_the_shared_reader():
     agent = _Agent("n1", None, p, inbox)
     assert agent.eof.wait(30)
     p.wait(10)
-    assert inbox.get(timeout=5) == ("n1", {"ev": "hello"}) and inbox.get(timeout=5) == ("n1", None)
+    first, last = inbox.get(timeout=5), inbox.get(timeout=5)
+    assert first[:2] == ("n1", {"ev": "hello"}) and last[:2] == ("n1", None)
+    assert first[2] <= last[2] <= time.monotonic()  # when each was read: the monitor's lag is measured by it
     for _ in range(50):
         if agent.tail():
             break

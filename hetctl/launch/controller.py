@@ -108,7 +108,7 @@ class _Agent:
 
     def _stdout_line(self, raw: bytes | wire.Refused) -> None:
         if isinstance(raw, wire.Refused):
-            self.inbox.put((self.name, raw))
+            self._put(raw)
             return
         try:
             msg = json.loads(raw)
@@ -118,13 +118,17 @@ class _Agent:
         if isinstance(msg, dict) and msg.get("ev") == "port":
             self._answer_port(msg.get("port"))  # the answer to ask_port, not an attempt's event
         elif isinstance(msg, dict) and "ev" in msg:
-            self.inbox.put((self.name, msg))
+            self._put(msg)
         else:
-            self.inbox.put((self.name, wire.Refused(f"not an event: {raw[:60]!r}")))
+            self._put(wire.Refused(f"not an event: {raw[:60]!r}"))
 
     def _stdout_end(self) -> None:
         self.eof.set()
-        self.inbox.put((self.name, None))
+        self._put(None)
+
+    def _put(self, msg: dict | wire.Refused | None) -> None:
+        """To the monitor, with when it was read: the monitor tells its own lag from the node's silence."""
+        self.inbox.put((self.name, msg, time.monotonic()))
 
     def _answer_port(self, port: object) -> None:
         """A node's free port, believed only when it is one (1..65535); else no answer, so ask_port says so."""
