@@ -44,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 from hetctl.files.inventory import load_inventory  # noqa: E402
 from hetctl.files.plan import Plan  # noqa: E402
+from hetctl.files.run import LaunchOptions  # noqa: E402
 from hetctl.launch import materialize as mat  # noqa: E402
 from hetctl.files.eventlog import read_events  # noqa: E402
 from hetctl.files.yamlio import save_model  # noqa: E402
@@ -122,8 +123,8 @@ def pdsh_env_files(plan: Plan, inventory: Path, where: Path, steps: int) -> tupl
     plan_path = where / "plan.json"
     plan_path.write_bytes(mat.plan_json(plan))
     spec = mat.materialize(plan, {n.name: n for n in inv.nodes}, run_id="pdsh", attempt=0,
-                           master_addr="unused", master_port=0, steps=steps, checkpoint_every=0,
-                           ckpt_dir=str(where / "ckpt"))
+                           master_addr="unused", master_port=0,
+                           options=LaunchOptions(steps=steps, checkpoint_every=0), ckpt_dir=str(where / "ckpt"))
     hbs = []
     for n, node in enumerate(spec.nodes):
         rank = node.ranks[0]

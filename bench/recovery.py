@@ -61,6 +61,7 @@ sys.path.insert(0, str(ROOT))
 
 from hetctl.files.inventory import load_inventory  # noqa: E402
 from hetctl.files.plan import Plan  # noqa: E402
+from hetctl.files.run import LaunchOptions  # noqa: E402
 from hetctl.launch import materialize as mat  # noqa: E402
 from hetctl.files.eventlog import read_events  # noqa: E402
 from hetctl.launch.inject import rank_procs  # noqa: E402
@@ -204,8 +205,8 @@ def run_torchrun(tmp: Path, inv: Path, plan: Plan, o: argparse.Namespace, rep: i
     plan_path.write_bytes(mat.plan_json(plan))
     inventory = load_inventory(inv)
     spec = mat.materialize(plan, {n.name: n for n in inventory.nodes}, run_id=f"torchrun-{rep}", attempt=0,
-                           master_addr="127.0.0.1", master_port=0, steps=o.steps, checkpoint_every=o.every,
-                           ckpt_dir=str(where / "ckpt"))
+                           master_addr="127.0.0.1", master_port=0,
+                           options=LaunchOptions(steps=o.steps, checkpoint_every=o.every), ckpt_dir=str(where / "ckpt"))
     for n in spec.nodes:
         for r in n.ranks:
             env = {**r.env, **n.env, "HETCTL_PLAN": str(plan_path),

@@ -130,6 +130,7 @@ def measure(nodes: int, o: argparse.Namespace) -> dict:
     from hetctl.elastic.policy import PolicyConfig
     from hetctl.elastic.start import prepare_launch
     from hetctl.files.inventory import Inventory, Node
+    from hetctl.files.run import LaunchOptions
     from hetctl.remote.simfleet import SimFleet
 
     plan = build_plan(nodes)
@@ -141,8 +142,8 @@ def measure(nodes: int, o: argparse.Namespace) -> dict:
         (tmp / "ck").mkdir()
         inv = Inventory(checkpoint_dir=str(tmp / "ck"),
                         nodes=[Node(name=n, host=n, python="/usr/bin/python3", workdir=f"/w/{n}") for n in plan.nodes])
-        prepared = prepare_launch(plan, inv, run_root=tmp / "runs", plan_path=None, steps=10**7, checkpoint_every=0,
-                                  policy=PolicyConfig(max_restarts=3))
+        prepared = prepare_launch(plan, inv, LaunchOptions(steps=10**7, checkpoint_every=0), run_root=tmp / "runs",
+                                  plan_path=None, policy=PolicyConfig(max_restarts=3))
         watch, stop, out = Watch(), threading.Event(), {}
         t0 = time.time()
 

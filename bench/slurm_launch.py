@@ -50,6 +50,7 @@ import yaml  # noqa: E402
 
 from hetctl.files.inventory import load_inventory  # noqa: E402
 from hetctl.files.plan import Plan  # noqa: E402
+from hetctl.files.run import LaunchOptions  # noqa: E402
 from hetctl.launch import materialize as mat  # noqa: E402
 from hetctl.files.eventlog import read_events  # noqa: E402
 from hetctl.launch.inject import signal_rank  # noqa: E402
@@ -124,7 +125,8 @@ def env_files(plan: Plan, inventory: Path, env: dict, where: Path, steps: int) -
     plan_path = where / "plan.json"
     plan_path.write_bytes(mat.plan_json(plan))
     spec = mat.materialize(plan, {n.name: n for n in inv.nodes}, run_id="srun", attempt=0, master_addr="unused",
-                           master_port=0, steps=steps, checkpoint_every=0, ckpt_dir=str(where / "ckpt"))
+                           master_port=0,
+                           options=LaunchOptions(steps=steps, checkpoint_every=0), ckpt_dir=str(where / "ckpt"))
     hbs = []
     for i, node in enumerate(spec.nodes):
         rank = node.ranks[0]

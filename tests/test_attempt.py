@@ -12,6 +12,7 @@ import json
 
 import pytest
 
+from hetctl.files.run import LaunchOptions
 from hetctl.errors import StartFailed
 from hetctl.files.eventlog import EVENT_TYPES, EventLog, read_events
 from hetctl.files.inventory import Inventory, Node
@@ -40,7 +41,8 @@ def inventory(plan) -> Inventory:
 def attempt(plan, inventory, tmp_path, fleet, steps=4, th=TH):
     run = RunDir.create(tmp_path, "r1")
     events = EventLog(run.events_path)
-    req = AttemptRequest(plan=plan, attempt=0, steps=steps, checkpoint_every=0, ckpt_dir=str(tmp_path / "ck"))
+    req = AttemptRequest(plan=plan, attempt=0, options=LaunchOptions(steps=steps, checkpoint_every=0),
+                         ckpt_dir=str(tmp_path / "ck"))
     ctl = AttemptController(req, inventory=inventory, run=run, events=events, thresholds=th,
                             connect=fleet.connect)
     try:
@@ -124,7 +126,7 @@ def test_a_workdir_others_can_write_is_refused_before_anything_starts(plan, tmp_
                                 workdir=str(shared if n == "n1" else mine)) for n in plan.nodes])
     run = RunDir.create(tmp_path, "r2")
     with EventLog(run.events_path) as events, pytest.raises(StartFailed) as e:
-        AttemptController(AttemptRequest(plan=plan, attempt=0, steps=2, checkpoint_every=0, ckpt_dir="/x"),
+        AttemptController(AttemptRequest(plan=plan, attempt=0, options=LaunchOptions(steps=2, checkpoint_every=0), ckpt_dir="/x"),
                           inventory=inv, run=run, events=events, thresholds=TH, connect=connect).run()
     assert [f.node for f in e.value.failures] == ["n1"]
     assert f"workdir {shared} is writable by others (mode 777)" in e.value.message
@@ -142,7 +144,8 @@ def test_nodes_with_another_torch_are_refused_at_launch_unless_allowed(plan, inv
 
     run = RunDir.create(tmp_path, "r-allowed")
     with EventLog(run.events_path) as events:
-        req = AttemptRequest(plan=plan, attempt=0, steps=3, checkpoint_every=0, ckpt_dir="/ck", allow_mixed_software=True)
+        req = AttemptRequest(plan=plan, attempt=0, ckpt_dir="/ck",
+                             options=LaunchOptions(steps=3, checkpoint_every=0, allow_mixed_software=True))
         out = AttemptController(req, inventory=inventory, run=run, events=events, thresholds=TH,
                                 connect=FakeFleet(fleet.scripts).connect).run()
     assert out.state == RunState.SUCCEEDED

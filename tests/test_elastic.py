@@ -19,6 +19,7 @@ from hetctl.errors import StartFailed
 from hetctl.files.cluster import Chip, Cluster, NodeFacts
 from hetctl.files.eventlog import EVENT_TYPES, parse_event, read_events
 from hetctl.files.inventory import Inventory, Node
+from hetctl.files.run import LaunchOptions
 from hetctl.files.yamlio import save_model
 from hetctl.launch.outcome import AttemptOutcome, FailureRecord, FaultKind, RunState
 from hetctl.node import manifest
@@ -46,8 +47,8 @@ def site(tmp_path):
 
 def prepared(site, **policy) -> Prepared:
     tmp_path, plan, inv = site
-    return prepare_launch(plan, inv, run_root=tmp_path / "runs", plan_path=None, steps=20, checkpoint_every=4,
-                          policy=PolicyConfig(**policy))
+    return prepare_launch(plan, inv, LaunchOptions(steps=20, checkpoint_every=4), run_root=tmp_path / "runs",
+                          plan_path=None, policy=PolicyConfig(**policy))
 
 
 class Script:
@@ -91,8 +92,8 @@ def test_the_fault_policy_is_recorded_and_a_resume_keeps_what_it_is_not_given(si
     from hetctl.launch.controller import Thresholds
 
     tmp_path, plan, inv = site
-    prep = prepare_launch(plan, inv, run_root=tmp_path / "runs", plan_path=None, steps=20, checkpoint_every=4,
-                          policy=PolicyConfig(max_restarts=7, max_node_failures=2, rebalance=True),
+    prep = prepare_launch(plan, inv, LaunchOptions(steps=20, checkpoint_every=4), run_root=tmp_path / "runs",
+                          plan_path=None, policy=PolicyConfig(max_restarts=7, max_node_failures=2, rebalance=True),
                           thresholds=Thresholds(grace_s=1.5, hang_timeout=3600.0, node_timeout=45.0))
     prep.lock.release()
     recorded = RunDir.open(prep.run.path).load_info().inputs.faults

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from hetctl.files.run import LaunchOptions
 from hetctl.plan.planner import plan_cluster
 from hetctl.plan.render import framework_rank, meshes, write_plan_dir
 from hetctl.files.plan import Plan
@@ -276,16 +277,17 @@ def launch_check(tmp_path: Path, plan: Plan, env: dict[str, str], args: list[str
     printer.chmod(0o755)
     nodes = {n: Node(name=n, host="localhost", transport="local", python=sys.executable, workdir=str(tmp_path),
                      env=env) for n in plan.nodes}
-    req = AttemptRequest(plan=plan, attempt=0, steps=20, checkpoint_every=5, ckpt_dir=str(tmp_path / "ckpt"),
-                         script_args=tuple(args))
+    req = AttemptRequest(plan=plan, attempt=0, ckpt_dir=str(tmp_path / "ckpt"),
+                         options=LaunchOptions(steps=20, checkpoint_every=5, script_args=tuple(args)))
     name = min(plan.ranks, key=lambda r: r.rank).node
     t = LocalTransport(nodes[name])
     argv, check_env = fwargs.command(req, nodes, name, str(tmp_path), "run-1", hetctl_found=True)
     res = t.run(argv, env=check_env, cwd=str(tmp_path), timeout=600, check=False)
     assert fwargs.problem(plan.framework, res.stdout, res.stderr, res.exit_code, args) is None, res.stderr[-3000:]
     answer = json.loads(res.stdout.strip().splitlines()[-1])
-    spec = materialize(plan, nodes, run_id="run-1", attempt=1, master_addr="127.0.0.1", master_port=0, steps=20,
-                       checkpoint_every=5, resume_step=1, ckpt_dir=str(tmp_path / "ckpt"), script_args=args,
+    spec = materialize(plan, nodes, run_id="run-1", attempt=1, master_addr="127.0.0.1", master_port=0,
+                       options=LaunchOptions(steps=20, checkpoint_every=5, script_args=tuple(args)), resume_step=1,
+                       ckpt_dir=str(tmp_path / "ckpt"),
                        workdirs={name: str(tmp_path)})
     rank = spec.node(name).ranks[0]
     res = t.run(list(rank.argv), env={**rank.env, "HETCTL_PYTHON": str(printer)}, cwd=str(tmp_path), timeout=60)

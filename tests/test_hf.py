@@ -180,6 +180,7 @@ def test_init_from_reaches_the_ranks_of_a_fresh_start_only():
     """A restart from scratch re-imports; a resume from a hetctl checkpoint continues its own weights."""
     from hetctl.files.inventory import Node
     from hetctl.files.plan import Plan
+    from hetctl.files.run import LaunchOptions
     from hetctl.launch import materialize as mat
     from tests.rankrunner import tiny_plan
 
@@ -187,8 +188,9 @@ def test_init_from_reaches_the_ranks_of_a_fresh_start_only():
     nodes = {n: Node(name=n, host="h", python="/py", workdir="/w") for n in plan.nodes}
 
     def argv(resume_step: int) -> list[tuple[str, ...]]:
-        spec = mat.materialize(plan, nodes, run_id="r", attempt=1, master_addr="a", master_port=1, steps=9,
-                               checkpoint_every=3, resume_step=resume_step, ckpt_dir="/c", init_from="/w/hf")
+        spec = mat.materialize(plan, nodes, run_id="r", attempt=1, master_addr="a", master_port=1,
+                               options=LaunchOptions(steps=9, checkpoint_every=3, init_from="/w/hf"),
+                               resume_step=resume_step, ckpt_dir="/c")
         return [r.argv for n in spec.nodes for r in n.ranks]
 
     assert all(a[-2:] == ("--init-from", "/w/hf") for a in argv(0))

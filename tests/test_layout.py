@@ -65,6 +65,14 @@ def test_launch_never_imports_elastic():
     assert {k: v for k, v in bad.items() if v} == {}
 
 
+def test_probe_never_imports_launch_or_elastic():
+    """Finding out what nodes have comes before any launch (probe/links.py used to borrow materialize's
+    master_address; it lives with the inventory's nodes now)."""
+    bad = {f.name: sorted(m for m in imports(f) if m.startswith(("hetctl.launch", "hetctl.elastic")))
+           for f in files("probe")}
+    assert {k: v for k, v in bad.items() if v} == {}
+
+
 @pytest.mark.parametrize("folder", ["launch", "elastic", "plan", "files", "node", "remote", "probe", "train"])
 def test_nothing_below_runs_imports_it(folder):
     """``runs/`` reads run folders (status, report, calibrate); the code that makes runs never needs it."""
@@ -110,6 +118,7 @@ def test_every_vendor_plans_launches_and_reads_back_its_rank_context(tmp_path):
     from hetctl.files.cluster import Chip, Cluster, NodeFacts
     from hetctl.launch import materialize as mat
     from hetctl.files.inventory import Node
+    from hetctl.files.run import LaunchOptions
     from hetctl.node.runtime import RankContext
     from hetctl.plan.models import load_model
     from hetctl.plan.planner import plan_cluster
@@ -121,8 +130,9 @@ def test_every_vendor_plans_launches_and_reads_back_its_rank_context(tmp_path):
                                            chips=chips)])
         plan = plan_cluster(cluster, load_model("tiny"), framework="torchrun")
         spec = mat.materialize(plan, {"n0": Node(name="n0", host="n0", workdir=str(tmp_path))}, run_id="r",
-                               attempt=0, master_addr="127.0.0.1", master_port=29500, steps=2, checkpoint_every=0,
-                               ckpt_dir=str(tmp_path / "ck"), entry=("train.py",))
+                               attempt=0, master_addr="127.0.0.1", master_port=29500,
+                               options=LaunchOptions(steps=2, checkpoint_every=0, entry=("train.py",)),
+                               ckpt_dir=str(tmp_path / "ck"))
         for launch in spec.nodes[0].ranks:
             ctx = RankContext.from_env(launch.env)
             assert ctx.device_type == row.device_type, vendor

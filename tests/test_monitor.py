@@ -14,6 +14,7 @@ import threading
 import pytest
 from pathlib import Path
 
+from hetctl.files.run import LaunchOptions
 from hetctl.files.inventory import Node
 from hetctl.files.plan import Plan
 from hetctl.launch import materialize as mat
@@ -48,7 +49,7 @@ def nodes(plan):
 @pytest.fixture
 def spec(plan, nodes):
     return mat.materialize(plan, nodes, run_id="r1", attempt=2, master_addr="10.0.0.1", master_port=29511,
-                           steps=30, checkpoint_every=10, resume_step=20, ckpt_dir="/shared/ckpt/r1")
+                           options=LaunchOptions(steps=30, checkpoint_every=10), resume_step=20, ckpt_dir="/shared/ckpt/r1")
 
 
 def make_monitor(plan, spec, tmp_path, clock, **th):
@@ -110,8 +111,8 @@ def test_plan_naming_an_unknown_node_is_a_clear_error(plan, nodes):
 
     del nodes["n4"]
     with pytest.raises(ConfigError, match="n4 that the inventory lacks"):
-        mat.materialize(plan, nodes, run_id="r", attempt=0, master_addr="a", master_port=1, steps=1,
-                        checkpoint_every=0, ckpt_dir="/c")
+        mat.materialize(plan, nodes, run_id="r", attempt=0, master_addr="a", master_port=1,
+                        options=LaunchOptions(steps=1, checkpoint_every=0), ckpt_dir="/c")
 
 
 def test_zipapp_is_deterministic_and_self_contained():

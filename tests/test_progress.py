@@ -36,7 +36,7 @@ def test_a_users_pattern_and_its_refusals():
     assert p.feed("epoch 1 step 12 loss=0.5")["step"] == 12 and p.feed("nothing here") is None
     with pytest.raises(ValueError, match="named group"):
         LineProgress(r"step (\d+)")
-    from hetctl.elastic.start import parse_progress
+    from hetctl.cli.launchopts import parse_progress
     from hetctl.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"has no \(\?P<step>…\) group"):

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from hetctl.files.run import LaunchOptions
 from hetctl.errors import StartFailed
 from hetctl.files.eventlog import EventLog, read_events
 from hetctl.files.inventory import Inventory, Node
@@ -93,7 +94,7 @@ from hetctl.errors import StartFailed
 from hetctl.files.eventlog import EventLog
 from hetctl.files.inventory import Inventory, Node
 from hetctl.files.plan import Plan
-from hetctl.files.run import RunDir
+from hetctl.files.run import LaunchOptions, RunDir
 from hetctl.launch.controller import AttemptController, AttemptRequest
 from hetctl.remote.testing import FakeFleet
 from tests.rankrunner import tiny_plan
@@ -105,8 +106,8 @@ run = RunDir.create(sys.argv[1], "r")
 fleet = FakeFleet({})
 with EventLog(run.events_path) as events:
     try:
-        AttemptController(AttemptRequest(plan=plan, attempt=0, steps=2, checkpoint_every=0, ckpt_dir="/ck"),
-                          inventory=inv, run=run, events=events, connect=fleet.connect).run()
+        req = AttemptRequest(plan=plan, attempt=0, options=LaunchOptions(steps=2, checkpoint_every=0), ckpt_dir="/ck")
+        AttemptController(req, inventory=inv, run=run, events=events, connect=fleet.connect).run()
     except StartFailed as e:
         print(e.message)
 print("contacted", len(fleet.runs), len(fleet.agents))
@@ -127,7 +128,7 @@ def test_progress_events_carry_one_entry_per_stage_not_per_tp_rank(tmp_path):
     inv = Inventory(nodes=[Node(name=n, host=n, python="/py", workdir=f"/w/{n}") for n in plan.nodes])
     run = RunDir.create(tmp_path, "r")
     with EventLog(run.events_path) as events:
-        out = AttemptController(AttemptRequest(plan=plan, attempt=0, steps=4, checkpoint_every=0, ckpt_dir="/ck"),
+        out = AttemptController(AttemptRequest(plan=plan, attempt=0, options=LaunchOptions(steps=4, checkpoint_every=0), ckpt_dir="/ck"),
                                 inventory=inv, run=run, events=events, thresholds=TH,
                                 connect=FakeFleet({}).connect).run()
     assert out.state == RunState.SUCCEEDED
@@ -164,8 +165,8 @@ def test_the_launch_spec_as_data_is_what_asdict_gave():
     plan = Plan.model_validate(tiny_plan([3, 3], dp=2, tp=2))
     inv = {n: Node(name=n, host=n, python="/py", workdir=f"/w/{n}", env={"TOKEN": "s3cret", "A": "1"})
            for n in plan.nodes}
-    spec = mat.materialize(plan, inv, run_id="r", attempt=1, master_addr="n0", master_port=29500, steps=5,
-                           checkpoint_every=0, ckpt_dir="/ck", workdirs={n: f"/w/{n}" for n in inv}, pythonpath={})
+    spec = mat.materialize(plan, inv, run_id="r", attempt=1, master_addr="n0", master_port=29500,
+                           options=LaunchOptions(steps=5, checkpoint_every=0), ckpt_dir="/ck", workdirs={n: f"/w/{n}" for n in inv}, pythonpath={})
     assert spec.to_dict(mask_secrets=False) == asdict(spec)
     assert {n["env"]["TOKEN"] for n in spec.to_dict(public=("TOKEN", "A"))["nodes"]} == {"***"}
 
@@ -175,7 +176,7 @@ def test_simulated_nodes_run_the_real_controller_and_a_crash_is_the_root_cause(t
     inv = Inventory(nodes=[Node(name=n, host=n, python="/py", workdir=f"/w/{n}") for n in plan.nodes])
     run = RunDir.create(tmp_path, "r")
     with SimFleet(latency_s=0.0, step_s=0.05) as fleet, EventLog(run.events_path) as events:
-        req = AttemptRequest(plan=plan, attempt=0, steps=10**6, checkpoint_every=0, ckpt_dir="/ck")
+        req = AttemptRequest(plan=plan, attempt=0, options=LaunchOptions(steps=10**6, checkpoint_every=0), ckpt_dir="/ck")
         ctl = AttemptController(req, inventory=inv, run=run, events=events, thresholds=TH,
                                 connect=fleet.connect, on_update=lambda snap: crash(snap))
         crashed = []

@@ -89,9 +89,11 @@ def launch_cmd(
     """Start every rank of a plan through a per-node agent, show it live, keep it alive through faults."""
     from hetctl.elastic import start as launcher
 
-    words = launcher.parse_entry(entry)
-    progress = launcher.parse_progress(progress)
-    extra = launcher.parse_args_option(script_args)
+    from hetctl.cli.launchopts import parse_args_option, parse_entry, parse_progress
+
+    words = parse_entry(entry)
+    progress = parse_progress(progress)
+    extra = parse_args_option(script_args)
     if health_check is not None and health_check not in ("drop", "refuse"):
         from hetctl.errors import ConfigError
 
@@ -102,32 +104,35 @@ def launch_cmd(
         from hetctl.errors import ConfigError
 
         raise ConfigError(f"--standby {standby!r}: not a mode", "use --standby auto, on or off")
+
+    def options(plan):  # -> LaunchOptions
+        """The launch's options, checked against the plan, once: what every attempt (and the dry run) runs."""
+        from hetctl.files.run import LaunchOptions
+
+        launcher.check_script_options(plan, words, script, extra)
+        launcher.check_export(plan, words, export, steps=steps, checkpoint_every=checkpoint_every)
+        return LaunchOptions(steps=steps, checkpoint_every=checkpoint_every, entry=words,
+                             allow_mixed_software=allow_mixed_software, progress=progress, standby=standby,
+                             script=script, script_args=extra, master_port=master_port,
+                             init_from=launcher.check_init_from(plan, words, init_from))
+
     if not dry_run:  # a dry run asks Slurm for nothing
         alloc = _allocator(nodelist=_plan_nodes(plan_dir))
         try:
             with _allowed(alloc):
                 plan, inv, pf = launcher.load_plan_and_inventory(plan_dir, inventory, entry=words)
-            launcher.check_script_options(plan, words, script, extra)
-            init_from = launcher.check_init_from(plan, words, init_from)
-            launcher.check_export(plan, words, export, steps=steps, checkpoint_every=checkpoint_every)
-            _launch(plan, inv, pf, alloc, run_dir=run_dir, steps=steps, checkpoint_every=checkpoint_every,
-                    entry=words, max_restarts=max_restarts, max_node_failures=max_node_failures, rebalance=rebalance,
-                    grace=grace, hang_timeout=hang_timeout, node_timeout=node_timeout,
-                    allow_mixed_software=allow_mixed_software, progress=progress, json_out=json_out,
-                    health_check=health_check, standby=standby, script=script, script_args=extra,
-                    init_from=init_from, export=export, master_port=master_port)
+            _launch(plan, inv, pf, alloc, options(plan), run_dir=run_dir,
+                    policy=_policy(max_restarts, max_node_failures, rebalance),
+                    grace=grace, hang_timeout=hang_timeout, node_timeout=node_timeout, json_out=json_out,
+                    health_check=health_check, export=export)
         finally:
             alloc.release()
         return
     plan, inv, pf = launcher.load_plan_and_inventory(plan_dir, inventory, entry=words)
-    launcher.check_script_options(plan, words, script, extra)
-    init_from = launcher.check_init_from(plan, words, init_from)
-    launcher.check_export(plan, words, export, steps=steps, checkpoint_every=checkpoint_every)
+    launch = options(plan)
     # --dry-run: the spec a launch would run, with what only the nodes know as placeholders
     ssh = launcher.ssh_settings(plan, inv)
-    spec = launcher.dry_run(plan, inv, steps=steps, checkpoint_every=checkpoint_every, run_root=run_dir,
-                            master_port=master_port, entry=words, ssh=ssh, progress=progress, script=script,
-                            script_args=extra, init_from=init_from)
+    spec = launcher.dry_run(plan, inv, launch, run_root=run_dir, ssh=ssh)
     from hetctl.launch.fwargs import dry_run_note
 
     note = dry_run_note(plan, words)
@@ -156,32 +161,23 @@ def _warn(line: str) -> None:
     err.print(text(("warning:", "yellow"), " ", line), highlight=False, soft_wrap=True)
 
 
-def _launch(plan, inv, pf, alloc, *, run_dir, steps, checkpoint_every, entry, max_restarts, max_node_failures,
-            rebalance, grace, hang_timeout, node_timeout, allow_mixed_software, progress, json_out,
-            health_check=None, standby="auto", script=None, script_args=(), init_from=None, export=None,
-            master_port=None) -> None:
+def _launch(plan, inv, pf, alloc, options, *, run_dir, policy, grace, hang_timeout, node_timeout, json_out,
+            health_check=None, export=None) -> None:
     """Prepare the run folder and run it live (``alloc``: hetctl's own Slurm job, recorded in run.yaml);
     ``export``: a Hugging Face folder written from the last checkpoint when the run succeeds."""
     from hetctl.elastic import start as launcher
     from hetctl.launch.controller import Thresholds
 
-    anyway = launcher.rendered_anyway(plan, entry)
-    for warning in (launcher.checkpoint_warning(inv, plan), launcher.compress_warning(plan, entry, script_args),
-                    anyway):
+    anyway = launcher.rendered_anyway(plan, options.entry)
+    for warning in (launcher.checkpoint_warning(inv, plan),
+                    launcher.compress_warning(plan, options.entry, options.script_args), anyway):
         if warning:
             _warn(warning)
     prepared = launcher.prepare_launch(
-        plan, inv, run_root=run_dir, plan_path=pf, steps=steps, checkpoint_every=checkpoint_every, entry=entry,
-        policy=_policy(max_restarts, max_node_failures, rebalance),
+        plan, inv, options, run_root=run_dir, plan_path=pf, policy=policy,
         thresholds=Thresholds(grace_s=grace, hang_timeout=hang_timeout, node_timeout=node_timeout),
-        allow_mixed_software=allow_mixed_software, progress=progress, health_check=health_check,
-        script=script, script_args=script_args, master_port=master_port,
+        health_check=health_check, slurm_allocation=alloc.job or None,
     )
-    prepared.info.inputs.standby = standby  # resume keeps it (run.yaml)
-    prepared.info.inputs.init_from = init_from  # a restart from scratch re-applies it; a resume does not
-    if alloc.job:
-        prepared.info.inputs.slurm_allocation = alloc.job
-    prepared.run.save_info(prepared.info)
     result = _run_live(prepared)
     if export and result.summary.state == "succeeded":
         _export_run(result.summary.run_dir, export)
@@ -270,10 +266,12 @@ def demo_cmd(
     for s in plan.stages:
         err.print(text(f"  stage {s.stage} on {s.node}: layers {s.layers[0]}:{s.layers[1]}"), highlight=False)
     err.print(text(("4/4 launch", "bold"), f" {steps} steps"), highlight=False)
+    from hetctl.files.run import LaunchOptions
+
     prepared = launcher.prepare_launch(
-        plan, inv, run_root=Path(directory) / "runs", plan_path=plan_path, steps=steps,
-        checkpoint_every=checkpoint_every, policy=_policy(max_restarts=3, max_node_failures=3, rebalance=False),
-        thresholds=Thresholds(grace_s=3.0), script_args=("--data", str(prefix)),
+        plan, inv, LaunchOptions(steps=steps, checkpoint_every=checkpoint_every, script_args=("--data", str(prefix))),
+        run_root=Path(directory) / "runs", plan_path=plan_path,
+        policy=_policy(max_restarts=3, max_node_failures=3, rebalance=False), thresholds=Thresholds(grace_s=3.0),
     )
     listeners = []
     if inject_failure:
@@ -317,7 +315,7 @@ def _run_live(prepared, listeners=()):
     """
     from hetctl.cli.live import LiveView
     from hetctl.elastic.loop import ElasticRun
-    from hetctl.elastic.start import stop_on_signals
+    from hetctl.cli.launchopts import stop_on_signals
 
     with LiveView(err, title=f"run {prepared.run.run_id}", steps=prepared.info.inputs.steps) as view, \
             stop_on_signals() as stop:
@@ -475,11 +473,11 @@ def resume_cmd(
 
     The run's fault policy (launch's --max-restarts, --hang-timeout, …) is kept unless given here."""
     run_dir = run_path(run_dir)  # a run id or a unique prefix of one, from the user's index
-    from hetctl.elastic import start as launcher
+    from hetctl.cli.launchopts import parse_args_option, parse_entry
     from hetctl.elastic.resume import prepare
 
-    words = launcher.parse_entry(entry) if entry is not None else None
-    extra = launcher.parse_args_option(script_args) if script_args is not None else None
+    words = parse_entry(entry) if entry is not None else None
+    extra = parse_args_option(script_args) if script_args is not None else None
 
     err.print(text(("resume", "bold"), f" {run_dir}: checking for live ranks, checkpoints, re-probing"),
               highlight=False)

@@ -263,13 +263,9 @@ class ElasticRun:
         info.attempts = max(info.attempts, attempt + 1)
         info.state = RunState.RUNNING.value
         p.run.save_info(info)
-        req = AttemptRequest(plan=plan, attempt=attempt, steps=info.inputs.steps,
-                             checkpoint_every=info.inputs.checkpoint_every, ckpt_dir=info.inputs.checkpoint_dir,
-                             resume_step=step or 0, entry=tuple(info.inputs.entry),
-                             allow_mixed_software=info.inputs.allow_mixed_software, progress=info.inputs.progress,
-                             script=info.inputs.script, script_args=tuple(info.inputs.script_args),
-                             resume_env=self._resume_env(plan, step), init_from=info.inputs.init_from,
-                             master_port=info.inputs.master_port)
+        req = AttemptRequest(plan=plan, attempt=attempt, options=info.inputs.options(),
+                             ckpt_dir=info.inputs.checkpoint_dir, resume_step=step or 0,
+                             resume_env=self._resume_env(plan, step))
         hook = self._hook(attempt, plan)
         kwargs: dict[str, Any] = {"inventory": p.inventory, "run": p.run, "events": self.events,
                                   "thresholds": p.thresholds, "on_progress": hook, "on_update": self.on_update,

@@ -3,25 +3,24 @@
 Launch and resume have one shape: ``prepare_*()`` returns a
 :class:`~hetctl.elastic.loop.Prepared` value, ``--dry-run`` prints what its first
 attempt would materialize (:func:`dry_run`), and ``ElasticRun(prepared).run(stop,
-listeners)`` executes it, with :func:`stop_on_signals` wiring SIGINT/SIGTERM to a
+listeners)`` executes it, with ``hetctl.cli.launchopts.stop_on_signals`` wiring SIGINT/SIGTERM to a
 clean stop. :func:`load_plan_and_inventory` finds the plan and its inventory.
-Rendering stays with the caller.
+Parsing the command line and rendering stay with the caller (``hetctl/cli/``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import signal
 import sys
-import threading
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from hetctl.errors import ConfigError
 from hetctl.files.plan import Plan
 from hetctl.launch import materialize as mat
 from hetctl.launch.controller import Thresholds
-from hetctl.files.run import FaultOptions, RunDir, RunInfo, RunInputs
+from hetctl.files.inventory import master_address
+from hetctl.files.run import FaultOptions, LaunchOptions, RunDir, RunInfo, RunInputs
 from hetctl.elastic.loop import Prepared
 from hetctl.elastic.policy import PolicyConfig
 from hetctl.files.yamlio import load_model
@@ -31,41 +30,6 @@ def plan_file(plan_dir: str | Path) -> Path:
     """``PLAN_DIR/plan.yaml``, or the file itself when a file is given."""
     p = Path(plan_dir)
     return p if p.is_file() else p / "plan.yaml"
-
-
-def parse_entry(entry: str | None) -> tuple[str, ...]:
-    """``--entry``: what each rank runs after the node's python (``-m pkg.mod …`` or ``script.py …``)."""
-    import shlex
-
-    if not entry:
-        return mat.REFERENCE_TRAINER
-    try:
-        words = tuple(shlex.split(entry))
-    except ValueError as e:
-        raise ConfigError(f"--entry {entry!r}: {e}", "quote it like a shell command line") from None
-    if not words or words == ("-m",):
-        raise ConfigError(f"--entry {entry!r}: nothing to run", "e.g. --entry 'train.py --lr 3e-4'")
-    return words
-
-
-def parse_progress(value: str | None) -> str | None:
-    """``--progress``: a preset (``megatron``, ``deepspeed``) or a regular expression with a ``(?P<step>…)`` group."""
-    import re
-
-    from hetctl.node.progress import PRESETS
-
-    if not value or value in PRESETS:
-        return value or None
-    try:
-        pattern = re.compile(value)
-    except re.error as e:
-        raise ConfigError(f"--progress {value!r}: not a regular expression: {e}",
-                          f"use a preset ({', '.join(PRESETS)}) or a pattern like 'step (?P<step>\\d+) loss (?P<loss>\\S+)'") \
-            from None
-    if "step" not in pattern.groupindex:
-        raise ConfigError(f"--progress {value!r}: the pattern has no (?P<step>…) group",
-                          "name the step number's group `step`; `loss` and `step_ms` are optional")
-    return value
 
 
 def load_plan_and_inventory(plan_dir: str | Path, inventory: str | Path | None = None,
@@ -167,16 +131,6 @@ def ssh_settings(plan: Plan, inventory: Any) -> dict[str, Any]:
     return {n.name: group[n.name] for n in nodes}
 
 
-def parse_args_option(value: str | None) -> tuple[str, ...]:
-    """``--args``: the arguments of every rank's rendered command, split like a shell line."""
-    import shlex
-
-    try:
-        return tuple(shlex.split(value or ""))
-    except ValueError as e:
-        raise ConfigError(f"--args {value!r}: {e}", "quote it like a shell command line") from None
-
-
 def rendered_anyway(plan: Plan, entry: tuple[str, ...] = mat.REFERENCE_TRAINER) -> str | None:
     """The warning of a plan its framework cannot run, which launch starts only because ``hetctl plan
     --render-anyway`` wrote it (else :func:`load_plan_and_inventory` refuses it, exit 4); None for any
@@ -269,11 +223,10 @@ def _check_data_here(plan: Plan, parsed: Any) -> None:
             raise ConfigError(f"--args {flag}: {e.message}", e.hint) from None
 
 
-def dry_run(plan: Plan, inventory: Any, *, steps: int, checkpoint_every: int, run_root: str | Path,
-            master_port: int | None = None, entry: tuple[str, ...] = mat.REFERENCE_TRAINER,
-            ssh: dict[str, Any] | None = None, progress: str | None = None, script: str | None = None,
-            script_args: tuple[str, ...] = (), init_from: str | None = None) -> mat.LaunchSpec:
-    """The first attempt as it would run, without contacting any node.
+def dry_run(plan: Plan, inventory: Any, options: LaunchOptions, *, run_root: str | Path,
+            ssh: dict[str, Any] | None = None) -> mat.LaunchSpec:
+    """The first attempt as it would run, without contacting any node: :func:`materialize` of the same
+    options a launch carries to every attempt.
 
     Launch-time values that only the nodes can give appear as placeholders: the
     run id, the rendezvous port (unless ``--master-port``) and ``~`` in workdirs.
@@ -287,10 +240,9 @@ def dry_run(plan: Plan, inventory: Any, *, steps: int, checkpoint_every: int, ru
     ckpt = f"{str(base).rstrip('/')}/{rid}" if base else f"{Path(run_root).resolve()}/{rid}/checkpoints"
     return mat.materialize(
         plan, {n.name: n for n in inventory.nodes}, run_id=rid, attempt=0,
-        master_addr=mat.master_address(node0, dialled),
-        master_port=master_port or mat.PORT_AT_LAUNCH.format(node=rank0),
-        steps=steps, checkpoint_every=checkpoint_every, ckpt_dir=ckpt, entry=entry, progress=progress,
-        script=script, script_args=script_args, init_from=init_from,
+        master_addr=master_address(node0, dialled),
+        master_port=options.master_port or mat.PORT_AT_LAUNCH.format(node=rank0),
+        options=options, ckpt_dir=ckpt,
     )
 
 
@@ -329,32 +281,6 @@ def check_export(plan: Plan, entry: tuple[str, ...], export: str | None, *, step
         raise ConfigError(f"--export {target}: exists and is not an empty folder", "name a new folder")
 
 
-@contextlib.contextmanager
-def stop_on_signals() -> Iterator[threading.Event]:
-    """SIGINT/SIGTERM set the yielded event (stop every rank, end ``stopped``); a second one aborts.
-
-    Only in the main thread (signal handlers cannot be installed elsewhere); a
-    second signal raises KeyboardInterrupt, and the agents, seeing their stdin
-    close, still stop their ranks.
-    """
-    stop = threading.Event()
-    if threading.current_thread() is not threading.main_thread():
-        yield stop
-        return
-
-    def handler(signum: int, frame: Any) -> None:
-        if stop.is_set():
-            raise KeyboardInterrupt
-        stop.set()
-
-    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield stop
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-
-
 def fault_options(policy: PolicyConfig, thresholds: Thresholds) -> FaultOptions:
     """What ``run.yaml`` records of the policy and timeouts (the options ``launch`` and ``resume`` take)."""
     return FaultOptions(max_restarts=policy.max_restarts, max_node_failures=policy.max_node_failures,
@@ -369,12 +295,9 @@ def policy_and_thresholds(faults: FaultOptions) -> tuple[PolicyConfig, Threshold
             Thresholds(grace_s=faults.grace, hang_timeout=faults.hang_timeout, node_timeout=faults.node_timeout))
 
 
-def new_run(plan: Plan, inventory: Any, *, run_root: str | Path, plan_path: Path | None, steps: int,
-            checkpoint_every: int, entry: tuple[str, ...] = mat.REFERENCE_TRAINER,
-            allow_mixed_software: bool = False, progress: str | None = None, script: str | None = None,
-            script_args: tuple[str, ...] = (), master_port: int | None = None,
-            faults: FaultOptions | None = None) -> tuple[RunDir, RunInfo]:
-    """Create ``runs/<id>/`` with its first ``run.yaml``."""
+def new_run(plan: Plan, inventory: Any, options: LaunchOptions, *, run_root: str | Path, plan_path: Path | None,
+            faults: FaultOptions | None = None, slurm_allocation: str | None = None) -> tuple[RunDir, RunInfo]:
+    """Create ``runs/<id>/`` with its first ``run.yaml``: the launch's options and where they came from."""
     import time
 
     run = RunDir.create(run_root)
@@ -382,17 +305,12 @@ def new_run(plan: Plan, inventory: Any, *, run_root: str | Path, plan_path: Path
     info = RunInfo(
         run_id=run.run_id, created=time.time(), updated=time.time(),
         inputs=RunInputs(
+            **options.model_dump(),
             plan_dir=str(plan_path.parent.resolve()) if plan_path else None,
             inventory=str(Path(src).resolve()) if src else None,
-            steps=steps, checkpoint_every=checkpoint_every,
             checkpoint_dir=checkpoint_dir(inventory, run),
             command=["hetctl", *sys.argv[1:]],
-            entry=list(entry),
-            allow_mixed_software=allow_mixed_software,
-            progress=progress,
-            script=script,
-            script_args=list(script_args),
-            master_port=master_port,
+            slurm_allocation=slurm_allocation,
             faults=faults or FaultOptions(),
         ),
     )
@@ -400,20 +318,16 @@ def new_run(plan: Plan, inventory: Any, *, run_root: str | Path, plan_path: Path
     return run, info
 
 
-def prepare_launch(plan: Plan, inventory: Any, *, run_root: str | Path, plan_path: Path | None, steps: int,
-                   checkpoint_every: int, entry: tuple[str, ...] = mat.REFERENCE_TRAINER,
-                   policy: PolicyConfig | None = None, thresholds: Thresholds | None = None,
-                   allow_mixed_software: bool = False, progress: str | None = None,
-                   health_check: str | None = None, script: str | None = None,
-                   script_args: tuple[str, ...] = (), master_port: int | None = None) -> Prepared:
+def prepare_launch(plan: Plan, inventory: Any, options: LaunchOptions, *, run_root: str | Path,
+                   plan_path: Path | None, policy: PolicyConfig | None = None, thresholds: Thresholds | None = None,
+                   health_check: str | None = None, slurm_allocation: str | None = None) -> Prepared:
     """A new run folder and the :class:`Prepared` run of ``hetctl launch`` (nothing started).
 
     ``health_check`` (``drop``/``refuse``): check the plan's nodes first (:mod:`hetctl.elastic.health`).
+    ``slurm_allocation``: the Slurm job hetctl asked for itself, cancelled when the run ends.
     """
     policy, thresholds = policy or PolicyConfig(), thresholds or Thresholds()
-    run, info = new_run(plan, inventory, run_root=run_root, plan_path=plan_path, steps=steps,
-                        checkpoint_every=checkpoint_every, entry=entry, allow_mixed_software=allow_mixed_software,
-                        progress=progress, script=script, script_args=script_args, master_port=master_port,
-                        faults=fault_options(policy, thresholds))
+    run, info = new_run(plan, inventory, options, run_root=run_root, plan_path=plan_path,
+                        faults=fault_options(policy, thresholds), slurm_allocation=slurm_allocation)
     return Prepared(run=run, info=info, inventory=inventory, plan=plan, policy=policy, thresholds=thresholds,
                     plan_file=plan_path, lock=run.lock(), health_check=health_check)

@@ -20,7 +20,7 @@ import secrets
 import time
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import ConfigDict, Field
 
 from hetctl.files.fields import Strict as _Strict
 
@@ -44,31 +44,45 @@ class FaultOptions(_Strict):
     node_timeout: float = Field(20.0, description="seconds of silence from an agent before its node counts as lost")
 
 
-class RunInputs(_Strict):
-    """What the run was started with; ``hetctl resume`` starts from these."""
+class LaunchOptions(_Strict):
+    """What ``hetctl launch`` was asked for that reaches the ranks: built once from the command line and
+    carried whole to :func:`hetctl.launch.materialize.materialize` (the dry run's and every attempt's), and
+    recorded in ``run.yaml`` as part of :class:`RunInputs`."""
 
-    plan_dir: str | None = None
-    inventory: str | None = None
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
     steps: int
     checkpoint_every: int
-    checkpoint_dir: str = Field(description="this run's checkpoints: <inventory checkpoint_dir>/<run-id>")
-    command: list[str] = Field(default_factory=list, description="the hetctl command line")
-    entry: list[str] = Field(default_factory=lambda: ["-m", "hetctl.train"],
-                             description="what each rank runs after the node's python")
+    entry: tuple[str, ...] = Field(("-m", "hetctl.train"), description="what each rank runs after the node's python")
     allow_mixed_software: bool = Field(False, description="launch even when the nodes' torch major.minor differ")
     progress: str | None = Field(None, description="preset or pattern the agents read steps from in rank output")
     standby: str = Field("auto", description="warm spare per rank: auto (the reference trainer), on, off")
     script: str | None = Field(None, description="HETCTL_SCRIPT of a rendered torchrun/DeepSpeed plan (--script)")
-    script_args: list[str] = Field(default_factory=list,
-                                   description="arguments of every rank's rendered command (--args)")
+    script_args: tuple[str, ...] = Field((), description="arguments of every rank's rendered command (--args)")
     master_port: int | None = Field(None, description="rendezvous port on rank 0's node (--master-port); "
                                     "none: a free port there, chosen at each attempt")
     init_from: str | None = Field(None, description="Hugging Face checkpoint folder the reference trainer starts "
                                   "from (--init-from); a resume from a hetctl checkpoint does not re-apply it")
+
+
+class RunInputs(LaunchOptions):
+    """What the run was started with: its :class:`LaunchOptions` and where they came from; ``hetctl resume``
+    starts from these (and records the options given to it)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=False, validate_assignment=True)
+
+    plan_dir: str | None = None
+    inventory: str | None = None
+    checkpoint_dir: str = Field(description="this run's checkpoints: <inventory checkpoint_dir>/<run-id>")
+    command: list[str] = Field(default_factory=list, description="the hetctl command line")
     slurm_allocation: str | None = Field(None, description="the Slurm job hetctl asked for itself (salloc --no-shell); "
                                                            "cancelled when the run ends or is stopped")
     faults: FaultOptions = Field(default_factory=FaultOptions,
                                  description="the fault policy (--max-restarts, --hang-timeout, …); resume keeps it")
+
+    def options(self) -> LaunchOptions:
+        """The launch options as they stand now (a resume may have changed some), frozen for one attempt."""
+        return LaunchOptions(**{name: getattr(self, name) for name in LaunchOptions.model_fields})
 
 
 class RecoveryRecord(_Strict):

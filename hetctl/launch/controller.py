@@ -46,7 +46,8 @@ from hetctl.files.events import Launched
 from hetctl.files.eventlog import EventLog
 from hetctl.launch.monitor import Monitor, OnProgress, OnUpdate
 from hetctl.launch.outcome import AttemptOutcome, FailureRecord, FaultKind, RunState
-from hetctl.files.run import RunDir
+from hetctl.files.inventory import master_address
+from hetctl.files.run import LaunchOptions, RunDir
 
 
 @dataclass(frozen=True)
@@ -68,24 +69,17 @@ class Thresholds:
     connect_timeout: float = 120.0
 
 
-@dataclass
+@dataclass(frozen=True)
 class AttemptRequest:
-    """What to run: the plan plus the launch-time inputs of this attempt."""
+    """What to run: the plan, the launch's options as a whole (never copied field by field), and what this
+    attempt adds: its number, the step it resumes from, the run's checkpoint folder."""
 
     plan: Plan
     attempt: int
-    steps: int
-    checkpoint_every: int
+    options: LaunchOptions
     ckpt_dir: str
     resume_step: int = 0
-    master_port: int | None = None
-    entry: tuple[str, ...] = mat.REFERENCE_TRAINER
-    allow_mixed_software: bool = False
-    progress: str | None = None
-    script: str | None = None  # HETCTL_SCRIPT of a rendered torchrun/DeepSpeed plan
-    script_args: tuple[str, ...] = ()  # the arguments of every rank's rendered command
     resume_env: dict[str, str] | None = None  # where a framework's own checkpoint is (hetctl.elastic.fwckpt)
-    init_from: str | None = None  # the reference trainer's --init-from (a fresh start only)
 
 
 class _Agent:
@@ -241,7 +235,7 @@ class AttemptController:
         self.events = events
         # A user's script may never call hetctl.node.runtime.heartbeat: only the reference trainer
         # is held to a first heartbeat; any script that does heartbeat is watched for hangs.
-        self.th = thresholds if mat.reference(req.plan, req.entry) else \
+        self.th = thresholds if mat.reference(req.plan, req.options.entry) else \
             dataclasses.replace(thresholds, start_timeout=math.inf)
         self.on_progress = on_progress
         self.on_update = on_update
@@ -324,7 +318,7 @@ class AttemptController:
         if missing:
             return [_start_failure(n, "not in the inventory") for n in dict.fromkeys(missing)]
         rank0 = min(plan.ranks, key=lambda r: r.rank).node
-        needs = ("hetctl", "torch") if mat.reference(plan, self.req.entry) else ()
+        needs = ("hetctl", "torch") if mat.reference(plan, self.req.options.entry) else ()
         from hetctl.launch.fwargs import Once
 
         argchecks = Once()  # Megatron-LM's argument check: once per distinct environment
@@ -333,7 +327,7 @@ class AttemptController:
             kept = self.pool.preflight(node.name) if self.pool is not None else None  # drops a dead agent first
             t = (self.pool.transport(node.name) if self.pool is not None else None) or self.connect(node)
             self.transports[node.name] = t
-            want_port = node.name == rank0 and self.req.master_port is None
+            want_port = node.name == rank0 and self.req.options.master_port is None
             if kept is not None:  # its agent ran the last attempt and is up: same python, workdir, modules
                 port = self.pool.agents[node.name].ask_port(self.th.connect_timeout) if want_port else None
                 return {**kept, "agent_ok": True, **({"port": port} if want_port else {})}
@@ -360,7 +354,7 @@ class AttemptController:
             if lacking:
                 raise HetctlError(f"{' and '.join(lacking)} not importable by `{node.python}`",
                                   "the reference trainer needs `pip install 'hetctl[train]'` on the node")
-            if mat.rendered(plan, self.req.entry):  # the framework (its checkout), the user's script, the arguments
+            if mat.rendered(plan, self.req.options.entry):  # the framework (its checkout), the user's script, the arguments
                 from hetctl.launch import fwcheck
 
                 fwcheck.check_node(t, node, info, self.req, self.nodes, self.run_dir.run_id, self.th.connect_timeout,
@@ -374,19 +368,17 @@ class AttemptController:
         if failures:
             return failures
         mixed = mixed_torch({n: info.get("versions", {}).get("torch") for n, info in results.items()})
-        if mixed and not self.req.allow_mixed_software:
+        if mixed and not self.req.options.allow_mixed_software:
             return [_start_failure(n, f"{mixed} (pass --allow-mixed-software to launch anyway)") for n in results]
-        port = self.req.master_port or results[rank0].get("port")
-        master_addr = mat.master_address(self.nodes[rank0], getattr(self.transports.get(rank0), "hostname", None))
+        port = self.req.options.master_port or results[rank0].get("port")
+        master_addr = master_address(self.nodes[rank0], getattr(self.transports.get(rank0), "hostname", None))
         workdirs = {n: info["workdir"] for n, info in results.items()}
         pythonpath = {n: mat.agent_path(workdirs[n]) for n, info in results.items()
                       if not info.get("modules", {}).get("hetctl")}
         self.spec = mat.materialize(
             plan, self.nodes, run_id=self.run_dir.run_id, attempt=self.req.attempt, master_addr=master_addr,
-            master_port=port, steps=self.req.steps, checkpoint_every=self.req.checkpoint_every,
-            resume_step=self.req.resume_step, ckpt_dir=self.req.ckpt_dir, workdirs=workdirs,
-            pythonpath=pythonpath, entry=self.req.entry, progress=self.req.progress, script=self.req.script,
-            script_args=self.req.script_args, resume_env=self.req.resume_env, init_from=self.req.init_from,
+            master_port=port, options=self.req.options, resume_step=self.req.resume_step, ckpt_dir=self.req.ckpt_dir,
+            workdirs=workdirs, pythonpath=pythonpath, resume_env=self.req.resume_env,
         )
         self._record_spec()
         by_name = {n.node: n for n in self.spec.nodes}

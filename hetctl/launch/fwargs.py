@@ -80,14 +80,14 @@ def command(req: Any, nodes: Any, name: str, workdir: str, run_id: str, hetctl_f
     plan = req.plan
     first = min(r.rank for r in plan.ranks if r.node == name)
     spec = mat.materialize(
-        plan, nodes, run_id=run_id, attempt=req.attempt, master_addr="127.0.0.1", master_port=0, steps=req.steps,
-        checkpoint_every=req.checkpoint_every, resume_step=req.resume_step, ckpt_dir=req.ckpt_dir,
+        plan, nodes, run_id=run_id, attempt=req.attempt, master_addr="127.0.0.1", master_port=0,
+        options=req.options, resume_step=req.resume_step, ckpt_dir=req.ckpt_dir,
         workdirs={name: workdir}, pythonpath=None if hetctl_found else {name: mat.agent_path(workdir)},
-        entry=req.entry, script=req.script, script_args=req.script_args, resume_env=req.resume_env, only={first},
+        resume_env=req.resume_env, only={first},
     )
     rank = spec.rank(first)
     env = {**rank.env, "HETCTL_ARGCHECK": source("fwargs.py")}
-    if env.get("HETCTL_RESUME_STEP", "0") == "0" and req.checkpoint_every > 0:
+    if env.get("HETCTL_RESUME_STEP", "0") == "0" and req.options.checkpoint_every > 0:
         env["HETCTL_RESUME_STEP"] = "1"
     text = render_rank_scripts(plan, only={first}, check=True)[first].text
     return [*rank.argv[:2], text, *rank.argv[3:]], env
@@ -112,7 +112,7 @@ def check_node(t: Any, node: Any, info: dict, req: Any, nodes: Any, run_id: str,
     def run() -> tuple[str, str | None] | None:
         argv, env = command(req, nodes, node.name, workdir, run_id, bool(info.get("modules", {}).get("hetctl")))
         res = t.run(argv, env=env, cwd=workdir, timeout=timeout, check=False)
-        return problem(framework, res.stdout, res.stderr, res.exit_code, req.script_args)
+        return problem(framework, res.stdout, res.stderr, res.exit_code, req.options.script_args)
 
     why = once(env_key(node, workdir, framework), run)
     if why:

@@ -76,12 +76,12 @@ def check_node(t: Any, node: Any, info: dict, req: Any, nodes: Any, run_id: str,
     from hetctl.launch import fwargs
 
     framework = req.plan.framework
-    spec = requirements(framework, info.get("workdir") or str(node.workdir), req.script)
+    spec = requirements(framework, info.get("workdir") or str(node.workdir), req.options.script)
     if spec is None:
         return
     res = t.run(check_argv(node.python, spec), env=node.env or None, timeout=timeout, check=False)
     why = problem(framework, spec, res.stdout)
     if why:
         raise HetctlError(why)
-    if fwargs.wanted(req.plan, req.entry):
+    if fwargs.wanted(req.plan, req.options.entry):
         fwargs.check_node(t, node, info, req, nodes, run_id, timeout, argchecks)

@@ -28,6 +28,7 @@ from importlib import resources
 from typing import Any, Collection, Mapping, Sequence
 
 from hetctl.files.plan import Plan
+from hetctl.files.run import LaunchOptions
 
 REFERENCE_TRAINER = ("-m", "hetctl.train")
 # The progress adapter a rendered framework's ranks get by default (their own log lines); torchrun
@@ -153,19 +154,13 @@ def materialize(
     attempt: int,
     master_addr: str,
     master_port: int | str,
-    steps: int,
-    checkpoint_every: int,
+    options: LaunchOptions,
     resume_step: int = 0,
     ckpt_dir: str,
     workdirs: Mapping[str, str] | None = None,
     pythonpath: Mapping[str, str] | None = None,
-    entry: Sequence[str] = REFERENCE_TRAINER,
-    progress: str | None = None,
-    script: str | None = None,
-    script_args: Sequence[str] = (),
     resume_env: Mapping[str, str] | None = None,
     only: set[int] | None = None,
-    init_from: str | None = None,
 ) -> LaunchSpec:
     """Build the exact launch of one attempt (pure: no network, no files).
 
@@ -173,25 +168,26 @@ def materialize(
         plan: the plan to run.
         nodes: inventory nodes by name (``python``, ``workdir``, ``env``, ``host``, ``transport``).
         run_id, attempt: identify the attempt (``HETCTL_RUN_ID``, ``HETCTL_ATTEMPT``).
-        master_addr, master_port: the rendezvous store on rank 0's node.
-        steps, checkpoint_every: the trainer's ``--steps`` / ``--checkpoint-every``.
+        master_addr, master_port: the rendezvous store on rank 0's node (``options.master_port`` is the
+            user's; this is the port the attempt uses, or the dry run's placeholder).
+        options: what the launch was asked for (:class:`~hetctl.files.run.LaunchOptions`):
+            ``steps``/``checkpoint_every`` are the trainer's ``--steps``/``--checkpoint-every``;
+            ``entry`` follows the node's python in each rank's argv; ``progress`` is a preset
+            (``megatron``, ``deepspeed``) or pattern the agent reads steps from in each rank's output,
+            for scripts that write no heartbeat; ``script``/``script_args`` are, for a rendered framework
+            plan (see :func:`rendered`), the user's script (``HETCTL_SCRIPT``, torchrun/DeepSpeed) and
+            the arguments of every rank's command, and for the reference trainer its own options
+            (``--data``, ``--lr``…); ``init_from`` is the reference trainer's ``--init-from`` folder,
+            passed on a fresh start only (``resume_step`` 0): a resume continues from its own checkpoint.
         resume_step: checkpoint step to resume from (0: from scratch).
         ckpt_dir: this run's checkpoint folder, as the nodes see it.
         workdirs: each node's workdir as the node expanded it (``~`` resolved); defaults
             to the inventory value (what ``--dry-run`` shows).
         pythonpath: per node, a ``PYTHONPATH`` for the ranks (the shipped zipapp, on nodes
             without hetctl installed, so a user's script can ``import hetctl.node.runtime``).
-        entry: what follows the node's python in each rank's argv.
-        progress: a preset (``megatron``, ``deepspeed``) or pattern the agent reads steps from
-            in each rank's output, for scripts that write no heartbeat.
-        script, script_args: for a rendered framework plan (see :func:`rendered`): the user's
-            script (``HETCTL_SCRIPT``, torchrun/DeepSpeed) and the arguments of every rank's command;
-            for the reference trainer, ``script_args`` are its own options (``--data``, ``--lr``…).
         resume_env: where to resume from, for a framework's own checkpoints
             (:func:`hetctl.elastic.fwckpt.resume_env`).
         only: just these plan ranks (and their nodes); all when None.
-        init_from: the reference trainer's ``--init-from`` folder, passed on a fresh start
-            only (``resume_step`` 0): a resume continues from its own checkpoint.
 
     A plan for ``megatron``, ``flagscale``, ``deepspeed`` or ``torchrun`` launched
     without ``--entry`` runs each rank's rendered command: its node script rendered
@@ -211,11 +207,13 @@ def materialize(
             "pass the inventory the plan was made from with -i, or re-plan",
         )
     stage_of = {(s.replica, s.stage): s for s in plan.stages}
+    entry, script, script_args, progress = options.entry, options.script, options.script_args, options.progress
+    steps, checkpoint_every = options.steps, options.checkpoint_every
     trainer_args: tuple[str, ...] = ()
     if tuple(entry) == REFERENCE_TRAINER:
         trainer_args = ("--steps", str(steps), "--checkpoint-every", str(checkpoint_every))
-        if init_from and not resume_step:
-            trainer_args += ("--init-from", init_from)
+        if options.init_from and not resume_step:
+            trainer_args += ("--init-from", options.init_from)
         if plan.framework == "hetctl":
             trainer_args += tuple(script_args)  # `launch --args`: the trainer's own options (--data, --lr, …)
     scripts = None
@@ -283,18 +281,6 @@ def rendered(plan: Plan, entry: Sequence[str]) -> bool:
 def reference(plan: Plan, entry: Sequence[str]) -> bool:
     """Whether the ranks run hetctl's reference trainer (held to heartbeats; needs hetctl and torch)."""
     return plan.framework == "hetctl" and tuple(entry) == REFERENCE_TRAINER
-
-
-def master_address(node: Any, dialled: str | None = None) -> str:
-    """Rank 0's node as the other nodes reach it: its dialled address (127.0.0.1 for a local node).
-
-    ``dialled`` is the address ssh actually dials (``HostName`` from ssh_config, as the
-    transport's ``ssh -G`` reports it); without it the inventory's host is used.
-    """
-    host = dialled or getattr(node, "hostname", "") or node.host
-    if node.transport == "local" and host in ("", "localhost"):
-        return "127.0.0.1"
-    return host
 
 
 def plan_json(plan: Plan) -> bytes:

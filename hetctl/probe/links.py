@@ -54,7 +54,7 @@ def declared_gbps(node: NodeFacts) -> float | None:
 
 def address(node: Any, transport: Any) -> str:
     """The address the other nodes reach ``node`` at: what ranks use as MASTER_ADDR."""
-    from hetctl.launch.materialize import master_address
+    from hetctl.files.inventory import master_address
 
     return master_address(node, getattr(transport, "hostname", None))
 
