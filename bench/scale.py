@@ -7,7 +7,8 @@ update hook called as ``hetctl launch`` calls it. Only the nodes are simulated
 (:class:`hetctl.remote.simfleet.SimFleet`): one child process plays every node's
 agent over real sockets, three file descriptors per node in the controller as an
 ``ssh`` client's pipes are, ``--latency`` per connection and per command, one
-heartbeat per rank every ``--step`` seconds and ``alive`` per node every second.
+heartbeat per rank every ``--step`` seconds (one ``heartbeats`` line per node, as the real
+agent's poll sends them) and ``alive`` per node every second.
 
 Each N runs in a fresh process (so peak memory, threads and descriptors are that
 N's alone) and measures:

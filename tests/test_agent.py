@@ -138,8 +138,10 @@ def test_runs_ranks_forwards_heartbeats_logs_and_exit_codes(agent, tmp_path):
     assert (exits[0]["code"], exits[0]["signal"]) == (0, None)
     assert (exits[1]["code"], exits[1]["signal"]) == (3, None)
     assert {e["rank"] for e in a.of("started")} == {0, 1}
-    last = a.wait_for(lambda e: e["ev"] == "heartbeat" and e["rank"] == 1 and e["hb"]["step"] == 3)
-    assert last["hb"]["loss"] == pytest.approx(10.0 / 3)
+    beats = [(e["rank"], e["hb"]) for e in a.events if e["ev"] == "heartbeat"] + \
+        [(r, hb) for e in a.events if e["ev"] == "heartbeats" for r, hb in e["hbs"]]  # one line a poll for both
+    last = next(hb for r, hb in beats if r == 1 and hb["step"] == 3)
+    assert last["loss"] == pytest.approx(10.0 / 3)
     a.wait_for(lambda e: e["ev"] == "log" and "rank 1 step 3" in e["lines"])
     forwarded = [ln for e in a.of("log") if e["rank"] == 0 for ln in e["lines"]]
     assert forwarded == ["rank 0 step 1", "rank 0 step 2", "rank 0 step 3"]
@@ -336,3 +338,28 @@ def test_the_rendezvous_port_is_free_and_below_the_ephemeral_range():
     assert len(ports) > 1  # picked at random, not one fixed port every run and node shares
     with socket.socket() as s:
         s.bind(("", ports.pop()))  # free when picked
+
+
+def test_one_poll_sends_one_line_for_all_the_ranks_it_found_stepping(tmp_path):
+    """8 ranks of a node step together: one ``heartbeats`` line, not eight (the controller's work is per line)."""
+    import io
+    import threading
+    from types import SimpleNamespace
+
+    from hetctl.node.agent import Agent
+
+    out = io.BytesIO()
+    a = Agent(io.BytesIO(), out)
+    for r in range(3):
+        path = tmp_path / f"rank-{r}.json"
+        path.write_text(json.dumps({"step": 5, "loss": 1.0 + r}))
+        a.ranks[r] = SimpleNamespace(rank=r, heartbeat=str(path), hb_mtime=0, from_log=None, _lock=threading.Lock())
+    a.poll_heartbeats()
+    a.poll_heartbeats()  # nothing new: nothing sent
+    (tmp_path / "rank-1.json").write_text(json.dumps({"step": 6, "loss": 0.5}))
+    os.utime(tmp_path / "rank-1.json", ns=(1, 10**18))
+    a.poll_heartbeats()
+    lines = [json.loads(x) for x in out.getvalue().splitlines()]
+    assert [e["ev"] for e in lines] == ["heartbeats", "heartbeat"]
+    assert lines[0]["hbs"] == [[r, {"step": 5, "loss": 1.0 + r}] for r in range(3)]
+    assert (lines[1]["rank"], lines[1]["hb"]) == (1, {"step": 6, "loss": 0.5})

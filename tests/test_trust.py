@@ -61,6 +61,19 @@ def test_a_forged_crash_of_another_nodes_rank_blames_no_one(plan, spec, tmp_path
     assert [(f.node, f.rank, f.reason) for f in mon.failures] == [("n1", 1, "exit code 3")]
 
 
+def test_a_nodes_batch_of_heartbeats_moves_its_own_ranks_only(plan, spec, tmp_path):
+    """The agent sends one ``heartbeats`` line per poll for its ranks; the whole batch is refused when one entry
+    names a rank of another node (a node speaks only for itself)."""
+    clock = Clock()
+    mon, run = make_monitor(plan, spec, tmp_path, clock)
+    start_all(mon, clock, plan)
+    feed(mon, clock, "n1", "heartbeats", hbs=[[1, {"step": 4, "loss": 2.5}]])
+    assert (mon.ranks[1].step, mon.ranks[1].loss) == (4, 2.5)
+    feed(mon, clock, "n1", "heartbeats", hbs=[[1, {"step": 5}], [4, {"step": 99}]])
+    assert mon.ranks[1].step == 4 and mon.ranks[4].step is None
+    assert bad_messages(run) == [("n1", "heartbeats for rank 4, which the plan puts on another node")]
+
+
 def test_forged_exit_zeros_do_not_end_the_run(plan, spec, tmp_path):
     """One node claiming every rank finished does not make the run succeed."""
     clock = Clock()
@@ -79,6 +92,11 @@ def test_forged_exit_zeros_do_not_end_the_run(plan, spec, tmp_path):
     ({"ev": "exited", "rank": True, "code": 0}, "exited: field rank is True"),
     ({"ev": "heartbeat", "rank": 1, "hb": {"step": 3, "loss": "x"}}, "heartbeat of rank 1: loss is 'x'"),
     ({"ev": "heartbeat", "rank": 1, "hb": {"step": 3, "step_ms": float("inf")}}, "heartbeat of rank 1: step_ms is inf"),
+    ({"ev": "heartbeats", "hbs": [[1, {"step": 3}], [0, {"step": 3}]]},
+     "heartbeats for rank 0, which the plan puts on another node"),
+    ({"ev": "heartbeats", "hbs": [[1, {"step": -1}]]}, "heartbeat of rank 1: step is -1"),
+    ({"ev": "heartbeats", "hbs": [[1, {"step": 3}, 9]]}, "heartbeats: field hbs is [[1, {'step': 3}, 9]]"),
+    ({"ev": "heartbeats", "hbs": {"1": {"step": 3}}}, "heartbeats: field hbs is {'1': {'step': 3}}"),
     ({"ev": "alive", "ranks": {"1": "S", "0": "T"}}, "alive names rank '0', which the plan puts on another node"),
     ({"ev": "alive", "ranks": {"x": "S"}}, "alive names rank 'x', which the plan puts on another node"),
     ({"ev": "alive", "ranks": {"²": "S"}}, "alive names rank '²', which the plan puts on another node"),
@@ -112,11 +130,11 @@ def test_the_same_bad_message_is_written_once(plan, spec, tmp_path):
 _json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
                      lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
                      max_leaves=8)
-_field = st.sampled_from(["rank", "hb", "lines", "dropped", "ranks", "state", "pid", "code", "signal", "error",
+_field = st.sampled_from(["rank", "hb", "hbs", "lines", "dropped", "ranks", "state", "pid", "code", "signal", "error",
                           "oom", "left", "message", "reason", "t", "import_s"])
 _messages = st.fixed_dictionaries(
-    {"ev": st.sampled_from(["hello", "started", "heartbeat", "log", "alive", "standby", "exited", "stopped",
-                            "error", "port", "x"]) | _json},
+    {"ev": st.sampled_from(["hello", "started", "heartbeat", "heartbeats", "log", "alive", "standby", "exited",
+                            "stopped", "error", "port", "x"]) | _json},
     optional={"rank": st.integers(-2, 8) | _json,
               "hb": st.fixed_dictionaries({}, optional={k: _json | st.floats() | st.integers(-1, 50) for k in
                                                          ("step", "loss", "step_ms", "time", "phase", "compute_ms",

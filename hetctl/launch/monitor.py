@@ -276,6 +276,9 @@ class Monitor:
                 self._storage_warnings()
         elif ev == "heartbeat":
             self._heartbeat(int(msg["rank"]), msg.get("hb") or {}, now)
+        elif ev == "heartbeats":
+            for rank, hb in msg["hbs"]:
+                self._heartbeat(int(rank), hb, now)
         elif ev == "log":
             if int(msg["rank"]) in self.ranks:
                 self.logs.write(int(msg["rank"]), msg.get("lines") or [], int(msg.get("dropped") or 0))

@@ -22,6 +22,7 @@ from typing import Any, Collection
 STANDBY_STATES = frozenset({"importing", "ready", "used", "cold", "none", "gone"})
 MAX_TEXT = 4096  # one error or reason; a longer one is cut (the rank's log keeps the whole output)
 MAX_LINES = 10_000  # lines in one ``log`` event (the agent sends a fifth of a second's worth)
+MAX_BATCH = 4096  # [rank, hb] pairs in one ``heartbeats`` event (one per rank of the node)
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,8 @@ _FIELDS: dict[str, dict[str, tuple[bool, Any]]] = {
     "hello": {},
     "started": {"rank": (True, _is_int), "pid": (False, _opt(_is_int))},
     "heartbeat": {"rank": (True, _is_int), "hb": (True, lambda v: isinstance(v, dict))},
+    "heartbeats": {"hbs": (True, lambda v: isinstance(v, list) and len(v) <= MAX_BATCH and all(
+        isinstance(x, list) and len(x) == 2 and _is_int(x[0]) and isinstance(x[1], dict) for x in v))},
     "log": {"rank": (True, _is_int), "dropped": (False, _opt(_is_int)),
             "lines": (False, lambda v: v is None or (isinstance(v, list) and len(v) <= MAX_LINES
                                                       and all(isinstance(x, str) for x in v)))},
@@ -119,10 +122,12 @@ def check(msg: Any, owned: Collection[int]) -> dict | Refused:
             return Refused(f"{ev}: field {name} is {_shown(msg[name])}")
     if ev in _RANKED and msg["rank"] not in owned:
         return Refused(f"{ev} for rank {msg['rank']}, which the plan puts on another node")
-    if ev == "heartbeat":
+    for rank, hb in ([(msg["rank"], msg["hb"])] if ev == "heartbeat" else msg["hbs"] if ev == "heartbeats" else ()):
+        if ev == "heartbeats" and rank not in owned:
+            return Refused(f"heartbeats for rank {rank}, which the plan puts on another node")
         for name, ok in _HB_FIELDS.items():
-            if name in msg["hb"] and not ok(msg["hb"][name]):
-                return Refused(f"heartbeat of rank {msg['rank']}: {name} is {_shown(msg['hb'][name])}")
+            if name in hb and not ok(hb[name]):
+                return Refused(f"heartbeat of rank {rank}: {name} is {_shown(hb[name])}")
     if ev == "alive":
         foreign = [r for r in msg["ranks"] if not (isinstance(r, str) and r.isascii() and r.isdigit() and int(r) in owned)]
         if foreign:

@@ -22,6 +22,7 @@ and reads on its stdout (every event carries ``ev`` and ``t``, the node's clock)
     started   rank, pid                          a rank was spawned
     log       rank, lines[, dropped]             batched output, rate-limited
     heartbeat rank, hb (the rank's heartbeat file as written by hetctl.node.runtime)
+    heartbeats hbs [[rank, hb], ...]             what one poll found new for several ranks: one line, not one each
     alive     ranks {rank: process state letter} every ~1 s, so silence means a lost node
     exited    rank, code, signal[, error]        at once, from a thread blocked in waitpid
     error     message                            a bad command
@@ -170,11 +171,14 @@ class Agent:
                 self.emit("log", rank=rp.rank, lines=lines, **extra)
 
     def poll_heartbeats(self, only: RankProc | None = None) -> None:
+        """Emit what each rank's heartbeat file (or output) says that is new: one ``heartbeats`` line for a poll
+        that found several (8 ranks of a node step together), so the controller handles a line per node."""
+        found: list[list] = []
         for rp in [only] if only else list(self.ranks.values()):
             with rp._lock:
                 from_log, rp.from_log = rp.from_log, None
             if from_log is not None and rp.hb_mtime == 0:  # a heartbeat file, once written, is the precise path
-                self.emit("heartbeat", rank=rp.rank, hb=from_log)
+                found.append([rp.rank, from_log])
             if not rp.heartbeat:
                 continue
             try:
@@ -189,7 +193,11 @@ class Agent:
             except (OSError, ValueError):
                 continue  # half-written by a non-atomic writer; the next poll reads it
             rp.hb_mtime = st.st_mtime_ns
-            self.emit("heartbeat", rank=rp.rank, hb=hb)
+            found.append([rp.rank, hb])
+        if len(found) == 1:
+            self.emit("heartbeat", rank=found[0][0], hb=found[0][1])
+        elif found:
+            self.emit("heartbeats", hbs=found)
 
     def alive(self) -> None:
         states = {str(r): ("X" if rp.exited else proc_state(rp.proc.pid)) for r, rp in self.ranks.items()}

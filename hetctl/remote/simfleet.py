@@ -12,9 +12,9 @@ measuring the controller, not the fake:
   a pipe — three per node, so descriptor limits bind as they would over SSH;
 - every connection and every command costs ``latency_s`` (a handshake, a remote
   shell), and each agent speaks the protocol of :mod:`hetctl.node.agent`: ``hello``,
-  ``started``, a heartbeat per rank every ``step_s`` (sent within the agent's 0.2 s
-  heartbeat poll after a step boundary common to the whole job, as synchronous
-  training does), ``alive`` every second, ``port``, ``stop`` with and without ``keep``.
+  ``started``, a heartbeat per rank every ``step_s`` (one ``heartbeats`` line per node,
+  sent within the agent's 0.2 s heartbeat poll after a step boundary common to the whole
+  job, as synchronous training does), ``alive`` every second, ``port``, ``stop`` with and without ``keep``.
 
 A crash is injected on demand with :meth:`SimFleet.crash`; the rank's ``exited`` line
 carries the node's clock at the crash, as the real agent's does. What is not simulated:
@@ -254,8 +254,8 @@ class _Fleet:
                                  "steps": int(env.get("HETCTL_STEPS", "1000000")),
                                  "attempt": int(env.get("HETCTL_ATTEMPT", "0") or 0)}
                 self.emit(n, "started", rank=rank, pid=20_000 + i)
-            for rank, r in n.ranks.items():  # the trainer's "ready" heartbeat at its resume step
-                self.heartbeat(n, rank, r, phase="ready")
+            # the trainer's "ready" heartbeat at its resume step
+            self.heartbeats(n, [[rank, self.hb(n, rank, r, phase="ready")] for rank, r in n.ranks.items()])
             now = time.time()
             nxt = self.epoch + (int((now - self.epoch) / n.step_s) + 1) * n.step_s
             self.at(nxt + n.poll_phase, n, "step")
@@ -279,26 +279,37 @@ class _Fleet:
         else:
             self.emit(n, "error", message=f"unknown command {cmd!r}")
 
-    def heartbeat(self, n: _Node, rank: int, r: dict, **extra: Any) -> None:
+    @staticmethod
+    def hb(n: _Node, rank: int, r: dict, **extra: Any) -> dict:
         ms = n.step_s * 1000.0
-        hb = {"step": r["step"], "time": time.time(), "rank": rank, "attempt": r["attempt"], "step_ms": ms,
-              "compute_ms": round(ms * 0.9, 3), "loss": 4.0 / (1 + r["step"]), "grad_norm": 1.25, "lr": 3e-4,
-              **extra}
-        self.emit(n, "heartbeat", rank=rank, hb=hb)
+        return {"step": r["step"], "time": time.time(), "rank": rank, "attempt": r["attempt"], "step_ms": ms,
+                "compute_ms": round(ms * 0.9, 3), "loss": 4.0 / (1 + r["step"]), "grad_norm": 1.25, "lr": 3e-4,
+                **extra}
+
+    def heartbeats(self, n: _Node, hbs: list[list]) -> None:
+        """What one poll of the real agent sends: ``heartbeat`` for one rank, ``heartbeats`` for several."""
+        if len(hbs) == 1:
+            self.emit(n, "heartbeat", rank=hbs[0][0], hb=hbs[0][1])
+        elif hbs:
+            self.emit(n, "heartbeats", hbs=hbs)
 
     def tick(self, n: _Node, kind: str, when: float) -> None:
         if kind == "alive":
             self.emit(n, "alive", ranks={str(r): "S" for r in n.ranks})
             self.at(when + 1.0, n, "alive")
             return
+        hbs, done = [], []
         for rank in sorted(n.ranks):
             r = n.ranks[rank]
             r["step"] += 1
-            self.heartbeat(n, rank, r)
+            hbs.append([rank, self.hb(n, rank, r)])
             if r["step"] >= r["steps"]:
-                self.heartbeat(n, rank, r, done=True)
-                self.emit(n, "exited", rank=rank, code=0, signal=None)
-                del n.ranks[rank]
+                done.append(rank)
+        self.heartbeats(n, hbs)
+        for rank in done:
+            self.heartbeats(n, [[rank, self.hb(n, rank, n.ranks[rank], done=True)]])
+            self.emit(n, "exited", rank=rank, code=0, signal=None)
+            del n.ranks[rank]
         if n.ranks:
             self.at(when + n.step_s, n, "step")
 
