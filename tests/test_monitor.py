@@ -650,3 +650,29 @@ def test_the_live_view_is_refreshed_less_often_past_a_thousand_ranks():
 
     assert update_every(8) == update_every(1024) == 0.25
     assert update_every(4096) == 1.0 and update_every(8192) == update_every(100_000) == 2.0
+
+
+def test_the_live_table_summarizes_past_a_few_dozen_ranks():
+    """8,192 ranks were 8,192 rows redrawn on the terminal; past 64: a row per stage and chip kind, and the
+    ranks most behind (a hung one first, then the oldest heartbeats)."""
+    from rich.console import Console
+
+    from hetctl.cli.live import render_table
+    from hetctl.launch.monitor import RankState, RankStatus, Snapshot
+
+    ranks = []
+    for r in range(256):
+        stage, vendor = r % 2, ("nvidia" if r < 128 else "ascend")
+        ranks.append(RankStatus(r, f"n{r // 8}", vendor, r // 2, stage, (0, 3) if stage == 0 else (3, 6),
+                                state=RankState.RUNNING, step=40, loss=2.0, step_ms=100.0 + r))
+    ranks[77].state, ranks[77].step = RankState.HUNG, 12
+    ages = {r: 0.5 for r in range(256)} | {77: 30.0, 200: 9.0}
+    out = Console(width=160, record=True)
+    out.print(render_table(Snapshot(0, ranks, {}, 60.0, ages), "run r1"))
+    text = out.export_text()
+    assert "256 ranks on 32 nodes, per stage and chip kind" in text
+    groups = [ln for ln in text.splitlines() if ("nvidia" in ln or "ascend" in ln) and " ranks " not in ln]
+    assert len(text.splitlines()) < 40 and len(groups) == 4 + 8  # 2 stages × 2 kinds, then the 8 worst ranks
+    assert any("63 running, 1 hung" in ln and "12" in ln for ln in groups)  # nvidia stage 1: its lowest step
+    worst = text[text.index("the 8 ranks most behind"):].splitlines()
+    assert " 77 " in worst[4] and "hung" in worst[4] and " 200 " in worst[5]

@@ -29,25 +29,89 @@ def _fmt(v: float | None, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
-def render_table(snap: Snapshot, title: str = "", console: Console | None = None) -> Table:
-    """The table: one row per rank (node, vendor, stage, layers, state, step, loss, step ms, heartbeat age); on a
-    narrow ``console`` the least needed columns are left out, never the node's name (:mod:`hetctl.cli.fit`)."""
+PER_RANK_UP_TO = 64  # ranks shown one row each; past it, one row per stage and chip kind, and the worst ranks
+WORST = 8  # ranks listed under a summary: those failed or hung first, then the oldest heartbeats
+
+
+def render_table(snap: Snapshot, title: str = "", console: Console | None = None) -> Any:
+    """The live table: one row per rank up to :data:`PER_RANK_UP_TO` ranks (node, vendor, stage, layers, state,
+    step, loss, step ms, heartbeat age); past it, one row per stage and chip kind and the :data:`WORST` ranks
+    most behind (:func:`summary_tables`). On a narrow ``console`` the least needed columns are left out, never
+    the node's name (:mod:`hetctl.cli.fit`)."""
+    if len(snap.ranks) > PER_RANK_UP_TO:
+        return summary_tables(snap, title, console)
+    return _rank_table(snap, snap.ranks, title, console)
+
+
+def _rank_table(snap: Snapshot, ranks: Any, title: str, console: Console | None) -> Table:
     from hetctl.cli.fit import Col, fitted
 
     cols = [Col("node", keep=True), Col("vendor", drop=3), Col("rank", "right"), Col("stage", "right", drop=2),
             Col("layers", drop=4), Col("state"), Col("step", "right"), Col("loss", "right"),
             Col("step ms", "right", drop=1), Col("hb age", "right", drop=5)]
+    replicas = any(s.replica for s in snap.ranks)
     rows = []
-    for st in sorted(snap.ranks, key=lambda s: s.rank):
-        age = snap.ages.get(st.rank)
-        stage = f"{st.replica}.{st.stage}" if any(s.replica for s in snap.ranks) else str(st.stage)
-        state = Text(str(st.state) + (" (T)" if st.proc_state == "T" else ""), style=_STATE_STYLE.get(str(st.state), ""))
+    for st in ranks:
+        stage = f"{st.replica}.{st.stage}" if replicas else str(st.stage)
         rows.append([
-            Text(st.node), st.vendor, str(st.rank), stage, f"{st.layers[0]}:{st.layers[1]}", state,
-            _fmt(st.step, "d"), _fmt(st.loss, ".4f"), _fmt(st.step_ms, ".0f"),
-            "-" if age is None or str(st.state) not in ("running", "starting", "hung") else f"{age:.1f}s",
+            Text(st.node), st.vendor, str(st.rank), stage, f"{st.layers[0]}:{st.layers[1]}", _state(st),
+            _fmt(st.step, "d"), _fmt(st.loss, ".4f"), _fmt(st.step_ms, ".0f"), _age(snap, st),
         ])
+    if ranks is snap.ranks:
+        rows.sort(key=lambda r: int(r[2]))
     return fitted(console or Console(width=200), cols, rows, title=title or None, title_justify="left", expand=False)
+
+
+def _state(st: Any) -> Text:
+    return Text(str(st.state) + (" (T)" if st.proc_state == "T" else ""), style=_STATE_STYLE.get(str(st.state), ""))
+
+
+def _live_age(snap: Snapshot, st: Any) -> float | None:
+    age = snap.ages.get(st.rank)
+    return None if age is None or str(st.state) not in ("running", "starting", "hung") else age
+
+
+def _age(snap: Snapshot, st: Any) -> str:
+    age = _live_age(snap, st)
+    return "-" if age is None else f"{age:.1f}s"
+
+
+def summary_tables(snap: Snapshot, title: str = "", console: Console | None = None) -> Any:
+    """At scale (1,024 nodes are 8,192 ranks: no terminal shows a row each): one row per stage and chip kind
+    (ranks, nodes, states, the lowest step, the mean loss, the slowest step, the oldest heartbeat), then the
+    ranks most behind: failed, hung or stopped first, then the oldest heartbeats, the lowest steps, the slowest."""
+    from rich.console import Group
+
+    from hetctl.cli.fit import Col, fitted
+
+    groups: dict[tuple[int, str], list[Any]] = {}
+    for st in snap.ranks:
+        groups.setdefault((st.stage, st.vendor), []).append(st)
+    cols = [Col("stage", "right"), Col("vendor"), Col("ranks", "right"), Col("nodes", "right", drop=3),
+            Col("states", keep=True), Col("step", "right"), Col("loss", "right", drop=2),
+            Col("step ms", "right", drop=1), Col("hb age", "right", drop=4)]
+    rows = []
+    for (stage, vendor), sts in sorted(groups.items()):
+        counts: dict[str, int] = {}
+        for st in sts:
+            counts[str(st.state)] = counts.get(str(st.state), 0) + 1
+        states = Text(", ".join(f"{n} {k}" for k, n in sorted(counts.items(), key=lambda kv: -kv[1])),
+                      style=_STATE_STYLE.get(max(counts, key=counts.get), ""))
+        steps = [st.step for st in sts if st.step is not None]
+        losses = [st.loss for st in sts if st.loss is not None]
+        ms = [st.step_ms for st in sts if st.step_ms is not None]
+        ages = [a for a in (_live_age(snap, st) for st in sts) if a is not None]
+        rows.append([str(stage), vendor, str(len(sts)), str(len({st.node for st in sts})), states,
+                     _fmt(min(steps) if steps else None, "d"), _fmt(sum(losses) / len(losses) if losses else None, ".4f"),
+                     _fmt(max(ms) if ms else None, ".0f"), "-" if not ages else f"{max(ages):.1f}s"])
+    nodes = len({st.node for st in snap.ranks})
+    head = (f"{title}  " if title else "") + f"{len(snap.ranks):,} ranks on {nodes:,} nodes, per stage and chip kind"
+    table = fitted(console or Console(width=200), cols, rows, title=head, title_justify="left", expand=False)
+    trouble = ("failed", "hung", "stopped")
+    worst = sorted(snap.ranks, key=lambda st: (str(st.state) not in trouble, -(_live_age(snap, st) or 0.0),
+                                               st.step if st.step is not None else -1, -(st.step_ms or 0.0),
+                                               st.rank))[:WORST]
+    return Group(table, _rank_table(snap, worst, f"the {len(worst)} ranks most behind", console))
 
 
 def _ms(v: float | None) -> str:
