@@ -75,6 +75,9 @@ def parse_args(argv: list[str] | None, env: os._Environ | dict) -> argparse.Name
                     help="compress the data-parallel reduce where it crosses vendors (over gloo): bf16, int8 or "
                     "rank-R PowerSGD, the last two with error feedback; within a vendor it is never compressed "
                     "(default: the plan's grad_compress, `hetctl plan --grad-compress`, else none)")
+    ap.add_argument("--p2p-compress", choices=("none", "bf16"), default="none",
+                    help="bf16: a pipeline's activations and their gradients cross a stage boundary between two "
+                    "vendors (over gloo) in bfloat16, half the bytes; within a vendor they stay fp32 (default none)")
     ap.add_argument("--comm-timeout", type=float, default=300.0,
                     help="seconds a collective or receive may wait before the rank fails (default 300)")
     optim.add_args(ap)
@@ -354,7 +357,7 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
                                       "pp": topo.pp, "dp": topo.dp, "global_batch": topo.global_batch},
                                 log=lambda line: print(line, flush=True), test_delay_s=args.test_jit_delay)
             jit.arm()
-        comm = pipeline.Comm(topo, device, groups)
+        comm = pipeline.Comm(topo, device, groups, p2p_compress=args.p2p_compress)
         amp = functools.partial(pipeline.autocast, device, topo.precision)
         seq, vocab = int(spec["seq_len"]), int(spec["vocab_size"])
         role = {"stage": topo.stage, "replica": topo.replica}
@@ -397,6 +400,8 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
             timing = {"step_ms": round(ms, 3), "compute_ms": round(ms - comm.take_wait() * 1000.0, 3)}
             if compressor is not None and compressor.raw:  # this attempt's cross-vendor gradient bytes, so far
                 timing.update(xv_bytes=compressor.sent, xv_raw_bytes=compressor.raw)
+            if comm.xv_p2p_bytes:  # this attempt's pipeline bytes sent across vendors, so far (--p2p-compress)
+                timing.update(xv_p2p_bytes=comm.xv_p2p_bytes)
             step_times.append(ms)
             if args.eval_every and step % args.eval_every == 0:
                 value = data.eval_loss(module, topo, comm, eval_set, args.eval_iters, int(spec["hidden_size"]), seq, amp)
@@ -431,6 +436,8 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
         final = {"done": True, "steps": args.steps, "skipped": stepper.skipped_total, **role}
         if compressor is not None and compressor.raw:
             final.update(xv_bytes=compressor.sent, xv_raw_bytes=compressor.raw)
+        if comm.xv_p2p_bytes:
+            final.update(xv_p2p_bytes=comm.xv_p2p_bytes)
         if saver is not None:  # the last save must be on disk, manifest and all, before the rank reports done
             final.update(saver.close(on_wait=functools.partial(ctx.heartbeat, args.steps, phase="checkpoint_wait",
                                                                **role)))

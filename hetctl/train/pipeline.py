@@ -56,14 +56,19 @@ class Comm:
     """Point-to-point and all-reduce for one rank, moving tensors to the CPU where the link is gloo."""
 
     def __init__(self, topo: Topology, device: torch.device,
-                 groups: Mapping[str, tuple[dist.ProcessGroup, str]] | None = None) -> None:
+                 groups: Mapping[str, tuple[dist.ProcessGroup, str]] | None = None, p2p_compress: str = "none") -> None:
         """Args:
             groups: per unit of this stage, its data-parallel group and that group's comm library
                 (empty without data parallelism).
+            p2p_compress: ``bf16``: activations and their gradients cross a stage boundary between two vendors
+                in bfloat16 (half the bytes; both ends round alike, so runs stay reproducible); ``none``: fp32.
         """
         self.topo = topo
         self.device = device
         self.groups = dict(groups or {})
+        self.p2p_compress = p2p_compress
+        self.xv_p2p_bytes = 0
+        """Bytes this rank sent on p2p links across vendors (activations and gradients), since it started."""
         self.wait_s = 0.0
         """Seconds spent blocked on communication since the last :meth:`take_wait`."""
         self._pending: list[tuple[dist.Work, torch.Tensor]] = []
@@ -71,28 +76,36 @@ class Comm:
     def _wire(self, backend: str | None, t: torch.Tensor) -> torch.Tensor:
         return t.detach().to("cpu").contiguous() if backend == "gloo" else t.detach().contiguous()
 
-    def _recv(self, backend: str | None, src: int, shape: tuple[int, ...], tag: int) -> torch.Tensor:
-        buf = torch.empty(shape, dtype=torch.float32, device="cpu" if backend == "gloo" else self.device)
+    def dtype(self, crosses: bool) -> torch.dtype:
+        """The dtype a p2p link carries: bfloat16 across vendors under ``--p2p-compress bf16``, else float32.
+        Both ends of a link decide it from the same plan, so the receiver's buffer matches what is sent."""
+        return torch.bfloat16 if crosses and self.p2p_compress == "bf16" else torch.float32
+
+    def _recv(self, backend: str | None, src: int, shape: tuple[int, ...], tag: int, crosses: bool = False
+              ) -> torch.Tensor:
+        buf = torch.empty(shape, dtype=self.dtype(crosses), device="cpu" if backend == "gloo" else self.device)
         t0 = time.perf_counter()
         dist.irecv(buf, src=src, tag=tag).wait()
         self.wait_s += time.perf_counter() - t0
-        return buf.to(self.device)
+        return buf.to(self.device, torch.float32)
 
-    def _send(self, backend: str | None, dst: int, t: torch.Tensor, tag: int) -> None:
-        wire = self._wire(backend, t.float())
+    def _send(self, backend: str | None, dst: int, t: torch.Tensor, tag: int, crosses: bool = False) -> None:
+        wire = self._wire(backend, t.to(self.dtype(crosses)))
+        if crosses:
+            self.xv_p2p_bytes += wire.numel() * wire.element_size()
         self._pending.append((dist.isend(wire, dst=dst, tag=tag), wire))
 
     def recv_activation(self, micro: int, shape: tuple[int, ...]) -> torch.Tensor:
-        return self._recv(self.topo.backend_prev, self.topo.prev_rank, shape, 2 * micro)
+        return self._recv(self.topo.backend_prev, self.topo.prev_rank, shape, 2 * micro, self.topo.crosses_prev)
 
     def send_activation(self, micro: int, t: torch.Tensor) -> None:
-        self._send(self.topo.backend_next, self.topo.next_rank, t, 2 * micro)
+        self._send(self.topo.backend_next, self.topo.next_rank, t, 2 * micro, self.topo.crosses_next)
 
     def recv_grad(self, micro: int, shape: tuple[int, ...]) -> torch.Tensor:
-        return self._recv(self.topo.backend_next, self.topo.next_rank, shape, 2 * micro + 1)
+        return self._recv(self.topo.backend_next, self.topo.next_rank, shape, 2 * micro + 1, self.topo.crosses_next)
 
     def send_grad(self, micro: int, t: torch.Tensor) -> None:
-        self._send(self.topo.backend_prev, self.topo.prev_rank, t, 2 * micro + 1)
+        self._send(self.topo.backend_prev, self.topo.prev_rank, t, 2 * micro + 1, self.topo.crosses_prev)
 
     def wait_sends(self) -> None:
         """Complete every outstanding send (their buffers are kept alive until then)."""
@@ -133,29 +146,31 @@ class VirtualLinks:
     def _tag(self, j: int, micro: int, grad: bool) -> int:
         return 2 * (j * self.topo.micro_batches + micro) + (1 if grad else 0)
 
-    def _prev(self, j: int) -> tuple[int, str | None]:
+    def _prev(self, j: int) -> tuple[int, str | None, bool]:
         t = self.topo
-        return (t.prev_rank, t.backend_prev) if t.stage > 0 else (t.wrap_rank, t.backend_wrap)
+        return (t.prev_rank, t.backend_prev, t.crosses_prev) if t.stage > 0 else \
+            (t.wrap_rank, t.backend_wrap, t.crosses_wrap)
 
-    def _next(self, j: int) -> tuple[int, str | None]:
+    def _next(self, j: int) -> tuple[int, str | None, bool]:
         t = self.topo
-        return (t.next_rank, t.backend_next) if t.stage < t.pp - 1 else (t.wrap_rank, t.backend_wrap)
+        return (t.next_rank, t.backend_next, t.crosses_next) if t.stage < t.pp - 1 else \
+            (t.wrap_rank, t.backend_wrap, t.crosses_wrap)
 
     def recv_activation(self, j: int, micro: int, shape: tuple[int, ...]) -> torch.Tensor:
-        peer, lib = self._prev(j)
-        return self.comm._recv(lib, peer, shape, self._tag(j, micro, False))
+        peer, lib, crosses = self._prev(j)
+        return self.comm._recv(lib, peer, shape, self._tag(j, micro, False), crosses)
 
     def send_activation(self, j: int, micro: int, t: torch.Tensor) -> None:
-        peer, lib = self._next(j)
-        self.comm._send(lib, peer, t, self._tag(j + 1, micro, False))
+        peer, lib, crosses = self._next(j)
+        self.comm._send(lib, peer, t, self._tag(j + 1, micro, False), crosses)
 
     def recv_grad(self, j: int, micro: int, shape: tuple[int, ...]) -> torch.Tensor:
-        peer, lib = self._next(j)
-        return self.comm._recv(lib, peer, shape, self._tag(j, micro, True))
+        peer, lib, crosses = self._next(j)
+        return self.comm._recv(lib, peer, shape, self._tag(j, micro, True), crosses)
 
     def send_grad(self, j: int, micro: int, t: torch.Tensor) -> None:
-        peer, lib = self._prev(j)
-        self.comm._send(lib, peer, t, self._tag(j - 1, micro, True))
+        peer, lib, crosses = self._prev(j)
+        self.comm._send(lib, peer, t, self._tag(j - 1, micro, True), crosses)
 
 
 def chunk_modules(module: nn.Module, topo: Topology) -> list[nn.Module]:

@@ -74,6 +74,12 @@ class Topology:
     """This rank's index in its stage's TP group."""
     tp_groups: tuple[tuple[int, ...], ...] = ()
     """Every stage's TP group (global ranks by TP rank), by replica then stage (all ranks create every group)."""
+    crosses_prev: bool = False
+    """The previous stage is another vendor's (its p2p link is one that ``--p2p-compress`` compresses)."""
+    crosses_next: bool = False
+    """The next stage is another vendor's."""
+    crosses_wrap: bool = False
+    """Interleaved plans: the first and the last stage are different vendors'."""
 
     @property
     def tp_ranks(self) -> tuple[int, ...]:
@@ -209,7 +215,14 @@ def topology(plan: Mapping[str, Any], ctx: RankContext) -> Topology:
         tp=tp,
         tp_rank=tp_rank,
         tp_groups=tuple(tuple(cell[key]) for key in sorted(cell)) if tp > 1 else (),
+        crosses_prev=prev is not None and _vendor(prev) != _vendor(mine),
+        crosses_next=ctx.stage < mine_pp - 1 and _vendor(stages[(ctx.replica, ctx.stage + 1)]) != _vendor(mine),
+        crosses_wrap=vs > 1 and _vendor(stages[(ctx.replica, 0)]) != _vendor(stages[(ctx.replica, mine_pp - 1)]),
     )
+
+
+def _vendor(stage: dict) -> str:
+    return str(stage.get("vendor", "cpu"))
 
 
 def _tensor_parallel(plan, stages, ranks, ctx: RankContext, where: str):
