@@ -658,7 +658,7 @@ def test_the_live_table_summarizes_past_a_few_dozen_ranks():
     from rich.console import Console
 
     from hetctl.cli.live import render_table
-    from hetctl.launch.monitor import RankState, RankStatus, Snapshot
+    from hetctl.launch.status import RankState, RankStatus, Snapshot
 
     ranks = []
     for r in range(256):

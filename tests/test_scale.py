@@ -137,7 +137,7 @@ def test_progress_events_carry_one_entry_per_stage_not_per_tp_rank(tmp_path):
 
 
 def test_a_snapshot_is_a_copy_that_later_heartbeats_do_not_change():
-    from hetctl.launch.monitor import RankState, RankStatus
+    from hetctl.launch.status import RankState, RankStatus
 
     st = RankStatus(3, "n1", "cpu", 0, 1, (3, 6), state=RankState.RUNNING, step=7, loss=2.5)
     twin = st.copy()

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from hetctl.files.eventlog import read_events
 from hetctl.launch import wire
 from hetctl.launch.controller import _Agent
-from hetctl.launch.monitor import RankState
+from hetctl.launch.status import RankState
 from hetctl.launch.outcome import AttemptOutcome, RunState
 from tests import test_monitor as tm
 from tests.test_monitor import Clock, feed, make_monitor, start_all
@@ -730,3 +730,17 @@ def test_the_run_summary_says_a_nan_loss_diverged(first, final, shown):
     from hetctl.cli.run import _loss_span
 
     assert _loss_span(first, final) == shown
+
+
+def test_the_edge_checks_exactly_the_protocols_events_and_fields():
+    """wire's field table and hetctl.node.protocol's types say the same thing: each event the monitor handles,
+    its required and its optional fields (the monitor dispatches on ``ev`` to one handler each)."""
+    from hetctl.launch.monitor import Monitor
+    from hetctl.node.protocol import EVENTS
+
+    assert set(wire._FIELDS) == set(EVENTS)
+    for ev, shape in EVENTS.items():
+        required = {f for f, (req, _) in wire._FIELDS[ev].items() if req}
+        optional = {f for f, (req, _) in wire._FIELDS[ev].items() if not req}
+        assert (required, optional) == (set(shape.__required_keys__) - {"ev"}, set(shape.__optional_keys__)), ev
+        assert callable(getattr(Monitor, "_on_" + ev, None)), ev

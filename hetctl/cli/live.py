@@ -19,7 +19,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from hetctl.launch.monitor import Snapshot
+from hetctl.launch.status import Snapshot
 
 _STATE_STYLE = {"running": "green", "done": "bold green", "failed": "bold red", "hung": "bold red",
                 "starting": "yellow", "stopped": "dim"}

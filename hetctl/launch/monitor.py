@@ -17,13 +17,12 @@ Rank state transitions (:class:`RankState`)::
 
 from __future__ import annotations
 
-import enum
 import queue
 import signal as _signal
 import threading
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, Callable, Iterable, Mapping
 
 from hetctl.files.events import (BadMessage, Evaluated, NodeLost, ProcessesLeft, Progress, RankFailed, StageProgress,
@@ -34,7 +33,9 @@ from hetctl.files.run import RunDir
 from hetctl.launch.progress import ProgressEntries
 from hetctl.launch.spares import SparesImporting
 from hetctl.launch.ranklogs import RankLogs
+from hetctl.launch.status import RankState, RankStatus, Snapshot
 from hetctl.launch.wire import Refused, check as check_message
+from hetctl.node import protocol
 
 MAX_WARNINGS_PER_NODE = 20  # distinct bad_message reasons written per node and attempt
 
@@ -43,20 +44,6 @@ def _add(sums: dict, key: tuple[int, int], ms: Any, also: dict | None = None) ->
     for d in (sums, also) if also is not None else (sums,):
         acc = d[key] or [0, 0.0]  # (stage_wall starts each key as an empty list)
         d[key] = [acc[0] + 1, acc[1] + float(ms)]
-
-
-class RankState(str, enum.Enum):
-    """What the controller believes of one rank (transitions in the module docstring)."""
-
-    STARTING = "starting"
-    RUNNING = "running"
-    DONE = "done"
-    FAILED = "failed"
-    HUNG = "hung"
-    STOPPED = "stopped"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 LIVE = (RankState.STARTING, RankState.RUNNING)
@@ -73,53 +60,6 @@ def update_every(ranks: int) -> float:
     8,192. A snapshot copies every rank's status; at 8,192 ranks four a second took a fifth of a core
     (bench/scale.py), and no terminal shows 8,192 ranks that often."""
     return UPDATE_EVERY_S * min(8.0, max(1.0, ranks / 1024))
-
-
-@dataclass
-class RankStatus:
-    """What the controller last saw of one rank (the observed twin of ``RankLaunch``)."""
-
-    rank: int
-    node: str
-    vendor: str
-    replica: int
-    stage: int
-    layers: tuple[int, int]
-    state: RankState = RankState.STARTING
-    pid: int | None = None
-    step: int | None = None
-    loss: float | None = None
-    step_ms: float | None = None
-    xv_bytes: int | None = None  # gradient bytes sent across vendors this attempt, and their fp32 size (--grad-compress)
-    xv_raw_bytes: int | None = None
-    grad_norm: float | None = None  # the trainer's global gradient norm (hetctl.train.optim), lr and skipped steps
-    lr: float | None = None
-    skipped: int = 0
-    hb_wall: float | None = None  # the node's clock at the rank's last heartbeat
-    progress_at: float | None = None  # controller clock when the step last advanced
-    proc_state: str = ""
-    phase: str | None = None  # the trainer's phase within a step: None while stepping, "checkpoint", "finishing"
-    exit_code: int | None = None
-    signal: int | None = None
-
-    def copy(self) -> "RankStatus":
-        """A shallow copy for a snapshot (its fields are immutable values). ``dataclasses.replace`` re-runs
-        ``__init__`` and cost 6× as much (10 against 1.75 µs each on the loaded 2-core VM: at 8,192 ranks and four
-        snapshots a second, a third of a core there)."""
-        twin = object.__new__(RankStatus)
-        twin.__dict__.update(self.__dict__)
-        return twin
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """A copy of the attempt's state for the live view."""
-
-    attempt: int
-    ranks: list[RankStatus]
-    nodes: dict[str, str]
-    elapsed_s: float
-    ages: dict[int, float] = field(default_factory=dict)  # rank → seconds since its last progress
 
 
 def _signal_name(sig: int) -> str:
@@ -264,44 +204,54 @@ class Monitor:
         if isinstance(checked, Refused):
             self._refuse(node, checked.reason)
             return
-        msg = checked
-        ev = msg.get("ev")
-        if ev == "hello":
-            self.node_state[node] = "up"
-        elif ev == "started":
-            st = self.ranks.get(int(msg["rank"]))
-            if st:
-                st.state, st.pid, st.progress_at = RankState.RUNNING, msg.get("pid"), now
-                self.logs.file(st.rank)  # every rank has its log, even one that prints nothing
-                self._storage_warnings()
-        elif ev == "heartbeat":
-            self._heartbeat(int(msg["rank"]), msg.get("hb") or {}, now)
-        elif ev == "heartbeats":
-            for rank, hb in msg["hbs"]:
-                self._heartbeat(int(rank), hb, now)
-        elif ev == "log":
-            if int(msg["rank"]) in self.ranks:
-                self.logs.write(int(msg["rank"]), msg.get("lines") or [], int(msg.get("dropped") or 0))
-                self._storage_warnings()
-        elif ev == "alive":
-            for r, letter in (msg.get("ranks") or {}).items():
-                if int(r) in self.ranks:
-                    self.ranks[int(r)].proc_state = letter
-        elif ev == "standby":
-            self.spares.update(node, int(msg["rank"]), str(msg["state"]), msg.get("pid"))
-            self.events.emit(Standby(attempt=self.attempt, node=node, rank=int(msg["rank"]), state=str(msg["state"]),
-                                     pid=msg.get("pid"), reason=msg.get("reason"), import_s=msg.get("import_s"),
-                                     t=msg.get("t")))
-        elif ev == "exited":
-            self._exit_t = msg.get("t")
-            self._exited(int(msg["rank"]), msg.get("code"), msg.get("signal"), msg.get("error"), bool(msg.get("oom")))
-        elif ev == "stopped":
-            self.stopped_nodes.add(node)
-            self.node_state[node] = "stopped"
-            if msg.get("left"):
-                self.events.emit(ProcessesLeft(attempt=self.attempt, node=node, pids=[int(p) for p in msg["left"]]))
-        elif ev == "error":
-            self._fail(FailureRecord(FaultKind.START, node, time.time(), reason=f"agent: {msg.get('message')}"))
+        getattr(self, "_on_" + checked["ev"])(node, checked, now)  # one handler per protocol.EVENTS kind
+
+    # One method per event of hetctl.node.protocol (wire.check let only those through, in their shapes).
+    def _on_hello(self, node: str, msg: protocol.Hello, now: float) -> None:
+        self.node_state[node] = "up"
+
+    def _on_started(self, node: str, msg: protocol.Started, now: float) -> None:
+        st = self.ranks.get(msg["rank"])
+        if st:
+            st.state, st.pid, st.progress_at = RankState.RUNNING, msg.get("pid"), now
+            self.logs.file(st.rank)  # every rank has its log, even one that prints nothing
+            self._storage_warnings()
+
+    def _on_heartbeat(self, node: str, msg: protocol.Heartbeat, now: float) -> None:
+        self._heartbeat(msg["rank"], msg["hb"], now)
+
+    def _on_heartbeats(self, node: str, msg: protocol.Heartbeats, now: float) -> None:
+        for rank, hb in msg["hbs"]:
+            self._heartbeat(rank, hb, now)
+
+    def _on_log(self, node: str, msg: protocol.Log, now: float) -> None:
+        if msg["rank"] in self.ranks:
+            self.logs.write(msg["rank"], msg.get("lines") or [], msg.get("dropped") or 0)
+            self._storage_warnings()
+
+    def _on_alive(self, node: str, msg: protocol.Alive, now: float) -> None:
+        for r, letter in msg["ranks"].items():
+            if int(r) in self.ranks:
+                self.ranks[int(r)].proc_state = letter
+
+    def _on_standby(self, node: str, msg: protocol.StandbyEvent, now: float) -> None:
+        self.spares.update(node, msg["rank"], msg["state"], msg.get("pid"))
+        self.events.emit(Standby(attempt=self.attempt, node=node, rank=msg["rank"], state=msg["state"],
+                                 pid=msg.get("pid"), reason=msg.get("reason"), import_s=msg.get("import_s"),
+                                 t=msg.get("t")))  # type: ignore[typeddict-item]
+
+    def _on_exited(self, node: str, msg: protocol.Exited, now: float) -> None:
+        self._exit_t = msg.get("t")  # type: ignore[typeddict-item]
+        self._exited(msg["rank"], msg.get("code"), msg.get("signal"), msg.get("error"), bool(msg.get("oom")))
+
+    def _on_stopped(self, node: str, msg: protocol.Stopped, now: float) -> None:
+        self.stopped_nodes.add(node)
+        self.node_state[node] = "stopped"
+        if msg.get("left"):
+            self.events.emit(ProcessesLeft(attempt=self.attempt, node=node, pids=list(msg["left"] or [])))
+
+    def _on_error(self, node: str, msg: protocol.Error, now: float) -> None:
+        self._fail(FailureRecord(FaultKind.START, node, time.time(), reason=f"agent: {msg.get('message')}"))
 
     def _storage_warnings(self) -> None:
         for path, reason in self.logs.errors():

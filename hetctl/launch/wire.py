@@ -19,6 +19,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Collection
 
+from hetctl.node import protocol
+
 STANDBY_STATES = frozenset({"importing", "ready", "used", "cold", "none", "gone"})
 MAX_TEXT = 4096  # one error or reason; a longer one is cut (the rank's log keeps the whole output)
 MAX_LINES = 10_000  # lines in one ``log`` event (the agent sends a fifth of a second's worth)
@@ -95,8 +97,9 @@ def _shown(v: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def check(msg: Any, owned: Collection[int]) -> dict | Refused:
-    """``msg`` as the monitor may use it, or why it was refused.
+def check(msg: Any, owned: Collection[int]) -> protocol.Event | Refused:
+    """``msg`` as the monitor may use it (one of :data:`hetctl.node.protocol.EVENTS`' shapes, which
+    :data:`_FIELDS` checks), or why it was refused.
 
     Args:
         msg: one decoded line of the agent's stdout.
@@ -133,7 +136,7 @@ def check(msg: Any, owned: Collection[int]) -> dict | Refused:
         if foreign:
             return Refused(f"alive names rank {', '.join(map(_shown, foreign[:3]))}, which the plan puts "
                            "on another node")
-    return {k: (v[:MAX_TEXT] if isinstance(v, str) else v) for k, v in msg.items()}
+    return {k: (v[:MAX_TEXT] if isinstance(v, str) else v) for k, v in msg.items()}  # type: ignore[return-value]
 
 
 MAX_LINE = 4 << 20  # bytes of one event line (hetctl.launch.reader); the agent's log budget keeps real ones far below
