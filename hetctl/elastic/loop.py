@@ -132,11 +132,6 @@ def latest_checkpoint(ckpt_dir: str | Path, model: dict, emit: Callable[[Event],
     return found[0] if found else None
 
 
-def attempt_default(fn: AttemptFn) -> bool:
-    """Whether attempts run through the real controller (tests script their own)."""
-    return fn is run_attempt
-
-
 def _bottleneck_ms(outcome: AttemptOutcome) -> float | None:
     return max(outcome.stage_step_ms.values()) if outcome.stage_step_ms else None
 
@@ -179,7 +174,7 @@ class ElasticRun:
         self._recoveries = list(prepared.info.summary.recoveries) if prepared.info.summary else []
         self._recoveries += [record_of(ev) for ev in prepared.opening if isinstance(ev, ResumeSource)]  # a resume's
         self.recovery = RecoveryClock()  # per restart: detection, stop, restart, first step, steps lost
-        self.pool: AgentPool | None = None  # agents kept across attempts for their warm spares
+        self.pool = AgentPool(keeps=False)  # agents kept across attempts for their warm spares (set in _run)
 
     # -- the run -----------------------------------------------------------------
     def run(self, stop: threading.Event | None = None, listeners: Iterable[Listener] = (),
@@ -221,8 +216,7 @@ class ElasticRun:
     def _run(self, listeners: Iterable[Listener]) -> RunResult:
         p = self.p
         inputs = p.info.inputs
-        if attempt_default(self.attempt_fn) and standby_on(inputs.standby, inputs.entry):
-            self.pool = AgentPool()
+        self.pool = AgentPool(keeps=standby_on(inputs.standby, inputs.entry))
         with EventLog(p.run.events_path, listeners=[*listeners, self.recovery.listen, self._spares.listen]) as events:
             self.events = events
             self.recovery.emit = events.emit
@@ -245,8 +239,7 @@ class ElasticRun:
                             reason=e.message)
                 raise
             finally:
-                if self.pool is not None:
-                    self.pool.close()  # every agent, with its spares, ends with the run
+                self.pool.close()  # every agent, with its spares, ends with the run
             reason = result.reason if result.state != RunState.SUCCEEDED else None
             first = result.root_cause
             if result.state == RunState.FAILED and first is not None and first != result.outcome.root_cause:
@@ -272,10 +265,9 @@ class ElasticRun:
                                   "stop": self.stop}
         if self.connect is not None:
             kwargs["connect"] = self.connect
-        if self.pool is not None:
-            kwargs["pool"] = self.pool
+        kwargs["pool"] = self.pool
         on_first_step = self.recovery.starting(attempt, step)
-        if on_first_step is not None and attempt_default(self.attempt_fn):
+        if on_first_step is not None:
             kwargs["on_first_step"] = on_first_step
         first_of_run = self._attempts_run == 0 and attempt == p.first_attempt
         self._attempts_run += 1

@@ -45,6 +45,7 @@ from hetctl.launch.ship import ship as ship_files
 from hetctl.files.events import Launched
 from hetctl.files.eventlog import EventLog
 from hetctl.launch.monitor import Monitor, OnProgress, OnUpdate
+from hetctl.launch.pool import AgentPool
 from hetctl.launch.outcome import AttemptOutcome, FailureRecord, FaultKind, RunState
 from hetctl.files.inventory import master_address
 from hetctl.files.run import LaunchOptions, RunDir
@@ -250,7 +251,8 @@ class AttemptController:
         self.agents: dict[str, _Agent] = {}
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.spec: mat.LaunchSpec | None = None
-        self.pool = pool  # hetctl.launch.pool.AgentPool: agents (and their spares) kept across attempts
+        # Agents (and their spares) kept across attempts; one that keeps nothing when the caller has none.
+        self.pool = pool if pool is not None else AgentPool(keeps=False)
         self.on_first_step = on_first_step
 
     # -- phases --------------------------------------------------------------
@@ -324,8 +326,8 @@ class AttemptController:
         argchecks = Once()  # Megatron-LM's argument check: once per distinct environment
 
         def check(node: Any) -> dict[str, Any]:
-            kept = self.pool.preflight(node.name) if self.pool is not None else None  # drops a dead agent first
-            t = (self.pool.transport(node.name) if self.pool is not None else None) or self.connect(node)
+            kept = self.pool.preflight(node.name)  # drops a dead agent first
+            t = self.pool.transport(node.name) or self.connect(node)
             self.transports[node.name] = t
             want_port = node.name == rank0 and self.req.options.master_port is None
             if kept is not None:  # its agent ran the last attempt and is up: same python, workdir, modules
@@ -359,8 +361,7 @@ class AttemptController:
 
                 fwcheck.check_node(t, node, info, self.req, self.nodes, self.run_dir.run_id, self.th.connect_timeout,
                                    argchecks)
-            if self.pool is not None:
-                self.pool.remember(node.name, info)
+            self.pool.remember(node.name, info)
             return info
 
         results = _fanout(self.plan_nodes, self._guard(check), self._width())
@@ -403,16 +404,15 @@ class AttemptController:
 
         def start(node: Any) -> None:
             nl = by_name[node.name]
-            agent = self.pool.agent(node.name) if self.pool is not None else None
+            agent = self.pool.agent(node.name)
             if agent is not None:
                 agent.inbox = self.inbox
             else:
                 proc = self.transports[node.name].start(list(nl.agent_argv), env=nl.env or None, cwd=nl.workdir)
                 agent = _Agent(node.name, self.transports[node.name], proc, self.inbox)
-                if self.pool is not None:
-                    self.pool.keep(node.name, self.transports[node.name], agent)
+                self.pool.keep(node.name, self.transports[node.name], agent)
             self.agents[node.name] = agent
-            command = {**nl.start_command(self.th.grace_s), "standby": self.pool is not None}
+            command = {**nl.start_command(self.th.grace_s), "standby": self.pool.keeps}
             if not agent.send(command):
                 raise HetctlError(f"the agent exited at once: {agent.tail() or 'no output'}")
 
@@ -424,7 +424,7 @@ class AttemptController:
 
         Returns the nodes whose agent neither said ``stopped`` nor hung up in time.
         """
-        kept = self.pool.agents if self.pool is not None else {}
+        kept = self.pool.agents
         for name, agent in self.agents.items():
             if not agent.eof.is_set():
                 agent.send({"cmd": "stop", "keep": True} if kept.get(name) is agent else {"cmd": "stop"})
@@ -448,7 +448,7 @@ class AttemptController:
 
     def _teardown(self) -> None:
         for t in self.transports.values():
-            if self.pool is not None and self.pool.holds(t):
+            if self.pool.holds(t):
                 continue  # the run's pool closes it
             try:
                 t.close()

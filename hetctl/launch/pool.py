@@ -30,9 +30,14 @@ def standby_on(mode: str, entry: Sequence[str]) -> bool:
 
 
 class AgentPool:
-    """node → (transport, agent connection) kept between the attempts of one run."""
+    """node → (transport, agent connection) kept between the attempts of one run.
 
-    def __init__(self) -> None:
+    Every attempt has one; without warm standby it keeps nothing (``keeps`` False: :meth:`keep` is a no-op,
+    so each attempt connects and starts its agents afresh and ends them), and the attempt's code has one path.
+    """
+
+    def __init__(self, keeps: bool = True) -> None:
+        self.keeps = keeps  # whether agents outlive their attempt (and spares are started: standby)
         self.transports: dict[str, Any] = {}
         self.agents: dict[str, Any] = {}
         self.preflights: dict[str, dict] = {}  # node → its first pre-flight report (python, workdir, modules)
@@ -49,14 +54,16 @@ class AgentPool:
         return agent
 
     def remember(self, node: str, info: dict) -> None:
-        self.preflights[node] = {k: v for k, v in info.items() if k != "port"}
+        if self.keeps:
+            self.preflights[node] = {k: v for k, v in info.items() if k != "port"}
 
     def preflight(self, node: str) -> dict | None:
         """The node's pre-flight report while its kept agent is up (that agent's python and workdir are unchanged)."""
         return self.preflights.get(node) if self.agent(node) is not None else None
 
     def keep(self, node: str, transport: Any, agent: Any) -> None:
-        self.transports[node], self.agents[node] = transport, agent
+        if self.keeps:
+            self.transports[node], self.agents[node] = transport, agent
 
     def holds(self, transport: Any) -> bool:
         return any(t is transport for t in self.transports.values())

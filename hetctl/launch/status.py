@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 
 class RankState(str, enum.Enum):
-    """What the controller believes of one rank (transitions in the module docstring)."""
+    """What the controller believes of one rank (transitions in :mod:`hetctl.launch.monitor`'s docstring)."""
 
     STARTING = "starting"
     RUNNING = "running"
