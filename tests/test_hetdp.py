@@ -49,7 +49,8 @@ def fast_slow() -> Cluster:
 
 def uniform_step(cluster: Cluster, gb: int, framework: str) -> float:
     """Step seconds of the best plan with one shape for every replica (the planner before hetero DP)."""
-    work = Workload(cost=model_cost(SMALL), micro_batch=1, global_batch=gb)
+    work = Workload(cost=model_cost(SMALL), micro_batch=1, global_batch=gb,
+                    p2p="none" if framework == "hetctl" else None)  # the links as the planner prices them
     # the speeds the planner uses: sustained at this shape (hetctl.plan.efficiency)
     return Searcher(collect(cluster, plan_use(SMALL, 1)).kinds, SMALL, work, framework, Pins()).run().best.step
 

@@ -118,3 +118,35 @@ def test_launch_warns_when_the_ranks_get_another_mode_than_the_plan_priced(args,
     if warned:
         assert "priced with --grad-compress int8 and the ranks get bf16" in got
         assert "`hetctl plan --grad-compress bf16`" in got
+
+
+def test_pipeline_links_are_priced_at_the_bytes_the_trainer_sends():
+    """hetctl's trainer sends fp32 on a link unless both stages compute in bf16, or the link crosses vendors under
+    --p2p-compress bf16; another framework sends in its stage's precision. The planner and the trainer share the
+    rule (gradmode.p2p_elem_bytes), and the plan records the mode for its ranks."""
+    from hetctl.train.gradmode import p2p_elem_bytes
+
+    assert [p2p_elem_bytes(a, b, x, m) for a, b, x, m in [
+        ("bf16", "bf16", False, "none"), ("bf16", "fp32", False, "none"), ("fp16", "fp16", True, "none"),
+        ("fp32", "fp32", True, "bf16"), ("fp32", "fp32", False, "bf16")]] == [2, 4, 4, 2, 4]
+    ours = Workload(cost=model_cost(SMALL), micro_batch=1, global_batch=64, p2p="none")
+    assert ours.p2p_bytes("fp16", "fp16", False) == 4 and ours.p2p_bytes("bf16", "bf16", True) == 2
+    theirs = Workload(cost=model_cost(SMALL), micro_batch=1, global_batch=64)  # another framework
+    assert theirs.p2p_bytes("fp16", "fp32", True) == 2
+    v100, mlu = CHIPS[2], CHIPS[7]  # fp16 (no bf16) and bf16 stages: hetctl's trainer links them in fp32
+    cluster = Cluster(nodes=[node("v100", *v100[:2], 2, *v100[2:], nic_gbps=10),
+                             node("mlu", *mlu[:2], 2, *mlu[2:], nic_gbps=10)])
+    plans = {m: plan_cluster(cluster, SMALL, global_batch=64, homogeneous=False, p2p_compress=m)
+             for m in ("none", "bf16")}
+    stages = plans["bf16"].stages_of(0)
+    assert any(a.vendor != b.vendor for a, b in zip(stages, stages[1:]))  # a link between vendors to price
+    assert plans["bf16"].p2p_compress == "bf16" and plans["none"].p2p_compress == "none"
+    assert plans["bf16"].estimate.step_time_s < plans["none"].estimate.step_time_s
+
+
+def test_only_the_reference_trainer_compresses_its_pipeline_links():
+    with pytest.raises(ConfigError, match="only hetctl's own trainer compresses its pipeline links, not megatron"):
+        plan_cluster(mixed(), SMALL, global_batch=1024, framework="megatron", p2p_compress="bf16")
+    with pytest.raises(ConfigError, match="--p2p-compress 'int8': not a mode"):
+        plan_cluster(mixed(), SMALL, global_batch=1024, p2p_compress="int8")
+    assert parse_args(["--steps", "3"], {}).p2p_compress is None  # resolved from the plan when the rank starts

@@ -19,16 +19,17 @@ STEPS = 12
 VENDORS = ["nvidia", "nvidia", "ascend"]
 
 
-def plan() -> dict:
+def plan(p2p: str = "none") -> dict:
     p = tiny_plan([2, 2, 2])
     for st, vendor in zip(p["stages"], VENDORS):
         st["vendor"] = vendor
+    p["p2p_compress"] = p2p  # what `hetctl plan --p2p-compress` records: the ranks' default
     return p
 
 
 def test_bf16_across_the_vendor_boundary_halves_its_bytes_and_tracks_the_loss(tmp_path):
     fp32 = run_plan(plan(), tmp_path / "fp32", steps=STEPS)
-    bf16 = run_plan(plan(), tmp_path / "bf16", steps=STEPS, ckpt_every=6, args=("--p2p-compress", "bf16"))
+    bf16 = run_plan(plan("bf16"), tmp_path / "bf16", steps=STEPS, ckpt_every=6)
     ours, theirs = bf16.losses(), fp32.losses()
     assert sorted(ours) == list(range(1, STEPS + 1)) and ours != theirs  # it changes the numbers, a little
     for s in range(1, STEPS + 1):
@@ -41,5 +42,5 @@ def test_bf16_across_the_vendor_boundary_halves_its_bytes_and_tracks_the_loss(tm
         assert plain > 0 and 2 * sent == plain, (rank, sent, plain)
 
     resumed = run_plan(plan(), tmp_path / "bf16", steps=STEPS, ckpt_every=6, attempt=2, resume_step=6,
-                       args=("--p2p-compress", "bf16"))
+                       args=("--p2p-compress", "bf16"))  # the option, over a plan that says none
     assert resumed.losses() == {s: ours[s] for s in range(7, STEPS + 1)}

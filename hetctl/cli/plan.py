@@ -37,6 +37,11 @@ def plan_cmd(
                                              "vendors: none, bf16, int8 or powersgd:R. The plan prices those bytes "
                                              "and its ranks use the mode (default none; with --calibrate, the "
                                              "run's)."),
+    p2p_compress: str | None = typer.Option(None, "--p2p-compress", metavar="MODE",
+                                            help="How hetctl's trainer sends activations and their gradients "
+                                            "between stages of two vendors: none (fp32) or bf16. The plan prices "
+                                            "those bytes and its ranks use the mode (default none; with "
+                                            "--calibrate, the run's)."),
     allow_mixed_software: bool = typer.Option(False, "--allow-mixed-software",
                                               help="Plan even when nodes run different torch major.minor versions."),
     force: bool = typer.Option(False, "--force", help="Replace launch scripts in the output folder that were "
@@ -80,6 +85,7 @@ def plan_cmd(
         micro_batch = micro_batch or cal.plan.parallel.micro_batch
         framework = framework or cal.plan.framework
         grad_compress = grad_compress or cal.plan.grad_compress
+        p2p_compress = p2p_compress or cal.plan.p2p_compress
     else:
         if model is None:
             raise ConfigError("no model given", "pass -m/--model (a preset such as tiny or llama2-7b, or a YAML file)")
@@ -99,6 +105,7 @@ def plan_cmd(
     plan = plan_cluster(
         facts, spec, global_batch=global_batch, micro_batch=micro_batch or 1, framework=framework or "hetctl",
         pins=Pins(pp=pp, dp=dp, tp=tp), cluster_path=cluster, grad_compress=grad_compress or "none",
+        p2p_compress=p2p_compress or "none",
     )
     if note:
         plan = plan.model_copy(update={"notes": [note, *plan.notes]})

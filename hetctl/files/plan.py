@@ -162,6 +162,8 @@ class Plan(_Strict):
     framework: str = "hetctl"
     grad_compress: str = Field(default="none", description="the reference trainer's --grad-compress the plan was "
                                "priced with (the gradient reduces that cross vendors); its ranks' default")
+    p2p_compress: str = Field(default="none", description="the reference trainer's --p2p-compress the plan was "
+                              "priced with (none, bf16: the pipeline links between vendors); its ranks' default")
     cluster: str | None = Field(default=None, description="path of the cluster file planned on")
     inventory: str | None = Field(default=None, description="path of the inventory, for launch")
     nodes: list[NodeName] = Field(default_factory=list, description="nodes used, in rank order")

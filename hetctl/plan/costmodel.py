@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from hetctl.plan.devices import Group, Kind
 from hetctl.plan.models import ModelCost, model_cost
-from hetctl.train.gradmode import Mode, parse_mode, wire_fraction
+from hetctl.train.gradmode import Mode, p2p_elem_bytes, parse_mode, wire_fraction
 from hetctl.vendors import GLOO_EFFICIENCY, VENDOR_TABLE, link_backend, stage_backend, vendor_info
 
 if TYPE_CHECKING:
@@ -57,12 +57,24 @@ class Workload:
     global_batch: int
     compress: Mode = Mode()
     """``--grad-compress`` of the reference trainer: how the gradient reduces that cross vendors are sent."""
+    p2p: str | None = None
+    """``--p2p-compress`` of the reference trainer (``none``, ``bf16``): what its pipeline links carry
+    (:func:`hetctl.train.gradmode.p2p_elem_bytes`); None for another framework, which sends in the stages'
+    own precision."""
 
     @classmethod
     def of_plan(cls, plan: "Plan") -> "Workload":
         """A written plan's model, batch and ``grad_compress``, as the cost model takes them."""
         return cls(cost=model_cost(plan.model), micro_batch=plan.parallel.micro_batch,
-                   global_batch=plan.parallel.global_batch, compress=parse_mode(plan.grad_compress))
+                   global_batch=plan.parallel.global_batch, compress=parse_mode(plan.grad_compress),
+                   p2p=plan.p2p_compress if plan.framework == "hetctl" else None)
+
+    def p2p_bytes(self, precision_a: str, precision_b: str, crosses_vendors: bool) -> int:
+        """Bytes per element on a pipeline link: the reference trainer's rule, or another framework's own
+        (it sends in the sending stage's precision)."""
+        if self.p2p is None:
+            return elem_bytes(precision_a)
+        return p2p_elem_bytes(precision_a, precision_b, crosses_vendors, self.p2p)
 
     def wire(self, unit: str, d: int) -> float:
         """Fraction of fp32's bytes a cross-vendor reduce of one ``unit`` (``embed``, ``layer``, ``head``) over
@@ -267,9 +279,10 @@ def link_seconds(nbytes: float, vendor_a: str, vendor_b: str, same_node: bool,
     return lat + nbytes / bw
 
 
-def link(a: Group, b: Group, precision: str, work: Workload) -> tuple[float, str]:
-    """Seconds and torch backend for one micro-batch's activations from a stage on ``a`` to one on ``b``."""
-    nbytes = work.tokens * work.cost.hidden * elem_bytes(precision)
+def link(a: Group, b: Group, precision: str, work: Workload, precision_b: str | None = None) -> tuple[float, str]:
+    """Seconds and torch backend for one micro-batch's activations from a stage on ``a`` (computing in
+    ``precision``) to one on ``b`` (in ``precision_b``, the same when not given)."""
+    nbytes = work.tokens * work.cost.hidden * work.p2p_bytes(precision, precision_b or precision, a.vendor != b.vendor)
     cross = bool(a.switch and b.switch and a.switch != b.switch)
     tcp = min(a.tcp_gbs, b.tcp_gbs) if a.tcp_gbs and b.tcp_gbs else None
     ups = [x.uplink_gbs for x in (a, b) if x.uplink_gbs]
@@ -286,7 +299,8 @@ def _latency(a, b) -> float | None:
 
 def kind_link(a: StageType, b: StageType, same_node: bool, work: Workload) -> float:
     """Link estimate between two stage types before nodes are assigned (for ranking)."""
-    nbytes = work.tokens * work.cost.hidden * elem_bytes(a.kind.precision)
+    nbytes = work.tokens * work.cost.hidden * work.p2p_bytes(a.kind.precision, b.kind.precision,
+                                                             a.kind.vendor != b.kind.vendor)
     tcp = min(a.kind.tcp_gbs, b.kind.tcp_gbs) if a.kind.tcp_gbs and b.kind.tcp_gbs else None
     return link_seconds(nbytes, a.kind.vendor, b.kind.vendor, same_node, min(a.kind.nic_gbs, b.kind.nic_gbs),
                         tcp_gbs=tcp, latency_s=_latency(a.kind, b.kind))

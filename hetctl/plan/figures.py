@@ -15,6 +15,8 @@ Also the step-time breakdown ``--explain`` prints. Docs: ``docs/efficiency.md``.
 
 from __future__ import annotations
 
+import dataclasses
+
 from hetctl.plan.costmodel import Workload
 from hetctl.plan.devices import Devices, subset
 from hetctl.plan.layout import Layout, stage_compute
@@ -57,7 +59,7 @@ def alone_at_share(devices: Devices, spec, work: Workload, framework: str) -> di
             out[name] = 0.0  # too slow to earn one micro-batch of the batch: no share to train
             continue
         batch = reference_batch(exact, work.micro_batch)
-        w = Workload(cost=work.cost, micro_batch=work.micro_batch, global_batch=batch, compress=work.compress)
+        w = dataclasses.replace(work, global_batch=batch)
         best = Searcher(subset(devices, {kind.id}).kinds, spec, w, framework, Pins(), keep=1).run(False).best
         out[name] = batch * spec.seq_len / best.step if best is not None else "cannot hold the model alone"
     return out

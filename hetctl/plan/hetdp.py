@@ -31,6 +31,8 @@ Costs, and what is assumed:
 
 from __future__ import annotations
 
+import dataclasses
+
 import heapq
 from dataclasses import dataclass, field
 
@@ -192,8 +194,7 @@ class HeteroSearch:
         """The best uniform layout of ``kinds`` alone for about ``micro`` micro-batches (cached)."""
         key = (kinds, micro)
         if key not in self._parts:
-            work = Workload(cost=self.work.cost, micro_batch=self.work.micro_batch,
-                            global_batch=micro * self.work.micro_batch, compress=self.work.compress)
+            work = dataclasses.replace(self.work, global_batch=micro * self.work.micro_batch)
             s = Searcher([self.kinds[i] for i in kinds], self.spec, work, self.framework, Pins(), keep=1, uneven=True)
             found = s.run(finish=False)
             self.considered += s.considered

@@ -55,6 +55,7 @@ def plan_cluster(
     homogeneous: bool = True,
     topology: bool = True,
     grad_compress: str = "none",
+    p2p_compress: str = "none",
 ) -> Plan:
     """Decide the fastest layout of ``spec`` on ``cluster``.
 
@@ -77,6 +78,9 @@ def plan_cluster(
         grad_compress: the reference trainer's ``--grad-compress`` (``none``, ``bf16``, ``int8``,
             ``powersgd:R``): the gradient reduces that cross vendors are priced at its bytes, and the plan
             records it for its ranks. Only ``framework="hetctl"`` compresses.
+        p2p_compress: the reference trainer's ``--p2p-compress`` (``none``, ``bf16``): its pipeline links
+            between vendors are priced at bf16's bytes, and the plan records it for its ranks. Only
+            ``framework="hetctl"``; another framework's links carry its stages' own precision.
 
     Raises:
         ConfigError: bad options or a chip without a TFLOPS or memory figure.
@@ -94,7 +98,8 @@ def plan_cluster(
             "no usable chips: " + ("; ".join(devices.notes) if devices.notes else "the cluster file lists no nodes"),
             "probe the cluster again once nodes are reachable",
         )
-    work = Workload(cost=cost, micro_batch=micro_batch, global_batch=gb, compress=_compress(grad_compress, framework))
+    work = Workload(cost=cost, micro_batch=micro_batch, global_batch=gb, compress=_compress(grad_compress, framework),
+                    p2p=_p2p(p2p_compress, framework))
     found = Searcher(devices.kinds, spec, work, framework, pins, topology=topology).run()
     if found.best is None:
         raise _with_other_frameworks(_infeasible(found, pins, work, spec, devices), found, devices, spec, work,
@@ -124,6 +129,20 @@ def plan_cluster(
                                                      for k, v in at_share.items()))
     plan.plan_time_s = round(time.perf_counter() - t0, 4)
     return plan
+
+
+def _p2p(mode: str, framework: str) -> str | None:
+    """``--p2p-compress`` as the planner prices it (None: another framework, its own dtype on the links)."""
+    from hetctl.train.gradmode import P2P_MODES
+
+    if mode not in P2P_MODES:
+        raise ConfigError(f"--p2p-compress {mode!r}: not a mode", f"pass {' or '.join(P2P_MODES)}")
+    if framework != "hetctl":
+        if mode != "none":
+            raise ConfigError(f"--p2p-compress {mode}: only hetctl's own trainer compresses its pipeline links, "
+                              f"not {framework}", "use --framework hetctl, or leave --p2p-compress out")
+        return None
+    return mode
 
 
 def _compress(text: str, framework: str) -> Mode:
@@ -401,6 +420,7 @@ def _build(lay: Layout, spec, work, devices: Devices, framework, cluster: Cluste
         ideal_tokens_per_s=round(total / (work.cost.train_flops_per_token()), 2),
         notes=[],
         grad_compress=str(work.compress),
+        p2p_compress=work.p2p or "none",
     )
     parts = breakdown(lay)
     plan.estimate.step_breakdown_s = {k: round(v, 6) for k, v in parts.items()}

@@ -498,7 +498,8 @@ class Searcher:
         """``lay`` on ``placement``: the exact split and 1F1B simulation, and the best interleaving."""
         links = []
         for s in range(lay.pp - 1):
-            links.append(max(link(row[s][0], row[s + 1][0], lay.types[s].kind.precision, self.work)[0]
+            links.append(max(link(row[s][0], row[s + 1][0], lay.types[s].kind.precision, self.work,
+                                  lay.types[s + 1].kind.precision)[0]
                              for row in placement))
         exact = self.split(lay.types, links, lay.dp, lay.m, wrap=None)  # plain 1F1B first
         if exact is None:
@@ -509,7 +510,8 @@ class Searcher:
         exact.sim = simulate_1f1b(exact.fwd, exact.bwd, exact.m)
         if not self.interleave or lay.pp < 2:
             return exact
-        wrap = max(link(row[-1][0], row[0][0], lay.types[-1].kind.precision, self.work)[0] for row in placement)
+        wrap = max(link(row[-1][0], row[0][0], lay.types[-1].kind.precision, self.work, lay.types[0].kind.precision)[0]
+                   for row in placement)
         best = exact
         for v, group in il.allowed(exact.pp, exact.counts, exact.m, self.interleave):
             alt = self.interleaved(exact, v, group, wrap, exact=True)

@@ -83,3 +83,16 @@ def wire_fraction(mode: Mode, d: int, numel: float, matrices: Sequence[tuple[int
     low = [(r, c) for r, c in matrices if mode.rank * (r + c) < r * c]
     dense = numel - sum(r * c for r, c in low)
     return (max(dense, 0.0) + sum(mode.rank * (r + c) for r, c in low)) / numel
+
+
+P2P_MODES = ("none", "bf16")
+
+
+def p2p_elem_bytes(precision_a: str, precision_b: str, crosses_vendors: bool, p2p_compress: str) -> int:
+    """Bytes per element the reference trainer sends on a pipeline link (activations one way, their gradients
+    the other), and what the planner prices it at: 2 (bfloat16) when both stages compute in bf16, or when the
+    link crosses vendors under ``--p2p-compress bf16``; else 4 (fp32, which every stage accepts). Both ends
+    of a link decide it from the same plan."""
+    if precision_a == precision_b == "bf16" or (crosses_vendors and p2p_compress == "bf16"):
+        return 2
+    return 4

@@ -75,9 +75,10 @@ def parse_args(argv: list[str] | None, env: os._Environ | dict) -> argparse.Name
                     help="compress the data-parallel reduce where it crosses vendors (over gloo): bf16, int8 or "
                     "rank-R PowerSGD, the last two with error feedback; within a vendor it is never compressed "
                     "(default: the plan's grad_compress, `hetctl plan --grad-compress`, else none)")
-    ap.add_argument("--p2p-compress", choices=("none", "bf16"), default="none",
+    ap.add_argument("--p2p-compress", choices=("none", "bf16"), default=None,
                     help="bf16: a pipeline's activations and their gradients cross a stage boundary between two "
-                    "vendors (over gloo) in bfloat16, half the bytes; within a vendor they stay fp32 (default none)")
+                    "vendors (over gloo) in bfloat16, half the bytes; within a vendor they stay fp32 (between two "
+                    "bf16 stages, bf16) (default: the plan's p2p_compress, `hetctl plan --p2p-compress`, else none)")
     ap.add_argument("--comm-timeout", type=float, default=300.0,
                     help="seconds a collective or receive may wait before the rank fails (default 300)")
     optim.add_args(ap)
@@ -192,6 +193,11 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
 
     topo = topology(plan, ctx)
     spec = plan["model"]
+    if args.p2p_compress is None:  # the mode the plan was priced with (plan --p2p-compress)
+        args.p2p_compress = str(plan.get("p2p_compress") or "none")
+        if args.p2p_compress not in gradmode.P2P_MODES:
+            raise HetctlError(f"{ctx.plan}: p2p_compress {args.p2p_compress!r} is not one of "
+                              f"{', '.join(gradmode.P2P_MODES)}", "re-plan with `hetctl plan --p2p-compress …`")
     if args.grad_compress is None:  # the mode the plan was priced with (plan --grad-compress)
         try:
             args.grad_compress = gradmode.parse_mode(str(plan.get("grad_compress") or "none"))

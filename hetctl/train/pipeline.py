@@ -61,7 +61,9 @@ class Comm:
             groups: per unit of this stage, its data-parallel group and that group's comm library
                 (empty without data parallelism).
             p2p_compress: ``bf16``: activations and their gradients cross a stage boundary between two vendors
-                in bfloat16 (half the bytes; both ends round alike, so runs stay reproducible); ``none``: fp32.
+                in bfloat16 (half the bytes; both ends round alike, so runs stay reproducible); ``none``: fp32
+                there. Between two bf16 stages they go in bf16 either way
+                (:func:`hetctl.train.gradmode.p2p_elem_bytes`, which the planner prices too).
         """
         self.topo = topo
         self.device = device
@@ -76,36 +78,45 @@ class Comm:
     def _wire(self, backend: str | None, t: torch.Tensor) -> torch.Tensor:
         return t.detach().to("cpu").contiguous() if backend == "gloo" else t.detach().contiguous()
 
-    def dtype(self, crosses: bool) -> torch.dtype:
-        """The dtype a p2p link carries: bfloat16 across vendors under ``--p2p-compress bf16``, else float32.
-        Both ends of a link decide it from the same plan, so the receiver's buffer matches what is sent."""
-        return torch.bfloat16 if crosses and self.p2p_compress == "bf16" else torch.float32
+    def dtype(self, crosses: bool, peer_precision: str = "fp32") -> torch.dtype:
+        """The dtype a p2p link carries (:func:`hetctl.train.gradmode.p2p_elem_bytes`). Both ends of a link
+        decide it from the same plan, so the receiver's buffer matches what is sent."""
+        from hetctl.train.gradmode import p2p_elem_bytes
 
-    def _recv(self, backend: str | None, src: int, shape: tuple[int, ...], tag: int, crosses: bool = False
-              ) -> torch.Tensor:
-        buf = torch.empty(shape, dtype=self.dtype(crosses), device="cpu" if backend == "gloo" else self.device)
+        two = p2p_elem_bytes(self.topo.precision, peer_precision, crosses, self.p2p_compress) == 2
+        return torch.bfloat16 if two else torch.float32
+
+    def _recv(self, backend: str | None, src: int, shape: tuple[int, ...], tag: int, crosses: bool = False,
+              peer_precision: str = "fp32") -> torch.Tensor:
+        buf = torch.empty(shape, dtype=self.dtype(crosses, peer_precision),
+                          device="cpu" if backend == "gloo" else self.device)
         t0 = time.perf_counter()
         dist.irecv(buf, src=src, tag=tag).wait()
         self.wait_s += time.perf_counter() - t0
         return buf.to(self.device, torch.float32)
 
-    def _send(self, backend: str | None, dst: int, t: torch.Tensor, tag: int, crosses: bool = False) -> None:
-        wire = self._wire(backend, t.to(self.dtype(crosses)))
+    def _send(self, backend: str | None, dst: int, t: torch.Tensor, tag: int, crosses: bool = False,
+              peer_precision: str = "fp32") -> None:
+        wire = self._wire(backend, t.to(self.dtype(crosses, peer_precision)))
         if crosses:
             self.xv_p2p_bytes += wire.numel() * wire.element_size()
         self._pending.append((dist.isend(wire, dst=dst, tag=tag), wire))
 
     def recv_activation(self, micro: int, shape: tuple[int, ...]) -> torch.Tensor:
-        return self._recv(self.topo.backend_prev, self.topo.prev_rank, shape, 2 * micro, self.topo.crosses_prev)
+        t = self.topo
+        return self._recv(t.backend_prev, t.prev_rank, shape, 2 * micro, t.crosses_prev, t.precision_prev)
 
     def send_activation(self, micro: int, t: torch.Tensor) -> None:
-        self._send(self.topo.backend_next, self.topo.next_rank, t, 2 * micro, self.topo.crosses_next)
+        o = self.topo
+        self._send(o.backend_next, o.next_rank, t, 2 * micro, o.crosses_next, o.precision_next)
 
     def recv_grad(self, micro: int, shape: tuple[int, ...]) -> torch.Tensor:
-        return self._recv(self.topo.backend_next, self.topo.next_rank, shape, 2 * micro + 1, self.topo.crosses_next)
+        t = self.topo
+        return self._recv(t.backend_next, t.next_rank, shape, 2 * micro + 1, t.crosses_next, t.precision_next)
 
     def send_grad(self, micro: int, t: torch.Tensor) -> None:
-        self._send(self.topo.backend_prev, self.topo.prev_rank, t, 2 * micro + 1, self.topo.crosses_prev)
+        o = self.topo
+        self._send(o.backend_prev, o.prev_rank, t, 2 * micro + 1, o.crosses_prev, o.precision_prev)
 
     def wait_sends(self) -> None:
         """Complete every outstanding send (their buffers are kept alive until then)."""
@@ -146,31 +157,31 @@ class VirtualLinks:
     def _tag(self, j: int, micro: int, grad: bool) -> int:
         return 2 * (j * self.topo.micro_batches + micro) + (1 if grad else 0)
 
-    def _prev(self, j: int) -> tuple[int, str | None, bool]:
+    def _prev(self, j: int) -> tuple[int, str | None, bool, str]:
         t = self.topo
-        return (t.prev_rank, t.backend_prev, t.crosses_prev) if t.stage > 0 else \
-            (t.wrap_rank, t.backend_wrap, t.crosses_wrap)
+        return (t.prev_rank, t.backend_prev, t.crosses_prev, t.precision_prev) if t.stage > 0 else \
+            (t.wrap_rank, t.backend_wrap, t.crosses_wrap, t.precision_wrap)
 
-    def _next(self, j: int) -> tuple[int, str | None, bool]:
+    def _next(self, j: int) -> tuple[int, str | None, bool, str]:
         t = self.topo
-        return (t.next_rank, t.backend_next, t.crosses_next) if t.stage < t.pp - 1 else \
-            (t.wrap_rank, t.backend_wrap, t.crosses_wrap)
+        return (t.next_rank, t.backend_next, t.crosses_next, t.precision_next) if t.stage < t.pp - 1 else \
+            (t.wrap_rank, t.backend_wrap, t.crosses_wrap, t.precision_wrap)
 
     def recv_activation(self, j: int, micro: int, shape: tuple[int, ...]) -> torch.Tensor:
-        peer, lib, crosses = self._prev(j)
-        return self.comm._recv(lib, peer, shape, self._tag(j, micro, False), crosses)
+        peer, lib, crosses, prec = self._prev(j)
+        return self.comm._recv(lib, peer, shape, self._tag(j, micro, False), crosses, prec)
 
     def send_activation(self, j: int, micro: int, t: torch.Tensor) -> None:
-        peer, lib, crosses = self._next(j)
-        self.comm._send(lib, peer, t, self._tag(j + 1, micro, False), crosses)
+        peer, lib, crosses, prec = self._next(j)
+        self.comm._send(lib, peer, t, self._tag(j + 1, micro, False), crosses, prec)
 
     def recv_grad(self, j: int, micro: int, shape: tuple[int, ...]) -> torch.Tensor:
-        peer, lib, crosses = self._next(j)
-        return self.comm._recv(lib, peer, shape, self._tag(j, micro, True), crosses)
+        peer, lib, crosses, prec = self._next(j)
+        return self.comm._recv(lib, peer, shape, self._tag(j, micro, True), crosses, prec)
 
     def send_grad(self, j: int, micro: int, t: torch.Tensor) -> None:
-        peer, lib, crosses = self._prev(j)
-        self.comm._send(lib, peer, t, self._tag(j - 1, micro, True), crosses)
+        peer, lib, crosses, prec = self._prev(j)
+        self.comm._send(lib, peer, t, self._tag(j - 1, micro, True), crosses, prec)
 
 
 def chunk_modules(module: nn.Module, topo: Topology) -> list[nn.Module]:

@@ -80,6 +80,11 @@ class Topology:
     """The next stage is another vendor's."""
     crosses_wrap: bool = False
     """Interleaved plans: the first and the last stage are different vendors'."""
+    precision_prev: str = "fp32"
+    """The previous stage's compute precision (with this one's, what its p2p link carries)."""
+    precision_next: str = "fp32"
+    precision_wrap: str = "fp32"
+    """Interleaved plans: the precision of the stage at the other end of the wrap link."""
 
     @property
     def tp_ranks(self) -> tuple[int, ...]:
@@ -218,7 +223,14 @@ def topology(plan: Mapping[str, Any], ctx: RankContext) -> Topology:
         crosses_prev=prev is not None and _vendor(prev) != _vendor(mine),
         crosses_next=ctx.stage < mine_pp - 1 and _vendor(stages[(ctx.replica, ctx.stage + 1)]) != _vendor(mine),
         crosses_wrap=vs > 1 and _vendor(stages[(ctx.replica, 0)]) != _vendor(stages[(ctx.replica, mine_pp - 1)]),
+        precision_prev=_precision(prev) if prev is not None else "fp32",
+        precision_next=_precision(stages[(ctx.replica, ctx.stage + 1)]) if ctx.stage < mine_pp - 1 else "fp32",
+        precision_wrap=_precision(stages[(ctx.replica, mine_pp - 1 if ctx.stage == 0 else 0)]) if vs > 1 else "fp32",
     )
+
+
+def _precision(stage: dict) -> str:
+    return str(stage.get("precision", "fp32"))
 
 
 def _vendor(stage: dict) -> str:
