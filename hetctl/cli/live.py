@@ -40,7 +40,7 @@ def render_table(snap: Snapshot, title: str = "", console: Console | None = None
     the node's name (:mod:`hetctl.cli.fit`)."""
     if len(snap.ranks) > PER_RANK_UP_TO:
         return summary_tables(snap, title, console)
-    return _rank_table(snap, snap.ranks, title, console)
+    return _rank_table(snap, sorted(snap.ranks, key=lambda s: s.rank), title, console)
 
 
 def _rank_table(snap: Snapshot, ranks: Any, title: str, console: Console | None) -> Table:
@@ -57,8 +57,6 @@ def _rank_table(snap: Snapshot, ranks: Any, title: str, console: Console | None)
             Text(st.node), st.vendor, str(st.rank), stage, f"{st.layers[0]}:{st.layers[1]}", _state(st),
             _fmt(st.step, "d"), _fmt(st.loss, ".4f"), _fmt(st.step_ms, ".0f"), _age(snap, st),
         ])
-    if ranks is snap.ranks:
-        rows.sort(key=lambda r: int(r[2]))
     return fitted(console or Console(width=200), cols, rows, title=title or None, title_justify="left", expand=False)
 
 

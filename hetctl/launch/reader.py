@@ -46,9 +46,7 @@ def take_buffered(stream: Any, fd: int) -> bytes:
     os.set_blocking(fd, False)
     try:
         return stream.read1(1 << 24) or b""  # the buffer's bytes; or one read that finds nothing (or EOF) waiting
-    except (BlockingIOError, InterruptedError):
-        return b""
-    except (OSError, ValueError):
+    except (OSError, ValueError):  # BlockingIOError included: nothing waiting
         return b""
     finally:
         try:

@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from hetctl.train.gradmode import p2p_elem_bytes
 from hetctl.train.topology import Topology
 
 Op = tuple[str, int]
@@ -81,8 +82,6 @@ class Comm:
     def dtype(self, crosses: bool, peer_precision: str = "fp32") -> torch.dtype:
         """The dtype a p2p link carries (:func:`hetctl.train.gradmode.p2p_elem_bytes`). Both ends of a link
         decide it from the same plan, so the receiver's buffer matches what is sent."""
-        from hetctl.train.gradmode import p2p_elem_bytes
-
         two = p2p_elem_bytes(self.topo.precision, peer_precision, crosses, self.p2p_compress) == 2
         return torch.bfloat16 if two else torch.float32
 
