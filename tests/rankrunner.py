@@ -125,6 +125,22 @@ class Ranks:
             time.sleep(0.005)
         raise AssertionError(f"rank {rank} did not reach step {step} in {timeout}s\n{self.logs()}")
 
+    def wait_for_checkpoint(self, step: int = 1, timeout: float = 120.0) -> int:
+        """Block until a complete checkpoint of ``step`` or later exists; returns its step.
+
+        Saves are asynchronous: under load a save can commit several steps after the one it
+        snapshots, so a test that kills a rank "after step N" waits for the checkpoint it needs.
+        """
+        from hetctl.node import manifest
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = manifest.latest_valid(self.ckpt_dir)
+            if found is not None and found[0] >= step:
+                return found[0]
+            time.sleep(0.02)
+        raise AssertionError(f"no complete checkpoint of step >= {step} in {timeout}s\n{self.logs()}")
+
     def kill(self, rank: int, sig: int = signal.SIGKILL) -> None:
         os.killpg(self.procs[rank].pid, sig)
 

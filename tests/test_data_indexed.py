@@ -12,7 +12,6 @@ import os
 import struct
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -409,9 +408,7 @@ def test_a_pipeline_trains_on_the_corpus_and_resumed_or_replanned_runs_see_the_s
     with Ranks(tiny_plan([3, 3], model=MODEL), tmp_path / "crash", steps=steps, ckpt_every=every, args=args) as crashed:
         crashed.start()
         crashed.wait_for_step(1, 7)
-        deadline = time.monotonic() + 120  # the step-4 save is asynchronous: under load it can commit after step 7
-        while checkpoint.latest_valid(crashed.ckpt_dir) is None and time.monotonic() < deadline:
-            time.sleep(0.05)
+        crashed.wait_for_checkpoint()  # the first save is asynchronous: under load it commits steps later
         crashed.kill(1)  # the last stage dies mid-run
         crashed.stop_all()
     seen = sample_ids(crashed, [0])

@@ -99,6 +99,7 @@ def test_killed_and_resumed_with_compression_is_bit_identical(kind, mode, compre
     with Ranks(plan, tmp_path / "crash", steps=STEPS, ckpt_every=5, args=args) as crashed:
         crashed.start()
         crashed.wait_for_step(last, 12)
+        crashed.wait_for_checkpoint(5)
         crashed.kill(last, signal.SIGKILL)  # the ascend replica's last stage dies mid-run
         crashed.stop_all()
     found = checkpoint.latest_valid(crashed.ckpt_dir, checkpoint.model_digest(TINY))

@@ -93,6 +93,7 @@ def test_uneven_run_killed_and_resumed_is_bit_identical(uneven, tmp_path):
     with Ranks(plan, tmp_path / "crash", steps=STEPS, ckpt_every=5) as crashed:
         crashed.start()
         crashed.wait_for_step(2, 12)
+        crashed.wait_for_checkpoint(5)
         crashed.kill(2, signal.SIGKILL)  # replica 1's last stage dies mid-run
         crashed.stop_all()
     found = checkpoint.latest_valid(crashed.ckpt_dir, checkpoint.model_digest(TINY))
@@ -139,6 +140,7 @@ def test_hierarchical_run_killed_and_resumed_is_bit_identical(hier, tmp_path):
     with Ranks(plan, tmp_path / "crash", steps=STEPS, ckpt_every=5) as crashed:
         crashed.start()
         crashed.wait_for_step(3, 12)
+        crashed.wait_for_checkpoint(5)
         crashed.kill(3, signal.SIGKILL)  # the ascend replica's last stage dies mid-run
         crashed.stop_all()
     found = checkpoint.latest_valid(crashed.ckpt_dir, checkpoint.model_digest(TINY))

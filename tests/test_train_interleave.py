@@ -114,6 +114,7 @@ def test_interleaved_run_killed_and_resumed_is_bit_identical(interleaved, tmp_pa
     with Ranks(plan, tmp_path / "crash", steps=STEPS, ckpt_every=5) as crashed:
         crashed.start()
         crashed.wait_for_step(2, 12)
+        crashed.wait_for_checkpoint(5)
         crashed.kill(0, signal.SIGKILL)  # the first stage, which holds the embedding and the wrap link, dies
         crashed.stop_all()
         assert crashed.procs[0].returncode == -signal.SIGKILL
