@@ -72,6 +72,8 @@ def test_schedule_is_a_function_of_the_step_alone():
     (("--clip-grad", "-1"), "--clip-grad must be >= 0"),
     (("--max-skipped-steps", "0"), "--max-skipped-steps must be >= 1"),
     (("--lr", "nan"), "--lr must be a positive number"),
+    (("--initial-loss-scale", "1000"), "--initial-loss-scale 1000 must be a power of two >= 1"),
+    (("--loss-scale-window", "0"), "--loss-scale-window must be >= 1"),
 ])
 def test_bad_options_are_one_line(argv, says, capsys):
     with pytest.raises(SystemExit) as e:
@@ -180,24 +182,69 @@ def test_a_non_finite_loss_or_norm_skips_and_k_in_a_row_stop():
     assert "2 steps in a row (3-4) had a non-finite loss" in e.value.message
 
 
-def test_bf16_autocast_keeps_fp32_weights_gradients_and_moments():
-    """What ``pipeline.autocast`` does on an accelerator (``torch.autocast`` to bfloat16), here with the CPU's
-    autocast (the dev machine has no accelerator): bf16 products, fp32 master weights, gradients and AdamW state."""
+@pytest.mark.parametrize("precision, dtype", [("bf16", "bfloat16"), ("fp16", "float16"), ("fp32", "float32")])
+def test_a_stages_autocast_keeps_fp32_weights_gradients_and_moments(precision, dtype):
+    """``pipeline.autocast`` of a stage's precision (the CPU's autocast here; ``torch.autocast`` on an accelerator
+    alike): 16-bit products, fp32 master weights, gradients and AdamW state."""
     from hetctl.train.model import StageModule, build_units
+    from hetctl.train.pipeline import autocast
 
     units = build_units(TINY, (0, 2), True, False, 1)
     x = torch.randint(0, TINY["vocab_size"], (2, TINY["seq_len"]))
     seen = []
     units["layer-00000"].q.register_forward_hook(lambda mod, args, out: seen.append(out.dtype))
-    with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+    with autocast(torch.device("cpu"), precision):
         y = StageModule(units)(x)
-    assert seen == [torch.bfloat16] and y.dtype == torch.float32  # bf16 products, the residual stream in fp32
+    assert seen == [getattr(torch, dtype)] and y.dtype == torch.float32  # 16-bit products, fp32 residual stream
     y.float().square().mean().backward()
     c = cfg()
     opt = optim.build(units, c)
     assert optim.Stepper(c, opt, units, one_process(units)).step(1, None, opt.step).applied
     assert {p.dtype for p in units.parameters()} == {p.grad.dtype for p in units.parameters()} == {torch.float32}
     assert {v.dtype for st in opt.state.values() for k, v in st.items() if k != "step"} == {torch.float32}
+
+
+# --- the loss scale of fp16 stages ------------------------------------------------------
+
+
+def test_the_loss_scale_halves_on_overflow_doubles_after_its_window_and_resumes_from_its_record():
+    c = cfg("--initial-loss-scale", "1024", "--loss-scale-window", "2")
+    s = optim.LossScaler(scale=c.initial_loss_scale, window=c.loss_scale_window)
+    s.overflowed()
+    assert (s.scale, s.good) == (512, 0)
+    s.applied()
+    assert (s.scale, s.good) == (512, 1)
+    s.applied()
+    assert (s.scale, s.good) == (1024, 0)
+    s.applied()
+    again, note = optim.LossScaler.resumed(json.loads(json.dumps(s.record())), c)
+    assert again == s and note == ""
+    for _ in range(20):
+        s.overflowed()
+    assert s.scale == 1.0  # never below 1
+    for bad in (None, {"scale": 3.0, "good": 0}, {"scale": "x"}, {"scale": 2.0 ** 40, "good": 0}):
+        fresh, note = optim.LossScaler.resumed(bad, c)
+        assert (fresh.scale, fresh.good) == (1024, 0) and "starting at 1024" in note
+
+
+def test_an_fp16_overflow_is_skipped_and_backed_off_not_counted_as_divergence_until_the_scale_is_1():
+    units = with_grads()
+    c = cfg("--max-skipped-steps", "1", "--initial-loss-scale", "4")
+    scaler = optim.LossScaler(scale=4.0, window=c.loss_scale_window)
+    stepper = optim.Stepper(c, optim.build(units, c), units, one_process(units), scaler=scaler)
+    assert stepper.loss_scale() == 4.0
+    grads = [p.grad.clone() for p in units.parameters()]
+    stepper.unscale()
+    assert all(torch.equal(p.grad, g / 4) for p, g in zip(units.parameters(), grads))  # a power of two: exact
+    applied, skipped = [], []
+    next(units.parameters()).grad.view(-1)[0] = float("inf")  # what an fp16 gradient that overflowed becomes
+    for step, scale in ((1, 2.0), (2, 1.0)):
+        done = stepper.step(step, torch.tensor(1.0), lambda: applied.append(step), skipped.append)
+        assert (done.applied, done.nonfinite, done.skipped_in_row) == (False, "fp16-overflow", 0)
+        assert done.metrics()["loss_scale"] == scale == stepper.loss_scale()
+    with pytest.raises(optim.Diverged):  # at a scale of 1 the overflow is the model's, not the scale's
+        stepper.step(3, torch.tensor(1.0), lambda: applied.append(3), skipped.append)
+    assert applied == [] and skipped == [1, 2, 3]
 
 
 # --- the resume check ------------------------------------------------------------------

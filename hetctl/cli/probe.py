@@ -46,6 +46,17 @@ def _fmt_tflops(t) -> str:
     return f"{value:.4g} {dtype}"
 
 
+def _trains_in(chip) -> str:
+    """The precision the planner will train the chip in (bf16, else fp16 loss-scaled, else fp32)."""
+    from hetctl.errors import HetctlError
+    from hetctl.plan.devices import chip_precision
+
+    try:
+        return chip_precision(chip)
+    except HetctlError:  # an unknown vendor: the probe still shows the node
+        return "?"
+
+
 def _print_probe(cluster, *, bench: bool) -> None:
     """The probe table: one row per node and chip model, with footnotes for bench misses."""
     from rich.text import Text
@@ -54,12 +65,13 @@ def _print_probe(cluster, *, bench: bool) -> None:
 
     cols = [Col("node", keep=True), Col("vendor"), Col("model"), Col("chips", "right"),
             Col("memory", "right", drop=2), Col("TFLOPS (peak)" + (" / measured" if bench else ""), drop=1),
-            Col("NIC", drop=3)]
+            Col("trains in", drop=4), Col("NIC", drop=3)]
     rows: list[list] = []
     notes = []
     for node in cluster.nodes:
         if not node.reachable:
-            rows.append([Text(node.name), Text("unreachable", "red"), Text(str(node.error), "red"), "", "", "", ""])
+            rows.append([Text(node.name), Text("unreachable", "red"), Text(str(node.error), "red"), "", "", "", "",
+                         ""])
             continue
         nics = [n for n in node.nics if n.kind not in ("loopback", "other")]
         best = max(nics, key=lambda n: n.speed_gbps or 0, default=None)
@@ -79,7 +91,7 @@ def _print_probe(cluster, *, bench: bool) -> None:
                 tf += f" / {_fmt_tflops(measured[0])}" if measured else " / -"
             rows.append([Text(cell) for cell in (  # outside strings: never markup
                 node.name if i == 0 else "", vendor, model, str(len(chips)),
-                f"{mem:g} GB" if mem is not None else "?", tf, nic if i == 0 else "",
+                f"{mem:g} GB" if mem is not None else "?", tf, _trains_in(chips[0]), nic if i == 0 else "",
             )])
         if bench and node.bench_error:
             lead = "" if node.bench_error.startswith("layer profile:") else "not measured: "

@@ -104,6 +104,16 @@ def measure(dev, dtype, budget_s, chunks=5):
         n *= 2
 
 
+def _native_bf16(torch):
+    """Whether the CUDA device multiplies bf16 in hardware. Since torch 2.3 ``is_bf16_supported()``
+    also says yes where bf16 is emulated (a V100), which would plan the chip at a slow bf16 rate
+    instead of its fast fp16 one."""
+    try:
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    except TypeError:  # older torch: no emulation, so its answer is the hardware's
+        return torch.cuda.is_bf16_supported()
+
+
 def bench(args):
     device_type = args.get("device_type", "cpu")
     count = int(args.get("count", 1))
@@ -144,8 +154,8 @@ def bench(args):
             report["results"].append(entry)
             continue
         for key, dtype in dtypes:
-            if key == "bf16" and device_type == "cuda" and not torch.cuda.is_bf16_supported():
-                entry["errors"][key] = "bf16 not supported by this device"
+            if key == "bf16" and device_type == "cuda" and not _native_bf16(torch):
+                entry["errors"][key] = "no native bf16 on this device (torch would emulate it)"
                 continue
             try:
                 tflops, size = measure(dev, dtype, budget)

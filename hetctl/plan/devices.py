@@ -65,6 +65,7 @@ class Group:
     link_latency_s: float | None = None  # per message, the slowest calibrated link of the node (plan --calibrate)
     memory_check: MemoryCheck | None = None  # a profile at the plan's shape against the memory model (plan.profmem)
     peak_tflops: float | None = None  # per chip: the datasheet's dense peak, else the measured matmul (for MFU)
+    precision_note: str = ""  # why the chips train in this precision, when it is not the vendor's usual bf16
 
 
 @dataclass(frozen=True)
@@ -164,16 +165,33 @@ def plan_use(spec: Any, micro_batch: int) -> ProfileUse:
 
 def chip_precision(chip: Chip) -> str:
     """The precision a chip trains in: bf16 where it has it, else fp16, else fp32 (CPUs train in fp32)."""
+    return chip_precision_why(chip)[0]
+
+
+def chip_precision_why(chip: Chip) -> tuple[str, str]:
+    """The precision a chip trains in, and why when it is not the vendor's usual one ("" when it is).
+
+    What the chip supports comes from the node's own check where ``probe --bench`` ran
+    (the dtypes its torch multiplied natively; an emulated bf16 is not counted), else from
+    the chip table (a dtype with a figure). bf16 where supported; fp16, which the trainer
+    runs with dynamic loss scaling, where only fp16 is; fp32 otherwise. Master weights and
+    the optimizer are fp32 in every case.
+    """
     info = vendor_info(chip.vendor)
     if info.default_precision == "fp32":
-        return "fp32"
-    figures = [chip.tflops] + ([chip.measured_tflops] if chip.measured_tflops else [])
-    for prec in ("bf16", "fp16"):
-        if any(getattr(t, prec) for t in figures):
-            return prec
-    if any(t.fp32 for t in figures):
-        return "fp32"
-    return info.default_precision if info.bf16 else "fp16"
+        return "fp32", ""
+    if chip.measured_tflops is not None and any(getattr(chip.measured_tflops, p) for p in ("bf16", "fp16", "fp32")):
+        figures, where = chip.measured_tflops, "the node's check (probe --bench)"
+    else:
+        figures, where = chip.tflops, "the chip table"
+    if figures.bf16:
+        return "bf16", ""
+    if figures.fp16:
+        return "fp16", f"no bf16 in {where}: fp16 with dynamic loss scaling"
+    if figures.fp32:
+        return "fp32", f"neither bf16 nor fp16 in {where}: fp32"
+    default = info.default_precision if info.bf16 else "fp16"
+    return default, "" if default == "bf16" else f"no per-dtype figure: {info.name}'s default, {default}"
 
 
 def chip_rate(node: NodeFacts, chip: Chip, use: ProfileUse | None = None) -> tuple[float, str, str]:
@@ -263,8 +281,10 @@ def node_groups(node: NodeFacts, use: ProfileUse | None = None, tcp_gbs: float |
     uplink = _uplink_gbs(node)
     for (vendor, model), chips in by_key.items():
         rates, mems, sources, precs, checks, peaks = [], [], set(), set(), [], []
+        notes: dict[str, str] = {}
         for c in chips:
             rate, prec, src = chip_rate(node, c, use)
+            notes.setdefault(prec, chip_precision_why(c)[1])
             peaks.append(getattr(c.tflops, prec) or (getattr(c.measured_tflops, prec) if c.measured_tflops else None))
             mem = c.memory_gb
             if mem is None and vendor == "cpu" and node.memory_gb:
@@ -288,6 +308,7 @@ def node_groups(node: NodeFacts, use: ProfileUse | None = None, tcp_gbs: float |
             switch=str(node.labels.get("switch", "")), rack=str(node.labels.get("rack", "")), uplink_gbs=uplink,
             sources=tuple(sorted(sources)), tcp_gbs=tcp_gbs, link_latency_s=latency_s,
             memory_check=strongest(checks), peak_tflops=None if None in peaks else float(min(peaks)),
+            precision_note=notes.get(prec, ""),
         ))
     return groups
 

@@ -115,6 +115,9 @@ def explain(plan: Plan, lay: Layout, devices: Devices, found: Found, homog, toke
             f"{st.kind.memory_gb:g} GB; torch backend {plan.stages[lay.types.index(st)].backend} inside the stage"
             + (f" ({_library(st.kind.vendors)})" if _library(st.kind.vendors) else "")
         )
+        why = sorted({g.precision_note for g in st.kind.groups if g.precision_note})
+        if why:  # not the usual bf16: say why, and that fp16 is loss-scaled (hetctl.train.optim.LossScaler)
+            lines.append(f"{st.kind.label} precision: {st.kind.precision}, {'; '.join(why)}")
         lines.extend(_efficiency(st.kind, srcs))
         if st.kind.memory_check is not None:  # a layer profile at the plan's shape (plan.profmem)
             lines.append(f"{st.kind.label} memory: {st.kind.memory_check.line()}")

@@ -171,8 +171,11 @@ def _tensor_group(topo, timeout, dist, saving: bool):
     return TensorGroup(rank=topo.tp_rank, ranks=topo.tp_ranks, group=mine, lib=lib, cpu_group=cpu)
 
 
-def _state(step: int, args: argparse.Namespace, topo, spec: dict, sources: list | None = None) -> dict:
-    """The ``state.json`` record of a checkpoint of ``step`` (normal or just-in-time); ``sources``: the corpus's."""
+def _state(step: int, args: argparse.Namespace, topo, spec: dict, sources: list | None = None,
+           scaler: optim.LossScaler | None = None) -> dict:
+    """The ``state.json`` record of a checkpoint of ``step`` (normal or just-in-time); ``sources``: the corpus's;
+    ``scaler``: the loss scale with fp16 stages."""
+    extra = {"loss_scale": scaler.record()} if scaler is not None else {}
     return {
         "step": step,
         "seed": args.seed,
@@ -182,6 +185,7 @@ def _state(step: int, args: argparse.Namespace, topo, spec: dict, sources: list 
         "optimizer": args.optim.record(),
         "grad_compress": str(args.grad_compress),
         "model": spec,
+        **extra,
     }
 
 
@@ -332,8 +336,15 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
         module = StageModule(units)
         extra = [copy] if copy is not None else []  # the tied copy: stepped and clipped, not counted twice
         optimizer = optim.build(units, args.optim, extra=extra)
+        scaler = None
+        if any(st.get("precision") == "fp16" for st in plan["stages"]):  # one scale for the whole pipeline
+            scaler = optim.LossScaler(scale=args.optim.initial_loss_scale, window=args.optim.loss_scale_window)
+            if resumed is not None:
+                scaler, note = optim.LossScaler.resumed(resumed.get("loss_scale"), args.optim)
+                if note and ctx.rank == 0:
+                    print(f"loss scale: {note}", flush=True)
         stepper = optim.Stepper(args.optim, optimizer, units, topo, group=norm_group, poison=args.test_nan,
-                                extra=extra)
+                                extra=extra, scaler=scaler)
         digest = model_digest(spec)
         start = ctx.resume_step or 0
         if start:
@@ -358,7 +369,8 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
 
             jit = JitCheckpoint(ctx.ckpt_dir, attempt=ctx.attempt, rank=ctx.rank, start=start, units=units,
                                 optimizer=optimizer, digest=digest,
-                                state_of=functools.partial(_state, args=args, topo=topo, spec=spec, sources=sources),
+                                state_of=functools.partial(_state, args=args, topo=topo, spec=spec, sources=sources,
+                                                           scaler=scaler),
                                 meta={"run_id": ctx.run_id, "stage": topo.stage, "replica": topo.replica,
                                       "pp": topo.pp, "dp": topo.dp, "global_batch": topo.global_batch},
                                 log=lambda line: print(line, flush=True), test_delay_s=args.test_jit_delay)
@@ -384,7 +396,9 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
 
             comm.take_wait()
             optimizer.zero_grad(set_to_none=False)
-            loss = pipeline.train_step(module, topo, comm, batch, int(spec["hidden_size"]), seq, amp)
+            loss = pipeline.train_step(module, topo, comm, batch, int(spec["hidden_size"]), seq, amp,
+                                       stepper.loss_scale())
+            stepper.unscale()  # fp16 stages: true gradients from here on (reduce, compression, norm)
             if table is not None:
                 table.sum_grads()
             if reducer is not None:
@@ -416,12 +430,14 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
                     print(f"eval step={step} eval_loss={value:.9g}", flush=True)
             last_metrics = {"loss": loss_value if done.applied else None, **evaluated} if topo.is_last else {}
             last_metrics.update(done.metrics())
+            skip = "" if done.applied else (f" skipped={done.nonfinite} loss_scale={done.loss_scale:g}"
+                                            if done.nonfinite == "fp16-overflow" else
+                                            f" skipped=non-finite-{done.nonfinite} in_a_row={done.skipped_in_row}")
             if talk:
                 print(f"step={step} loss={step_loss:.9g} grad_norm={done.grad_norm:.6g} lr={done.lr:.6g} "
-                      f"step_ms={ms:.1f}" + ("" if done.applied else f" skipped=non-finite-{done.nonfinite} "
-                                             f"in_a_row={done.skipped_in_row}"), flush=True)
-            elif not done.applied and topo.rank == 0:
-                print(f"step={step} skipped=non-finite-{done.nonfinite} in_a_row={done.skipped_in_row}", flush=True)
+                      f"step_ms={ms:.1f}" + skip, flush=True)
+            elif skip and topo.rank == 0:
+                print(f"step={step}{skip}", flush=True)
             if args.log_samples and corpus is not None and topo.is_first and topo.tp_rank == 0:
                 print(data.sample_log(corpus, step, topo), flush=True)
             ctx.heartbeat(step, **last_metrics, **timing, **role)
@@ -429,7 +445,7 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
                 saver.check()  # a background save that failed ends the rank here, with its own error
             if saver is not None and step % args.checkpoint_every == 0:
                 ctx.heartbeat(step, phase="checkpoint", **last_metrics, **timing, **role)  # slow disks are not hangs
-                state = _state(step, args, topo, spec, sources)
+                state = _state(step, args, topo, spec, sources, scaler)
                 meta = {"seed": args.seed, "run_id": ctx.run_id, "attempt": ctx.attempt,
                         "pp": topo.pp, "dp": topo.dp, "global_batch": topo.global_batch}
                 waiting = functools.partial(ctx.heartbeat, step, phase="checkpoint_wait", **last_metrics, **timing,
@@ -440,6 +456,8 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
 
         steady = step_times[1:] or step_times
         final = {"done": True, "steps": args.steps, "skipped": stepper.skipped_total, **role}
+        if scaler is not None:
+            final.update(loss_scale=scaler.scale)
         if compressor is not None and compressor.raw:
             final.update(xv_bytes=compressor.sent, xv_raw_bytes=compressor.raw)
         if comm.xv_p2p_bytes:

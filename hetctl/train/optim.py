@@ -23,6 +23,15 @@
   the same vector, so every rank decides on the same all-reduced value: the step is
   skipped everywhere (no update, AdamW's state untouched), reported, and after
   ``--max-skipped-steps`` in a row the rank stops with :class:`Diverged`.
+* **Dynamic loss scaling** when any stage of the plan computes in fp16
+  (:class:`LossScaler`, the rule of torch's ``GradScaler`` and Megatron-LM's
+  ``DynamicGradScaler``): the last stage back-propagates the loss times a power of
+  two, every rank divides its gradients by it before the data-parallel reduce (exact),
+  and a step whose gradient norm is not finite while its loss is, is an fp16
+  overflow: skipped everywhere and the scale halved, not counted towards
+  ``--max-skipped-steps`` until the scale is down to 1. After ``--loss-scale-window``
+  applied steps in a row the scale doubles. Every rank decides on the same
+  all-reduced norm, so every rank holds the same scale; checkpoints record it.
 """
 
 from __future__ import annotations
@@ -30,7 +39,7 @@ from __future__ import annotations
 import argparse
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 from hetctl.errors import ConfigError, HetctlError
 
@@ -74,6 +83,54 @@ class Schedule:
         return {k: getattr(self, k) for k in SCHEDULE_KEYS}
 
 
+@dataclass
+class LossScaler:
+    """The run's dynamic loss scale for fp16 stages (module docstring); the same on every rank.
+
+    Args:
+        scale: the factor the last stage multiplies the loss by (a power of two, so scaling is exact).
+        good: applied steps in a row since the last change.
+        window: after this many, the scale doubles.
+    """
+
+    INITIAL: ClassVar[float] = 2.0 ** 16  # torch's GradScaler; Megatron-LM starts at 2**32
+    WINDOW: ClassVar[int] = 1000  # Megatron-LM's --loss-scale-window
+    MAX: ClassVar[float] = 2.0 ** 24  # past this, fp32 gradients would lose their low bits
+
+    scale: float = INITIAL
+    good: int = 0
+    window: int = WINDOW
+
+    def overflowed(self) -> None:
+        """A step overflowed in fp16: halve the scale (down to 1)."""
+        self.scale, self.good = max(1.0, self.scale / 2), 0
+
+    def applied(self) -> None:
+        """A step was applied: after ``window`` in a row, double the scale (up to :attr:`MAX`)."""
+        self.good += 1
+        if self.good >= self.window:
+            self.scale, self.good = min(self.MAX, self.scale * 2), 0
+
+    def record(self) -> dict[str, Any]:
+        """``state.json``'s ``loss_scale``: what a resumed or re-planned run continues from."""
+        return {"scale": self.scale, "good": self.good, "window": self.window}
+
+    @classmethod
+    def resumed(cls, recorded: Mapping[str, Any] | None, cfg: "OptimConfig") -> tuple["LossScaler", str]:
+        """The scaler a run resumes with, and a note when the checkpoint had none (then it starts afresh)."""
+        fresh = cls(scale=cfg.initial_loss_scale, window=cfg.loss_scale_window)
+        if not recorded:
+            return fresh, f"the checkpoint has no loss scale (no fp16 stage before): starting at {fresh.scale:g}"
+        try:
+            scale, good = float(recorded["scale"]), int(recorded["good"])
+        except (KeyError, TypeError, ValueError):
+            return fresh, f"the checkpoint's loss scale {recorded!r} is unreadable: starting at {fresh.scale:g}"
+        if not (1.0 <= scale <= cls.MAX and math.log2(scale).is_integer()) or good < 0:
+            return fresh, f"the checkpoint's loss scale {scale:g} is not a power of two in [1, 2**24]: " \
+                          f"starting at {fresh.scale:g}"
+        return cls(scale=scale, good=min(good, cfg.loss_scale_window), window=cfg.loss_scale_window), ""
+
+
 @dataclass(frozen=True)
 class OptimConfig:
     """Every optimizer setting of a run, from the command line (:func:`config`)."""
@@ -82,6 +139,8 @@ class OptimConfig:
     weight_decay: float
     clip_grad: float
     max_skipped: int
+    initial_loss_scale: float = 2.0 ** 16
+    loss_scale_window: int = 1000
 
     def record(self) -> dict[str, Any]:
         """The ``state.json`` optimizer record (compared on resume by :func:`check_resume`)."""
@@ -109,6 +168,12 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--max-skipped-steps", type=int, default=5,
                    help="stop the run after this many steps in a row with a non-finite loss or gradient norm "
                    "(each one is skipped; default 5)")
+    g.add_argument("--initial-loss-scale", type=float, default=LossScaler.INITIAL,
+                   help="fp16 stages: the dynamic loss scale to start from, a power of two (default 65536); "
+                   "unused when no stage of the plan is fp16")
+    g.add_argument("--loss-scale-window", type=int, default=LossScaler.WINDOW,
+                   help="fp16 stages: double the loss scale after this many steps in a row without overflow "
+                   "(default 1000)")
 
 
 def config(args: argparse.Namespace, ap: argparse.ArgumentParser) -> OptimConfig:
@@ -130,10 +195,15 @@ def config(args: argparse.Namespace, ap: argparse.ArgumentParser) -> OptimConfig
         ap.error("--clip-grad must be >= 0 (0 turns clipping off)")
     if args.max_skipped_steps < 1:
         ap.error("--max-skipped-steps must be >= 1")
+    if not (args.initial_loss_scale >= 1 and math.log2(args.initial_loss_scale).is_integer()):
+        ap.error(f"--initial-loss-scale {args.initial_loss_scale:g} must be a power of two >= 1 (e.g. 65536)")
+    if args.loss_scale_window < 1:
+        ap.error("--loss-scale-window must be >= 1")
     schedule = Schedule(lr=args.lr, min_lr=min_lr, warmup_steps=args.warmup_steps, decay=args.decay,
                         decay_steps=decay_steps, explicit=args.decay_steps is not None)
     return OptimConfig(schedule=schedule, weight_decay=args.weight_decay, clip_grad=args.clip_grad,
-                       max_skipped=args.max_skipped_steps)
+                       max_skipped=args.max_skipped_steps, initial_loss_scale=args.initial_loss_scale,
+                       loss_scale_window=args.loss_scale_window)
 
 
 # A checkpoint written before schedules existed trained at a constant --lr without clipping.
@@ -218,14 +288,18 @@ class StepReport:
     applied: bool
     skipped_in_row: int
     skipped_total: int
-    nonfinite: str = ""  # "loss", "grad_norm" or "loss+grad_norm", on a skipped step
+    nonfinite: str = ""  # "loss", "grad_norm", "loss+grad_norm" or "fp16-overflow", on a skipped step
+    loss_scale: float | None = None  # with fp16 stages: the scale the next step uses
 
     def metrics(self) -> dict[str, Any]:
-        """The heartbeat fields: ``lr``, ``grad_norm`` (null when not finite), ``skipped`` (the run's count)."""
+        """The heartbeat fields: ``lr``, ``grad_norm`` (null when not finite), ``skipped`` (the run's count),
+        and ``loss_scale`` when a stage is fp16."""
         out = {"lr": self.lr, "grad_norm": self.grad_norm if math.isfinite(self.grad_norm) else None,
                "skipped": self.skipped_total}
         if not self.applied:
             out["nonfinite"] = self.nonfinite
+        if self.loss_scale is not None:
+            out["loss_scale"] = self.loss_scale
         return out
 
 
@@ -241,11 +315,12 @@ class Stepper:
         poison: test-only steps at which rank 0 writes NaN into a gradient (:func:`parse_test_nan`).
         extra: parameters clipped with the stage's but left out of the norm: a last stage's copy of a
             tied table, whose gradient equals the table's, counted once in the ``embedding`` unit.
+        scaler: the run's loss scale when a stage of the plan is fp16, else None.
     """
 
     def __init__(self, cfg: OptimConfig, optimizer: Any, units: Any, topo: Any, group: Any = None,
-                 poison: range = range(0), extra: Sequence[Any] = ()) -> None:
-        self.cfg, self.optimizer, self.units, self.group = cfg, optimizer, units, group
+                 poison: range = range(0), extra: Sequence[Any] = (), scaler: LossScaler | None = None) -> None:
+        self.cfg, self.optimizer, self.units, self.group, self.scaler = cfg, optimizer, units, group, scaler
         self.extra = list(extra)
         self.poison = poison if topo.rank == 0 else range(0)
         self.skipped_in_row = self.skipped_total = 0
@@ -272,15 +347,25 @@ class Stepper:
             next(first.parameters()).grad.view(-1)[0] = float("nan")
         sq, bad_loss = self._sums(loss)
         norm = math.sqrt(sq)
+        scaler = self.scaler
         if math.isfinite(norm) and not bad_loss:
             coef = self.cfg.clip_grad / (norm + 1e-6)
             if self.cfg.clip_grad and coef < 1.0:
                 torch._foreach_mul_([p.grad for p in self._params()], coef)
             apply()
             self.skipped_in_row = 0
-            return StepReport(lr, norm, True, 0, self.skipped_total)
-        self.skipped_in_row += 1
+            if scaler is not None:
+                scaler.applied()
+            return StepReport(lr, norm, True, 0, self.skipped_total, loss_scale=self._scale())
         self.skipped_total += 1
+        if scaler is not None and not bad_loss and scaler.scale > 1.0:
+            # fp16 overflow: the scale was too large for some gradient. Not a divergence while it can shrink.
+            scaler.overflowed()
+            if on_skip is not None:
+                on_skip(step)
+            return StepReport(lr, norm, False, self.skipped_in_row, self.skipped_total, "fp16-overflow",
+                              loss_scale=self._scale())
+        self.skipped_in_row += 1
         if self.skipped_in_row == 1:
             self._first_skip = step
         what = "+".join(w for w, bad in (("loss", bad_loss), ("grad_norm", not math.isfinite(norm))) if bad)
@@ -293,7 +378,25 @@ class Stepper:
                 "the checkpoints hold the last finite weights: start again with a lower --lr or a longer "
                 "--warmup-steps, or resume with a smaller --clip-grad; --max-skipped-steps sets how many skips "
                 "in a row end the run")
-        return StepReport(lr, norm, False, self.skipped_in_row, self.skipped_total, what)
+        return StepReport(lr, norm, False, self.skipped_in_row, self.skipped_total, what, loss_scale=self._scale())
+
+    def loss_scale(self) -> float:
+        """The factor the last stage multiplies this step's loss by (1 without fp16 stages)."""
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    def unscale(self) -> None:
+        """Divide this rank's gradients by the loss scale, right after the backward (before the reduce).
+
+        A power of two, so exact: the reduce, its compression and the norm see true gradients,
+        and an overflow's inf or NaN stays one.
+        """
+        if self.scaler is not None and self.scaler.scale != 1.0:
+            import torch
+
+            torch._foreach_mul_([p.grad for p in self._params()], 1.0 / self.scaler.scale)
+
+    def _scale(self) -> float | None:
+        return self.scaler.scale if self.scaler is not None else None
 
     def _params(self):
         return [p for p in [*(p for unit in self.units.values() for p in unit.parameters()), *self.extra]

@@ -197,7 +197,8 @@ def chunk_modules(module: nn.Module, topo: Topology) -> list[nn.Module]:
     return out
 
 
-def train_step_interleaved(module, topo: Topology, comm: Comm, batch, hidden: int, seq_len: int, amp):
+def train_step_interleaved(module, topo: Topology, comm: Comm, batch, hidden: int, seq_len: int, amp,
+                           loss_scale: float = 1.0):
     """:func:`train_step` under interleaved 1F1B (same arguments and result)."""
     from hetctl.plan.interleave import FWD, schedule_interleaved
 
@@ -219,7 +220,7 @@ def train_step_interleaved(module, topo: Topology, comm: Comm, batch, hidden: in
                 logits = y.float()
                 loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch(m)[1].reshape(-1)) * scale
                 loss_sum += loss.detach()
-                y = loss
+                y = loss if loss_scale == 1.0 else loss * loss_scale
             else:
                 links.send_activation(j, m, y)
             saved[(c, m)] = (x, y)
@@ -235,11 +236,21 @@ def train_step_interleaved(module, topo: Topology, comm: Comm, batch, hidden: in
     return loss_sum
 
 
+LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
-    """bf16 autocast on accelerators when the plan asks for it; fp32 on the CPU (the reference runs)."""
-    if precision == "bf16" and device.type != "cpu":
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+    """The stage's compute precision, the plan's (``Stage.precision``): bf16 or fp16 autocast, none for fp32.
+
+    Weights, gradients and the optimizer stay fp32 (autocast casts on the fly), so
+    an fp16 stage needs only the run's loss scale (:class:`hetctl.train.optim.LossScaler`).
+    The planner gives CPU stages fp32, so the reference runs stay fp32; a plan that asks
+    a CPU stage for bf16 or fp16 gets it (the mixed-precision tests run that way).
+    """
+    dtype = LOW_PRECISION.get(precision)
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
 
 
 def train_step(
@@ -250,6 +261,7 @@ def train_step(
     hidden: int,
     seq_len: int,
     amp: Callable[[], contextlib.AbstractContextManager],
+    loss_scale: float = 1.0,
 ) -> torch.Tensor | None:
     """Forward and backward of every micro-batch of one step, leaving summed gradients in ``.grad``.
 
@@ -261,6 +273,8 @@ def train_step(
         hidden: model width, for receive buffers.
         seq_len: sequence length, for receive buffers.
         amp: a fresh autocast context per forward.
+        loss_scale: the last stage back-propagates ``loss * loss_scale`` (a power of two; fp16 stages), so every
+            stage's gradients come out scaled by it (:meth:`hetctl.train.optim.Stepper.unscale` undoes that).
 
     Returns:
         On the last stage, this replica's share of the step's mean loss (each
@@ -268,7 +282,7 @@ def train_step(
         None elsewhere.
     """
     if topo.virtual_stages > 1:
-        return train_step_interleaved(module, topo, comm, batch, hidden, seq_len, amp)
+        return train_step_interleaved(module, topo, comm, batch, hidden, seq_len, amp, loss_scale)
     shape = (topo.micro_batch, seq_len, hidden)
     # Every micro-batch of the step weighs the same, whichever replica runs it (replicas may run different counts).
     scale = 1.0 / (topo.total_micro or topo.micro_batches * topo.dp)
@@ -287,7 +301,7 @@ def train_step(
                 logits = y.float()
                 loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch(m)[1].reshape(-1)) * scale
                 loss_sum += loss.detach()
-                y = loss
+                y = loss if loss_scale == 1.0 else loss * loss_scale
             else:
                 comm.send_activation(m, y)
             inputs[m], outputs[m] = x, y
