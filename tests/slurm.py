@@ -216,7 +216,9 @@ class SlurmCluster(Members):
         nodes: the nodes (default: n1 ``gpu:2``/nvidia, n2 ``npu:2``/ascend, n3 cpu).
     """
 
-    def __init__(self, root: Path, nodes: tuple[NodeSpec, ...] | list[NodeSpec] = DEFAULT_NODES) -> None:
+    def __init__(self, root: Path, nodes: tuple[NodeSpec, ...] | list[NodeSpec] = DEFAULT_NODES,
+                 topology: str | None = None) -> None:
+        self.topology = topology  # topology.conf's text: then TopologyPlugin=topology/tree
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.id = uuid.uuid4().hex[:12]
@@ -282,6 +284,8 @@ class SlurmCluster(Members):
         self.task_prolog.chmod(0o755)
         self.ctld_port = _free_port("127.0.0.1")
         r = self.root
+        if self.topology is not None:
+            (r / "topology.conf").write_text(self.topology)
         self.conf.write_text(f"""# slurm.conf for hetctl tests (cluster {self.id})
 ClusterName=hetctl{self.id[:6]}
 SlurmctldHost={socket.gethostname().split('.')[0]}(127.0.0.1)
@@ -322,6 +326,7 @@ JobRequeue=0
 SchedulerType=sched/backfill
 SchedulerParameters=bf_interval=1,sched_interval=1
 {('GresTypes=' + ','.join(gres_types)) if gres_types else ''}
+{'TopologyPlugin=topology/tree' if self.topology is not None else ''}
 {chr(10).join(node_lines)}
 PartitionName=all Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """)

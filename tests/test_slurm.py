@@ -144,6 +144,19 @@ def test_records_follow_each_other_even_with_a_blank_line_inside_one():
     assert one_line == nodes  # the same records as -o would print them
 
 
+def test_a_nodes_switch_is_the_lowest_level_switch_or_block_that_names_it():
+    tree = slurmq.parse_topology(capture("scontrol_show_topology_tree_22.05.txt"))
+    assert tree == {"n1": "leaf0", "n2": "leaf0", "n3": "leaf1", "n4": "leaf1"}  # not the spine, which names all
+    # topology/block (Slurm 23.11+): a block is the fast domain its nodes share
+    blocks = slurmq.parse_topology("BlockName=b1 BlockIndex=0 Nodes=gpu-[001-018] BlockSize=18\n"
+                                   "BlockName=b2 BlockIndex=1 Nodes=gpu-[019-036] BlockSize=18\n")
+    assert blocks["gpu-001"] == "b1" and blocks["gpu-036"] == "b2" and len(blocks) == 36
+    # what is not a valid or bounded hostlist labels nothing, and never raises
+    assert slurmq.parse_topology("SwitchName=s0 Level=0 Nodes=n[1-\nSwitchName=s1 Level=0 Nodes=x[1-99999999]\n"
+                                 "SwitchName=s2 Level=0\n") == {}
+    assert slurmq.parse_topology("") == {}
+
+
 def test_inside_a_het_allocation_its_variables_say_which_component_holds_a_node():
     """What salloc -N2 -C nvidia : -N1 -C ascend sets (no SLURM_JOB_NODELIST at all)."""
     env = {"SLURM_JOB_ID": "3", "SLURM_HET_SIZE": "2", "SLURM_JOB_ID_HET_GROUP_0": "3", "SLURM_JOB_ID_HET_GROUP_1": "4",
@@ -382,7 +395,9 @@ def chips_site(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("slurm-chips")
     c = SlurmCluster(d / "slurm", [NodeSpec("n1", 4, "gpu:1", "nvidia"), NodeSpec("n2", 4, "npu:2", "ascend"),
-                                   NodeSpec("n3", 2, "", "cpu")]).start()
+                                   NodeSpec("n3", 2, "", "cpu")],
+                     topology="SwitchName=leaf-a Nodes=n[1-2]\nSwitchName=leaf-b Nodes=n3\n"
+                              "SwitchName=spine Switches=leaf-a,leaf-b\n").start()
     c["n1"].install_tool("nvidia-smi", {"--query-gpu=*": nvidia_query_csv(H200_CAPTURE, CSV_FIELDS),
                                         "-L": SAMPLES / "nvidia-smi_L_h200.txt", "": SAMPLES / "nvidia-smi_plain_h200.txt"})
     make_sysfs(c["n1"].sysfs_root, pci=[("0000:83:00.0", "0x10de", "0x2335", "0x030200")], dev=["nvidiactl"])
@@ -408,9 +423,10 @@ def test_probe_inside_salloc_finds_each_nodes_chips_through_srun(chips_site):
     assert got["n2"] == [("ascend", "910B2C", "npu-smi")] * 2
     assert [v for v, _, _ in got["n3"]] == ["cpu"]
     labels = {n.name: n.labels for n in facts.nodes}
-    assert labels["n1"] == {"slurm_gres": "gpu:1", "slurm_features": "nvidia", "slurm_cpus": "4",
-                            "slurm_memory_mb": "1000"}
+    assert labels["n1"] == {"switch": "leaf-a", "slurm_gres": "gpu:1", "slurm_features": "nvidia", "slurm_cpus": "4",
+                            "slurm_memory_mb": "1000"}  # switch: the leaf topology.conf puts it under
     assert labels["n2"]["slurm_gres"] == "npu:2" and labels["n3"]["slurm_gres"] == ""
+    assert (labels["n2"]["switch"], labels["n3"]["switch"]) == ("leaf-a", "leaf-b")
     assert "3/3 nodes answered" in r.stdout
     assert not c.steps()  # salloc ended: every step of the probe ended with it
 

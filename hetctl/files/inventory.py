@@ -31,7 +31,9 @@ Resolution rules (docs/inventory.md repeats them):
   the job ``slurm.job``, else the one hetctl runs in (``SLURM_JOB_ID``). Each gets
   ``transport: slurm``, ``hostname`` = Slurm's ``NodeAddr``, the ``defaults:`` and
   the labels ``slurm_gres``, ``slurm_features``, ``slurm_cpus``, ``slurm_memory_mb``
-  (:mod:`hetctl.remote.slurmq`). In a heterogeneous job (``salloc … : …``) the
+  (:mod:`hetctl.remote.slurmq`), and ``switch``: the leaf switch (or block) Slurm's
+  topology puts the node under (``scontrol show topology``, from ``topology.conf``),
+  unless ``defaults: labels: switch:`` says otherwise. In a heterogeneous job (``salloc … : …``) the
   nodes of every component, each with its component (``slurm_het_group``), and
   ``slurm_job`` = the job's leader.
 """
@@ -337,8 +339,10 @@ def _slurm_nodes(f: InventoryFile, base: Path) -> tuple[list[Node], str]:
     for key in ("user", "port", "identity_file", "proxy_jump"):  # ssh coordinates do not apply to srun
         defaults.pop(key, None)
     nodes = []
+    switches = slurmq.topology_switches()  # topology.conf's leaf switches: the planner's `switch` label
     for sn in found:
-        labels = {**defaults.get("labels", {}), "slurm_gres": sn.gres, "slurm_features": ",".join(sn.features),
+        topo = {"switch": switches[sn.name]} if sn.name in switches else {}
+        labels = {**topo, **defaults.get("labels", {}), "slurm_gres": sn.gres, "slurm_features": ",".join(sn.features),
                   "slurm_cpus": str(sn.cpus), "slurm_memory_mb": str(sn.memory_mb)}
         fields = {**defaults, "labels": labels, "env": dict(defaults.get("env", {}))}
         het = {"slurm_het_group": sn.het.group, "slurm_het_component": sn.het.component} if sn.het else {}

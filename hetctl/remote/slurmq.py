@@ -244,6 +244,49 @@ def hostnames(node_list: str) -> list[str]:
     return [h for h in r.stdout.split() if h]
 
 
+def parse_topology(text: str) -> dict[str, str]:
+    """``scontrol show topology`` → node name → the switch (topology/tree) or block (topology/block) it hangs off.
+
+    Under a tree every switch names all the nodes below it (``SwitchName=spine Level=1 … Nodes=n[1-4]``),
+    so a node's switch is the lowest-level one that names it, its leaf. A node list that is not a
+    valid hostlist, or names more than :data:`hetctl.files.hostrange.MAX_NODES`, is skipped: the
+    topology only labels nodes, it never adds any.
+    """
+    import hostlist
+
+    from hetctl.files.hostrange import MAX_NODES, count_hostlist
+
+    best: dict[str, tuple[int, str]] = {}
+    for rec in parse_records(text):
+        name = rec.get("SwitchName") or rec.get("BlockName")
+        nodes = rec.get("Nodes", "")
+        if not name or not nodes or count_hostlist(nodes) > MAX_NODES:
+            continue
+        level = _int(rec.get("Level"))
+        try:
+            members = hostlist.expand_hostlist(nodes)
+        except hostlist.BadHostlist:
+            continue
+        for node in members:
+            if node not in best or level < best[node][0]:
+                best[node] = (level, name)
+    return {node: name for node, (_, name) in best.items()}
+
+
+def topology_switches() -> dict[str, str]:
+    """Node → its leaf switch or block, from the cluster's Slurm topology; empty when Slurm has none.
+
+    Only a label for the planner (``switch``): a Slurm without a topology plugin
+    ("No topology information available") or a failing query gives no labels,
+    never an error.
+    """
+    try:
+        r = _run(["scontrol", "show", "topology"], "reading the Slurm topology")
+    except HetctlError:
+        return {}
+    return parse_topology(r.stdout) if r.returncode == 0 else {}
+
+
 def show_nodes(names: Sequence[str]) -> list[SlurmNode]:
     """The nodes ``names`` in that order."""
     r = _run(["scontrol", "show", "node", "-o", ",".join(names)], "reading the Slurm nodes")
