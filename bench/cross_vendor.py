@@ -58,8 +58,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.engine_quality import prepare  # noqa: E402
-from tests.rankrunner import Ranks, tiny_plan  # noqa: E402
+from bench.engine_quality import prepare
+from tests.rankrunner import Ranks, tiny_plan
 
 MODES = ("none", "bf16", "powersgd:4", "int8")
 MODEL = {"name": "xv-bench", "num_layers": 2, "hidden_size": 256, "ffn_hidden_size": 688, "num_attention_heads": 4,
