@@ -72,7 +72,8 @@ def test_schedule_is_a_function_of_the_step_alone():
     (("--clip-grad", "-1"), "--clip-grad must be >= 0"),
     (("--max-skipped-steps", "0"), "--max-skipped-steps must be >= 1"),
     (("--lr", "nan"), "--lr must be a positive number"),
-    (("--initial-loss-scale", "1000"), "--initial-loss-scale 1000 must be a power of two >= 1"),
+    (("--initial-loss-scale", "1000"), "--initial-loss-scale 1000 must be a power of two from 1 to 2**32"),
+    (("--initial-loss-scale", str(2.0 ** 40)), "must be a power of two from 1 to 2**32"),
     (("--loss-scale-window", "0"), "--loss-scale-window must be >= 1"),
 ])
 def test_bad_options_are_one_line(argv, says, capsys):

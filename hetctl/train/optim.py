@@ -95,7 +95,7 @@ class LossScaler:
 
     INITIAL: ClassVar[float] = 2.0 ** 16  # torch's GradScaler; Megatron-LM starts at 2**32
     WINDOW: ClassVar[int] = 1000  # Megatron-LM's --loss-scale-window
-    MAX: ClassVar[float] = 2.0 ** 24  # past this, fp32 gradients would lose their low bits
+    MAX: ClassVar[float] = 2.0 ** 32  # a bound on the growth: Megatron-LM's initial scale
 
     scale: float = INITIAL
     good: int = 0
@@ -126,7 +126,7 @@ class LossScaler:
         except (KeyError, TypeError, ValueError):
             return fresh, f"the checkpoint's loss scale {recorded!r} is unreadable: starting at {fresh.scale:g}"
         if not (1.0 <= scale <= cls.MAX and math.log2(scale).is_integer()) or good < 0:
-            return fresh, f"the checkpoint's loss scale {scale:g} is not a power of two in [1, 2**24]: " \
+            return fresh, f"the checkpoint's loss scale {scale:g} is not a power of two in [1, 2**32]: " \
                           f"starting at {fresh.scale:g}"
         return cls(scale=scale, good=min(good, cfg.loss_scale_window), window=cfg.loss_scale_window), ""
 
@@ -195,8 +195,9 @@ def config(args: argparse.Namespace, ap: argparse.ArgumentParser) -> OptimConfig
         ap.error("--clip-grad must be >= 0 (0 turns clipping off)")
     if args.max_skipped_steps < 1:
         ap.error("--max-skipped-steps must be >= 1")
-    if not (args.initial_loss_scale >= 1 and math.log2(args.initial_loss_scale).is_integer()):
-        ap.error(f"--initial-loss-scale {args.initial_loss_scale:g} must be a power of two >= 1 (e.g. 65536)")
+    if not (1 <= args.initial_loss_scale <= LossScaler.MAX and math.log2(args.initial_loss_scale).is_integer()):
+        ap.error(f"--initial-loss-scale {args.initial_loss_scale:g} must be a power of two from 1 to 2**32 "
+                 "(e.g. 65536)")
     if args.loss_scale_window < 1:
         ap.error("--loss-scale-window must be >= 1")
     schedule = Schedule(lr=args.lr, min_lr=min_lr, warmup_steps=args.warmup_steps, decay=args.decay,
