@@ -262,6 +262,10 @@ def test_demo_runs_the_whole_flow_on_this_machine(tmp_path):
     assert Path(demo["export"]) == tmp_path / "demo" / "export" / summary["run_id"]
     assert json.loads((Path(demo["export"]) / "config.json").read_text())["vocab_size"] == plan.model.vocab_size
     assert demo["sample"].startswith(demo["prompt"]) and len(demo["sample"]) > len(demo["prompt"])
+    # the re-plan the demo's summary suggests works on its cluster, whose chips have only a layer profile
+    r = hetctl(tmp_path, "plan", "--calibrate", summary["run_dir"], "-o", "calibrated", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["notes"][0].startswith("calibrated on run "), r.stdout[:2000]
 
 
 USER_SCRIPT = """

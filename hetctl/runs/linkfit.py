@@ -35,7 +35,7 @@ from hetctl.files.cluster import Cluster, Link
 from hetctl.files.events import Measured
 from hetctl.files.plan import Plan, Stage
 from hetctl.plan.costmodel import GB, Workload, elem_bytes, link
-from hetctl.plan.devices import Group, collect
+from hetctl.plan.devices import Group, collect, plan_use
 from hetctl.plan.simulate import simulate_1f1b
 
 
@@ -82,10 +82,14 @@ class LinkFit:
                 + ", ".join(f"{a}→{b} {1e3 * x:.3g} ms/message (latency {1e3 * lat:.3g} ms)" for a, b, x, lat in pairs))
 
 
-def _node_groups(cluster: Cluster) -> dict[str, list[Group]]:
-    """The planner's chip groups of each node (what :func:`hetctl.plan.costmodel.link` prices a hop between)."""
+def _node_groups(cluster: Cluster, plan: Plan) -> dict[str, list[Group]]:
+    """The planner's chip groups of each node (what :func:`hetctl.plan.costmodel.link` prices a hop between).
+
+    Collected at the plan's shape, as the planner did: a cluster whose chips have only a
+    layer profile (``probe --bench --model``, the demo's) has no other figure.
+    """
     groups: dict[str, list[Group]] = {}
-    for k in collect(cluster).kinds:
+    for k in collect(cluster, plan_use(plan.model, plan.parallel.micro_batch)).kinds:
         for g in k.groups:
             groups.setdefault(g.node, []).append(g)
     return groups
@@ -121,7 +125,7 @@ def fit_links(plan: Plan, measured: Measured, cluster: Cluster) -> LinkFit:
     if sorted(got) != list(range(pp)):
         return LinkFit([], reason="not every stage was measured")
     comp = [max(0.0, sum(v) / len(v) / m / 1e3) for _, v in sorted(got.items())]
-    groups, work = _node_groups(cluster), Workload.of_plan(plan)
+    groups, work = _node_groups(cluster, plan), Workload.of_plan(plan)
     bare = dataclasses.replace(work, micro_batch=0)  # a message of no bytes: the latency part alone
     chains = [plan.stages_of(r) for r in range(plan.parallel.dp)]
     modeled: list[list[tuple[float, float, bool]]] = []  # per replica, per hop: cost, latency part, across nodes
@@ -193,7 +197,7 @@ def _predicted_makespan(plan: Plan, hops: list[float], m: int) -> float:
 
 def sends_per_step(plan: Plan, cluster: Cluster) -> dict[tuple[int, int], float]:
     """Per (replica, stage), ms per step of the sends the plan's ``est_ms`` counted (empty where unknown)."""
-    groups, work = _node_groups(cluster), Workload.of_plan(plan)
+    groups, work = _node_groups(cluster, plan), Workload.of_plan(plan)
     out: dict[tuple[int, int], float] = {}
     for r in range(plan.parallel.dp):
         chain, m = plan.stages_of(r), plan.micro_batches_of(r)
