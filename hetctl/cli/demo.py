@@ -17,6 +17,7 @@ At the end the run is exported as a Hugging Face folder and ``transformers``
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,21 @@ def write_inventory(directory: str | Path) -> Path:
                           "pass --dir with a new folder (or an earlier demo's); nothing was changed")
     path.write_text(header + dump_yaml(inv))
     return path
+
+
+def shared_cpus_note(ranks: int, step_ratio: float) -> str:
+    """Why the demo's measured step is not its planned one: its nodes are one machine.
+
+    The probe timed each node's layer alone, one thread at a time; in the run the
+    ranks, their warm spares (importing torch) and the controller share this machine's
+    CPUs, and each point-to-point message waits for a CPU too. The plan assumes a
+    machine per node, as on a real cluster.
+    """
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return (f"why {step_ratio:.3g}×: the demo's {ranks} nodes are this one machine, so its {ranks} ranks, their warm "
+            f"spares and the controller share {cpus} CPU{'s' if cpus != 1 else ''}, where the plan took each node's "
+            "speed as the probe measured it alone (a machine per node, as on a real cluster); "
+            "`hetctl plan --calibrate` prices what this machine really did")
 
 
 def probe_nodes(inventory_path: Path) -> tuple[Any, Any]:

@@ -287,6 +287,9 @@ def demo_cmd(
     extra = None
     if export and result.summary.state == "succeeded":
         extra = _demo_sample(result.summary, Path(directory).resolve() / "export" / result.summary.run_id)
+    ratio = result.summary.step_ratio
+    if ratio is not None and not 0.8 <= ratio <= 1.2:  # off by more than the planner's 20% goal: say why
+        extra = {**(extra or {}), "step_note": demo.shared_cpus_note(len(plan.ranks), ratio)}
     _finish_launch(result, json_out, extra=extra)
 
 
@@ -360,6 +363,8 @@ def _finish_launch(result, json_out: bool, warning: str | None = None, extra: di
             out.print(text(f"step time: measured {s.measured_step_s:.4g} s, planned {s.predicted_step_s:.4g} s "
                            f"(measured ÷ planned {s.step_ratio:.3g}); `hetctl plan --calibrate {s.run_dir}` "
                            "re-plans with the measured speeds"), highlight=False, soft_wrap=True)
+            if extra and extra.get("step_note"):
+                out.print(text((extra["step_note"], "dim")), highlight=False, soft_wrap=True)
         for r in s.recoveries:
             out.print(text(f"attempt {r.attempt}: from {'its peers' if r.recovery_path == 'peer' else 'the checkpoint'}"
                            f" at step {r.resume_step or 0}, {r.steps_lost} completed steps lost"), highlight=False)
