@@ -262,8 +262,10 @@ def test_demo_runs_the_whole_flow_on_this_machine(tmp_path):
     assert Path(demo["export"]) == tmp_path / "demo" / "export" / summary["run_id"]
     assert json.loads((Path(demo["export"]) / "config.json").read_text())["vocab_size"] == plan.model.vocab_size
     assert demo["sample"].startswith(demo["prompt"]) and len(demo["sample"]) > len(demo["prompt"])
-    if not 0.8 <= summary["step_ratio"] <= 1.2:  # the step is off the plan: the demo says why (one machine)
+    if summary["step_ratio"] > 1.2:  # slower than planned: the demo says why (one machine)
         assert "the demo's 3 nodes are this one machine" in demo["step_note"]
+    else:
+        assert "step_note" not in demo
     # the re-plan the demo's summary suggests works on its cluster, whose chips have only a layer profile
     r = hetctl(tmp_path, "plan", "--calibrate", summary["run_dir"], "-o", "calibrated", "--json")
     assert r.returncode == 0, r.stderr

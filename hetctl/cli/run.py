@@ -288,7 +288,7 @@ def demo_cmd(
     if export and result.summary.state == "succeeded":
         extra = _demo_sample(result.summary, Path(directory).resolve() / "export" / result.summary.run_id)
     ratio = result.summary.step_ratio
-    if ratio is not None and not 0.8 <= ratio <= 1.2:  # off by more than the planner's 20% goal: say why
+    if ratio is not None and ratio > 1.2:  # slower than the planner's 20% goal: say why
         extra = {**(extra or {}), "step_note": demo.shared_cpus_note(len(plan.ranks), ratio)}
     _finish_launch(result, json_out, extra=extra)
 
