@@ -117,24 +117,11 @@ class LinkedRanks(Ranks):
 
     def env(self, r: dict[str, Any], port: int) -> dict[str, str]:
         env = super().env(r, port)
-        inside = self._inside(r)
-        env.update(MASTER_ADDR=A_ADDR, GLOO_SOCKET_IFNAME=self.link.b if inside else self.link.a)
+        env.update(MASTER_ADDR=A_ADDR, GLOO_SOCKET_IFNAME=self.link.b if r["replica"] == 1 else self.link.a)
         return env
 
-    def _inside(self, r: dict[str, Any]) -> bool:
-        return int(r["replica"]) == 1 if "replica" in r else int(r["rank"]) == 1
-
-    def start(self) -> "LinkedRanks":
-        from tests.rankrunner import free_port
-
-        port = free_port()
-        for r in self.plan["ranks"]:
-            rank = r["rank"]
-            cmd = (["ip", "netns", "exec", self.link.ns] if self._inside(r) else []) + self.cmd
-            with open(self.dir / f"rank-{rank}.out", "wb") as out, open(self.dir / f"rank-{rank}.err", "wb") as err:
-                self.procs[rank] = subprocess.Popen(cmd, env=self.env(r, port), stdout=out, stderr=err,
-                                                    stdin=subprocess.DEVNULL, start_new_session=True)
-        return self
+    def argv(self, r: dict[str, Any]) -> list[str]:
+        return (["ip", "netns", "exec", self.link.ns] if r["replica"] == 1 else []) + self.cmd
 
 
 def two_vendor_plan(micro_batch: int, micro_batches: int) -> dict:
@@ -148,7 +135,7 @@ def run_mode(mode: str, o: argparse.Namespace, work: Path, data: Path) -> dict[s
     with Link(o.rate) as link:
         before = link.bytes()
         args = ("--grad-compress", mode, "--threads", "1", "--data", str(data), "--eval-every", str(o.steps),
-                "--eval-iters", str(o.eval_iters), "--lr", repr(o.lr), "--warmup-steps", str(o.warmup_steps),
+                "--eval-iters", str(o.eval_iters), "--lr", repr(o.lr), "--warmup-steps", str(min(o.warmup_steps, o.steps - 1)),
                 "--decay", "cosine")
         with LinkedRanks(link, two_vendor_plan(o.micro_batch, o.micro_batches), work / mode.replace(":", ""),
                          steps=o.steps, args=args) as ranks:

@@ -100,12 +100,16 @@ class Ranks:
     def heartbeat_path(self, rank: int) -> Path:
         return self.dir / f"rank-{rank}.heartbeat.json"
 
+    def argv(self, r: dict[str, Any]) -> list[str]:
+        """The command of rank ``r`` (every rank runs the trainer; a subclass may wrap it)."""
+        return self.cmd
+
     def start(self) -> "Ranks":
         port = free_port()
         for r in self.plan["ranks"]:
             rank = r["rank"]
             with open(self.dir / f"rank-{rank}.out", "wb") as out, open(self.dir / f"rank-{rank}.err", "wb") as err:
-                self.procs[rank] = subprocess.Popen(self.cmd, env=self.env(r, port), stdout=out, stderr=err,
+                self.procs[rank] = subprocess.Popen(self.argv(r), env=self.env(r, port), stdout=out, stderr=err,
                                                     stdin=subprocess.DEVNULL, start_new_session=True)
         return self
 

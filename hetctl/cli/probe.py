@@ -46,22 +46,12 @@ def _fmt_tflops(t) -> str:
     return f"{value:.4g} {dtype}"
 
 
-def _trains_in(chip) -> str:
-    """The precision the planner will train the chip in (bf16, else fp16 loss-scaled, else fp32)."""
-    from hetctl.errors import HetctlError
-    from hetctl.plan.devices import chip_precision
-
-    try:
-        return chip_precision(chip)
-    except HetctlError:  # an unknown vendor: the probe still shows the node
-        return "?"
-
-
 def _print_probe(cluster, *, bench: bool) -> None:
     """The probe table: one row per node and chip model, with footnotes for bench misses."""
     from rich.text import Text
 
     from hetctl.cli.fit import Col, fitted
+    from hetctl.plan.devices import chip_precision  # the precision the planner will train each chip in
 
     cols = [Col("node", keep=True), Col("vendor"), Col("model"), Col("chips", "right"),
             Col("memory", "right", drop=2), Col("TFLOPS (peak)" + (" / measured" if bench else ""), drop=1),
@@ -91,7 +81,7 @@ def _print_probe(cluster, *, bench: bool) -> None:
                 tf += f" / {_fmt_tflops(measured[0])}" if measured else " / -"
             rows.append([Text(cell) for cell in (  # outside strings: never markup
                 node.name if i == 0 else "", vendor, model, str(len(chips)),
-                f"{mem:g} GB" if mem is not None else "?", tf, _trains_in(chips[0]), nic if i == 0 else "",
+                f"{mem:g} GB" if mem is not None else "?", tf, chip_precision(chips[0]), nic if i == 0 else "",
             )])
         if bench and node.bench_error:
             lead = "" if node.bench_error.startswith("layer profile:") else "not measured: "

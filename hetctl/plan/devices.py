@@ -284,7 +284,8 @@ def node_groups(node: NodeFacts, use: ProfileUse | None = None, tcp_gbs: float |
         notes: dict[str, str] = {}
         for c in chips:
             rate, prec, src = chip_rate(node, c, use)
-            notes.setdefault(prec, chip_precision_why(c)[1])
+            if prec not in notes:  # once per precision, not per chip
+                notes[prec] = chip_precision_why(c)[1]
             peaks.append(getattr(c.tflops, prec) or (getattr(c.measured_tflops, prec) if c.measured_tflops else None))
             mem = c.memory_gb
             if mem is None and vendor == "cpu" and node.memory_gb:

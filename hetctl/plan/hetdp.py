@@ -31,10 +31,8 @@ Costs, and what is assumed:
 
 from __future__ import annotations
 
-import dataclasses
-
 import heapq
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from hetctl.plan.costmodel import Workload
 from hetctl.plan.devices import Kind
@@ -194,7 +192,7 @@ class HeteroSearch:
         """The best uniform layout of ``kinds`` alone for about ``micro`` micro-batches (cached)."""
         key = (kinds, micro)
         if key not in self._parts:
-            work = dataclasses.replace(self.work, global_batch=micro * self.work.micro_batch)
+            work = replace(self.work, global_batch=micro * self.work.micro_batch)
             s = Searcher([self.kinds[i] for i in kinds], self.spec, work, self.framework, Pins(), keep=1, uneven=True)
             found = s.run(finish=False)
             self.considered += s.considered

@@ -96,10 +96,13 @@ class Compressor:
         else:
             self._powersgd(group, d, parts)
 
-    def _fed(self, key: str, t: torch.Tensor) -> torch.Tensor:
-        """The gradient plus what earlier steps' compression owed it (in the owed buffer: a new one replaces it)."""
+    def _fed(self, key: str, t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The gradient plus what earlier steps' compression owed it: into ``out``, else into the owed buffer
+        (a new one replaces it), else a copy."""
         e = self.error.get(key)
-        return e.add_(t) if e is not None and e.shape == t.shape else t.clone()
+        if e is None or e.shape != t.shape:
+            return t.clone() if out is None else out.copy_(t)
+        return e.add_(t) if out is None else torch.add(t, e, out=out)
 
     def _int8(self, group: dist.ProcessGroup, d: int, parts: list[Part]) -> None:
         # One vector for the whole batch: its chunks may span two parts, but only the last chunk is padded.
@@ -107,11 +110,7 @@ class Compressor:
         fed = torch.zeros(n + (-n % CHUNK))  # padded here, so quantize needs no copy
         at = 0
         for key, t, _ in parts:
-            e = self.error.get(key)
-            if e is not None and e.shape == t.shape:
-                torch.add(t, e, out=fed[at:at + t.numel()])
-            else:
-                fed[at:at + t.numel()] = t
+            self._fed(key, t, out=fed[at:at + t.numel()])
             at += t.numel()
         q, s = quantize(fed)
         owed = fed.sub_(dequantize(q, s, fed.numel()))[:n]  # fed is ours: what this rank's share lost, in place

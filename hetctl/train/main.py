@@ -338,8 +338,9 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
         optimizer = optim.build(units, args.optim, extra=extra)
         scaler = None
         if any(st.get("precision") == "fp16" for st in plan["stages"]):  # one scale for the whole pipeline
-            scaler = optim.LossScaler(scale=args.optim.initial_loss_scale, window=args.optim.loss_scale_window)
-            if resumed is not None:
+            if resumed is None:
+                scaler = optim.LossScaler.fresh(args.optim)
+            else:
                 scaler, note = optim.LossScaler.resumed(resumed.get("loss_scale"), args.optim)
                 if note and ctx.rank == 0:
                     print(f"loss scale: {note}", flush=True)

@@ -116,9 +116,14 @@ class LossScaler:
         return {"scale": self.scale, "good": self.good, "window": self.window}
 
     @classmethod
+    def fresh(cls, cfg: "OptimConfig") -> "LossScaler":
+        """A run's scale at its start (``--initial-loss-scale``, ``--loss-scale-window``)."""
+        return cls(scale=cfg.initial_loss_scale, window=cfg.loss_scale_window)
+
+    @classmethod
     def resumed(cls, recorded: Mapping[str, Any] | None, cfg: "OptimConfig") -> tuple["LossScaler", str]:
         """The scaler a run resumes with, and a note when the checkpoint had none (then it starts afresh)."""
-        fresh = cls(scale=cfg.initial_loss_scale, window=cfg.loss_scale_window)
+        fresh = cls.fresh(cfg)
         if not recorded:
             return fresh, f"the checkpoint has no loss scale (no fp16 stage before): starting at {fresh.scale:g}"
         try:
