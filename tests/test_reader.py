@@ -110,14 +110,14 @@ def test_a_stream_without_a_descriptor_is_read_by_a_thread_of_its_own():
 
 
 def test_the_agent_connection_reads_its_streams_through_the_shared_reader():
-    """_Agent hands both streams to the one reader: events to the inbox, stderr to the tail, EOF once."""
-    from hetctl.launch.controller import _Agent
+    """AgentLink hands both streams to the one reader: events to the inbox, stderr to the tail, EOF once."""
+    from hetctl.launch.agentlink import AgentLink
 
     p = subprocess.Popen([sys.executable, "-I", "-c", "import sys; print('{\"ev\": \"hello\"}'); "
                           "print('boom', file=sys.stderr)"],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     inbox: queue.SimpleQueue = queue.SimpleQueue()
-    agent = _Agent("n1", None, p, inbox)
+    agent = AgentLink("n1", None, p, inbox)
     assert agent.eof.wait(30)
     p.wait(10)
     first, last = inbox.get(timeout=5), inbox.get(timeout=5)

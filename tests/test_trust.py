@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from hetctl.files.eventlog import read_events
 from hetctl.launch import wire
-from hetctl.launch.controller import _Agent
+from hetctl.launch.agentlink import AgentLink
 from hetctl.launch.status import RankState
 from hetctl.launch.outcome import AttemptOutcome, RunState
 from tests import test_monitor as tm
@@ -188,7 +188,7 @@ def test_the_reader_survives_a_real_hostile_agent_with_bounded_memory():
     popen = subprocess.Popen([sys.executable, "-I", "-c", HOSTILE_AGENT], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     inbox: queue.SimpleQueue = queue.SimpleQueue()
-    agent = _Agent("n1", None, _Proc(popen), inbox)
+    agent = AgentLink("n1", None, _Proc(popen), inbox)
     assert agent.eof.wait(30)
     popen.wait(10)
     got = []

@@ -11,11 +11,13 @@ gives up (docs/architecture.md §4)::
            ├─ self._latest_step()             newest valid checkpoint (skipped ones reported)
            └─ self._replan(plan, decision)    survivors and/or measured speeds → new plan
 
-Per attempt a :class:`~hetctl.elastic.straggler.StragglerHook` watches the stage
+Per attempt :class:`~hetctl.elastic.rebalance.Rebalancing` watches the stage
 timings; under ``--rebalance`` it re-plans beside the monitor (never inside it)
 and ends the attempt only when the new plan is predicted to pay. Every re-plan
-happens here, after the attempt has stopped. ``run.yaml`` is kept current at every
-step so that ``hetctl resume`` can continue the count after a SIGKILL.
+happens here, after the attempt has stopped. What the run keeps across attempts
+(counters, losses, recoveries, measured against planned) is its
+:class:`~hetctl.elastic.ledger.Ledger`; ``run.yaml`` is kept current at every step
+so that ``hetctl resume`` can continue the count after a SIGKILL.
 """
 
 from __future__ import annotations
@@ -25,19 +27,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from hetctl.errors import HetctlError, StartFailed
-from hetctl.files.events import (CheckpointSkipped, CheckpointUnseen, Event, Failed, Finished, Measured, Rebalanced,
-                                 ResumeSource, ReplanLayout, Stopped)
+from hetctl.errors import StartFailed
+from hetctl.files.events import (CheckpointSkipped, CheckpointUnseen, Event, Failed, Finished, ReplanLayout, Stopped)
 from hetctl.files.eventlog import EventLog, Listener
 from hetctl.files.plan import Plan
 from hetctl.files.run import RunDir, RunInfo, RunSummary
+from hetctl.elastic.ledger import Ledger
 from hetctl.elastic.measure import compare
-from hetctl.elastic.peers import record_of, recover
-from hetctl.elastic.recovery import RecoveryClock, with_timing
+from hetctl.elastic.peers import recover
+from hetctl.elastic.rebalance import Rebalancing
 from hetctl.elastic.policy import Decision, PolicyConfig, Tally, describe, run_loop
 from hetctl.elastic.replan import layer_split, load_cluster, replan
-from hetctl.elastic.straggler import (SpareImports, StragglerHook, StragglerWatch, layout_of, predicted_gain,
-                                     speed_factors)
 from hetctl.launch.controller import AttemptRequest, Thresholds, run_attempt
 from hetctl.launch.monitor import OnProgress, OnUpdate
 from hetctl.launch.pool import AgentPool, standby_on
@@ -132,10 +132,6 @@ def latest_checkpoint(ckpt_dir: str | Path, model: dict, emit: Callable[[Event],
     return found[0] if found else None
 
 
-def _bottleneck_ms(outcome: AttemptOutcome) -> float | None:
-    return max(outcome.stage_step_ms.values()) if outcome.stage_step_ms else None
-
-
 class ElasticRun:
     """Runs a :class:`Prepared` run to its end under the elastic policy (module docstring).
 
@@ -151,30 +147,22 @@ class ElasticRun:
         self.p = prepared
         self.connect = connect
         self.attempt_fn = attempt_fn
-        self.tally = Tally.from_dict(prepared.info.tally)
-        info = prepared.info
-        # The totals in run.yaml include earlier controllers' counts; the tally is this budget's.
-        self.restarts_before = max(0, info.restarts - self.tally.restarts)
-        self.changes_before = max(0, info.membership_changes - self.tally.membership_changes)
-        self.plan_file = prepared.plan_file or (Path(info.inputs.plan_dir) / "plan.yaml"
-                                                if info.inputs.plan_dir else None)
+        self.plan_file = prepared.plan_file or (Path(prepared.info.inputs.plan_dir) / "plan.yaml"
+                                                if prepared.info.inputs.plan_dir else None)
+        self.ledger = Ledger.of(prepared.info, prepared.opening)
+        self.rebalancing = Rebalancing(prepared.policy, self.ledger.tally, self._survivors,
+                                       prepared.info.inputs.checkpoint_dir)
+        self._cluster: Any = None
+        # Set by run(): the run's event log, its stop flag and the live view's callbacks.
         self.events: EventLog | None = None
         self.stop: threading.Event = threading.Event()
         self.on_update: OnUpdate | None = None
         self.on_progress: OnProgress | None = None
-        self._cluster: Any = None
-        self._first_loss: float | None = None
-        self._final: tuple[int, float] | None = None  # (step, loss) of the newest attempt that trained
-        self._rebalanced_from: AttemptOutcome | None = None
-        self._pending: tuple[Plan, Plan, dict[str, float]] | None = None  # (old, new, factors) from the hook
-        self._attempts_run = 0
-        self._measured: Measured | None = None  # the newest attempt's comparison with its plan
-        self._spares = SpareImports()  # a warm spare importing holds the running attempt's straggler watch
-        self._last: tuple[int, Plan, int] | None = None  # the newest attempt run and its last step
-        self._recoveries = list(prepared.info.summary.recoveries) if prepared.info.summary else []
-        self._recoveries += [record_of(ev) for ev in prepared.opening if isinstance(ev, ResumeSource)]  # a resume's
-        self.recovery = RecoveryClock()  # per restart: detection, stop, restart, first step, steps lost
         self.pool = AgentPool(keeps=False)  # agents kept across attempts for their warm spares (set in _run)
+
+    @property
+    def tally(self) -> Tally:
+        return self.ledger.tally
 
     # -- the run -----------------------------------------------------------------
     def run(self, stop: threading.Event | None = None, listeners: Iterable[Listener] = (),
@@ -217,9 +205,10 @@ class ElasticRun:
         p = self.p
         inputs = p.info.inputs
         self.pool = AgentPool(keeps=standby_on(inputs.standby, inputs.entry))
-        with EventLog(p.run.events_path, listeners=[*listeners, self.recovery.listen, self._spares.listen]) as events:
+        clock = self.ledger.clock
+        with EventLog(p.run.events_path, listeners=[*listeners, clock.listen, self.rebalancing.spares.listen]) as events:
             self.events = events
-            self.recovery.emit = events.emit
+            clock.emit = events.emit
             for ev in p.opening:
                 events.emit(ev)
             try:
@@ -249,9 +238,9 @@ class ElasticRun:
 
     # -- what run_loop calls --------------------------------------------------------
     def _attempt(self, attempt: int, plan: Plan, step: int | None) -> AttemptOutcome:
-        """Record the attempt's plan and counters, run it, and make its outcome speak for the run."""
-        p, info = self.p, self.p.info
-        self._save_counters()
+        """Record the attempt's plan and counters, run it, and enter its outcome in the run's books."""
+        p, info, ledger = self.p, self.p.info, self.ledger
+        ledger.save_counters(info)
         p.run.save_plan(attempt, plan)
         info.attempts = max(info.attempts, attempt + 1)
         info.state = RunState.RUNNING.value
@@ -259,38 +248,33 @@ class ElasticRun:
         req = AttemptRequest(plan=plan, attempt=attempt, options=info.inputs.options(),
                              ckpt_dir=info.inputs.checkpoint_dir, resume_step=step or 0,
                              resume_env=self._resume_env(plan, step))
-        hook = self._hook(attempt, plan)
         kwargs: dict[str, Any] = {"inventory": p.inventory, "run": p.run, "events": self.events,
-                                  "thresholds": p.thresholds, "on_progress": hook, "on_update": self.on_update,
-                                  "stop": self.stop}
+                                  "thresholds": p.thresholds, "on_update": self.on_update, "stop": self.stop,
+                                  "on_progress": self.rebalancing.hook(attempt, plan, self.events.emit,
+                                                                       self.on_progress),
+                                  "pool": self.pool}
         if self.connect is not None:
             kwargs["connect"] = self.connect
-        kwargs["pool"] = self.pool
-        on_first_step = self.recovery.starting(attempt, step)
+        on_first_step = ledger.clock.starting(attempt, step)
         if on_first_step is not None:
             kwargs["on_first_step"] = on_first_step
-        first_of_run = self._attempts_run == 0 and attempt == p.first_attempt
-        self._attempts_run += 1
+        first_of_run = ledger.attempts_run == 0 and attempt == p.first_attempt
+        ledger.attempts_run += 1
         try:
             outcome = self.attempt_fn(req, **kwargs)
         except StartFailed as e:
             if first_of_run:
                 raise  # nothing ran anywhere: a set-up error for the user, not a fault to recover from
             outcome = AttemptOutcome(RunState.FAILED, failures=list(e.failures))
-        self._last = (attempt, plan, outcome.last_step)
-        if outcome.state == RunState.FAILED:
-            self.recovery.failed(attempt, outcome)
-        else:
-            self.recovery.flush()
         if info.first_loss is None and not step and outcome.first_loss is not None:
             info.first_loss = outcome.first_loss  # the run's, not a resumed attempt's
-        self._carry_losses(outcome)
-        self._report_rebalance(attempt, outcome)
+        outcome = ledger.entered(attempt, plan, outcome)
+        self.rebalancing.report(attempt, outcome, self.events.emit)
         measured = compare(plan, outcome, attempt)
         if measured is not None:
             self.events.emit(measured)
-            self._measured = measured
-        self._save_counters()
+            ledger.measured = measured
+        ledger.save_counters(info)
         return outcome
 
     def _latest_step(self) -> int | None:
@@ -302,9 +286,9 @@ class ElasticRun:
         if self.p.plan.framework in fwckpt.LAYOUTS:
             return latest_checkpoint(self.p.info.inputs.checkpoint_dir, self.p.plan.model.model_dump(),
                                      self.events.emit, framework=self.p.plan.framework)
-        step, record = recover(self.p.info.inputs.checkpoint_dir, self.p.plan.model.model_dump(), self._last,
+        step, record = recover(self.p.info.inputs.checkpoint_dir, self.p.plan.model.model_dump(), self.ledger.last,
                                self.events.emit, latest_checkpoint)
-        self._recoveries += [record] if record is not None else []
+        self.ledger.recoveries += [record] if record is not None else []
         return step
 
     def _mark_unloadable(self, step: int, reason: str) -> None:
@@ -330,13 +314,8 @@ class ElasticRun:
 
     def _replan(self, old: Plan, decision: Decision, outcome: AttemptOutcome, _tally: Tally) -> Plan:
         factors: dict[str, float] | None = None
-        pending, self._pending = self._pending, None
         if decision.measured:
-            self._rebalanced_from = outcome
-            if pending is not None and pending[0] is old:  # planned when the straggler was confirmed
-                new, factors = pending[1], pending[2]
-            else:
-                new, factors = self._measured_plan(old, outcome.stage_step_ms, decision.reason)
+            new, factors = self.rebalancing.plan_after(old, outcome, decision.reason)
         else:
             new = replan(old, self._survivors(), drop=self.tally.dropped, reason=decision.reason)
         fwckpt.same_shape_only(old, new, self.p.info.inputs.checkpoint_dir)
@@ -346,37 +325,7 @@ class ElasticRun:
         ))
         return new
 
-    # -- stragglers and re-planning -------------------------------------------------
-    def _hook(self, attempt: int, plan: Plan) -> OnProgress:
-        cfg = self.p.policy
-        watch = StragglerWatch.from_plan(plan, tolerance=cfg.straggler_tolerance, window=cfg.straggler_window,
-                                         patience=cfg.straggler_patience)
-
-        def confirm(found: list, means: Any) -> tuple[bool, str]:
-            """Re-plan with the window's measured speeds; restart only for a real gain."""
-            try:
-                new, factors = self._measured_plan(plan, means, "rebalancing on measured stage speeds")
-                fwckpt.same_shape_only(plan, new, self.p.info.inputs.checkpoint_dir)  # DeepSpeed: keep training
-            except HetctlError as e:
-                return False, f"no re-plan possible: {e.message}"
-            gain = predicted_gain(layout_of(plan), layout_of(new), means)
-            split = " ".join(layer_split(new))
-            if gain < cfg.rebalance_min_gain:
-                return False, f"not worth a restart: the best plan ({split}) predicts {gain:.2f}x"
-            self._pending = (plan, new, factors)
-            return True, f"re-planned as {split}, slowest stage predicted {gain:.2f}x shorter"
-
-        hook = StragglerHook(watch, self.events.emit, attempt=attempt, rebalance=cfg.rebalance, confirm=confirm)
-        self._spares.attach(watch)
-        extra = self.on_progress
-        if extra is None:
-            return hook
-
-        def both(stage_ms: Any) -> list:
-            return list(hook(stage_ms)) + list(extra(stage_ms) or [])
-
-        return both
-
+    # -- the survivors ---------------------------------------------------------------
     def _survivors(self) -> Any:
         """The cluster facts of the inventory's nodes (loaded once: the plan's cluster file, else a probe)."""
         if self._cluster is None:
@@ -384,50 +333,10 @@ class ElasticRun:
         names = {n.name for n in self.p.inventory.nodes}
         return self._cluster.model_copy(update={"nodes": [n for n in self._cluster.nodes if n.name in names]})
 
-    def _measured_plan(self, old: Plan, means: Any, reason: str) -> tuple[Plan, dict[str, float]]:
-        planned = {(s.replica, s.stage): old.compute_ms_per_step(s) for s in old.stages}
-        where = {(s.replica, s.stage): s.node for s in old.stages}
-        factors = speed_factors(means, planned, where)
-        return replan(old, self._survivors(), drop=self.tally.dropped, factors=factors, reason=reason), factors
-
-    def _report_rebalance(self, attempt: int, outcome: AttemptOutcome) -> None:
-        before, self._rebalanced_from = self._rebalanced_from, None
-        if before is None:
-            return
-        b0, b1 = _bottleneck_ms(before), _bottleneck_ms(outcome)
-        self.events.emit(Rebalanced(
-            attempt=attempt, bottleneck_ms_before=b0, bottleneck_ms_after=b1,
-            tokens_per_s_before=before.tokens_per_s, tokens_per_s_after=outcome.tokens_per_s,
-            speedup=round(b0 / b1, 3) if b0 and b1 else None,
-        ))
-
-    # -- bookkeeping ---------------------------------------------------------------------
-    def _carry_losses(self, outcome: AttemptOutcome) -> None:
-        """Make the outcome speak for the run so far, not only for its own attempt.
-
-        The run's first loss is the first attempt's; an attempt that resumed at the last
-        step trains nothing, and the run's final loss is then the one reported for that
-        step by the attempt that computed it.
-        """
-        if self._first_loss is None:
-            self._first_loss = outcome.first_loss
-        if outcome.final_loss is not None:
-            self._final = (outcome.last_step, outcome.final_loss)
-        elif self._final is not None and outcome.last_step <= self._final[0]:
-            outcome.last_step, outcome.final_loss = self._final
-        if self._first_loss is not None:
-            outcome.first_loss = self._first_loss
-
-    def _save_counters(self) -> None:
-        info = self.p.info
-        info.tally = self.tally.to_dict()
-        info.restarts = self.restarts_before + self.tally.restarts
-        info.membership_changes = self.changes_before + self.tally.membership_changes
-
     def _close(self, outcome: AttemptOutcome, *, attempt: int, reason: str | None, attempts: int = 1) -> RunResult:
         """The closing event, ``run.yaml``'s state and the summary."""
         run, info = self.p.run, self.p.info
-        self._save_counters()
+        self.ledger.save_counters(info)
         root = outcome.root_cause
         if outcome.state == RunState.SUCCEEDED:
             self.events.emit(Finished(attempt=attempt, steps=outcome.last_step, final_loss=outcome.final_loss,
@@ -438,24 +347,7 @@ class ElasticRun:
         else:
             reason = reason or (describe(root) if root else "the attempt failed")
             self.events.emit(Failed(attempt=attempt, reason=reason))
-        prev = info.summary
         info.state = outcome.state.value
-        info.summary = RunSummary(
-            run_id=run.run_id,
-            run_dir=str(run.path.resolve()),
-            state=outcome.state.value,
-            steps=max(outcome.last_step, prev.steps if prev else 0),
-            first_loss=next((x for x in (info.first_loss, prev.first_loss if prev else None, outcome.first_loss)
-                             if x is not None), None),
-            final_loss=outcome.final_loss if outcome.final_loss is not None else (prev.final_loss if prev else None),
-            restarts=info.restarts,
-            attempts=info.attempts,
-            tokens_per_s=outcome.tokens_per_s,
-            predicted_step_s=self._measured.step_s_predicted if self._measured else None,
-            measured_step_s=self._measured.step_s_measured if self._measured else None,
-            step_ratio=self._measured.step_ratio if self._measured else None,
-            reason=reason,
-            recoveries=with_timing(self._recoveries, self.recovery.done),
-        )
+        info.summary = self.ledger.summary(run, info, outcome, reason)
         run.save_info(info)
         return RunResult(info.summary, outcome, attempts)

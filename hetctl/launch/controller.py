@@ -4,13 +4,15 @@ The elastic policy (``hetctl.elastic.policy``) decides what happens after an att
 this module only runs one and reports how it ended as an
 :class:`~hetctl.launch.outcome.AttemptOutcome`. Sequence:
 
-1. connect to every node of the plan and run a pre-flight there (bounded fan-out):
-   the node's python exists, its workdir is writable, the trainer's modules are
-   importable; rank 0's node also picks the rendezvous port. Any problem → a START
-   failure per node and nothing is started anywhere.
-2. ship the agent zipapp and the plan (JSON) into each node's workdir;
-3. start one agent per node and send it the node's ranks (:mod:`hetctl.launch.materialize`);
-4. watch the agents' event streams until every rank exited 0 (SUCCEEDED), the
+1. connect to every node of the plan (a kept agent's connection is reused) and
+2. pre-flight it, in one bounded fan-out: the node's python exists, its workdir is
+   writable, the trainer's modules are importable; rank 0's node also picks the
+   rendezvous port. Any problem → a START failure per node and nothing is started anywhere.
+3. materialize: every rank's argv and environment (:mod:`hetctl.launch.materialize`), the
+   value ``--dry-run`` prints, recorded as ``attempts/<n>/launch.json``;
+4. ship the agent zipapp and the plan (JSON) into each node's workdir;
+5. start one agent per node and send it the node's ranks;
+6. watch the agents' event streams until every rank exited 0 (SUCCEEDED), the
    first fault (FAILED), or the stop flag (STOPPED). Faults:
 
    - a rank exits non-zero or by a signal: the agent reports it at once → ``rank_failed``;
@@ -19,7 +21,7 @@ this module only runs one and reports how it ended as an
    - an agent's stream ends, or is silent for ``node_timeout`` → ``node_lost``;
    - ``on_progress`` returns failure records (a straggler under ``--rebalance``).
 
-5. stop: ``stop`` to every agent (SIGTERM, grace, SIGKILL on the node), wait for
+7. stop: ``stop`` to every agent (SIGTERM, grace, SIGKILL on the node), wait for
    their ``stopped``, then tear the connections down.
 
 Clock and connect are parameters so tests can drive it; the watching itself lives
@@ -30,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 import queue
 import threading
@@ -40,7 +41,8 @@ from typing import Any, Callable, Mapping
 
 from hetctl.errors import HetctlError, StartFailed
 from hetctl.files.plan import Plan
-from hetctl.launch import materialize as mat, reader, wire
+from hetctl.launch import materialize as mat, wire
+from hetctl.launch.agentlink import AgentLink
 from hetctl.launch.ship import ship as ship_files
 from hetctl.files.events import Launched
 from hetctl.files.eventlog import EventLog
@@ -83,84 +85,6 @@ class AttemptRequest:
     resume_env: dict[str, str] | None = None  # where a framework's own checkpoint is (hetctl.elastic.fwckpt)
 
 
-class _Agent:
-    """One node's agent connection: its process, its streams (read by :mod:`hetctl.launch.reader`'s one
-    thread) and its stderr's tail."""
-
-    def __init__(self, name: str, transport: Any, proc: Any, inbox: queue.SimpleQueue) -> None:
-        self.name = name
-        self.transport = transport
-        self.proc = proc
-        self.stderr_tail: list[str] = []
-        self.eof = threading.Event()
-        self._lock = threading.Lock()
-        self.inbox = inbox  # an agent kept for the next attempt (hetctl.launch.pool) feeds that attempt's inbox
-        self.port: int | None = None
-        self.port_answered = threading.Event()
-        streams = reader.shared()
-        streams.add(proc.stdout, self._stdout_line, self._stdout_end)
-        streams.add(proc.stderr, self._stderr_line, lambda: None, wire.MAX_TEXT)
-
-    def _stdout_line(self, raw: bytes | wire.Refused) -> None:
-        if isinstance(raw, wire.Refused):
-            self._put(raw)
-            return
-        try:
-            msg = json.loads(raw)
-        except ValueError:
-            self._note(raw)
-            return
-        if isinstance(msg, dict) and msg.get("ev") == "port":
-            self._answer_port(msg.get("port"))  # the answer to ask_port, not an attempt's event
-        elif isinstance(msg, dict) and "ev" in msg:
-            self._put(msg)
-        else:
-            self._put(wire.Refused(f"not an event: {raw[:60]!r}"))
-
-    def _stdout_end(self) -> None:
-        self.eof.set()
-        self._put(None)
-
-    def _put(self, msg: dict | wire.Refused | None) -> None:
-        """To the monitor, with when it was read: the monitor tells its own lag from the node's silence."""
-        self.inbox.put((self.name, msg, time.monotonic()))
-
-    def _answer_port(self, port: object) -> None:
-        """A node's free port, believed only when it is one (1..65535); else no answer, so ask_port says so."""
-        if isinstance(port, int) and not isinstance(port, bool) and 0 < port < 65536:
-            self.port = port
-            self.port_answered.set()
-        else:
-            self._note(f"the agent answered port {str(port)[:40]!r}, not a port")
-
-    def _stderr_line(self, raw: bytes | wire.Refused) -> None:
-        self._note(raw.reason if isinstance(raw, wire.Refused) else raw)
-
-    def _note(self, raw: bytes | str) -> None:
-        text = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
-        with self._lock:
-            self.stderr_tail = (self.stderr_tail + [text.rstrip()])[-20:]
-
-    def send(self, obj: Mapping[str, Any]) -> bool:
-        try:
-            self.proc.stdin.write((json.dumps(obj) + "\n").encode())
-            self.proc.stdin.flush()
-            return True
-        except (OSError, ValueError, EOFError):
-            return False
-
-    def ask_port(self, timeout: float) -> int:
-        """A free port on the node from a kept agent (its pre-flight for the next attempt)."""
-        self.port_answered.clear()
-        if not self.send({"cmd": "port"}) or not self.port_answered.wait(timeout) or self.port is None:
-            raise HetctlError(f"the kept agent did not answer: {self.tail() or 'no output'}")
-        return self.port
-
-    def tail(self) -> str:
-        with self._lock:
-            return "\n".join(line for line in self.stderr_tail if line)
-
-
 def _connector(inventory: Any) -> Callable[[Any], Any]:
     from hetctl.remote import connect
 
@@ -177,6 +101,24 @@ def _fanout(nodes: list[Any], fn: Callable[[Any], Any], width: int) -> dict[str,
 
 def _start_failure(node: str, reason: str) -> FailureRecord:
     return FailureRecord(kind=FaultKind.START, node=node, time=time.time(), reason=reason)
+
+
+def check_preflight(info: Mapping[str, Any], *, needs: tuple[str, ...], python: str) -> None:
+    """A node's pre-flight answer held to what an attempt needs there; raises one line saying what to fix."""
+    problem = wire.preflight_problem(info)
+    if problem:
+        raise HetctlError(problem, "the node's python or hetctl's files there are not as shipped")
+    if info.get("unsafe"):
+        raise HetctlError(f"workdir {info.get('workdir')} is {info['unsafe']}: another user could plant "
+                          "modules that the ranks import",
+                          "use a folder only you can write (e.g. ~/.hetctl), or `chmod go-w` it")
+    if not info.get("writable"):
+        raise HetctlError(f"workdir {info.get('workdir')} is not writable ({info.get('error', '')})",
+                          "fix its permissions or set `workdir:` for the node in the inventory")
+    lacking = [m for m in needs if not info.get("modules", {}).get(m)]
+    if lacking:
+        raise HetctlError(f"{' and '.join(lacking)} not importable by `{python}`",
+                          "the reference trainer needs `pip install 'hetctl[train]'` on the node")
 
 
 def mixed_torch(versions: Mapping[str, str | None]) -> str | None:
@@ -248,12 +190,14 @@ class AttemptController:
         self.plan_nodes = [self.nodes[n] for n in dict.fromkeys(r.node for r in req.plan.ranks) if n in self.nodes]
         self.transports: dict[str, Any] = {}
         self.shipped: dict[str, list[str]] = {}  # node → files written to it this attempt
-        self.agents: dict[str, _Agent] = {}
+        self.agents: dict[str, AgentLink] = {}
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.spec: mat.LaunchSpec | None = None
         # Agents (and their spares) kept across attempts; one that keeps nothing when the caller has none.
         self.pool = pool if pool is not None else AgentPool(keeps=False)
         self.on_first_step = on_first_step
+        self._rank0 = min(req.plan.ranks, key=lambda r: r.rank).node
+        self._argchecks: Any = None
 
     # -- phases --------------------------------------------------------------
     def run(self) -> AttemptOutcome:
@@ -267,12 +211,12 @@ class AttemptController:
             from hetctl.launch.fdlimit import ensure
 
             ensure(len(self.plan_nodes), self._width())  # before any node: a limit too low is one line, not EMFILE
-            failures = self._prepare()
-            if failures:
-                raise start_failed(failures)
+            ready = self._ready_nodes()  # phases 1-2: connect, pre-flight
             if self.stop_flag.is_set():
                 return AttemptOutcome(state=RunState.STOPPED)
-            failures = self._start_agents()
+            self.spec = self._materialize(ready)  # phase 3
+            self._ship(ready)  # phase 4
+            failures = self._start_agents()  # phase 5
             monitor = Monitor(
                 self.req.plan, self.spec, self.run_dir, self.events, self.th, attempt=self.req.attempt,
                 clock=self.clock, on_progress=self.on_progress, on_update=self.on_update,
@@ -313,82 +257,92 @@ class AttemptController:
             return slurm_ask, None  # a plain job: as always
         return functools.partial(slurm_ask, until_down=True), slurm_ended(places)
 
-    def _prepare(self) -> list[FailureRecord]:
-        """Connect, pre-flight and ship on every node; START failures, or [] when all is ready."""
-        plan = self.req.plan
-        missing = [r.node for r in plan.ranks if r.node not in self.nodes]
+    # -- phases 1 and 2: connect, pre-flight (one bounded fan-out: a node pre-flights once it is connected) -------
+    def _ready_nodes(self) -> dict[str, dict[str, Any]]:
+        """Every plan node connected and pre-flighted: node → its pre-flight answer.
+
+        Raises:
+            StartFailed: a START failure per node that is not ready (nothing has started anywhere).
+        """
+        missing = [r.node for r in self.req.plan.ranks if r.node not in self.nodes]
         if missing:
-            return [_start_failure(n, "not in the inventory") for n in dict.fromkeys(missing)]
-        rank0 = min(plan.ranks, key=lambda r: r.rank).node
-        needs = ("hetctl", "torch") if mat.reference(plan, self.req.options.entry) else ()
+            raise start_failed([_start_failure(n, "not in the inventory") for n in dict.fromkeys(missing)])
         from hetctl.launch.fwargs import Once
 
-        argchecks = Once()  # Megatron-LM's argument check: once per distinct environment
-
-        def check(node: Any) -> dict[str, Any]:
-            kept = self.pool.preflight(node.name)  # drops a dead agent first
-            t = self.pool.transport(node.name) or self.connect(node)
-            self.transports[node.name] = t
-            want_port = node.name == rank0 and self.req.options.master_port is None
-            if kept is not None:  # its agent ran the last attempt and is up: same python, workdir, modules
-                port = self.pool.agents[node.name].ask_port(self.th.connect_timeout) if want_port else None
-                return {**kept, "agent_ok": True, **({"port": port} if want_port else {})}
-            res = t.run(mat.preflight_argv(node.python, str(node.workdir), want_port, ("hetctl", "torch")),
-                        env=node.env or None, timeout=self.th.connect_timeout, check=False)
-            info = mat.parse_preflight(res.stdout)
-            if info is None:
-                tail = (res.stderr or "").strip().splitlines()[-1:] or [f"exit code {res.exit_code}"]
-                if res.exit_code == 127 or "not found" in tail[0] or "No such file" in tail[0]:
-                    raise HetctlError(f"python `{node.python}` not found",
-                                      "install Python 3 there or set `python:` for the node in the inventory")
-                raise HetctlError(f"pre-flight failed: {tail[0]}")
-            problem = wire.preflight_problem(info)
-            if problem:
-                raise HetctlError(problem, "the node's python or hetctl's files there are not as shipped")
-            if info.get("unsafe"):
-                raise HetctlError(f"workdir {info.get('workdir')} is {info['unsafe']}: another user could plant "
-                                  "modules that the ranks import",
-                                  "use a folder only you can write (e.g. ~/.hetctl), or `chmod go-w` it")
-            if not info.get("writable"):
-                raise HetctlError(f"workdir {info.get('workdir')} is not writable ({info.get('error', '')})",
-                                  "fix its permissions or set `workdir:` for the node in the inventory")
-            lacking = [m for m in needs if not info.get("modules", {}).get(m)]
-            if lacking:
-                raise HetctlError(f"{' and '.join(lacking)} not importable by `{node.python}`",
-                                  "the reference trainer needs `pip install 'hetctl[train]'` on the node")
-            if mat.rendered(plan, self.req.options.entry):  # the framework (its checkout), the user's script, the arguments
-                from hetctl.launch import fwcheck
-
-                fwcheck.check_node(t, node, info, self.req, self.nodes, self.run_dir.run_id, self.th.connect_timeout,
-                                   argchecks)
-            self.pool.remember(node.name, info)
-            return info
-
-        results = _fanout(self.plan_nodes, self._guard(check), self._width())
+        self._argchecks = Once()  # Megatron-LM's argument check: once per distinct environment
+        results = _fanout(self.plan_nodes, self._guard(lambda node: self._preflight(node, *self._connect(node))),
+                          self._width())
         failures = [_start_failure(n, str(v)) for n, v in results.items() if isinstance(v, BaseException)]
         if failures:
-            return failures
+            raise start_failed(failures)
         mixed = mixed_torch({n: info.get("versions", {}).get("torch") for n, info in results.items()})
         if mixed and not self.req.options.allow_mixed_software:
-            return [_start_failure(n, f"{mixed} (pass --allow-mixed-software to launch anyway)") for n in results]
-        port = self.req.options.master_port or results[rank0].get("port")
+            raise start_failed([_start_failure(n, f"{mixed} (pass --allow-mixed-software to launch anyway)")
+                                for n in results])
+        return results
+
+    def _connect(self, node: Any) -> tuple[Any, dict[str, Any] | None]:
+        """Phase 1: the node's transport, and the pre-flight of its kept agent when that agent ran the last
+        attempt and is still up (a dead one is dropped first, and the node gets a new connection)."""
+        kept = self.pool.preflight(node.name)
+        t = self.pool.transport(node.name) or self.connect(node)
+        self.transports[node.name] = t
+        return t, kept
+
+    def _preflight(self, node: Any, t: Any, kept: dict[str, Any] | None) -> dict[str, Any]:
+        """Phase 2: the node's python, workdir and modules, checked (a kept agent's are as they were); rank 0's
+        node also picks the rendezvous port; a rendered plan's framework is checked there too."""
+        plan = self.req.plan
+        want_port = node.name == self._rank0 and self.req.options.master_port is None
+        if kept is not None:  # its agent ran the last attempt and is up: same python, workdir, modules
+            port = self.pool.agents[node.name].ask_port(self.th.connect_timeout) if want_port else None
+            return {**kept, "agent_ok": True, **({"port": port} if want_port else {})}
+        res = t.run(mat.preflight_argv(node.python, str(node.workdir), want_port, ("hetctl", "torch")),
+                    env=node.env or None, timeout=self.th.connect_timeout, check=False)
+        info = mat.parse_preflight(res.stdout)
+        if info is None:
+            tail = (res.stderr or "").strip().splitlines()[-1:] or [f"exit code {res.exit_code}"]
+            if res.exit_code == 127 or "not found" in tail[0] or "No such file" in tail[0]:
+                raise HetctlError(f"python `{node.python}` not found",
+                                  "install Python 3 there or set `python:` for the node in the inventory")
+            raise HetctlError(f"pre-flight failed: {tail[0]}")
+        check_preflight(info, needs=("hetctl", "torch") if mat.reference(plan, self.req.options.entry) else (),
+                        python=node.python)
+        if mat.rendered(plan, self.req.options.entry):  # the framework (its checkout), the user's script, the arguments
+            from hetctl.launch import fwcheck
+
+            fwcheck.check_node(t, node, info, self.req, self.nodes, self.run_dir.run_id, self.th.connect_timeout,
+                               self._argchecks)
+        self.pool.remember(node.name, info)
+        return info
+
+    # -- phases 3 and 4: materialize, ship ---------------------------------------------------------------------
+    def _materialize(self, ready: Mapping[str, dict[str, Any]]) -> mat.LaunchSpec:
+        """Phase 3: every rank's argv and environment from the nodes' answers, recorded before anything starts."""
+        rank0 = self._rank0
+        port = self.req.options.master_port or ready[rank0].get("port")
         master_addr = master_address(self.nodes[rank0], getattr(self.transports.get(rank0), "hostname", None))
-        workdirs = {n: info["workdir"] for n, info in results.items()}
-        pythonpath = {n: mat.agent_path(workdirs[n]) for n, info in results.items()
+        workdirs = {n: info["workdir"] for n, info in ready.items()}
+        pythonpath = {n: mat.agent_path(workdirs[n]) for n, info in ready.items()
                       if not info.get("modules", {}).get("hetctl")}
-        self.spec = mat.materialize(
-            plan, self.nodes, run_id=self.run_dir.run_id, attempt=self.req.attempt, master_addr=master_addr,
+        spec = mat.materialize(
+            self.req.plan, self.nodes, run_id=self.run_dir.run_id, attempt=self.req.attempt, master_addr=master_addr,
             master_port=port, options=self.req.options, resume_step=self.req.resume_step, ckpt_dir=self.req.ckpt_dir,
             workdirs=workdirs, pythonpath=pythonpath, resume_env=self.req.resume_env,
         )
-        self._record_spec()
+        self._record_spec(spec)
+        return spec
+
+    def _ship(self, ready: Mapping[str, dict[str, Any]]) -> None:
+        """Phase 4: the agent and the plan into each node's workdir (what a node has already is not sent)."""
         by_name = {n.node: n for n in self.spec.nodes}
         failed, self.shipped = ship_files(
-            self.plan_nodes, self.transports, by_name, results, mat.plan_json(plan),
+            self.plan_nodes, self.transports, by_name, ready, mat.plan_json(self.req.plan),
             lambda nodes, fn: _fanout(nodes, self._guard(fn, "shipping the agent failed: "), self._width()))
-        return [_start_failure(n, str(v)) for n, v in failed.items()]
+        if failed:
+            raise start_failed([_start_failure(n, str(v)) for n, v in failed.items()])
 
-    def _record_spec(self) -> None:
+    def _record_spec(self, spec: mat.LaunchSpec) -> None:
         """``attempts/<n>/launch.json``: the exact spec this attempt starts (each rank's argv, environment, node),
         the inventory's env values masked as ``--dry-run`` masks them; written before any rank starts, so an
         attempt that failed to start still says what it tried."""
@@ -396,10 +350,12 @@ class AttemptController:
         from hetctl.textsafe import json_dumps
 
         public = getattr(self.inventory, "public_env", ()) or ()
-        data = json_dumps(self.spec.to_dict(public=public), indent=2) + "\n"
+        data = json_dumps(spec.to_dict(public=public), indent=2) + "\n"
         write_atomic(self.run_dir.attempt_dir(self.req.attempt) / "launch.json", data.encode())
 
+    # -- phase 5: start ----------------------------------------------------------------------------------------
     def _start_agents(self) -> list[FailureRecord]:
+        """One agent per node (the kept one, else a new one), sent the node's ranks; START failures, or []."""
         by_name = {n.node: n for n in self.spec.nodes}
 
         def start(node: Any) -> None:
@@ -409,7 +365,7 @@ class AttemptController:
                 agent.inbox = self.inbox
             else:
                 proc = self.transports[node.name].start(list(nl.agent_argv), env=nl.env or None, cwd=nl.workdir)
-                agent = _Agent(node.name, self.transports[node.name], proc, self.inbox)
+                agent = AgentLink(node.name, self.transports[node.name], proc, self.inbox)
                 self.pool.keep(node.name, self.transports[node.name], agent)
             self.agents[node.name] = agent
             command = {**nl.start_command(self.th.grace_s), "standby": self.pool.keeps}
