@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 from hetctl.errors import HetctlError, StartFailed
 from hetctl.files.events import Event, HealthChecked, Replan
+from hetctl.files.inventory import Inventory
 from hetctl.files.plan import Plan
 
 POLICIES = ("drop", "refuse")
@@ -21,7 +22,7 @@ POLICIES = ("drop", "refuse")
 ReplanFn = Callable[..., Plan]
 
 
-def gate(plan: Plan, inventory: Any, policy: str, *, tally: Any, emit: Callable[[Event], object],
+def gate(plan: Plan, inventory: Inventory, policy: str, *, tally: Any, emit: Callable[[Event], object],
          replan: ReplanFn, attempt: int = 0, check: Callable[..., Any] | None = None) -> Plan:
     """Run the health check on ``plan``'s nodes and return the plan to start (the same, or one without them).
 

@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterable
 from hetctl.errors import StartFailed
 from hetctl.files.events import (CheckpointSkipped, CheckpointUnseen, Event, Failed, Finished, ReplanLayout, Stopped)
 from hetctl.files.eventlog import EventLog, Listener
+from hetctl.files.inventory import Inventory
 from hetctl.files.plan import Plan
 from hetctl.files.run import RunDir, RunInfo, RunSummary
 from hetctl.elastic.ledger import Ledger
@@ -77,7 +78,7 @@ class Prepared:
 
     run: RunDir
     info: RunInfo
-    inventory: Any
+    inventory: Inventory
     plan: Plan
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     thresholds: Thresholds = field(default_factory=Thresholds)

@@ -21,12 +21,13 @@ from typing import Any, Callable, Mapping, Sequence
 
 from hetctl.errors import ConfigError, HetctlError, PlanInfeasible
 from hetctl.files.plan import Plan
+from hetctl.files.inventory import Inventory
 from hetctl.files.cluster import Cluster, LayerProfile, NodeFacts, Tflops
 
 PlanFn = Callable[..., Plan]
 
 
-def load_cluster(plan: Plan, inventory: Any = None, *, plan_file: str | Path | None = None,
+def load_cluster(plan: Plan, inventory: Inventory | None = None, *, plan_file: str | Path | None = None,
                  probe: Callable[[Any], Cluster] | None = None) -> Cluster:
     """The cluster facts the plan was made from; probed afresh when the file is gone.
 

@@ -29,7 +29,9 @@ from typing import Any, Callable, Mapping, Sequence
 from hetctl.elastic.loop import Prepared
 from hetctl.errors import HetctlError
 from hetctl.files.events import CheckpointSkipped, Resumed
-from hetctl.files.run import FaultOptions
+from hetctl.files.inventory import Inventory
+from hetctl.files.plan import Plan
+from hetctl.files.run import FaultOptions, RunDir
 from hetctl.node import manifest as ckpt
 
 
@@ -261,7 +263,7 @@ def prepare(
         raise
 
 
-def _prepare(run: Any, lock: Any, *, inventory: Any, steps: int | None, connect: Callable[[Any], Any] | None,
+def _prepare(run: Any, lock: Any, *, inventory: Inventory | None, steps: int | None, connect: Callable[[Any], Any] | None,
              probe: Callable[[Any], Any] | None, wait_s: float | None, faults: Mapping[str, Any] | None,
              entry: tuple[str, ...] | None = None, script: str | None = None,
              script_args: tuple[str, ...] | None = None) -> Prepared:
@@ -409,7 +411,7 @@ def _same_shape(last: Any, cluster: Any, run_id: str) -> Any:
     return last
 
 
-def _cluster_before(run: Any, attempt: int, plan: Any, inventory: Any) -> Any:
+def _cluster_before(run: RunDir, attempt: int, plan: Plan, inventory: Inventory) -> Any:
     """The cluster facts the run last planned from: the newest re-probe saved in the run, else the plan's file."""
     from hetctl.elastic.replan import load_cluster
     from hetctl.files.cluster import Cluster

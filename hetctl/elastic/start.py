@@ -19,7 +19,7 @@ from hetctl.errors import ConfigError
 from hetctl.files.plan import Plan
 from hetctl.launch import materialize as mat
 from hetctl.launch.controller import Thresholds
-from hetctl.files.inventory import master_address
+from hetctl.files.inventory import Inventory, master_address
 from hetctl.files.run import FaultOptions, LaunchOptions, RunDir, RunInfo, RunInputs
 from hetctl.elastic.loop import Prepared
 from hetctl.elastic.policy import PolicyConfig
@@ -57,7 +57,7 @@ def load_plan_and_inventory(plan_dir: str | Path, inventory: str | Path | None =
         if not inv_path.is_absolute() and not inv_path.exists() and (pf.parent / inv_path).exists():
             inv_path = pf.parent / inv_path
     inv = load_inventory(inv_path)
-    if getattr(inv, "slurm", None) is not None:
+    if inv.slurm is not None:
         from hetctl.remote.slurmq import check_plan_fits
 
         check_plan_fits([r.node for r in plan.ranks], inv)
@@ -68,13 +68,13 @@ def load_plan_and_inventory(plan_dir: str | Path, inventory: str | Path | None =
     return plan, inv, pf
 
 
-def checkpoint_dir(inventory: Any, run: RunDir) -> str:
+def checkpoint_dir(inventory: Inventory, run: RunDir) -> str:
     """This run's checkpoint folder: ``<checkpoint_dir>/<run-id>``, else inside the run folder.
 
     The fallback only works when every node sees this machine's disk (local or
     loopback nodes); :func:`checkpoint_warning` says so otherwise.
     """
-    base = getattr(inventory, "checkpoint_dir", None)
+    base = inventory.checkpoint_dir
     if base:
         return f"{str(base).rstrip('/')}/{run.run_id}"
     return str((run.path / "checkpoints").resolve())
@@ -95,9 +95,9 @@ def compress_warning(plan: Plan, entry: Any, script_args: Any) -> str | None:
             f"time does not hold for this run (re-plan with `hetctl plan --grad-compress {mode}`)")
 
 
-def checkpoint_warning(inventory: Any, plan: Plan) -> str | None:
+def checkpoint_warning(inventory: Inventory, plan: Plan) -> str | None:
     """A warning when checkpoints would land on each node's own disk instead of shared storage."""
-    if getattr(inventory, "checkpoint_dir", None):
+    if inventory.checkpoint_dir:
         return None
     used = {r.node for r in plan.ranks}
     remote = [n.name for n in inventory.nodes if n.name in used and n.transport != "local"
@@ -108,7 +108,7 @@ def checkpoint_warning(inventory: Any, plan: Plan) -> str | None:
     return None
 
 
-def ssh_settings(plan: Plan, inventory: Any) -> dict[str, Any]:
+def ssh_settings(plan: Plan, inventory: Inventory) -> dict[str, Any]:
     """Per ssh node of the plan, what ``ssh -G`` says it will use (an ``EffectiveSsh``), or the error's message.
 
     Like ``ssh -G``, this evaluates the user's ssh_config, ``Match exec`` lines
@@ -223,7 +223,7 @@ def _check_data_here(plan: Plan, parsed: Any) -> None:
             raise ConfigError(f"--args {flag}: {e.message}", e.hint) from None
 
 
-def dry_run(plan: Plan, inventory: Any, options: LaunchOptions, *, run_root: str | Path,
+def dry_run(plan: Plan, inventory: Inventory, options: LaunchOptions, *, run_root: str | Path,
             ssh: dict[str, Any] | None = None) -> mat.LaunchSpec:
     """The first attempt as it would run, without contacting any node: :func:`materialize` of the same
     options a launch carries to every attempt.
@@ -236,7 +236,7 @@ def dry_run(plan: Plan, inventory: Any, options: LaunchOptions, *, run_root: str
     rank0 = min(plan.ranks, key=lambda r: r.rank).node
     node0 = inventory.node(rank0)
     dialled = getattr((ssh or {}).get(rank0), "hostname", None)
-    base = getattr(inventory, "checkpoint_dir", None)
+    base = inventory.checkpoint_dir
     ckpt = f"{str(base).rstrip('/')}/{rid}" if base else f"{Path(run_root).resolve()}/{rid}/checkpoints"
     return mat.materialize(
         plan, {n.name: n for n in inventory.nodes}, run_id=rid, attempt=0,
@@ -295,13 +295,13 @@ def policy_and_thresholds(faults: FaultOptions) -> tuple[PolicyConfig, Threshold
             Thresholds(grace_s=faults.grace, hang_timeout=faults.hang_timeout, node_timeout=faults.node_timeout))
 
 
-def new_run(plan: Plan, inventory: Any, options: LaunchOptions, *, run_root: str | Path, plan_path: Path | None,
+def new_run(plan: Plan, inventory: Inventory, options: LaunchOptions, *, run_root: str | Path, plan_path: Path | None,
             faults: FaultOptions | None = None, slurm_allocation: str | None = None) -> tuple[RunDir, RunInfo]:
     """Create ``runs/<id>/`` with its first ``run.yaml``: the launch's options and where they came from."""
     import time
 
     run = RunDir.create(run_root)
-    src = getattr(inventory, "source", None)
+    src = inventory.source
     info = RunInfo(
         run_id=run.run_id, created=time.time(), updated=time.time(),
         inputs=RunInputs(
@@ -318,7 +318,7 @@ def new_run(plan: Plan, inventory: Any, options: LaunchOptions, *, run_root: str
     return run, info
 
 
-def prepare_launch(plan: Plan, inventory: Any, options: LaunchOptions, *, run_root: str | Path,
+def prepare_launch(plan: Plan, inventory: Inventory, options: LaunchOptions, *, run_root: str | Path,
                    plan_path: Path | None, policy: PolicyConfig | None = None, thresholds: Thresholds | None = None,
                    health_check: str | None = None, slurm_allocation: str | None = None) -> Prepared:
     """A new run folder and the :class:`Prepared` run of ``hetctl launch`` (nothing started).

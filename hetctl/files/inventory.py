@@ -411,14 +411,14 @@ def load_inventory(path: str | Path) -> Inventory:
         raise located_error(p, _line_of(root, e.loc), format_loc(e.loc), e.msg, e.hint) from None
 
 
-def master_address(node: Any, dialled: str | None = None) -> str:
+def master_address(node: Node, dialled: str | None = None) -> str:
     """Rank 0's node as the other nodes reach it (``MASTER_ADDR``): its dialled address (127.0.0.1 for a
     local node).
 
     ``dialled`` is the address ssh actually dials (``HostName`` from ssh_config, as the
     transport's ``ssh -G`` reports it); without it the inventory's host is used.
     """
-    host = dialled or getattr(node, "hostname", "") or node.host
+    host = dialled or node.hostname or node.host
     if node.transport == "local" and host in ("", "localhost"):
         return "127.0.0.1"
     return host

@@ -49,8 +49,9 @@ from hetctl.files.eventlog import EventLog
 from hetctl.launch.monitor import Monitor, OnProgress, OnUpdate
 from hetctl.launch.pool import AgentPool
 from hetctl.launch.outcome import AttemptOutcome, FailureRecord, FaultKind, RunState
-from hetctl.files.inventory import master_address
+from hetctl.files.inventory import Inventory, Node, master_address
 from hetctl.files.run import LaunchOptions, RunDir
+from hetctl.remote.base import Transport
 
 
 @dataclass(frozen=True)
@@ -85,13 +86,13 @@ class AttemptRequest:
     resume_env: dict[str, str] | None = None  # where a framework's own checkpoint is (hetctl.elastic.fwckpt)
 
 
-def _connector(inventory: Any) -> Callable[[Any], Any]:
+def _connector(inventory: Inventory) -> Callable[[Node], Transport]:
     from hetctl.remote import connect
 
     return lambda node: connect(node, inventory.ssh)
 
 
-def _fanout(nodes: list[Any], fn: Callable[[Any], Any], width: int) -> dict[str, Any]:
+def _fanout(nodes: list[Node], fn: Callable[[Node], Any], width: int) -> dict[str, Any]:
     """Run ``fn`` per node with bounded concurrency; node name → value or exception."""
     from hetctl.remote.fanout import fanout
 
@@ -159,14 +160,14 @@ class AttemptController:
         self,
         req: AttemptRequest,
         *,
-        inventory: Any,
+        inventory: Inventory,
         run: RunDir,
         events: EventLog,
         thresholds: Thresholds = Thresholds(),
         on_progress: OnProgress | None = None,
         on_update: OnUpdate | None = None,
         stop: threading.Event | None = None,
-        connect: Callable[[Any], Any] | None = None,
+        connect: Callable[[Node], Transport] | None = None,
         clock: Callable[[], float] = time.monotonic,
         confirm_ask: Callable[[list[str]], Mapping[str, Any]] | None = None,
         pool: Any = None,
@@ -188,7 +189,7 @@ class AttemptController:
         self.confirm_ask = confirm_ask  # the scheduler's word on suspected nodes (default: Slurm's)
         self.nodes = {n.name: n for n in inventory.nodes}
         self.plan_nodes = [self.nodes[n] for n in dict.fromkeys(r.node for r in req.plan.ranks) if n in self.nodes]
-        self.transports: dict[str, Any] = {}
+        self.transports: dict[str, Transport] = {}
         self.shipped: dict[str, list[str]] = {}  # node → files written to it this attempt
         self.agents: dict[str, AgentLink] = {}
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -281,7 +282,7 @@ class AttemptController:
                                 for n in results])
         return results
 
-    def _connect(self, node: Any) -> tuple[Any, dict[str, Any] | None]:
+    def _connect(self, node: Node) -> tuple[Transport, dict[str, Any] | None]:
         """Phase 1: the node's transport, and the pre-flight of its kept agent when that agent ran the last
         attempt and is still up (a dead one is dropped first, and the node gets a new connection)."""
         kept = self.pool.preflight(node.name)
@@ -289,7 +290,7 @@ class AttemptController:
         self.transports[node.name] = t
         return t, kept
 
-    def _preflight(self, node: Any, t: Any, kept: dict[str, Any] | None) -> dict[str, Any]:
+    def _preflight(self, node: Node, t: Transport, kept: dict[str, Any] | None) -> dict[str, Any]:
         """Phase 2: the node's python, workdir and modules, checked (a kept agent's are as they were); rank 0's
         node also picks the rendezvous port; a rendered plan's framework is checked there too."""
         plan = self.req.plan
@@ -349,7 +350,7 @@ class AttemptController:
         from hetctl.node.runtime import write_atomic
         from hetctl.textsafe import json_dumps
 
-        public = getattr(self.inventory, "public_env", ()) or ()
+        public = self.inventory.public_env
         data = json_dumps(spec.to_dict(public=public), indent=2) + "\n"
         write_atomic(self.run_dir.attempt_dir(self.req.attempt) / "launch.json", data.encode())
 
@@ -358,7 +359,7 @@ class AttemptController:
         """One agent per node (the kept one, else a new one), sent the node's ranks; START failures, or []."""
         by_name = {n.node: n for n in self.spec.nodes}
 
-        def start(node: Any) -> None:
+        def start(node: Node) -> None:
             nl = by_name[node.name]
             agent = self.pool.agent(node.name)
             if agent is not None:
@@ -413,13 +414,13 @@ class AttemptController:
 
     # -- helpers -------------------------------------------------------------
     def _width(self) -> int:
-        return int(getattr(getattr(self.inventory, "ssh", None), "fanout", 64) or 64)
+        return int(self.inventory.ssh.fanout or 64)
 
     @staticmethod
-    def _guard(fn: Callable[[Any], Any], prefix: str = "") -> Callable[[Any], Any]:
+    def _guard(fn: Callable[[Node], Any], prefix: str = "") -> Callable[[Node], Any]:
         """Turn any exception of a per-node step into a HetctlError with one readable line."""
 
-        def wrapped(node: Any) -> Any:
+        def wrapped(node: Node) -> Any:
             try:
                 return fn(node)
             except HetctlError as e:

@@ -20,11 +20,16 @@ import posixpath
 import re
 import threading
 from concurrent.futures import Future
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from hetctl.errors import HetctlError
 from hetctl.launch import materialize as mat
 from hetctl.remote.local import TIMEOUT_EXIT
+
+if TYPE_CHECKING:
+    from hetctl.files.inventory import Node
+    from hetctl.files.plan import Plan
+    from hetctl.remote.base import Transport
 
 FRAMEWORKS = {"megatron": ("Megatron-LM", "MEGATRON_DIR", "Megatron-LM"),
               "flagscale": ("FlagScale's Megatron-LM", "FLAGSCALE_DIR", "FlagScale")}
@@ -62,7 +67,7 @@ class Once:
         return fut.result()
 
 
-def wanted(plan: Any, entry: Any) -> bool:
+def wanted(plan: Plan, entry: Sequence[str]) -> bool:
     """Whether the ranks run Megatron-LM's argument parser (a rendered Megatron-LM or FlagScale plan)."""
     return mat.rendered(plan, entry) and plan.framework in FRAMEWORKS
 
@@ -93,7 +98,7 @@ def command(req: Any, nodes: Any, name: str, workdir: str, run_id: str, hetctl_f
     return [*rank.argv[:2], text, *rank.argv[3:]], env
 
 
-def env_key(node: Any, workdir: str, framework: str) -> tuple:
+def env_key(node: Node, workdir: str, framework: str) -> tuple:
     """What decides the check's answer: the machine, the ranks' python, the checkout, the inventory env."""
     env = node.env or {}
     var, default = FRAMEWORKS[framework][1:]
@@ -104,7 +109,8 @@ def env_key(node: Any, workdir: str, framework: str) -> tuple:
             tuple(sorted(env.items())))
 
 
-def check_node(t: Any, node: Any, info: dict, req: Any, nodes: Any, run_id: str, timeout: float, once: Once) -> None:
+def check_node(t: Transport, node: Node, info: dict, req: Any, nodes: Mapping[str, Node], run_id: str, timeout: float,
+               once: Once) -> None:
     """Raise :class:`HetctlError` with one line when the node's Megatron-LM refuses the ranks' arguments."""
     framework = req.plan.framework
     workdir = info.get("workdir") or str(node.workdir)
@@ -188,7 +194,7 @@ def _update(framework: str, flags: list[str]) -> str:
     return f"hetctl renders {' and '.join(named)}: update {which} on the node{newest}"
 
 
-def dry_run_note(plan: Any, entry: Any) -> str | None:
+def dry_run_note(plan: Plan, entry: Sequence[str]) -> str | None:
     """What ``hetctl launch`` checks on the nodes before anything starts, which a dry run does not do."""
     if not mat.rendered(plan, entry):
         return None

@@ -12,7 +12,12 @@ names it and says what to set. Nothing starts anywhere while a node lacks one.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any, Mapping
+
+if TYPE_CHECKING:
+    from hetctl.files.inventory import Node
+    from hetctl.launch.fwargs import Once
+    from hetctl.remote.base import Transport
 
 # framework → (what it is, files as (VAR, default, path under it), modules)
 _NEEDS: dict[str, tuple[str, list[tuple[str, str, str]], list[str]]] = {
@@ -65,7 +70,8 @@ def problem(framework: str, spec: dict[str, Any], stdout: str) -> str | None:
     return None
 
 
-def check_node(t: Any, node: Any, info: dict, req: Any, nodes: Any, run_id: str, timeout: float, argchecks: Any) -> None:
+def check_node(t: Transport, node: Node, info: dict, req: Any, nodes: Mapping[str, Node], run_id: str, timeout: float,
+               argchecks: Once) -> None:
     """On one node, before anything starts: the framework's files and modules, then (Megatron-LM,
     FlagScale) its own ``parse_args`` on a rank's arguments (:mod:`hetctl.launch.fwargs`).
 

@@ -11,12 +11,15 @@ from the one vendor table, :mod:`hetctl.vendors`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
 
 from pydantic import ValidationError
 
 from hetctl.files.cluster import Chip, Cpu, LayerProfile, Nic, NodeFacts, Software, Tflops
 from hetctl.vendors import VENDOR_TABLE
+
+if TYPE_CHECKING:
+    from hetctl.files.inventory import Node
 
 # Vendor → the torch plugin distribution that provides its device type (from the vendor table).
 PLUGINS: dict[str, str] = {v.name: v.plugin_dist for v in VENDOR_TABLE.values() if v.plugin_dist}
@@ -35,8 +38,8 @@ class NodeLike(Protocol):
     host: str
 
 
-def _labels(node: Any) -> dict[str, str]:
-    return {str(k): str(v) for k, v in (getattr(node, "labels", None) or {}).items()}
+def _labels(node: Node) -> dict[str, str]:
+    return {str(k): str(v) for k, v in node.labels.items()}
 
 
 def unreachable(node: NodeLike, reason: str) -> NodeFacts:
@@ -44,7 +47,7 @@ def unreachable(node: NodeLike, reason: str) -> NodeFacts:
     line = " ".join(str(reason).split()) or "unknown error"
     return NodeFacts(
         name=node.name, host=node.host, reachable=False, error=line,
-        labels=_labels(node), tflops_override=getattr(node, "tflops", None),
+        labels=_labels(node), tflops_override=node.tflops,
     )
 
 
@@ -104,7 +107,7 @@ def node_facts(node: NodeLike, raw: Mapping[str, Any]) -> NodeFacts:
         name=node.name,
         host=node.host,
         labels=_labels(node),
-        tflops_override=getattr(node, "tflops", None),
+        tflops_override=node.tflops,
         chips=chips,
         cpu=Cpu(model=cpu_raw.get("model"), cores=cpu_raw.get("cores")),
         memory_gb=memory_gb,

@@ -27,8 +27,9 @@ from hetctl.errors import HetctlError, RemoteError
 
 if TYPE_CHECKING:
     from hetctl.files.cluster import Cluster, NodeFacts
+    from hetctl.files.inventory import Inventory, Node
     from hetctl.probe.assemble import ProfileShape
-    from hetctl.remote.base import Result
+    from hetctl.remote.base import Result, Transport
 
 # What turns answers into facts (assemble, the cluster models, the spec table, findings) is
 # imported by :func:`probe` while the nodes' ssh clients run, not before they start.
@@ -94,8 +95,8 @@ def decode_output(result: Result, python: str, what: str) -> dict[str, Any]:
     return data
 
 
-def _run_script(transport: Any, node: Any, script: str, args: str, timeout: float, what: str) -> dict[str, Any]:
-    python = getattr(node, "python", None) or "python3"
+def _run_script(transport: Transport, node: Node, script: str, args: str, timeout: float, what: str) -> dict[str, Any]:
+    python = node.python or "python3"
     # The transport adds the node's inventory ``env`` itself.
     result = transport.run([python, "-", args], input=node_script(script), timeout=timeout, check=False)
     return decode_output(result, python, what)
@@ -119,7 +120,7 @@ class MachineTurns:
             return self._locks.setdefault(hostname, threading.Lock())
 
 
-def probe_node(node: Any, ssh: Any, *, bench: bool = False, args: str | None = None,
+def probe_node(node: Node, ssh: Any, *, bench: bool = False, args: str | None = None,
                profile: ProfileShape | None = None, connected: Callable[[bool], None] | None = None,
                turns: MachineTurns | None = None) -> NodeFacts:
     """Probe one inventory node; never raises for a node-side failure.
@@ -174,7 +175,7 @@ def probe_node(node: Any, ssh: Any, *, bench: bool = False, args: str | None = N
         transport.close()
 
 
-def _bench(transport: Any, node: Any, facts: NodeFacts) -> NodeFacts:
+def _bench(transport: Transport, node: Node, facts: NodeFacts) -> NodeFacts:
     from hetctl.probe.assemble import apply_bench, bench_request
 
     request = bench_request(facts)
@@ -182,7 +183,7 @@ def _bench(transport: Any, node: Any, facts: NodeFacts) -> NodeFacts:
         return apply_bench(facts, None, "no benchmark for these chips")
     if not facts.software.torch:
         python = facts.software.python or "?"
-        return apply_bench(facts, None, f"no torch for {getattr(node, 'python', 'python3')} (Python {python})")
+        return apply_bench(facts, None, f"no torch for {node.python} (Python {python})")
     try:
         report = _run_script(transport, node, "bench.py", json.dumps(request), BENCH_TIMEOUT_S, "benchmark")
     except RemoteError as e:
@@ -190,7 +191,7 @@ def _bench(transport: Any, node: Any, facts: NodeFacts) -> NodeFacts:
     return apply_bench(facts, report)
 
 
-def _profile(transport: Any, node: Any, facts: NodeFacts, shape: ProfileShape) -> NodeFacts:
+def _profile(transport: Transport, node: Node, facts: NodeFacts, shape: ProfileShape) -> NodeFacts:
     from hetctl.probe.assemble import apply_profile, profile_request
 
     request = profile_request(facts, shape)
@@ -203,7 +204,7 @@ def _profile(transport: Any, node: Any, facts: NodeFacts, shape: ProfileShape) -
     return apply_profile(facts, request, report)
 
 
-def probe(inventory: Any, *, bench: bool = False, on_done: OnDone | None = None,
+def probe(inventory: Inventory, *, bench: bool = False, on_done: OnDone | None = None,
           profile: ProfileShape | None = None) -> Cluster:
     """Probe every node of ``inventory`` in parallel (``ssh.fanout`` at a time).
 
@@ -224,7 +225,7 @@ def probe(inventory: Any, *, bench: bool = False, on_done: OnDone | None = None,
     node_script("collector.py")  # read once, before the workers start
     nodes = list(inventory.nodes)
     by_name = {n.name: n for n in nodes}
-    fanout_workers = getattr(inventory.ssh, "fanout", None) or 64
+    fanout_workers = inventory.ssh.fanout or 64
     first_wave = _Countdown(min(len(nodes), fanout_workers))
     warm = threading.Thread(target=_import_assembly, args=(first_wave, started_total()), name="probe-imports",
                             daemon=True)
@@ -232,7 +233,7 @@ def probe(inventory: Any, *, bench: bool = False, on_done: OnDone | None = None,
 
     turns = MachineTurns()
 
-    def work(node: Any) -> NodeFacts:
+    def work(node: Node) -> NodeFacts:
         return probe_node(node, inventory.ssh, bench=bench, args=args, profile=profile, connected=first_wave.count_down,
                           turns=turns)
 
@@ -250,10 +251,10 @@ def probe(inventory: Any, *, bench: bool = False, on_done: OnDone | None = None,
         from hetctl.probe.links import measure_links
 
         links = measure_links(nodes, {f.name: f for f in results}, inventory.ssh, max_workers=fanout_workers)
-    source = getattr(inventory, "source", None)
+    source = inventory.source
     cluster = Cluster(inventory=str(source) if source else None, probed_at=round(time.time(), 3), nodes=results,
                       links=links)
-    return with_findings(cluster, {n.name: dict(getattr(n, "env", None) or {}) for n in nodes})
+    return with_findings(cluster, {n.name: dict(n.env) for n in nodes})
 
 
 def with_findings(cluster: Cluster, env: dict[str, dict[str, Any]] | None = None) -> Cluster:
@@ -304,7 +305,7 @@ def _import_assembly(first_wave: _Countdown, started_before: int) -> None:
         importlib.import_module(module)
 
 
-def _as_facts(node: Any, value: Any) -> NodeFacts:
+def _as_facts(node: Node, value: Any) -> NodeFacts:
     from hetctl.files.cluster import NodeFacts
     from hetctl.probe.assemble import unreachable
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 from hetctl.files.cluster import Cluster
+from hetctl.files.inventory import Inventory
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,7 @@ class HealthReport:
     seconds: float
 
 
-def check(inventory: Any, names: Sequence[str], *, probe: Callable[..., Cluster] | None = None) -> HealthReport:
+def check(inventory: Inventory, names: Sequence[str], *, probe: Callable[..., Cluster] | None = None) -> HealthReport:
     """Benchmark the chips of the nodes ``names`` of ``inventory`` and the ring of links between them.
 
     Args:

@@ -22,10 +22,13 @@ import queue
 import secrets
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hetctl.errors import HetctlError
 from hetctl.files.cluster import Link, NodeFacts
+
+if TYPE_CHECKING:
+    from hetctl.files.inventory import Node
 
 LINK_SECONDS = 1.0
 """How long each sender writes."""
@@ -52,7 +55,7 @@ def declared_gbps(node: NodeFacts) -> float | None:
     return max(speeds) if speeds else None
 
 
-def address(node: Any, transport: Any) -> str:
+def address(node: Node, transport: Any) -> str:
     """The address the other nodes reach ``node`` at: what ranks use as MASTER_ADDR."""
     from hetctl.files.inventory import master_address
 
@@ -102,7 +105,7 @@ def measure_link(src: tuple[Any, Any], dst: tuple[Any, Any], *, declared: float 
     script = _script(token)
     recv_args = json.dumps({"mode": "recv", "streams": streams, "wait_s": seconds + _WAIT_S})
     try:
-        proc = d_t.start([getattr(d_node, "python", None) or "python3", "-", recv_args], input=script)
+        proc = d_t.start([d_node.python or "python3", "-", recv_args], input=script)
     except HetctlError as e:
         return link.model_copy(update={"error": f"{d_node.name}: receiver did not start: {e.message}"})
     try:
@@ -114,7 +117,7 @@ def measure_link(src: tuple[Any, Any], dst: tuple[Any, Any], *, declared: float 
                                 "streams": streams, "pings": LINK_PINGS})
         from hetctl.probe.gather import decode_output
 
-        python = getattr(s_node, "python", None) or "python3"
+        python = s_node.python or "python3"
         result = s_t.run([python, "-", send_args], input=script, timeout=seconds + _WAIT_S + 60, check=False)
         sent = decode_output(result, python, "link sender")
         if sent.get("error"):

@@ -146,10 +146,10 @@ def step_target(node) -> tuple[str, HetPlace | None]:
     from hetctl.remote.slurmq import env_het_place
 
     env_job = os.environ.get("SLURM_JOB_ID", "")
-    job = str(getattr(node, "slurm_job", None) or env_job)
-    group = getattr(node, "slurm_het_group", None)
+    job = str(node.slurm_job or env_job)
+    group = node.slurm_het_group
     if group is not None:
-        return job, HetPlace(job, int(group), str(getattr(node, "slurm_het_component", None) or job))
+        return job, HetPlace(job, int(group), str(node.slurm_het_component or job))
     if job and job == env_job:
         return job, env_het_place(node.name)
     return job, None
