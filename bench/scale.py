@@ -49,9 +49,12 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from hetctl.files.events import Event, Launched, RankFailed, Recovery  # noqa: E402
 
 RANKS_PER_NODE = 8
 GOALS = {"launch_s": 30.0, "detect_s": 0.5, "cpu_cores": 0.5, "rss_mb": 2048.0, "fds": 2048, "events_mb_day": 100.0}
@@ -72,7 +75,7 @@ class Watch:
 
     def __init__(self) -> None:
         self.all_seen: dict[int, float] = {}  # attempt → when every rank had a heartbeat
-        self.events: list[dict] = []
+        self.events: list[Event] = []
         self.cond = threading.Condition()
 
     def update(self, snap) -> None:
@@ -81,7 +84,7 @@ class Watch:
                 self.all_seen[snap.attempt] = time.time()
                 self.cond.notify_all()
 
-    def event(self, ev: dict) -> None:
+    def event(self, ev: Event) -> None:
         with self.cond:
             self.events.append(ev)
             self.cond.notify_all()
@@ -92,8 +95,8 @@ class Watch:
                 raise SystemExit(f"timed out after {timeout:.0f} s waiting for {what.__doc__ or what}")
             return what()
 
-    def first(self, kind: str):
-        return next((e for e in self.events if e["kind"] == kind), None)
+    def first(self, cls: type[Event]) -> Any:
+        return next((e for e in self.events if isinstance(e, cls)), None)
 
 
 class Peaks(threading.Thread):
@@ -172,7 +175,7 @@ def measure(nodes: int, o: argparse.Namespace) -> dict:
 
         watch.wait(beating(0), limit)
         launch_s = watch.all_seen[0] - t0
-        ev_launched = watch.first("launched")["ts"] - t0
+        ev_launched = watch.first(Launched).ts - t0
         time.sleep(o.settle)
         events = prepared.run.events_path
         cpu0, sim0, size0, w0 = self_cpu(), child_cpu(fleet.proc.pid), events.stat().st_size, time.time()
@@ -189,13 +192,13 @@ def measure(nodes: int, o: argparse.Namespace) -> dict:
 
         def failed():
             """the rank_failed event"""
-            return watch.first("rank_failed")
+            return watch.first(RankFailed)
 
-        detect_s = watch.wait(failed, 60)["ts"] - t_crash
+        detect_s = watch.wait(failed, 60).ts - t_crash
 
         watch.wait(beating(1), limit)
         restart_s = watch.all_seen[1] - t_crash
-        rec = watch.wait(lambda: watch.first("recovery"), 30)
+        rec = watch.wait(lambda: watch.first(Recovery), 30)
         t_stop = time.time()
         stop.set()
         runner.join(timeout=120)
@@ -209,7 +212,7 @@ def measure(nodes: int, o: argparse.Namespace) -> dict:
         return {
             "nodes": nodes, "ranks": len(plan.ranks), "launch_s": launch_s, "launched_event_s": ev_launched,
             "detect_s": detect_s, "restart_s": restart_s, "stop_s": stop_s, "state": state,
-            "recovery": {k: rec.get(k) for k in ("detection_s", "stop_s", "restart_s", "ready_s", "first_step_s")},
+            "recovery": {k: getattr(rec, k) for k in ("detection_s", "stop_s", "restart_s", "ready_s", "first_step_s")},
             "cpu_cores": (cpu1 - cpu0) / (w1 - w0), "sim_cores": (sim1 - sim0) / (w1 - w0),
             "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
             "threads": peaks.threads, "fds": peaks.fds, "events_mb_h": rate * 3600 / 1e6,

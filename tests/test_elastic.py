@@ -251,6 +251,25 @@ def test_every_event_kind_round_trips_through_its_model(site):
         assert line["kind"] == kind and parse_event(line) == ev
 
 
+def test_a_listener_gets_the_typed_event_with_its_lines_time(tmp_path):
+    """Listeners get the event object, not the dict written; its ``ts`` is the line's, and the line is as before."""
+    from hetctl.files.eventlog import EventLog
+    from hetctl.files.events import RankFailed
+
+    seen = []
+    ev = RankFailed(attempt=1, node="n2", rank=5, reason="killed by SIGKILL", signal=9)
+    with EventLog(tmp_path / "events.jsonl", listeners=[seen.append], clock=lambda: 1700000000.25) as log:
+        written = log.emit(ev)
+    (got,) = seen
+    assert type(got) is RankFailed and got == ev and got.ts == 1700000000.25
+    assert ev.ts is None  # the caller's event is left as it was
+    assert (tmp_path / "events.jsonl").read_text() == (
+        '{"ts":1700000000.25,"kind":"rank_failed","attempt":1,"node":"n2","rank":5,"reason":"killed by SIGKILL",'
+        '"exit_code":null,"signal":9}\n')
+    assert read_events(tmp_path / "events.jsonl") == [written]
+    assert parse_event(written).ts == got.ts  # read back: the same event at the same time
+
+
 def test_every_attempt_that_trained_is_compared_with_its_plan(site):
     tmp_path, plan, _ = site
     prep = prepared(site)

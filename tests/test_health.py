@@ -223,8 +223,11 @@ def test_measure_links_streams_between_local_nodes_in_a_ring_of_the_reachable_on
 
 
 def test_check_flags_silent_nodes_and_the_findings_nodes_and_the_live_line_says_so() -> None:
+    from dataclasses import replace
+
     from hetctl.cli.live import event_line
     from hetctl.files.cluster import Finding
+    from hetctl.files.events import HealthChecked
     from hetctl.files.inventory import load_inventory
     from hetctl.probe.health import check
 
@@ -241,8 +244,8 @@ def test_check_flags_silent_nodes_and_the_findings_nodes_and_the_live_line_says_
     report = check(inv, ["node-c", "node-a"], probe=probe)
     assert asked == [(["node-a", "node-c"], True)]  # only the asked nodes, benchmarked
     assert report.flagged == {"node-c": ["did not answer the health check: timed out"], "node-a": ["node-a: slow"]}
-    ev = {"kind": "health_check", "policy": "drop", "nodes": ["node-a", "node-c"], "flagged": report.flagged,
-          "action": "dropped", "check_s": 12.34}
+    ev = HealthChecked(policy="drop", nodes=["node-a", "node-c"], flagged=report.flagged, action="dropped",
+                       check_s=12.34)
     assert event_line(ev) == ("health check of 2 nodes (12.3 s): node-c, node-a flagged (did not answer the health "
                               "check: timed out; node-a: slow); dropped")
-    assert event_line({**ev, "flagged": {}, "action": "passed"}) == "health check of 2 nodes (12.3 s): passed"
+    assert event_line(replace(ev, flagged={}, action="passed")) == "health check of 2 nodes (12.3 s): passed"

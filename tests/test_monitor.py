@@ -8,8 +8,10 @@ The same code runs against real agents in ``test_launch.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
+from typing import ClassVar
 
 import pytest
 from pathlib import Path
@@ -19,7 +21,10 @@ from hetctl.files.inventory import Node
 from hetctl.files.plan import Plan
 from hetctl.launch import materialize as mat
 from hetctl.launch.controller import Thresholds
-from hetctl.files.eventlog import EventLog, read_events
+from hetctl.files.eventlog import EventLog, parse_event, read_events
+from hetctl.files.events import (CheckpointSkipped, CheckpointUnseen, Event, GaveUp, Measured, NodeAbnormal, Progress,
+                                 RankFailed, Rebalanced, Replan, ReplanLayout, Restart, Resumed, StageMeasured,
+                                 StageProgress, StragglerFound)
 from hetctl.launch.monitor import Monitor
 from hetctl.launch.outcome import FaultKind, RunState
 from hetctl.files.run import RunDir
@@ -457,6 +462,13 @@ def test_on_progress_failure_ends_the_attempt(plan, spec, tmp_path):
     assert mon.failures[0].kind == FaultKind.STRAGGLER
 
 
+@dataclasses.dataclass(frozen=True)
+class FutureKind(Event):
+    """A kind this version's live view does not know (a newer writer's, or one not meant for a line)."""
+
+    kind: ClassVar[str] = "heartbeat_summary"
+
+
 def test_live_view_table_and_plain_lines(plan, spec, tmp_path):
     from rich.console import Console
 
@@ -476,9 +488,10 @@ def test_live_view_table_and_plain_lines(plan, spec, tmp_path):
     plain = Console(width=150, record=True, force_terminal=False)
     with LiveView(plain, live=False) as view:
         view.update(mon.snapshot())  # no table without a terminal
-        view.event({"kind": "progress", "attempt": 2, "step": 7, "loss": 3.25, "stages": [{"step_ms": 41.6}]})
-        view.event({"kind": "rank_failed", "attempt": 2, "node": "n5", "rank": 5, "reason": "killed by SIGKILL"})
-        view.event({"kind": "heartbeat_summary"})
+        view.event(Progress(attempt=2, step=7, loss=3.25,
+                            stages=[StageProgress(replica=0, stage=0, step=7, step_ms=41.6)]))
+        view.event(RankFailed(attempt=2, node="n5", rank=5, reason="killed by SIGKILL"))
+        view.event(FutureKind())
     assert plain.export_text().splitlines() == [
         "  step 7, loss 3.2500, 42 ms/step", "attempt 2: rank 5 on n5 failed: killed by SIGKILL"]
 
@@ -491,7 +504,7 @@ def test_live_view_shows_step_of_steps_and_the_time_left_at_the_pace_since_the_l
     plain = Console(width=200, record=True, force_terminal=False)
     with LiveView(plain, live=False, steps=100) as view:
         for ts, step in [(1000.0, 1), (1010.0, 11), (1020.0, 21), (2000.0, 5), (2004.0, 9)]:  # a restart at step 5
-            view.event({"kind": "progress", "ts": ts, "attempt": 0, "step": step, "loss": 2.5, "stages": []})
+            view.event(Progress(attempt=0, step=step, loss=2.5, ts=ts))
     assert plain.export_text().splitlines() == [
         "  step 1/100, loss 2.5000",
         "  step 11/100, loss 2.5000, ETA 1m29s",  # 10 steps in 10 s: 89 left
@@ -501,7 +514,22 @@ def test_live_view_shows_step_of_steps_and_the_time_left_at_the_pace_since_the_l
     ]
 
 
-def _plain_lines(events: list[dict]) -> list[str]:
+def test_the_live_view_paces_progress_by_the_time_the_event_log_gave_it():
+    """Through the EventLog, as a run feeds it: the view times each step by the line's ``ts`` on the typed event."""
+    from rich.console import Console
+
+    from hetctl.cli.live import LiveView
+
+    times = iter([1000.0, 1010.0])
+    plain = Console(width=200, record=True, force_terminal=False)
+    with LiveView(plain, live=False, steps=100) as view, \
+            EventLog(None, listeners=[view.event], clock=lambda: next(times)) as log:
+        log.emit(Progress(attempt=0, step=1, loss=2.5))
+        log.emit(Progress(attempt=0, step=11, loss=2.5))
+    assert plain.export_text().splitlines() == ["  step 1/100, loss 2.5000", "  step 11/100, loss 2.5000, ETA 1m29s"]
+
+
+def _plain_lines(events: list[Event]) -> list[str]:
     """What a LiveView prints for ``events`` without a terminal."""
     from rich.console import Console
 
@@ -517,21 +545,19 @@ def _plain_lines(events: list[dict]) -> list[str]:
 def test_live_view_renders_the_elastic_loops_events():
     # Field sets as elastic.py, policy.py, resume.py and straggler.py emit them.
     lines = _plain_lines([
-        {"kind": "progress", "attempt": 3, "step": 10, "loss": None, "stages": [{"step": 10}]},  # just resumed
-        {"kind": "checkpoint_skipped", "step": 20, "path": "ck/step-20", "problems": ["rank 2 shard missing"]},
-        {"kind": "checkpoint_unseen", "path": "/mnt/ck", "reason": "the controller sees no checkpoint folder"},
-        {"kind": "resumed", "attempt": 3, "resume_step": 10, "steps": 40, "nodes": ["n1", "n2"],
-         "unchecked": ["n3"]},
-        {"kind": "node_abnormal", "attempt": 1, "node": "n2", "failures": 3},
-        {"kind": "replan", "attempt": 2, "reason": "n2 marked abnormal after 3 failures", "dropped": ["n2"],
-         "measured": False, "resume_step": 10, "replan_s": 0.01},
-        {"kind": "replan_layout", "before": ["n1:0-2", "n2:2-4"], "after": ["n1:0-1", "n3:1-4"], "dp_before": 1,
-         "dp_after": 1, "speed_factors": {"n1": 0.476, "n3": 1.0}, "est_step_s": 0.2},
-        {"kind": "rebalanced", "attempt": 2, "bottleneck_ms_before": 80.0, "bottleneck_ms_after": 40.0,
-         "tokens_per_s_before": 1000.0, "tokens_per_s_after": 1900.0, "speedup": 2.0},
-        {"kind": "restart", "attempt": 1, "reason": "rank 2 on n2: killed by SIGKILL", "resume_step": None,
-         "restarts": 1, "max_restarts": 3},
-        {"kind": "gave_up", "attempt": 4, "reason": "restarts used up (3/3)", "restarts": 3, "dropped": ["n2"]},
+        Progress(attempt=3, step=10, loss=None, stages=[StageProgress(replica=0, stage=0, step=10)]),  # just resumed
+        CheckpointSkipped(step=20, path="ck/step-20", problems=["rank 2 shard missing"]),
+        CheckpointUnseen(path="/mnt/ck", reason="the controller sees no checkpoint folder"),
+        Resumed(attempt=3, resume_step=10, steps=40, nodes=["n1", "n2"], unchecked=["n3"]),
+        NodeAbnormal(attempt=1, node="n2", failures=3),
+        Replan(attempt=2, reason="n2 marked abnormal after 3 failures", dropped=["n2"], measured=False, resume_step=10,
+               replan_s=0.01, membership_changes=1, restarts=0),
+        ReplanLayout(before=["n1:0-2", "n2:2-4"], after=["n1:0-1", "n3:1-4"], dp_before=1, dp_after=1,
+                     speed_factors={"n1": 0.476, "n3": 1.0}, est_step_s=0.2),
+        Rebalanced(attempt=2, bottleneck_ms_before=80.0, bottleneck_ms_after=40.0, tokens_per_s_before=1000.0,
+                   tokens_per_s_after=1900.0, speedup=2.0),
+        Restart(attempt=1, reason="rank 2 on n2: killed by SIGKILL", resume_step=None, restarts=1, max_restarts=3),
+        GaveUp(attempt=4, reason="restarts used up (3/3)", restarts=3, dropped=["n2"]),
     ])
     assert lines == [
         "checkpoint step 20 skipped (ck/step-20): rank 2 shard missing",
@@ -549,13 +575,13 @@ def test_live_view_renders_the_elastic_loops_events():
 
 
 def test_live_view_straggler_shows_the_slowdown_not_a_rounded_plan():
-    base = {"kind": "straggler", "attempt": 0, "node": "node-a", "replica": 0, "stage": 0, "measured_ms": 41.6,
-            "planned_ms": 0.0123, "slowdown": 2.104, "tolerance": 0.5}
+    base = StragglerFound(attempt=0, node="node-a", replica=0, stage=0, measured_ms=41.6, planned_ms=0.0123,
+                          slowdown=2.104, tolerance=0.5, rebalance=False)
     lines = _plain_lines([
-        {**base, "rebalance": False},
-        {**base, "replica": 1, "rebalance": True, "verdict": "re-planned as node-a:0-1 node-b:1-4, slowest "
-                                                              "stage predicted 1.60x shorter"},
-        {**base, "rebalance": False, "verdict": "not worth a restart: the best plan (…) predicts 1.05x"},
+        base,
+        dataclasses.replace(base, replica=1, rebalance=True, verdict="re-planned as node-a:0-1 node-b:1-4, slowest "
+                                                                      "stage predicted 1.60x shorter"),
+        dataclasses.replace(base, verdict="not worth a restart: the best plan (…) predicts 1.05x"),
     ])
     head = "straggler: stage 0 on node-a is 2.10× slower than planned relative to the other stages " \
            "(41.6 ms a step measured, 0.0123 ms planned): node-a is slower than the plan assumed"
@@ -575,19 +601,37 @@ def test_live_view_has_a_line_for_every_kind_the_loop_emits():
 
     silent = {"failed", "stopped"}  # the summary line that follows says it
     for kind, cls in EVENT_TYPES.items():
-        ev = {"kind": kind, **sample_event(cls).fields()}
+        ev = sample_event(cls)
         if kind == "progress":
-            ev["stages"] = [{"replica": 0, "stage": 0, "step": 3, "loss": 1.0, "step_ms": 5.0}]
+            ev = dataclasses.replace(ev, stages=[StageProgress(replica=0, stage=0, step=3, loss=1.0, step_ms=5.0)])
         assert (event_line(ev) is None) == (kind in silent), kind
-    assert event_line({"kind": "some_future_kind"}) is None
+    assert event_line(FutureKind()) is None
+
+
+def test_status_renders_the_logs_lines_as_the_live_view_rendered_their_events(tmp_path):
+    """``hetctl status`` reads the log back into typed events: each line as the live view printed it when written."""
+    from hetctl.cli.live import event_line
+    from hetctl.cli.runs import _event_line
+    from hetctl.files.eventlog import EVENT_TYPES
+    from tests.test_elastic import sample_event
+
+    seen = []
+    with EventLog(tmp_path / "events.jsonl", listeners=[seen.append]) as log:
+        for cls in EVENT_TYPES.values():
+            log.emit(sample_event(cls))
+    records = read_events(tmp_path / "events.jsonl")
+    assert [type(ev) for ev in seen] == list(EVENT_TYPES.values()) and len(records) == len(seen)
+    for ev, record in zip(seen, records):
+        assert _event_line(record) == (event_line(ev) or ev.kind), ev.kind
+    assert _event_line({"kind": "launched", "ts": 1.0}) == "launched"  # a line without its fields: its kind
 
 
 def test_live_view_measured_line_without_a_planned_step_time():
     """A plan without an estimate (hand-made, or --entry): measured stages still get a line, no step ratio."""
     from hetctl.cli.live import event_line
 
-    ev = {"kind": "measured", "attempt": 0, "step_s_predicted": 0.0, "step_s_measured": 0.5, "step_ratio": None,
-          "stages": [{"replica": 0, "stage": 0, "node": "n1", "predicted_ms": 1.0, "measured_ms": 2.0, "ratio": 2.0}]}
+    ev = Measured(attempt=0, step_s_predicted=0.0, step_s_measured=0.5, step_ratio=None,
+                  stages=[StageMeasured(replica=0, stage=0, node="n1", predicted_ms=1.0, measured_ms=2.0, ratio=2.0)])
     assert event_line(ev) == "attempt 0 measured: stage compute 2× (n1) … 2× (n1) of plan"
 
 
@@ -606,7 +650,7 @@ def test_progress_carries_the_trainers_grad_norm_lr_and_skipped_steps(plan, spec
     last = read_events(run.events_path, "progress")[-1]
     assert (last["step"], last["grad_norm"], last["lr"], last["skipped"]) == (2, 1.0, 2e-3, 1)
     assert last["loss"] is None  # not step 1's loss again
-    assert _plain_lines([last]) == ["  step 2, grad norm 1, lr 0.002, 1 skipped (non-finite), 40 ms/step"]
+    assert _plain_lines([parse_event(last)]) == ["  step 2, grad norm 1, lr 0.002, 1 skipped (non-finite), 40 ms/step"]
 
 
 def test_progress_carries_the_gradient_bytes_sent_across_vendors(plan, spec, tmp_path):
@@ -624,7 +668,7 @@ def test_progress_carries_the_gradient_bytes_sent_across_vendors(plan, spec, tmp
     last = read_events(run.events_path, "progress")[-1]
     got = [(s["xv_bytes"], s["xv_raw_bytes"]) for s in last["stages"]]
     assert got == [(1_000_000 * (r + 1), 4_000_000 * (r + 1)) for r in range(5)] + [(None, None)]
-    assert _plain_lines([last]) == ["  step 3, loss 4.0000, 40 ms/step, 15 MB of gradients across vendors (25% of fp32)"]
+    assert _plain_lines([parse_event(last)]) == ["  step 3, loss 4.0000, 40 ms/step, 15 MB of gradients across vendors (25% of fp32)"]
     feed(mon, clock, "n1", "heartbeat", rank=1, hb={"step": 4, "xv_bytes": -1})  # checked at the edge
     assert mon.ranks[1].step == 3 and read_events(run.events_path, "bad_message")[-1]["reason"] == \
         "heartbeat of rank 1: xv_bytes is -1"

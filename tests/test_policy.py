@@ -297,6 +297,7 @@ def test_watch_judges_nothing_while_held_and_starts_its_windows_again_after():
 
 def test_spare_imports_carry_over_to_the_next_attempts_watch_and_end_on_ready_gone_or_cold():
     from hetctl.elastic.straggler import SpareImports
+    from hetctl.files.events import RankFailed, Standby
 
     def watch():
         return StragglerWatch({(0, 0): 1.0, (0, 1): 1.0}, {(0, 0): "a", (0, 1): "b"}, tolerance=0.3, window=1,
@@ -309,17 +310,17 @@ def test_spare_imports_carry_over_to_the_next_attempts_watch_and_end_on_ready_go
     spares = SpareImports()
     first = watch()
     spares.attach(first)
-    spares.listen({"kind": "standby", "node": "b", "rank": 1, "state": "importing", "pid": 7})
-    spares.listen({"kind": "standby", "node": "a", "rank": 0, "state": "importing", "pid": 8})
-    spares.listen({"kind": "progress", "node": "b", "rank": 1})  # other kinds are not read
+    spares.listen(Standby(attempt=0, node="b", rank=1, state="importing", pid=7))
+    spares.listen(Standby(attempt=0, node="a", rank=0, state="importing", pid=8))
+    spares.listen(RankFailed(attempt=0, node="b", rank=1, reason="x"))  # other kinds are not read
     assert not judged(first)
     second = watch()  # the next attempt: both spares still import
     spares.attach(second)
     assert not judged(second)
-    spares.listen({"kind": "standby", "node": "b", "rank": 1, "state": "ready", "pid": 7})
-    spares.listen({"kind": "standby", "node": "a", "rank": 1, "state": "cold"})  # another node's rank 1: not a's 0
+    spares.listen(Standby(attempt=1, node="b", rank=1, state="ready", pid=7))
+    spares.listen(Standby(attempt=1, node="a", rank=1, state="cold"))  # another node's rank 1: not a's 0
     assert not judged(second)
-    spares.listen({"kind": "standby", "node": "a", "rank": 0, "state": "cold"})  # no pid: that rank's spare, whichever
+    spares.listen(Standby(attempt=1, node="a", rank=0, state="cold"))  # no pid: that rank's spare, whichever
     assert judged(second)
 
 

@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hetctl.files.eventlog import read_events
+from hetctl.files.events import StorageWarning
 from hetctl.launch import wire
 from hetctl.launch.agentlink import AgentLink
 from hetctl.launch.status import RankState
@@ -568,8 +569,8 @@ def test_a_full_disk_under_the_run_folder_is_a_warning_not_a_crash(plan, spec, f
         mon.handle("n1", {"ev": "log", "rank": 1, "lines": ["x" * 4000], "t": float(i)})
     mon.handle("n1", {"ev": "exited", "rank": 1, "code": 0, "signal": None})
     assert mon.failures == [] and mon.ranks[1].state == RankState.DONE
-    warned = [e for e in seen if e["kind"] == "storage_warning"]
-    assert len(warned) == 1 and warned[0]["path"].endswith("rank-1.log") and "space" in warned[0]["reason"]
+    warned = [e for e in seen if isinstance(e, StorageWarning)]
+    assert len(warned) == 1 and warned[0].path.endswith("rank-1.log") and "space" in warned[0].reason
     mon.logs.close()
     mon.events.close()
 

@@ -6,7 +6,8 @@
 failures, restarts, progress as lines). On a terminal the table redraws in
 place and notable events scroll above it; without a terminal (CI, ``| tee``)
 only the event lines are printed, ``progress`` included, so a log shows the
-run's course. It renders; it never decides.
+run's course. It renders; it never decides. Events come typed (:mod:`hetctl.files.events`) and
+:func:`event_line` matches on their class.
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from hetctl.files.events import (AgentLost, BadMessage, CheckpointSkipped, CheckpointUnseen, Evaluated, Event, Failed,
+                                 Finished, GaveUp, HealthChecked, Launched, Measured, NodeAbnormal, NodeLost,
+                                 ProcessesLeft, Progress, Rebalanced, RankFailed, Recovery, Replan, ReplanLayout,
+                                 Restart, ResumeSource, Resumed, Standby, StorageWarning, StragglerFound)
 from hetctl.launch.status import Snapshot
 
 _STATE_STYLE = {"running": "green", "done": "bold green", "failed": "bold red", "hung": "bold red",
@@ -123,22 +128,22 @@ def _from_step(step: int | None) -> str:
     return f"from checkpoint step {step}" if step else "from step 0 (no checkpoint yet)"
 
 
-def _progress(ev: dict) -> str | None:
-    ms = [s.get("step_ms") for s in ev.get("stages", []) if s.get("step_ms") is not None]
-    if not ev.get("step") or (ev.get("loss") is None and not ms):
+def _progress(ev: Progress) -> str | None:
+    ms = [s.step_ms for s in ev.stages if s.step_ms is not None]
+    if not ev.step or (ev.loss is None and not ms):
         return None  # ranks are up (or just resumed), no step trained yet
-    parts = [f"step {ev['step']}"]
-    if ev.get("loss") is not None:
-        parts.append(f"loss {ev['loss']:.4f}")
-    if ev.get("grad_norm") is not None:
-        parts.append(f"grad norm {ev['grad_norm']:.3g}")
-    if ev.get("lr") is not None:
-        parts.append(f"lr {ev['lr']:.3g}")
-    if ev.get("skipped"):
-        parts.append(f"{ev['skipped']} skipped (non-finite)")
+    parts = [f"step {ev.step}"]
+    if ev.loss is not None:
+        parts.append(f"loss {ev.loss:.4f}")
+    if ev.grad_norm is not None:
+        parts.append(f"grad norm {ev.grad_norm:.3g}")
+    if ev.lr is not None:
+        parts.append(f"lr {ev.lr:.3g}")
+    if ev.skipped:
+        parts.append(f"{ev.skipped} skipped (non-finite)")
     if ms:
         parts.append(f"{max(ms):.0f} ms/step")
-    crossed = [(s["xv_bytes"], s.get("xv_raw_bytes")) for s in ev.get("stages", []) if s.get("xv_bytes") is not None]
+    crossed = [(s.xv_bytes, s.xv_raw_bytes) for s in ev.stages if s.xv_bytes is not None]
     if crossed:  # every rank's gradient bytes across vendors this attempt (the trainer's --grad-compress)
         sent, raw = sum(b for b, _ in crossed), sum(r or 0 for _, r in crossed)
         parts.append(f"{sent / 1e6:.3g} MB of gradients across vendors" + (f" ({100 * sent / raw:.3g}% of fp32)"
@@ -146,7 +151,13 @@ def _progress(ev: dict) -> str | None:
     return "  " + ", ".join(parts)
 
 
-def _straggler(ev: dict) -> str:
+def _launched(ev: Launched) -> str:
+    resuming = f", resuming from step {ev.resume_step}" if ev.resume_step else ""
+    return (f"attempt {ev.attempt}: launched {ev.ranks} ranks on {len(ev.nodes)} nodes "
+            f"(rendezvous {ev.master_addr}:{ev.master_port}{resuming})")
+
+
+def _straggler(ev: StragglerFound) -> str:
     """``stage 1 on node-a is 2.10× slower than planned relative to the other stages …``.
 
     ``slowdown`` is the stage's measured/planned ratio over the median of its peers', so a
@@ -154,163 +165,171 @@ def _straggler(ev: dict) -> str:
     300 ms) does not inflate it; what remains means the node is slower than the plan
     assumed (the inventory's or the probe's speed for it is too high, or it is loaded).
     """
-    where = f"stage {ev.get('stage')}" + (f" of replica {ev['replica']}" if ev.get("replica") else "")
-    figures = f"{_ms(ev.get('measured_ms'))} ms a step measured, {_ms(ev.get('planned_ms'))} ms planned"
-    if ev.get("slowdown"):
-        line = (f"straggler: {where} on {ev.get('node')} is {ev['slowdown']:.2f}× slower than planned relative "
-                f"to the other stages ({figures}): {ev.get('node')} is slower than the plan assumed")
+    where = f"stage {ev.stage}" + (f" of replica {ev.replica}" if ev.replica else "")
+    figures = f"{_ms(ev.measured_ms)} ms a step measured, {_ms(ev.planned_ms)} ms planned"
+    if ev.slowdown:
+        line = (f"straggler: {where} on {ev.node} is {ev.slowdown:.2f}× slower than planned relative "
+                f"to the other stages ({figures}): {ev.node} is slower than the plan assumed")
     else:
-        line = f"straggler: {where} on {ev.get('node')}: {figures}"
-    if ev.get("verdict"):
-        return line + f"; {'rebalancing' if ev.get('rebalance') else 'not rebalancing'}: {ev['verdict']}"
-    if ev.get("rebalance"):
+        line = f"straggler: {where} on {ev.node}: {figures}"
+    if ev.verdict:
+        return line + f"; {'rebalancing' if ev.rebalance else 'not rebalancing'}: {ev.verdict}"
+    if ev.rebalance:
         return line + "; ending the attempt to rebalance"
     return line + "; reported only, --rebalance re-plans around it"
 
 
-def _restart(ev: dict) -> str:
-    budget = f"restart {ev['restarts']} of {ev['max_restarts']}" if ev.get("max_restarts") else "restarting"
-    return (f"{budget}: attempt {ev.get('attempt')} starts {_from_step(ev.get('resume_step'))}"
-            f", after {ev.get('reason', '')}")
+def _restart(ev: Restart) -> str:
+    budget = f"restart {ev.restarts} of {ev.max_restarts}" if ev.max_restarts else "restarting"
+    return f"{budget}: attempt {ev.attempt} starts {_from_step(ev.resume_step)}, after {ev.reason}"
 
 
-def _standby(ev: dict) -> str:
-    who = f"rank {ev.get('rank')} on {ev.get('node')}"
-    state = ev.get("state")
-    if state == "ready":
-        took = f", imported in {ev['import_s']:.1f}s" if isinstance(ev.get("import_s"), (int, float)) else ""
-        return f"{who}: warm spare ready (pid {ev.get('pid')}{took})"
-    if state == "used":
-        return f"attempt {ev.get('attempt')}: {who} handed to its warm spare (pid {ev.get('pid')})"
-    what = {"cold": "started cold", "none": "no warm spare", "gone": "warm spare exited"}.get(state, str(state))
-    return f"attempt {ev.get('attempt')}: {who} {what}" + (f": {ev['reason']}" if ev.get("reason") else "")
+def _standby(ev: Standby) -> str | None:
+    who = f"rank {ev.rank} on {ev.node}"
+    if ev.state == "importing":
+        return None  # its ``ready`` line follows
+    if ev.state == "ready":
+        took = f", imported in {ev.import_s:.1f}s" if ev.import_s is not None else ""
+        return f"{who}: warm spare ready (pid {ev.pid}{took})"
+    if ev.state == "used":
+        return f"attempt {ev.attempt}: {who} handed to its warm spare (pid {ev.pid})"
+    what = {"cold": "started cold", "none": "no warm spare", "gone": "warm spare exited"}.get(ev.state, ev.state)
+    return f"attempt {ev.attempt}: {who} {what}" + (f": {ev.reason}" if ev.reason else "")
 
 
-def _recovery(ev: dict) -> str:
-    from hetctl.elastic.recovery import describe
-
-    return "recovery: " + describe(ev)
-
-
-def _replan(ev: dict) -> str:
-    what = "re-planning with measured speeds" if ev.get("measured") else "re-planning"
-    dropped = f" without {', '.join(ev['dropped'])}" if ev.get("dropped") else ""
-    return (f"{what}{dropped}: attempt {ev.get('attempt')} starts {_from_step(ev.get('resume_step'))}"
-            f", after {ev.get('reason', '')}")
+def _replan(ev: Replan) -> str:
+    what = "re-planning with measured speeds" if ev.measured else "re-planning"
+    dropped = f" without {', '.join(ev.dropped)}" if ev.dropped else ""
+    return f"{what}{dropped}: attempt {ev.attempt} starts {_from_step(ev.resume_step)}, after {ev.reason}"
 
 
-def _replan_layout(ev: dict) -> str:
-    line = f"new layout: {' '.join(ev.get('before') or [])} → {' '.join(ev.get('after') or [])}"
-    if ev.get("dp_before") is not None and ev.get("dp_before") != ev.get("dp_after"):
-        line += f", data-parallel {ev['dp_before']} → {ev['dp_after']}"
-    if ev.get("speed_factors"):
-        line += " (measured speed: " + ", ".join(f"{n} {f:.2f}" for n, f in sorted(ev["speed_factors"].items())) + ")"
+def _replan_layout(ev: ReplanLayout) -> str:
+    line = f"new layout: {' '.join(ev.before)} → {' '.join(ev.after)}"
+    if ev.dp_before != ev.dp_after:
+        line += f", data-parallel {ev.dp_before} → {ev.dp_after}"
+    if ev.speed_factors:
+        line += " (measured speed: " + ", ".join(f"{n} {f:.2f}" for n, f in sorted(ev.speed_factors.items())) + ")"
     return line
 
 
-def _rebalanced(ev: dict) -> str:
-    b0, b1 = ev.get("bottleneck_ms_before"), ev.get("bottleneck_ms_after")
-    line = f"attempt {ev.get('attempt')} rebalanced: slowest stage {_ms(b0)} → {_ms(b1)} ms a step"
-    if ev.get("speedup"):
-        line += f" ({ev['speedup']:.2f}× faster)"
-    t0, t1 = ev.get("tokens_per_s_before"), ev.get("tokens_per_s_after")
+def _rebalanced(ev: Rebalanced) -> str:
+    line = (f"attempt {ev.attempt} rebalanced: slowest stage {_ms(ev.bottleneck_ms_before)} → "
+            f"{_ms(ev.bottleneck_ms_after)} ms a step")
+    if ev.speedup:
+        line += f" ({ev.speedup:.2f}× faster)"
+    t0, t1 = ev.tokens_per_s_before, ev.tokens_per_s_after
     if t0 and t1:
         line += f", {t0:.0f} → {t1:.0f} tokens/s"
     return line
 
 
-def _resumed(ev: dict) -> str:
-    line = (f"attempt {ev.get('attempt')}: resuming {_from_step(ev.get('resume_step'))} towards step "
-            f"{ev.get('steps')} on {', '.join(ev.get('nodes') or []) or '?'}")
-    if ev.get("unchecked"):
-        line += f"; could not check {', '.join(ev['unchecked'])} for leftover ranks (unreachable)"
+def _resumed(ev: Resumed) -> str:
+    line = (f"attempt {ev.attempt}: resuming {_from_step(ev.resume_step)} towards step "
+            f"{ev.steps} on {', '.join(ev.nodes) or '?'}")
+    if ev.unchecked:
+        line += f"; could not check {', '.join(ev.unchecked)} for leftover ranks (unreachable)"
     return line
 
 
-def _resume_source(ev: dict) -> str:
+def _resume_source(ev: ResumeSource) -> str:
     """``attempt 1 resumes at step 15 from its peers' state, 0 completed steps lost (…)``."""
-    where = "its peers' state" if ev.get("recovery_path") == "peer" else "the checkpoint"
-    at = f"at step {ev['resume_step']}" if ev.get("resume_step") else "from step 0"
-    return (f"attempt {ev.get('attempt')} resumes {at} from {where}, {ev.get('steps_lost')} completed steps lost "
-            f"({ev.get('reason', '')})")
+    where = "its peers' state" if ev.recovery_path == "peer" else "the checkpoint"
+    at = f"at step {ev.resume_step}" if ev.resume_step else "from step 0"
+    return f"attempt {ev.attempt} resumes {at} from {where}, {ev.steps_lost} completed steps lost ({ev.reason})"
 
 
-def _gave_up(ev: dict) -> str:
-    line = f"giving up after attempt {ev.get('attempt')}: {ev.get('reason', '')}"
-    if ev.get("dropped"):
-        line += f" (dropped: {', '.join(ev['dropped'])})"
+def _gave_up(ev: GaveUp) -> str:
+    line = f"giving up after attempt {ev.attempt}: {ev.reason}"
+    if ev.dropped:
+        line += f" (dropped: {', '.join(ev.dropped)})"
     return line
 
 
-def _measured(ev: dict) -> str:
+def _measured(ev: Measured) -> str:
     """``attempt 0 measured: step 0.41 s against 0.126 s planned (3.25×); stages 2.1× (node-a) … 3.9× (node-c)``."""
-    parts = [f"attempt {ev['attempt']} measured:"]
-    if ev.get("step_s_measured") is not None and ev.get("step_ratio") is not None:
-        parts.append(f"step {ev['step_s_measured']:.4g} s against {ev['step_s_predicted']:.4g} s planned "
-                     f"({ev['step_ratio']:.3g}×)")
-    stages = sorted(ev.get("stages") or [], key=lambda s: s["ratio"])
+    parts = [f"attempt {ev.attempt} measured:"]
+    if ev.step_s_measured is not None and ev.step_ratio is not None:
+        parts.append(f"step {ev.step_s_measured:.4g} s against {ev.step_s_predicted:.4g} s planned "
+                     f"({ev.step_ratio:.3g}×)")
+    stages = sorted(ev.stages, key=lambda s: s.ratio)
     if stages:
         lo, hi = stages[0], stages[-1]
-        parts.append(f"stage compute {lo['ratio']:.3g}× ({lo['node']}) … {hi['ratio']:.3g}× ({hi['node']}) of plan")
+        parts.append(f"stage compute {lo.ratio:.3g}× ({lo.node}) … {hi.ratio:.3g}× ({hi.node}) of plan")
     return " ".join(parts[:1]) + " " + "; ".join(parts[1:])
 
 
-def _health(ev: dict) -> str:
+def _health(ev: HealthChecked) -> str:
     """``health check of 3 nodes (12.1 s): cpu-2 flagged: …; dropped``."""
-    flagged = ev.get("flagged") or {}
-    line = f"health check of {len(ev.get('nodes') or [])} nodes ({ev.get('check_s', 0):.3g} s)"
-    if not flagged:
+    line = f"health check of {len(ev.nodes)} nodes ({ev.check_s:.3g} s)"
+    if not ev.flagged:
         return line + ": passed"
-    reasons = "; ".join(str(r[0]) if isinstance(r, list) and r else str(n) for n, r in flagged.items())
-    return line + f": {', '.join(flagged)} flagged ({reasons}); {ev.get('action')}"
+    reasons = "; ".join(str(r[0]) if isinstance(r, list) and r else n for n, r in ev.flagged.items())
+    return line + f": {', '.join(ev.flagged)} flagged ({reasons}); {ev.action}"
 
 
-_LINES = {
-    "launched": lambda ev: (
-        f"attempt {ev['attempt']}: launched {ev['ranks']} ranks on {len(ev['nodes'])} nodes "
-        f"(rendezvous {ev['master_addr']}:{ev['master_port']}"
-        + (f", resuming from step {ev['resume_step']}" if ev.get("resume_step") else "") + ")"),
-    "progress": _progress,
-    "evaluated": lambda ev: f"attempt {ev['attempt']} step {ev['step']}: validation loss {ev['eval_loss']:.4f}",
-    "rank_failed": lambda ev: f"attempt {ev['attempt']}: rank {ev['rank']} on {ev['node']} failed: {ev['reason']}",
-    "node_lost": lambda ev: f"attempt {ev['attempt']}: node {ev['node']} lost: {ev['reason']}",
-    "agent_lost": lambda ev: f"attempt {ev['attempt']}: node {ev['node']} kept: {ev['reason']}",
-    "bad_message": lambda ev: f"attempt {ev['attempt']}: warning: node {ev['node']} sent a message not believed: {ev['reason']}",
-    "storage_warning": lambda ev: (f"attempt {ev['attempt']}: warning: cannot write {ev['path']} ({ev['reason']}); "
-                                   "the run goes on"),
-    "processes_left": lambda ev: (f"attempt {ev['attempt']}: on {ev['node']}, processes of the run survived the "
-                                  f"stop: pids {', '.join(map(str, ev['pids']))}; kill them before `hetctl resume`"),
-    "node_abnormal": lambda ev: (f"{ev['node']} marked abnormal after {ev.get('failures', '?')} failures; "
-                                 "dropped from the run"),
-    "restart": _restart,
-    "standby": _standby,
-    "recovery": _recovery,
-    "replan": _replan,
-    "replan_layout": _replan_layout,
-    "rebalanced": _rebalanced,
-    "straggler": _straggler,
-    "checkpoint_skipped": lambda ev: (f"checkpoint step {ev.get('step')} skipped ({ev.get('path')}): "
-                                      + ("; ".join(ev.get("problems") or []) or "invalid")),
-    "checkpoint_unseen": lambda ev: f"checkpoints: {ev.get('reason', '')} (looked for {ev.get('path')})",
-    "resumed": _resumed,
-    "resume_source": _resume_source,
-    "finished": lambda ev: f"finished at step {ev['steps']}",
-    "gave_up": _gave_up,
-    "measured": _measured,
-    "health_check": _health,
-    # "failed" and "stopped" close the run: the summary that follows says it.
-}
+def event_line(ev: Event) -> str | None:
+    """A one-line rendering of an event, or None for the kinds not worth a line (and a kind this view does not know):
+    ``failed`` and ``stopped`` close the run, and the summary that follows says it."""
+    match ev:
+        case Launched():
+            return _launched(ev)
+        case Progress():
+            return _progress(ev)
+        case Evaluated(attempt=a, step=step, eval_loss=loss):
+            return f"attempt {a} step {step}: validation loss {loss:.4f}"
+        case RankFailed(attempt=a, node=node, rank=rank, reason=reason):
+            return f"attempt {a}: rank {rank} on {node} failed: {reason}"
+        case NodeLost(attempt=a, node=node, reason=reason):
+            return f"attempt {a}: node {node} lost: {reason}"
+        case AgentLost(attempt=a, node=node, reason=reason):
+            return f"attempt {a}: node {node} kept: {reason}"
+        case BadMessage(attempt=a, node=node, reason=reason):
+            return f"attempt {a}: warning: node {node} sent a message not believed: {reason}"
+        case StorageWarning(attempt=a, path=path, reason=reason):
+            return f"attempt {a}: warning: cannot write {path} ({reason}); the run goes on"
+        case ProcessesLeft(attempt=a, node=node, pids=pids):
+            return (f"attempt {a}: on {node}, processes of the run survived the stop: pids {', '.join(map(str, pids))}; "
+                    "kill them before `hetctl resume`")
+        case NodeAbnormal(node=node, failures=n):
+            return f"{node} marked abnormal after {n} failures; dropped from the run"
+        case Recovery():
+            from hetctl.elastic.recovery import describe
 
-_STYLE = {"rank_failed": "red", "node_lost": "red", "processes_left": "red", "node_abnormal": "red", "failed": "red", "gave_up": "red",
-          "health_check": "yellow", "straggler": "yellow", "checkpoint_skipped": "yellow", "checkpoint_unseen": "yellow"}
+            return "recovery: " + describe(ev)
+        case CheckpointSkipped(step=step, path=path, problems=problems):
+            return f"checkpoint step {step} skipped ({path}): " + ("; ".join(problems) or "invalid")
+        case CheckpointUnseen(path=path, reason=reason):
+            return f"checkpoints: {reason} (looked for {path})"
+        case Finished(steps=steps):
+            return f"finished at step {steps}"
+        case StragglerFound():
+            return _straggler(ev)
+        case Restart():
+            return _restart(ev)
+        case Standby():
+            return _standby(ev)
+        case Replan():
+            return _replan(ev)
+        case ReplanLayout():
+            return _replan_layout(ev)
+        case Rebalanced():
+            return _rebalanced(ev)
+        case Resumed():
+            return _resumed(ev)
+        case ResumeSource():
+            return _resume_source(ev)
+        case GaveUp():
+            return _gave_up(ev)
+        case Measured():
+            return _measured(ev)
+        case HealthChecked():
+            return _health(ev)
+    return None
 
 
-def event_line(ev: dict) -> str | None:
-    """A one-line rendering of an event, or None for kinds not worth a line (and unknown kinds)."""
-    if ev.get("kind") == "standby" and ev.get("state") == "importing":
-        return None  # its ``ready`` line follows
-    fn = _LINES.get(ev.get("kind"))
-    return fn(ev) if fn is not None else None
+_STYLE: dict[type, str] = {
+    RankFailed: "red", NodeLost: "red", ProcessesLeft: "red", NodeAbnormal: "red", Failed: "red", GaveUp: "red",
+    HealthChecked: "yellow", StragglerFound: "yellow", CheckpointSkipped: "yellow", CheckpointUnseen: "yellow"}
 
 
 def _duration(s: float) -> str:
@@ -387,18 +406,17 @@ class LiveView:
             with self._lock:
                 self._live.update(render_table(snap, title, self.console))
 
-    def event(self, ev: dict) -> None:
+    def event(self, ev: Event) -> None:
         """EventLog listener: print notable events (and, without a terminal, progress)."""
-        if self._live is not None and ev.get("kind") == "progress":
+        if self._live is not None and isinstance(ev, Progress):
             return  # the table shows it
         line = event_line(ev)
         if line is None:
             return
-        if ev.get("kind") == "progress" and self.steps and isinstance(ev.get("step"), int):
-            step = ev["step"]
-            line = line.replace(f"step {step}", f"step {step}/{self.steps}", 1)
-            eta = self._line_pace.eta(float(ev.get("ts") or 0.0), step)
+        if isinstance(ev, Progress) and self.steps:
+            line = line.replace(f"step {ev.step}", f"step {ev.step}/{self.steps}", 1)
+            eta = self._line_pace.eta(ev.ts or 0.0, ev.step)
             line += f", ETA {eta}" if eta else ""
-        style = _STYLE.get(ev.get("kind"))
+        style = _STYLE.get(type(ev))
         with self._lock:
             self.console.print(Text(line, style=style or ""), highlight=False, soft_wrap=True)  # never markup

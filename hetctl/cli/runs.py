@@ -45,10 +45,7 @@ def _detail(v):
         lines.append(text(f"reason: {v.reason}"))
     if v.state == "orphaned":
         lines.append(text(("its controller was killed: ", "yellow"), f"`hetctl resume {v.run_dir}` continues it"))
-    if v.recoveries:
-        from hetctl.elastic.recovery import describe
-
-        lines += [text(f"recovery: {describe(r)}") for r in v.recoveries]
+    lines += [text(_event_line({**r, "kind": "recovery"})) for r in v.recoveries]
     parts: list = [*lines]
     if v.stages:
         of = f"; each stage's slowest of {v.stages_of_replicas} replicas" if v.stages_of_replicas else ""
@@ -61,13 +58,22 @@ def _detail(v):
                       "-" if s.loss is None else f"{s.loss:.4f}", "-" if s.step_ms is None else f"{s.step_ms:.0f}")
         parts.append(t)
     if v.events:
-        from hetctl.cli.live import event_line
-
         parts.append(Text("last events:", style="bold"))
         for e in v.events:
-            line = event_line(e) or e.get("kind", "?")
-            parts.append(Text(f"  {time.strftime('%H:%M:%S', time.localtime(e.get('ts', 0)))}  {line}"))
+            parts.append(Text(f"  {time.strftime('%H:%M:%S', time.localtime(e.get('ts', 0)))}  {_event_line(e)}"))
     return Group(*parts)
+
+
+def _event_line(record: dict) -> str:
+    """The live view's line for a line of the log, read back as its typed event; else its kind."""
+    from hetctl.cli.live import event_line
+    from hetctl.files.eventlog import parse_event
+
+    try:
+        ev = parse_event(record)
+    except TypeError:  # a field its kind requires is missing (a hand-edited or foreign log)
+        ev = None
+    return (event_line(ev) if ev is not None else None) or str(record.get("kind", "?"))
 
 
 @app.command("status")

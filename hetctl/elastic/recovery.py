@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from hetctl.files.events import Event, Recovery
+from hetctl.files.events import Event, Launched, RankFailed, Recovery, ResumeSource, Standby
 from hetctl.files.run import RecoveryRecord
 
 
@@ -55,23 +55,22 @@ class RecoveryClock:
     _pending: _Pending | None = None
     _failed_ts: dict[int, float] = field(default_factory=dict)
 
-    def listen(self, ev: dict) -> None:
+    def listen(self, ev: Event) -> None:
         """An event listener (EventLog): the detection, relaunch and hand-off times, another path's steps lost."""
-        kind, attempt, ts = ev.get("kind"), ev.get("attempt"), ev.get("ts")
-        if kind == "rank_failed" and isinstance(attempt, int):
-            self._failed_ts.setdefault(attempt, ts)
+        if isinstance(ev, RankFailed) and ev.ts is not None:
+            self._failed_ts.setdefault(ev.attempt, ev.ts)
         p = self._pending
-        if p is not None and kind == "resume_source" and ev.get("failed_attempt") == p.failed_attempt:
-            p.steps_lost = (int(ev["steps_lost"]), "resume_source event")  # written before the new attempt starts
-            p.path = ev.get("recovery_path")
+        if p is not None and isinstance(ev, ResumeSource) and ev.failed_attempt == p.failed_attempt:
+            p.steps_lost = (ev.steps_lost, "resume_source event")  # written before the new attempt starts
+            p.path = ev.recovery_path
             return
-        if p is None or p.attempt is None or attempt != p.attempt:
+        if p is None or p.attempt is None or not isinstance(ev, (Launched, Standby)) or ev.attempt != p.attempt:
             return
-        if kind == "launched":
-            p.launched = ts
-        elif kind == "standby" and ev.get("state") == "used":
+        if isinstance(ev, Launched):
+            p.launched = ev.ts
+        elif ev.state == "used":
             p.standby += 1
-        elif kind == "standby" and ev.get("state") == "cold":
+        elif ev.state == "cold":
             p.cold += 1
 
     def failed(self, attempt: int, outcome: Any) -> None:
@@ -130,18 +129,15 @@ def with_timing(records: list[RecoveryRecord], timed: list[Recovery]) -> list[Re
     return sorted(out, key=lambda r: r.attempt)
 
 
-def describe(rec: dict | RecoveryRecord) -> str:
-    """One line per recovery for the summary and ``hetctl status``."""
-    if not isinstance(rec, dict):
-        rec = rec.model_dump()
+def describe(rec: Recovery | RecoveryRecord) -> str:
+    """One line per recovery: the ``recovery`` event (the live view) or the summary's record (``hetctl status``)."""
 
-    def f(key: str) -> str:
-        v = rec.get(key)
+    def f(v: float | None) -> str:
         return "-" if v is None else f"{v:.3f}s"
 
-    how = f"{rec.get('standby', 0)} warm, {rec.get('cold', 0)} cold" if rec.get("standby") or rec.get("cold") else ""
-    return (f"attempt {rec.get('attempt')} after {rec.get('cause')}: detect {f('detection_s')}, stop {f('stop_s')}, "
-            f"restart {f('restart_s')}, ready {f('ready_s')}, first step {f('first_step_s')}; "
-            f"steps lost {rec.get('steps_lost')} (from step {rec.get('resume_step')}"
-            + (f", {'its peers' if rec.get('recovery_path') == 'peer' else 'a checkpoint'})" if rec.get("recovery_path")
+    how = f"{rec.standby} warm, {rec.cold} cold" if rec.standby or rec.cold else ""
+    return (f"attempt {rec.attempt} after {rec.cause}: detect {f(rec.detection_s)}, stop {f(rec.stop_s)}, "
+            f"restart {f(rec.restart_s)}, ready {f(rec.ready_s)}, first step {f(rec.first_step_s)}; "
+            f"steps lost {rec.steps_lost} (from step {rec.resume_step}"
+            + (f", {'its peers' if rec.recovery_path == 'peer' else 'a checkpoint'})" if rec.recovery_path
                else ")") + (f"; {how}" if how else ""))

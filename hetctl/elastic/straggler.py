@@ -16,7 +16,7 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
-from hetctl.files.events import Event, StragglerFound
+from hetctl.files.events import Event, Standby, StragglerFound
 from hetctl.launch.spares import SparesImporting
 from hetctl.launch.outcome import FailureRecord, FaultKind
 
@@ -202,10 +202,10 @@ class SpareImports:
         for spare in self.now:
             watch.hold(spare)
 
-    def listen(self, ev: Mapping) -> None:
+    def listen(self, ev: Event) -> None:
         """An event listener (:class:`hetctl.files.eventlog.EventLog`)."""
-        if ev.get("kind") == "standby":
-            self.now.update(str(ev.get("node")), int(ev.get("rank", -1)), str(ev.get("state")), ev.get("pid"))
+        if isinstance(ev, Standby):
+            self.now.update(ev.node, ev.rank, ev.state, ev.pid)
 
 
 def speed_factors(

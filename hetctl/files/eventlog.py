@@ -1,7 +1,7 @@
 """Writing and reading ``runs/<id>/events.jsonl``.
 
 :class:`EventLog` appends the typed events of :mod:`hetctl.files.events` (the one
-definition of each line) and fans them out to listeners (the live view);
+definition of each line) and hands each, with its time, to listeners (the live view);
 :func:`read_events` reads a log back, skipping what is not an event; :func:`parse_event`
 turns a line back into its typed event.
 """
@@ -23,7 +23,8 @@ from hetctl.files.events import (AgentLost, BadMessage, CheckpointSkipped, Check
                                  Restart, ResumeSource, Resumed, StageMeasured, StageProgress, Standby, Stopped,
                                  StorageWarning, StragglerFound)
 
-Listener = Callable[[dict], None]
+# Called with each event as written: the typed event, its ``ts`` the line's (listeners time what they see by it).
+Listener = Callable[[Event], None]
 
 EVENT_TYPES: dict[str, type[Event]] = {
     cls.kind: cls for cls in (Launched, Progress, Evaluated, RankFailed, Standby, Recovery,
@@ -77,10 +78,15 @@ class EventLog:
             self._file = open_append(self.path)
 
     def emit(self, event: Event) -> dict:
-        """Record one typed event, e.g. ``emit(RankFailed(…))``; returns the dict written (``ts`` and ``kind`` first)."""
+        """Record one typed event, e.g. ``emit(RankFailed(…))``; returns the dict written (``ts`` and ``kind`` first).
+
+        The listeners get a copy of ``event`` with ``ts`` set to the line's: the caller's event is left as it was
+        (frozen, and perhaps emitted again).
+        """
         if not isinstance(event, Event):
             raise TypeError(f"EventLog.emit takes a typed event (hetctl.files.events), not {event!r}")
-        record = {"ts": round(self._clock(), 6), "kind": event.kind, **event.fields()}
+        stamped = dataclasses.replace(event, ts=round(self._clock(), 6))
+        record = {"ts": stamped.ts, "kind": event.kind, **event.fields()}
         line = json.dumps(record, default=_jsonable, separators=(",", ":")) + "\n"
         with self._lock:
             if self._file is not None:
@@ -91,7 +97,7 @@ class EventLog:
                     self.write_error = self.write_error or f"{self.path}: {e.strerror or e}"
             listeners = list(self.listeners)
         for fn in listeners:
-            fn(record)
+            fn(stamped)
         return record
 
     def __call__(self, event: Event) -> dict:

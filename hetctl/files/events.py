@@ -1,19 +1,15 @@
 """The run's event log, ``runs/<id>/events.jsonl``: append-only, one JSON object a line.
 
-Every line has ``ts`` (unix seconds) and ``kind``; the other fields are those of
-the kind's typed event below, the one definition of each line
-(:data:`hetctl.files.eventlog.EVENT_TYPES` maps kind → class; a test round-trips every
-one). Readers must ignore kinds and fields they do not know.
-:class:`hetctl.files.eventlog.EventLog` writes them (thread-safe, typed events only) and
-fans them out to listeners (the live view) as the dicts it wrote.
+Every line has ``ts`` (unix seconds) and ``kind``; the other fields are those of the kind's typed event below,
+the one definition of each line (:data:`hetctl.files.eventlog.EVENT_TYPES` maps kind → class; a test round-trips
+every one). Readers must ignore kinds and fields they do not know. :class:`hetctl.files.eventlog.EventLog`
+writes them (thread-safe, typed events only) and hands its listeners (the live view) each event as written.
 
 Written by one attempt (``hetctl.launch``): ``launched``, ``progress``, ``evaluated`` (validation loss),
-``rank_failed``, ``node_lost``, ``agent_lost``, ``bad_message``, ``storage_warning``,
-``processes_left``, ``standby`` (warm spares).
-By the elastic loop (``hetctl.elastic``):
+``rank_failed``, ``node_lost``, ``agent_lost``, ``bad_message``, ``storage_warning``, ``processes_left``,
+``standby`` (warm spares). By the elastic loop (``hetctl.elastic``):
 ``straggler``, ``resume_source`` (after a failure: peers' state or a checkpoint), ``restart``, ``replan``,
-``replan_layout``, ``rebalanced``,
-``node_abnormal``, ``checkpoint_skipped``, ``checkpoint_unseen``, ``resumed``,
+``replan_layout``, ``rebalanced``, ``node_abnormal``, ``checkpoint_skipped``, ``checkpoint_unseen``, ``resumed``,
 ``gave_up``, ``recovery`` (per restart: where the time went, steps lost),
 ``measured`` (predicted against measured), ``health_check`` (``launch --health-check``, before
 the first attempt), and the closing ``finished`` / ``stopped`` / ``failed``.
@@ -26,12 +22,15 @@ from typing import Any, ClassVar
 
 @dataclass(frozen=True)
 class Event:
-    """Base of the typed events; ``kind`` names the line's kind."""
+    """Base of the typed events; ``kind`` names the line's kind, ``ts`` its time: set on what ``EventLog.emit``
+    hands its listeners and what ``parse_event`` reads, None before the event is written (and never compared)."""
 
     kind: ClassVar[str] = "event"
+    ts: float | None = field(default=None, kw_only=True, compare=False)
 
     def fields(self) -> dict[str, Any]:
-        return asdict(self)
+        """The line's own fields; ``ts`` and ``kind`` are the log's, written first."""
+        return {k: v for k, v in asdict(self).items() if k != "ts"}
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from hetctl.files.eventlog import Listener
+from hetctl.files.events import Event, Progress
 from hetctl.node.standby import is_spare
 
 
@@ -112,10 +114,8 @@ class KillAtStep:
         self._lock = threading.Lock()
         self.done = threading.Event()
 
-    def __call__(self, ev: dict) -> None:
-        if ev.get("kind") != "progress" or ev.get("attempt") != self.attempt:
-            return
-        if not isinstance(ev.get("step"), int) or ev["step"] < self.step:
+    def __call__(self, ev: Event) -> None:
+        if not isinstance(ev, Progress) or ev.attempt != self.attempt or ev.step < self.step:
             return
         with self._lock:
             if not self._armed:
@@ -139,11 +139,11 @@ class KillAtStep:
 class Tee:
     """A live view that also feeds extra event listeners (the injector) and prints its lines."""
 
-    def __init__(self, view: Any, *listeners: Callable[[dict], None]) -> None:
+    def __init__(self, view: Any, *listeners: Listener) -> None:
         self.view = view
         self.listeners = listeners
 
-    def event(self, ev: dict) -> None:
+    def event(self, ev: Event) -> None:
         if self.view is not None:
             self.view.event(ev)
         for fn in self.listeners:
