@@ -25,7 +25,7 @@ from hetctl.launch.outcome import AttemptOutcome, FailureRecord, FaultKind, RunS
 from hetctl.node import manifest
 from hetctl.plan.models import load_model as load_spec
 from hetctl.plan.planner import plan_cluster
-from hetctl.plan.search import Pins
+from hetctl.plan.candidates import Pins
 
 
 def cpu_cluster(*names: str) -> Cluster:

@@ -24,7 +24,8 @@ from hetctl.plan.hetdp import HeteroSearch, Part, dp_allreduce, share
 from hetctl.plan.models import model_cost
 from hetctl.plan.planner import plan_cluster
 from hetctl.plan.rankenv import static_env
-from hetctl.plan.search import Pins, Searcher
+from hetctl.plan.candidates import Pins
+from hetctl.plan.search import Searcher
 from tests.test_plan_invariants import CHIPS, SMALL, node
 
 

@@ -27,7 +27,8 @@ from hetctl.plan.interleave import (
 )
 from hetctl.plan.models import model_cost
 from hetctl.plan.planner import plan_cluster
-from hetctl.plan.search import Pins, Searcher
+from hetctl.plan.candidates import Pins
+from hetctl.plan.search import Searcher
 from hetctl.plan.simulate import simulate_1f1b
 from tests.test_plan_invariants import CHIPS, SMALL, node
 

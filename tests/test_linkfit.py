@@ -27,7 +27,7 @@ from hetctl.plan.devices import collect
 from hetctl.plan.models import load_model as load_spec
 from hetctl.plan.models import model_cost
 from hetctl.plan.planner import plan_cluster
-from hetctl.plan.search import Pins
+from hetctl.plan.candidates import Pins
 
 RECORDED = Path(__file__).parent / "fixtures/runs/hetero-uniform"
 

@@ -26,7 +26,7 @@ from hetctl.plan.render import (
     write_plan_dir,
 )
 from hetctl.files.plan import Plan
-from hetctl.plan.search import Pins
+from hetctl.plan.candidates import Pins
 from hetctl.files.cluster import Cluster
 from hetctl.files.yamlio import load_model as load_yaml_model
 from tests.placement import rendered_anyway

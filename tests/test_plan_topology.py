@@ -23,7 +23,7 @@ from hetctl.plan.costmodel import Workload, link
 from hetctl.plan.devices import Group, collect
 from hetctl.plan.models import model_cost
 from hetctl.plan.planner import plan_cluster
-from hetctl.plan.search import Pins
+from hetctl.plan.candidates import Pins
 from hetctl.plan.topology import crosses, p2p_bytes, speed_placement, switch_placement
 from tests.test_plan_invariants import CHIPS, SMALL, check_invariants, node
 

@@ -25,7 +25,7 @@ from hetctl.plan.costmodel import Workload, memory_terms
 from hetctl.plan.models import load_model, model_cost
 from hetctl.plan.planner import plan_cluster
 from hetctl.plan.profmem import TOLERANCE, check, profile_peak
-from hetctl.plan.search import Pins
+from hetctl.plan.candidates import Pins
 
 FIX = Path(__file__).parent / "fixtures" / "profiles"
 MID = load_model(str(FIX / "mid.yaml"))

@@ -62,7 +62,7 @@ def plan_cmd(
     from hetctl.plan.models import load_model as load_spec
     from hetctl.plan.planner import plan_cluster
     from hetctl.plan.render import write_plan_dir
-    from hetctl.plan.search import Pins
+    from hetctl.plan.candidates import Pins
     from hetctl.files.cluster import Cluster
     from hetctl.files.yamlio import load_model, to_json
 

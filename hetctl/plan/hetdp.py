@@ -38,7 +38,8 @@ from hetctl.plan.costmodel import Workload
 from hetctl.plan.devices import Kind
 from hetctl.plan.frameworks import capability
 from hetctl.plan.layout import Layout
-from hetctl.plan.search import Pins, Searcher
+from hetctl.plan.candidates import Pins
+from hetctl.plan.search import Searcher
 from hetctl.plan.simulate import simulate_1f1b
 from hetctl.plan.gradsync import PCIE_GBS, STEP_LATENCY_S, reduce_seconds
 from hetctl.files.plan import ModelSpec

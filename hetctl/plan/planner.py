@@ -29,7 +29,8 @@ from hetctl.plan.models import default_global_batch, model_cost
 from hetctl.plan.partition import proportional_split, ranges, uniform_split
 from hetctl.files.plan import Baseline, Estimate, ModelSpec, Parallel, Plan, Rank, Stage
 from hetctl.plan.layout import Found, Layout, memory_needed, stage_compute
-from hetctl.plan.search import Pins, Searcher
+from hetctl.plan.candidates import Pins
+from hetctl.plan.search import Searcher
 from hetctl.plan.figures import alone_at_share, breakdown, breakdown_line, judge
 from hetctl.plan.frameworks import capability
 from hetctl.plan.hetdp import HeteroSearch
