@@ -312,7 +312,8 @@ def test_a_deepspeed_plan_launched_as_rendered_places_every_rank_by_deepspeeds_o
     from hetctl.files.yamlio import load_model
     from hetctl.plan.models import load_model as load_preset
     from hetctl.plan.planner import plan_cluster
-    from hetctl.plan.render import framework_rank, write_plan_dir
+    from hetctl.plan.fwlayout import framework_rank
+    from hetctl.plan.render import write_plan_dir
     from hetctl.plan.candidates import Pins
     from tests.test_frameworks import HERE
 

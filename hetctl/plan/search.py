@@ -135,7 +135,7 @@ class Searcher(Candidates):
         FlagScale numbers the layers of a one-stage mesh from 0 (its layer
         offset counts only for meshes of two or more stages), so such a layout
         would run with wrong layer numbers; the renderer refuses it too
-        (:func:`hetctl.plan.render._check_flagscale_meshes`).
+        (:func:`hetctl.plan.fwlayout.check_flagscale_meshes`).
         """
         keys = [tuple(sorted({(self.kinds[i].vendor, self.kinds[i].model, tps[i]) for i, _ in col})) for col in cols]
         runs = [1]
