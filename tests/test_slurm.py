@@ -344,6 +344,7 @@ def test_a_het_job_named_from_outside_runs_each_step_in_the_component_holding_th
     """``slurm.job: <leader>`` of ``salloc -N1 -w n1 : -N1 -w n3``: srun takes only the leader's id, needs
     --het-group outside the allocation, and lists the step under the component's own id."""
     from hetctl.files.inventory import load_inventory
+    from hetctl.remote.slurmalloc import allocation, allocation_nodes
 
     c = slurm_cluster
     job = allocate(c, "-N1", "-w", "n1", ":", "-N1", "-w", "n3")
@@ -354,12 +355,12 @@ def test_a_het_job_named_from_outside_runs_each_step_in_the_component_holding_th
         component = het_components(c, job)[1]["JobId"]
         inv_file = tmp_path / "inventory.yaml"
         inv_file.write_text(yaml.safe_dump({"defaults": {"python": sys.executable}, "slurm": {"job": job}}))
-        inv = load_inventory(inv_file)
+        inv = load_inventory(inv_file, slurm=allocation)
         assert inv.names == ["n1", "n3"]  # both components
         assert [(n.name, n.slurm_job, n.slurm_het_group, n.slurm_het_component, n.labels["slurm_gres"])
                 for n in inv.nodes] == [("n1", job, 0, job, "gpu:2"), ("n3", job, 1, component, "")]
         for name in (component, f"{job}+1"):  # one component, named by its own id or as Slurm writes it
-            got, only = slurmq.allocation_nodes(inv.slurm.model_copy(update={"job": name}))
+            got, only = allocation_nodes(inv.slurm.model_copy(update={"job": name}))
             assert got == job and [(n.name, n.het) for n in only] == [("n3", slurmparse.HetPlace(job, 1, component))]
         for node in inv.nodes:
             r = SlurmTransport(node).run(["sh", "-c", 'echo "$SLURMD_NODENAME $SLURM_JOB_ID"'])

@@ -94,9 +94,10 @@ def run_probe(inventory: str | None, output: str | None = None, json_out: bool =
     # Only what reaching the nodes needs comes before the probe: the nodes' ssh clients
     # start while the rest of the CLI (rich, the parsers) is still being imported.
     from hetctl.files.inventory import load_inventory
+    from hetctl.remote.slurmalloc import allocation
     from hetctl.probe.gather import probe
 
-    inv = load_inventory(inventory)
+    inv = load_inventory(inventory, slurm=allocation)
     with _progress(len(inv.nodes)) as done:
         with interrupts_end_commands():
             cluster = probe(inv, bench=bench, on_done=done, profile=shape)

@@ -16,9 +16,7 @@ from dataclasses import replace
 from typing import Mapping, Sequence
 
 from hetctl.errors import HetctlError
-from hetctl.remote.slurmparse import (
-    HetPlace, SlurmJob, SlurmNode, given, gres_fits, parse_job, parse_jobs, parse_nodes, parse_topology,
-)
+from hetctl.remote.slurmparse import HetPlace, SlurmJob, SlurmNode, given, parse_job, parse_jobs, parse_nodes, parse_topology
 
 QUERY_TIMEOUT_S = 30.0
 
@@ -36,7 +34,8 @@ def client(tool: str) -> str:
     return _client(tool)
 
 
-def _run(argv: Sequence[str], what: str, timeout: float = QUERY_TIMEOUT_S) -> subprocess.CompletedProcess:
+def query(argv: Sequence[str], what: str, timeout: float = QUERY_TIMEOUT_S) -> subprocess.CompletedProcess:
+    """Run a Slurm client command (its output as text); a one-line error when it is missing or does not answer."""
     try:
         return subprocess.run([_client(argv[0]), *argv[1:]], stdin=subprocess.DEVNULL, capture_output=True, text=True,
                               timeout=timeout)
@@ -45,7 +44,8 @@ def _run(argv: Sequence[str], what: str, timeout: float = QUERY_TIMEOUT_S) -> su
                           "check that slurmctld is up: scontrol ping") from None
 
 
-def _tail(r: subprocess.CompletedProcess) -> str:
+def last_line(r: subprocess.CompletedProcess) -> str:
+    """What a failed command said last (its exit code when it said nothing)."""
     lines = [ln.strip() for ln in (r.stderr or r.stdout or "").splitlines() if ln.strip()]
     return lines[-1] if lines else f"exit code {r.returncode}"
 
@@ -59,10 +59,10 @@ def show_jobs(job: str) -> list[SlurmJob]:
     ``--no-kill``) is left out while another one runs. A one-line error when Slurm
     does not know the job or no part of it runs.
     """
-    r = _run(["scontrol", "show", "job", "-o", job], f"Slurm job {job}")
+    r = query(["scontrol", "show", "job", "-o", job], f"Slurm job {job}")
     parts = parse_jobs(r.stdout) if r.returncode == 0 else []
     if not parts:
-        raise HetctlError(f"Slurm job {job} not found: {_tail(r)}",
+        raise HetctlError(f"Slurm job {job} not found: {last_line(r)}",
                           "run hetctl inside a live allocation (salloc/sbatch) or fix slurm.job in the inventory")
     running = [p for p in parts if p.state == "RUNNING"]
     if not running:
@@ -80,9 +80,9 @@ def show_job(job: str) -> SlurmJob:
 
 def hostnames(node_list: str) -> list[str]:
     """``scontrol show hostnames LIST`` (Slurm's own expansion of ``n[1-3,5]``)."""
-    r = _run(["scontrol", "show", "hostnames", node_list], "expanding the node list")
+    r = query(["scontrol", "show", "hostnames", node_list], "expanding the node list")
     if r.returncode != 0:
-        raise HetctlError(f"cannot expand the Slurm node list {node_list!r}: {_tail(r)}")
+        raise HetctlError(f"cannot expand the Slurm node list {node_list!r}: {last_line(r)}")
     return [h for h in r.stdout.split() if h]
 
 
@@ -94,7 +94,7 @@ def topology_switches() -> dict[str, str]:
     never an error.
     """
     try:
-        r = _run(["scontrol", "show", "topology"], "reading the Slurm topology")
+        r = query(["scontrol", "show", "topology"], "reading the Slurm topology")
     except HetctlError:
         return {}
     return parse_topology(r.stdout) if r.returncode == 0 else {}
@@ -102,9 +102,9 @@ def topology_switches() -> dict[str, str]:
 
 def show_nodes(names: Sequence[str]) -> list[SlurmNode]:
     """The nodes ``names`` in that order."""
-    r = _run(["scontrol", "show", "node", "-o", ",".join(names)], "reading the Slurm nodes")
+    r = query(["scontrol", "show", "node", "-o", ",".join(names)], "reading the Slurm nodes")
     if r.returncode != 0:
-        raise HetctlError(f"cannot read Slurm nodes {','.join(names)}: {_tail(r)}")
+        raise HetctlError(f"cannot read Slurm nodes {','.join(names)}: {last_line(r)}")
     by_name = {n.name: n for n in parse_nodes(r.stdout)}
     missing = [n for n in names if n not in by_name]
     if missing:
@@ -178,7 +178,7 @@ def node_state(name: str) -> SlurmNode | None:
 def slurmd_timeout(default: float = 300.0) -> float:
     """slurmctld's ``SlurmdTimeout`` in seconds (how long a silent node may stay up), ``default`` when unknown."""
     try:
-        r = _run(["scontrol", "show", "config"], "reading the Slurm configuration")
+        r = query(["scontrol", "show", "config"], "reading the Slurm configuration")
     except HetctlError:
         return default
     m = re.search(r"^SlurmdTimeout\s*=\s*(\d+)", r.stdout or "", re.M)
@@ -229,7 +229,7 @@ def ended_components(places: Mapping[str, HetPlace], run=None) -> dict[str, str]
     the failed one): such a node reads IDLE, yet no step can start there any more.
     A component Slurm cannot be asked about is left out.
     """
-    run = run or _run
+    run = run or query
     out: dict[str, str] = {}
     for component in dict.fromkeys(p.component for p in places.values()):
         try:
@@ -271,70 +271,3 @@ def check_plan_fits(plan_nodes: Sequence[str], inventory) -> None:
         f"missing: {','.join(missing)}",
         f"ask for an allocation with those nodes (salloc -w {','.join(want)}) or probe and plan again inside this one",
     )
-
-
-class AllocationError(HetctlError):
-    """The allocation does not match the inventory's ``slurm:`` block; ``key`` names the key below it."""
-
-    def __init__(self, key: tuple[str, ...], message: str, hint: str | None = None) -> None:
-        super().__init__(message, hint)
-        self.key = key
-
-
-def allocation_nodes(s) -> tuple[str, list[SlurmNode]]:
-    """The job the ``slurm:`` block names (``slurm.job``, else ``SLURM_JOB_ID``, else the one hetctl asks for
-    itself where the command allows it: :mod:`hetctl.remote.slurmalloc`) and its nodes, checked against it.
-
-    Raises:
-        AllocationError: no allocation, a node without an asked feature, fewer nodes than asked.
-        HetctlError: Slurm cannot be asked (client missing, job unknown or not running).
-    """
-    job = s.job or current_job()
-    if not job:
-        from hetctl.remote.slurmalloc import granted
-
-        job = granted(s)  # hetctl's own allocation, where the command may ask for one (launch, resume)
-    if not job:
-        if s.partition or s.features or s.gres:
-            check_partition(s)  # say now when no allocation could ever match
-        want = " ".join(filter(None, [f"-p {s.partition}" if s.partition else "", f"-N {s.nodes}" if s.nodes else "",
-                                      f"-C {'&'.join(s.features)}" if s.features else "",
-                                      f"--gres={s.gres}" if s.gres else ""]))
-        raise AllocationError((), "no Slurm allocation: SLURM_JOB_ID is not set and slurm.job is not given",
-                              f"run hetctl inside one (salloc {want + ' ' if want else ''}hetctl …) or set slurm.job"
-                              + ("; `hetctl launch` and `hetctl resume` ask for one themselves" if want else ""))
-    found = job_nodes(job)
-    job = next((n.het.leader for n in found if n.het is not None), job)  # the id srun takes: a het job's leader
-    lacking = [(n.name, ft) for n in found for ft in s.features if ft not in n.features]
-    if lacking:
-        raise AllocationError(("features",), f"node {lacking[0][0]} of job {job} lacks feature {lacking[0][1]!r}",
-                              "ask for the allocation with -C (salloc -C " + "&".join(s.features) + ") or drop the feature")
-    if s.nodes is not None and len(found) < s.nodes:
-        raise AllocationError(("nodes",), f"job {job} has {len(found)} node(s), the inventory asks for {s.nodes}",
-                              f"ask for a larger allocation (salloc -N {s.nodes}) or lower slurm.nodes")
-    return job, found
-
-
-def check_partition(s) -> None:
-    """Raise an AllocationError when the partition cannot give what ``slurm:`` asks (``sinfo``, no allocation made)."""
-    argv = ["sinfo", "-h", "-N", "-o", "%N|%f|%G|%T"] + (["-p", s.partition] if s.partition else [])
-    r = _run(argv, "reading the Slurm partitions")
-    if r.returncode != 0:
-        raise HetctlError(f"sinfo failed: {_tail(r)}", "check that slurmctld is up: scontrol ping")
-    rows = [ln.split("|") for ln in r.stdout.splitlines() if ln.count("|") == 3]
-    where = f"partition {s.partition}" if s.partition else "the cluster"
-    if not rows:
-        raise AllocationError(("partition",), f"Slurm has no partition {s.partition!r} (or it holds no node)",
-                              "list the partitions with `sinfo -s`")
-    fit = sorted({name for name, feats, gres, _ in rows
-                  if set(s.features) <= set(given(feats).split(",")) and (not s.gres or gres_fits(given(gres), s.gres))})
-    asked = " and ".join(filter(None, [f"features {','.join(s.features)}" if s.features else "",
-                                        f"gres {s.gres}" if s.gres else ""]))
-    if not fit:
-        feats = sorted({f for _, fs, _, _ in rows for f in given(fs).split(",") if f})
-        raise AllocationError(("features" if s.features else "gres",), f"{where} has no node with {asked}",
-                              f"its nodes offer features {','.join(feats) or 'none'}; pick another partition or relax slurm:")
-    if s.nodes is not None and len(fit) < s.nodes:
-        with_ = f" with {asked}" if asked else ""
-        raise AllocationError(("nodes",), f"{where} has {len(fit)} node(s){with_}, the inventory asks for {s.nodes}",
-                              "lower slurm.nodes or pick another partition")
