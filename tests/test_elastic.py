@@ -123,10 +123,10 @@ def test_restarts_used_up_fail_with_exit_5_and_the_resume_line(site, capsys):
     (rec,) = read_events(prep.run.events_path, "resume_source")
     assert (rec["recovery_path"], rec["resume_step"], rec["steps_lost"]) == ("checkpoint", None, 7)
     assert rec["reason"] == "no valid checkpoint: from step 0; the controller sees no checkpoint folder"
-    from hetctl.cli.run import _finish_launch
+    from hetctl.cli.runview import finish_launch
 
     with pytest.raises(typer.Exit) as e:
-        _finish_launch(result, json_out=False)
+        finish_launch(result, json_out=False)
     assert e.value.exit_code == 5
     assert f"hetctl resume {s.run_dir}" in capsys.readouterr().err
 

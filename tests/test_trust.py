@@ -727,9 +727,9 @@ def test_a_padded_line_in_real_rocminfo_output_reads_as_the_unpadded_one():
 @pytest.mark.parametrize("first, final, shown", [(5.5, float("nan"), "5.5000 → nan (diverged)"),
                                                  (5.5, None, "5.5000 → -"), (None, None, "-")])
 def test_the_run_summary_says_a_nan_loss_diverged(first, final, shown):
-    from hetctl.cli.run import _loss_span
+    from hetctl.cli.runview import loss_span
 
-    assert _loss_span(first, final) == shown
+    assert loss_span(first, final) == shown
 
 
 def test_the_edge_checks_exactly_the_protocols_events_and_fields():
