@@ -16,7 +16,7 @@ from hetctl.plan.hetdp import HeteroSearch, dp_allreduce
 from hetctl.plan.models import model_cost
 from hetctl.plan.planner import plan_cluster
 from hetctl.train.gradmode import CHUNK, Mode, parse_mode, ring_bytes, wire_fraction
-from hetctl.train.main import parse_args
+from hetctl.train.options import parse_args
 from tests.test_hetdp import fast_slow, mixed
 from hetctl.files.cluster import Cluster
 from tests.test_plan_invariants import CHIPS, SMALL, node

@@ -192,7 +192,7 @@ def _trainer_args(args: tuple[str, ...]) -> tuple[Any, str | None]:
     """``args`` as the reference trainer's own parser reads them; or None and its one-line error."""
     import io
 
-    from hetctl.train.main import parse_args
+    from hetctl.train.options import parse_args
 
     said = io.StringIO()
     try:
