@@ -20,7 +20,8 @@ from hetctl.files.cluster import Cluster
 from hetctl.plan.costmodel import Workload
 from hetctl.plan.devices import collect, plan_use
 from hetctl.plan.frameworks import CAPABILITIES
-from hetctl.plan.hetdp import HeteroSearch, Part, dp_allreduce, share
+from hetctl.plan.hetdp import HeteroSearch, dp_allreduce, share
+from hetctl.plan.layout import Part
 from hetctl.plan.models import model_cost
 from hetctl.plan.planner import plan_cluster
 from hetctl.plan.rankenv import static_env

@@ -12,7 +12,7 @@ from rich.text import Text
 from hetctl.cli import out
 from hetctl.cli.fit import Col, fitted
 
-from hetctl.plan.planner import WARNING
+from hetctl.plan.explain import WARNING
 from hetctl.files.plan import Estimate, Plan
 
 
