@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from hetctl.errors import ConfigError, PlanInfeasible
 from hetctl.files.cluster import Cluster
 from hetctl.files.fields import Invalid
-from hetctl.plan.costmodel import Workload
+from hetctl.plan.workload import Workload
 from hetctl.plan.devices import collect, plan_use
 from hetctl.plan.frameworks import CAPABILITIES
 from hetctl.plan.interleave import (

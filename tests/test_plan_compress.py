@@ -9,7 +9,7 @@ import math
 import pytest
 
 from hetctl.errors import ConfigError
-from hetctl.plan.costmodel import Workload
+from hetctl.plan.workload import Workload
 from hetctl.plan.devices import collect
 from hetctl.plan.gradsync import bytes_line, sync_bytes
 from hetctl.plan.hetdp import HeteroSearch, dp_allreduce

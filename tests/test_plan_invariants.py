@@ -346,7 +346,7 @@ def test_mixed_columns_never_reuse_another_tp_degree(a100_chips, gb):
 
 
 def test_searcher_keys_stage_types_on_every_members_degree():
-    from hetctl.plan.costmodel import Workload
+    from hetctl.plan.workload import Workload
     from hetctl.plan.devices import collect
     from hetctl.plan.models import model_cost
     from hetctl.plan.search import Searcher

@@ -19,7 +19,8 @@ import pytest
 
 from hetctl.errors import ConfigError, PlanInfeasible
 from hetctl.files.cluster import Cluster
-from hetctl.plan.costmodel import Workload, link
+from hetctl.plan.costmodel import link
+from hetctl.plan.workload import Workload
 from hetctl.plan.devices import Group, collect
 from hetctl.plan.models import model_cost
 from hetctl.plan.planner import plan_cluster

@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 
 from hetctl.files.plan import ModelSpec
-from hetctl.plan.costmodel import Workload
+from hetctl.plan.workload import Workload
 from hetctl.plan.devices import Kind
 from hetctl.plan.frameworks import CAPABILITIES
 from hetctl.plan.layout import Columns, cut_columns

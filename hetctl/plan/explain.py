@@ -174,7 +174,7 @@ def explain(plan: Plan, lay: Layout, devices: Devices, found: Found, homog, toke
 def sync_bytes_line(plan: Plan, parts) -> str:
     """Gradient-sync bytes per step inside and across vendors, as the planner priced them
     (:func:`hetctl.plan.gradsync.sync_bytes`; ``parts``: the plan's :class:`~hetctl.plan.layout.Part` list)."""
-    from hetctl.plan.costmodel import Workload
+    from hetctl.plan.workload import Workload
     from hetctl.plan.frameworks import capability
     from hetctl.plan.gradsync import bytes_line, sync_bytes
 

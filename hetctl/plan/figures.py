@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from hetctl.plan.costmodel import Workload
+from hetctl.plan.workload import Workload
 from hetctl.plan.devices import Devices, subset
 from hetctl.plan.layout import Layout, stage_compute
 

@@ -52,7 +52,8 @@ import functools
 from math import ceil
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from hetctl.plan.costmodel import GB, StageType, Workload
+from hetctl.plan.costmodel import GB, StageType
+from hetctl.plan.workload import Workload
 from hetctl.plan.simulate import simulate_1f1b
 from hetctl.vendors import GLOO_EFFICIENCY
 

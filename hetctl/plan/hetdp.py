@@ -34,7 +34,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, replace
 
-from hetctl.plan.costmodel import Workload
+from hetctl.plan.workload import Workload
 from hetctl.plan.devices import Kind
 from hetctl.plan.frameworks import capability
 from hetctl.plan.layout import Part

@@ -8,7 +8,7 @@ plan whose replicas differ goes out.
 from __future__ import annotations
 
 from hetctl.files.plan import Baseline, Estimate, Parallel, Plan, Rank, Replica, Stage
-from hetctl.plan.costmodel import Workload
+from hetctl.plan.workload import Workload
 from hetctl.plan.devices import Devices
 from hetctl.plan.frameworks import capability
 from hetctl.plan.explain import WARNING, _idle, _runs, calibrated_links, sync_bytes_line

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from hetctl.errors import ConfigError, PlanInfeasible
-from hetctl.plan.costmodel import Workload
+from hetctl.plan.workload import Workload
 from hetctl.plan.devices import Devices, ProfileUse, collect, subset
 from hetctl.plan.models import default_global_batch, model_cost
 from hetctl.plan.partition import proportional_split, uniform_split

@@ -42,7 +42,8 @@ import heapq
 import math
 
 from hetctl.plan.candidates import Candidates, Pins
-from hetctl.plan.costmodel import StageType, Workload, kind_link, link, stage_type
+from hetctl.plan.costmodel import StageType, kind_link, link, stage_type
+from hetctl.plan.workload import Workload
 from hetctl.plan.deepspeed_layout import deepspeed_split
 from hetctl.plan.frameworks import CAPABILITIES
 from hetctl.plan import interleave as il
