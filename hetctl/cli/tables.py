@@ -41,7 +41,7 @@ def chips_cmd(
 ) -> None:
     """List the chip table: memory and dense peak TFLOPS per chip, as the planner uses them."""
     from hetctl.errors import ConfigError
-    from hetctl.files.cluster import VENDORS
+    from hetctl.files.chipfields import VENDORS
     from hetctl.probe.specs import AmbiguousSpec
 
     if vendor is not None and vendor.lower() not in VENDORS:
