@@ -393,7 +393,7 @@ def test_node_strings_reach_a_real_terminal_as_visible_text(tmp_path, command):
 
 
 def test_json_output_escapes_what_json_leaves_raw(capsys):
-    from hetctl.cli import print_json
+    from hetctl.cli.base import print_json
 
     print_json(json.dumps({"chip": "A100\x9b2J\u202e"}, ensure_ascii=False))
     out = capsys.readouterr().out

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import typer
 
-from hetctl.cli import app, err, handle_errors, out, print_json, text
+from hetctl.cli.root import app
+from hetctl.cli.base import err, handle_errors, out, print_json, text
 
 
 @app.command("plan")

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from hetctl.cli import out
+from hetctl.cli.base import out
 from hetctl.cli.fit import Col, fitted
 
 from hetctl.plan.explain import WARNING

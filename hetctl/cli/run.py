@@ -5,7 +5,8 @@ from __future__ import annotations
 import typer
 
 from hetctl.textsafe import json_dumps
-from hetctl.cli import app, err, handle_errors, print_json, run_path, text
+from hetctl.cli.root import app
+from hetctl.cli.base import err, handle_errors, print_json, run_path, text
 from hetctl.cli.runview import finish_launch, print_dry_run, warn
 
 

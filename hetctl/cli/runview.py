@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import typer
 
-from hetctl.cli import err, out, print_json, text
+from hetctl.cli.base import err, out, print_json, text
 from hetctl.textsafe import json_dumps
 
 

@@ -10,7 +10,8 @@ import json
 
 import typer
 
-from hetctl.cli import app, handle_errors, out, print_json
+from hetctl.cli.root import app
+from hetctl.cli.base import handle_errors, out, print_json
 
 
 def _fig(v: float | None) -> str:
