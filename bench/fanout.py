@@ -56,7 +56,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hetctl.probe.gather import collector_args, node_script  # noqa: E402
+from hetctl.probe.gather import collector_args  # noqa: E402
+from hetctl.probe.nodescript import node_script  # noqa: E402
 from tests.sshd import SshdCluster  # noqa: E402
 
 

@@ -32,7 +32,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from fanout import _children_cpu, write_ssh_config  # noqa: E402
 
-from hetctl.probe.gather import collector_args, node_script  # noqa: E402
+from hetctl.probe.gather import collector_args  # noqa: E402
+from hetctl.probe.nodescript import node_script  # noqa: E402
 from tests.sshd import SshdCluster  # noqa: E402
 
 

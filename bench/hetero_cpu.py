@@ -88,7 +88,7 @@ from hetctl.plan.models import load_model as load_spec  # noqa: E402
 from hetctl.plan.partition import proportional_split  # noqa: E402
 from hetctl.plan.planner import plan_cluster  # noqa: E402
 from hetctl.plan.render import write_plan_dir  # noqa: E402
-from hetctl.plan.search import Pins  # noqa: E402
+from hetctl.plan.candidates import Pins  # noqa: E402
 
 CPU = Path("/sys/fs/cgroup/cpu")
 NODES = ("node-a", "node-b", "node-c")

@@ -49,6 +49,7 @@ sys.path.insert(0, str(ROOT))
 import yaml  # noqa: E402
 
 from hetctl.files.inventory import load_inventory  # noqa: E402
+from hetctl.remote.slurmalloc import allocation  # noqa: E402
 from hetctl.files.plan import Plan  # noqa: E402
 from hetctl.files.run import LaunchOptions  # noqa: E402
 from hetctl.launch import materialize as mat  # noqa: E402
@@ -116,7 +117,7 @@ def env_files(plan: Plan, inventory: Path, env: dict, where: Path, steps: int) -
     old = dict(os.environ)
     os.environ.update({k: v for k, v in env.items() if k.startswith("SLURM")})
     try:
-        inv = load_inventory(inventory)
+        inv = load_inventory(inventory, slurm=allocation)
     finally:
         os.environ.clear()
         os.environ.update(old)

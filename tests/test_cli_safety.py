@@ -25,7 +25,7 @@ def test_markup_in_what_a_node_reports_is_printed_as_it_is(tmp_path):
     """A node whose tool output (the chip model) and error carry markup: the probe table shows them verbatim."""
     from rich.console import Console
 
-    from hetctl.cli import probe as probe_cli
+    from hetctl.cli import probeview
     from hetctl.files.cluster import Chip, Cluster, NodeFacts
 
     cluster = Cluster(nodes=[
@@ -33,11 +33,11 @@ def test_markup_in_what_a_node_reports_is_printed_as_it_is(tmp_path):
         NodeFacts(name="n2", host="h", reachable=False, error="ssh: [/bold] refused"),
     ])
     console = Console(record=True, width=200)
-    old, probe_cli.out = probe_cli.out, console
+    old, probeview.out = probeview.out, console
     try:
-        probe_cli._print_probe(cluster, bench=False)
+        probeview.print_probe(cluster, bench=False)
     finally:
-        probe_cli.out = old
+        probeview.out = old
     text = console.export_text()
     assert "n[/]1" in text and "H100 [/]" in text and "ssh: [/bold] refused" in text
 

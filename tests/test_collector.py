@@ -17,13 +17,14 @@ from types import SimpleNamespace
 
 import pytest
 
+from hetctl.node import source
 from hetctl.probe.gather import collector_args
 from hetctl.probe import assemble
 from hetctl.files.cluster import Chip, NodeFacts, Tflops
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLES = ROOT / "tests" / "fixtures" / "smi-samples"
-COLLECTOR = ROOT / "hetctl" / "node" / "collector.py"
+COLLECTOR = source("collector.py").encode()  # the program a node gets: the tool runner, then the collector
 BENCH = ROOT / "hetctl" / "node" / "bench.py"
 
 
@@ -94,7 +95,7 @@ def run_collector(args: dict, *, sysfs: Path | None, bin_dir: Path | None) -> di
     if sysfs is not None:
         env["HETCTL_SYSFS_ROOT"] = str(sysfs)
     proc = subprocess.run(
-        [sys.executable, "-", json.dumps(args)], input=COLLECTOR.read_bytes(),
+        [sys.executable, "-", json.dumps(args)], input=COLLECTOR,
         capture_output=True, env=env, timeout=60, check=True,
     )
     return json.loads(proc.stdout)
@@ -175,7 +176,7 @@ def test_collector_kills_a_hanging_tool_and_keeps_the_others(tmp_path):
 
 
 def test_collector_rejects_bad_argument():
-    proc = subprocess.run([sys.executable, "-", "{not json"], input=COLLECTOR.read_bytes(), capture_output=True)
+    proc = subprocess.run([sys.executable, "-", "{not json"], input=COLLECTOR, capture_output=True)
     assert proc.returncode == 2 and b"bad argument JSON" in proc.stderr
 
 

@@ -19,7 +19,7 @@ from hetctl.plan.efficiency import lookup, sustained, table
 from hetctl.plan.figures import FORMULAS, reference_batch
 from hetctl.plan.models import load_model
 from hetctl.plan.planner import plan_cluster
-from hetctl.plan.search import Pins
+from hetctl.plan.candidates import Pins
 
 DEMO = Path(__file__).parent / "fixtures/profiles/demo-cluster.yaml"
 # The demo cluster was probed when `tiny` had a vocabulary of 256 (now 320): its profiles are of that shape.

@@ -25,7 +25,7 @@ from hetctl.launch.outcome import AttemptOutcome, FailureRecord, FaultKind, RunS
 from hetctl.node import manifest
 from hetctl.plan.models import load_model as load_spec
 from hetctl.plan.planner import plan_cluster
-from hetctl.plan.search import Pins
+from hetctl.plan.candidates import Pins
 
 
 def cpu_cluster(*names: str) -> Cluster:
@@ -123,10 +123,10 @@ def test_restarts_used_up_fail_with_exit_5_and_the_resume_line(site, capsys):
     (rec,) = read_events(prep.run.events_path, "resume_source")
     assert (rec["recovery_path"], rec["resume_step"], rec["steps_lost"]) == ("checkpoint", None, 7)
     assert rec["reason"] == "no valid checkpoint: from step 0; the controller sees no checkpoint folder"
-    from hetctl.cli.run import _finish_launch
+    from hetctl.cli.runview import finish_launch
 
     with pytest.raises(typer.Exit) as e:
-        _finish_launch(result, json_out=False)
+        finish_launch(result, json_out=False)
     assert e.value.exit_code == 5
     assert f"hetctl resume {s.run_dir}" in capsys.readouterr().err
 

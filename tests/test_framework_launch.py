@@ -85,7 +85,7 @@ def torchrun_plan(d: Path) -> Path:
     from hetctl.plan.models import load_model as load_preset
     from hetctl.plan.planner import plan_cluster
     from hetctl.plan.render import write_plan_dir
-    from hetctl.plan.search import Pins
+    from hetctl.plan.candidates import Pins
 
     cluster = load_model(d / "cluster.yaml", Cluster)
     plan = plan_cluster(cluster, load_preset("tiny"), pins=Pins(pp=3, dp=1), framework="torchrun",
@@ -217,7 +217,7 @@ def test_resume_picks_up_a_megatron_checkpoint_folder_and_megatron_accepts_the_r
     from hetctl.plan.models import load_model as load_preset
     from hetctl.plan.planner import plan_cluster
     from hetctl.plan.render import write_plan_dir
-    from hetctl.plan.search import Pins
+    from hetctl.plan.candidates import Pins
     from tests.test_frameworks import FLAG_SCALE, HERE
 
     site = local_site(tmp_path)
@@ -312,8 +312,9 @@ def test_a_deepspeed_plan_launched_as_rendered_places_every_rank_by_deepspeeds_o
     from hetctl.files.yamlio import load_model
     from hetctl.plan.models import load_model as load_preset
     from hetctl.plan.planner import plan_cluster
-    from hetctl.plan.render import framework_rank, write_plan_dir
-    from hetctl.plan.search import Pins
+    from hetctl.plan.fwlayout import framework_rank
+    from hetctl.plan.render import write_plan_dir
+    from hetctl.plan.candidates import Pins
     from tests.test_frameworks import HERE
 
     site = local_site(tmp_path)
@@ -398,7 +399,7 @@ def megatron_site(tmp_path: Path, mlm: Path, pythonpath: str) -> tuple[Path, Pat
     from hetctl.plan.models import load_model as load_preset
     from hetctl.plan.planner import plan_cluster
     from hetctl.plan.render import write_plan_dir
-    from hetctl.plan.search import Pins
+    from hetctl.plan.candidates import Pins
 
     site = local_site(tmp_path)
     starts = tmp_path / "starts"

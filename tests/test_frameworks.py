@@ -29,9 +29,10 @@ import pytest
 
 from hetctl.files.run import LaunchOptions
 from hetctl.plan.planner import plan_cluster
-from hetctl.plan.render import framework_rank, meshes, write_plan_dir
+from hetctl.plan.fwlayout import framework_rank, meshes
+from hetctl.plan.render import write_plan_dir
 from hetctl.files.plan import Plan
-from hetctl.plan.search import Pins
+from hetctl.plan.candidates import Pins
 from hetctl.files.cluster import Cluster
 from tests.test_plan_invariants import SMALL, node
 

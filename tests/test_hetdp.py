@@ -17,14 +17,16 @@ from hypothesis import strategies as st
 from hetctl.errors import ConfigError, PlanInfeasible
 from hetctl.files.plan import Plan
 from hetctl.files.cluster import Cluster
-from hetctl.plan.costmodel import Workload
+from hetctl.plan.workload import Workload
 from hetctl.plan.devices import collect, plan_use
 from hetctl.plan.frameworks import CAPABILITIES
-from hetctl.plan.hetdp import HeteroSearch, Part, dp_allreduce, share
+from hetctl.plan.hetdp import HeteroSearch, dp_allreduce, share
+from hetctl.plan.layout import Part
 from hetctl.plan.models import model_cost
 from hetctl.plan.planner import plan_cluster
 from hetctl.plan.rankenv import static_env
-from hetctl.plan.search import Pins, Searcher
+from hetctl.plan.candidates import Pins
+from hetctl.plan.search import Searcher
 from tests.test_plan_invariants import CHIPS, SMALL, node
 
 

@@ -34,7 +34,7 @@ from hetctl.files.plan import Plan
 from hetctl.files.yamlio import dump_yaml, load_model
 from hetctl.plan.models import load_model as load_spec
 from hetctl.plan.planner import plan_cluster
-from hetctl.plan.search import Pins
+from hetctl.plan.candidates import Pins
 from tests.test_plan_invariants import node, random_cluster
 
 FUZZ = settings(max_examples=int(os.environ.get("HETCTL_FUZZ_EXAMPLES", "150")), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

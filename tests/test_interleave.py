@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from hetctl.errors import ConfigError, PlanInfeasible
 from hetctl.files.cluster import Cluster
 from hetctl.files.fields import Invalid
-from hetctl.plan.costmodel import Workload
+from hetctl.plan.workload import Workload
 from hetctl.plan.devices import collect, plan_use
 from hetctl.plan.frameworks import CAPABILITIES
 from hetctl.plan.interleave import (
@@ -27,7 +27,8 @@ from hetctl.plan.interleave import (
 )
 from hetctl.plan.models import model_cost
 from hetctl.plan.planner import plan_cluster
-from hetctl.plan.search import Pins, Searcher
+from hetctl.plan.candidates import Pins
+from hetctl.plan.search import Searcher
 from hetctl.plan.simulate import simulate_1f1b
 from tests.test_plan_invariants import CHIPS, SMALL, node
 

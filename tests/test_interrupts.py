@@ -13,6 +13,8 @@ from pathlib import Path
 
 import psutil
 
+from hetctl.node import source
+
 
 def marked(marker: str) -> list[psutil.Process]:
     found = []
@@ -51,7 +53,7 @@ def test_sigterm_during_probe_ends_every_collector_and_tool(tmp_path):
     assert marked(f"sleep {marker}") == []
 
 
-COLLECTOR = Path(__file__).resolve().parents[1] / "hetctl" / "node" / "collector.py"
+COLLECTOR = source("collector.py")  # the program a node gets: the tool runner, then the collector
 
 
 def start_collector(tmp_path: Path, timeout: float = 60) -> tuple[subprocess.Popen, str]:
@@ -63,7 +65,7 @@ def start_collector(tmp_path: Path, timeout: float = 60) -> tuple[subprocess.Pop
     tool.write_text(f"#!/bin/sh\nsleep {marker}\necho done\n")  # not exec: the sleep is the tool's child
     tool.chmod(0o755)
     args = json.dumps({"tools": {"a": ["nvidia-smi", "-L"], "b": ["nvidia-smi", "-q"]}, "timeout": timeout})
-    proc = subprocess.Popen([sys.executable, str(COLLECTOR), args], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-c", COLLECTOR, args], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, start_new_session=True,
                             env={**os.environ, "PATH": f"{bin_dir}:/usr/bin:/bin"})
     return proc, marker

@@ -341,3 +341,43 @@ def test_models_build_in_code_with_defaults():
     n = Node(name="x", host="10.0.0.1")
     assert (n.hostname, n.port, n.user, n.python, n.transport) == ("10.0.0.1", None, None, "python3", "ssh")
     assert Inventory(nodes=[n]).node("x") is n
+
+
+def test_a_slurm_block_becomes_the_nodes_the_callers_function_reports(tmp_path):
+    """files/ expands ``slurm:`` from what the caller asked Slurm (remote/slurmalloc.allocation in the commands):
+    the defaults, the slurm_* labels, the topology's switch unless defaults set one, a het job's component; and a
+    mismatch with the allocation is located below ``slurm:``."""
+    from hetctl.files.allocation import AllocatedNode, Allocation, AllocationError
+
+    asked = []
+
+    def ask(s):
+        asked.append(s)
+        return Allocation("7", (AllocatedNode("n1", "10.0.0.1", cpus=8, memory_mb=1024, gres="gpu:2", features=("a", "b"),
+                                              het_group=0, het_component="7", switch="leaf1"),
+                                AllocatedNode("n2", "10.0.0.2", het_group=1, het_component="8")))
+
+    path = write(tmp_path, """
+        defaults: {user: me, workdir: /scratch/h, env: {A: "1"}, labels: {rack: r1}}
+        slurm: {partition: gpu, nodes: 2}
+        nodes:
+          - host: login
+    """)
+    inv = load_inventory(path, slurm=ask)
+    assert [s.partition for s in asked] == ["gpu"]
+    assert inv.names == ["n1", "n2", "login"]
+    n1, n2 = inv.node("n1"), inv.node("n2")
+    assert (n1.transport, n1.hostname, n1.workdir, n1.user, n1.slurm_job, n1.env) == ("slurm", "10.0.0.1", "/scratch/h",
+                                                                                       None, "7", {"A": "1"})
+    assert n1.labels == {"switch": "leaf1", "rack": "r1", "slurm_gres": "gpu:2", "slurm_features": "a,b",
+                         "slurm_cpus": "8", "slurm_memory_mb": "1024"}
+    assert (n1.slurm_het_group, n1.slurm_het_component, n2.slurm_het_group, n2.slurm_het_component) == (0, "7", 1, "8")
+    assert "switch" not in n2.labels and inv.node("login").transport == "ssh"
+
+    def refuse(s):
+        raise AllocationError(("nodes",), "job 7 has 1 node(s), the inventory asks for 2", "lower slurm.nodes")
+
+    with pytest.raises(ConfigError) as info:
+        load_inventory(path, slurm=refuse)
+    assert "slurm.nodes" in info.value.message and "1 node(s)" in info.value.message
+    assert "slurm" in error_of(path).message  # a reader that does not ask Slurm refuses the block

@@ -235,7 +235,7 @@ def test_recover_writes_a_typed_recovery_event_and_returns_the_summary_record(tm
 
 
 def test_the_text_summary_says_where_each_recovery_took_its_state(capsys):
-    from hetctl.cli.run import _finish_launch
+    from hetctl.cli.runview import finish_launch
     from hetctl.elastic.loop import RunResult
     from hetctl.files.run import RecoveryRecord, RunSummary
     from hetctl.launch.outcome import AttemptOutcome, RunState
@@ -243,7 +243,7 @@ def test_the_text_summary_says_where_each_recovery_took_its_state(capsys):
     summary = RunSummary(run_id="r", run_dir="/r", state="succeeded", steps=20, recoveries=[
         RecoveryRecord(attempt=1, recovery_path=PEER, resume_step=13, steps_lost=0),
         RecoveryRecord(attempt=2, recovery_path=CHECKPOINT, resume_step=10, steps_lost=6)])
-    _finish_launch(RunResult(summary, AttemptOutcome(RunState.SUCCEEDED)), json_out=False)
+    finish_launch(RunResult(summary, AttemptOutcome(RunState.SUCCEEDED)), json_out=False)
     out = capsys.readouterr().out
     assert "attempt 1: from its peers at step 13, 0 completed steps lost" in out
     assert "attempt 2: from the checkpoint at step 10, 6 completed steps lost" in out

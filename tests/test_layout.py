@@ -5,10 +5,14 @@
 * ``launch/`` (one attempt) never imports ``elastic/`` (many attempts), and nothing but
   ``cli/`` imports ``runs/`` (what reads run folders);
 * only ``cli/`` imports typer or rich;
-* ``plan/`` and ``files/`` never import ``remote/`` (one exception, below); ``plan/`` is
-  pure and imports neither ``launch/`` nor ``elastic/``.
+* ``plan/`` and ``files/`` never import ``remote/``; ``plan/`` is pure and imports neither
+  ``launch/`` nor ``elastic/``. An inventory's ``slurm:`` block is expanded into nodes by
+  ``files/`` from what the caller's function (``remote/slurmalloc.py``) asked Slurm;
+* no module imports itself through others (no import cycle: what two modules share lives
+  below both), and none is longer than 450 lines.
 
-Imports inside functions count too: a lazy import is still a dependency.
+Imports inside functions count too: a lazy import is still a dependency (and so is one under
+``TYPE_CHECKING``).
 """
 
 from __future__ import annotations
@@ -35,14 +39,74 @@ def imports(path: Path) -> set[str]:
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module)
+            names = [f"{node.module}.{a.name}" for a in node.names]
             if node.module.startswith("hetctl"):  # `from hetctl.remote import slurmq` names a module too
-                found.update(f"{node.module}.{a.name}" for a in node.names)
+                found.update(names)
+            if not all(module_file(n) for n in names):  # ... and only that module, when each name is one
+                found.add(node.module)
     return found
+
+
+def module_file(module: str) -> Path | None:
+    """The file of one of hetctl's modules (a package's ``__init__.py``); None for anything else."""
+    if module != "hetctl" and not module.startswith("hetctl."):
+        return None
+    base = PKG.parent.joinpath(*module.split("."))
+    for f in (base.with_suffix(".py"), base / "__init__.py"):
+        if f.is_file():
+            return f
+    return None
 
 
 def files(folder: str) -> list[Path]:
     return sorted((PKG / folder).glob("*.py"))
+
+
+def modules() -> dict[str, Path]:
+    """Every module of hetctl by its name (a package by its own name: ``hetctl.cli`` is ``cli/__init__.py``)."""
+    found = {}
+    for f in sorted(PKG.rglob("*.py")):
+        parts = f.relative_to(PKG.parent).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module → the modules of hetctl it imports (``from hetctl.cli import demo`` is ``hetctl.cli.demo`` alone)."""
+    mods = modules()
+    return {m: {i for i in imports(f) if i in mods and i != m} for m, f in mods.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[str]:
+    """Each group of modules that import one another through the graph, as one cycle through its first member and
+    the group's other members: ``a → b → c → a (and through d)``."""
+    def reach(start: str) -> set[str]:
+        seen, todo = set(), list(graph.get(start, ()))
+        while todo:
+            m = todo.pop()
+            if m not in seen:
+                seen.add(m)
+                todo.extend(graph.get(m, ()))
+        return seen
+
+    reached = {m: reach(m) for m in graph}
+    groups = sorted({tuple(sorted({m} | {n for n in reached[m] if m in reached[n]})) for m in graph if m in reached[m]})
+    out = []
+    for group in groups:
+        start, paths = group[0], {group[0]: [group[0]]}
+        todo = [start]
+        while todo:  # breadth first inside the group: the shortest way back to its first member
+            m = todo.pop(0)
+            nxt = sorted(n for n in graph[m] if n in group)
+            if start in nxt:
+                rest = [n for n in group if n not in paths[m]]  # modules of the group off this one cycle
+                out.append(" → ".join(paths[m] + [start]) + (f" (and through {', '.join(rest)})" if rest else ""))
+                break
+            for n in nxt:
+                if n not in paths:
+                    paths[n] = paths[m] + [n]
+                    todo.append(n)
+    return out
 
 
 def test_node_code_is_stdlib_only_plus_errors_and_the_vendor_table():
@@ -86,20 +150,10 @@ def test_only_cli_imports_typer_or_rich(folder):
     assert {k: v for k, v in bad.items() if v} == {}
 
 
-# The one exception, by design: an inventory's `slurm:` block is expanded into nodes by asking
-# Slurm's own query tools (scontrol, in remote/slurmq.py), as host ranges are expanded by hostlist;
-# the inventory never opens a transport.
-ALLOWED = {("inventory.py", "hetctl.remote.slurmq")}
-
-
 @pytest.mark.parametrize("folder", ["plan", "files"])
 def test_plan_and_files_never_touch_the_network_or_the_run(folder):
     banned = ("hetctl.remote", "hetctl.launch", "hetctl.elastic") if folder == "plan" else ("hetctl.remote",)
-    def allowed(name: str, m: str) -> bool:
-        return any(f == name and (a == m or a.startswith(m + ".")) for f, a in ALLOWED)
-
-    bad = {f.name: sorted(m for m in imports(f) if m.startswith(banned) and not allowed(f.name, m))
-           for f in files(folder)}
+    bad = {f.name: sorted(m for m in imports(f) if m.startswith(banned)) for f in files(folder)}
     assert {k: v for k, v in bad.items() if v} == {}
 
 
@@ -108,6 +162,32 @@ def test_the_rules_see_imports():
     src = PKG / "cli" / "run.py"
     found = imports(src)
     assert "typer" in found and "hetctl.elastic.loop" in found  # lazy, inside a command
+
+
+def test_no_module_imports_itself_through_others():
+    """No import cycle among hetctl's modules (A imports B imports A, or longer; top-level, lazy or for type
+    checking alike): what two modules share moves down into a module both import."""
+    assert cycles(import_graph()) == []
+
+
+def test_the_cycle_finder_sees_a_cycle_and_only_the_modules_imported(tmp_path):
+    """The cycle checker itself: a lazy three-module cycle is named from its first member, a module that only
+    imports into it is not part of it; ``from hetctl.remote import slurmq`` names that module, not the package."""
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"a"}}) == ["a → b → c → a"]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+    f = tmp_path / "m.py"
+    f.write_text("def f():\n    from hetctl.remote import slurmq\n    from hetctl.cli import app\n")
+    assert imports(f) == {"hetctl.remote.slurmq", "hetctl.cli", "hetctl.cli.app"}
+
+
+MAX_LINES = 450
+
+
+def test_every_module_is_at_most_450_lines():
+    """A module longer than that is split along a seam (a group of functions that belongs together), not cut."""
+    long = {str(f.relative_to(PKG)): n for f in sorted(PKG.rglob("*.py"))
+            if (n := len(f.read_text().splitlines())) > MAX_LINES}
+    assert long == {}
 
 
 def test_every_vendor_plans_launches_and_reads_back_its_rank_context(tmp_path):

@@ -22,12 +22,13 @@ from hetctl.files.cluster import Chip, Cluster, NodeFacts
 from hetctl.files.events import Measured, StageMeasured
 from hetctl.files.eventlog import parse_event, read_events
 from hetctl.files.yamlio import load_model, save_model
-from hetctl.plan.costmodel import Workload, link
+from hetctl.plan.costmodel import link
+from hetctl.plan.workload import Workload
 from hetctl.plan.devices import collect
 from hetctl.plan.models import load_model as load_spec
 from hetctl.plan.models import model_cost
 from hetctl.plan.planner import plan_cluster
-from hetctl.plan.search import Pins
+from hetctl.plan.candidates import Pins
 
 RECORDED = Path(__file__).parent / "fixtures/runs/hetero-uniform"
 

@@ -290,7 +290,7 @@ def _slurm_monitor(plan, spec, tmp_path):
 
 def test_slurm_confirms_a_lost_node_before_the_event_and_names_its_state(plan, spec, tmp_path):
     from hetctl.launch.confirm import settle
-    from hetctl.remote.slurmq import SlurmNode, parse_nodes
+    from hetctl.remote.slurmparse import SlurmNode, parse_nodes
 
     mon, run, clock = _slurm_monitor(plan, spec, tmp_path)
     feed(mon, clock, "n0", "exited", 1.0, rank=0, code=1, signal=None)  # a peer's rank crashes first
@@ -315,7 +315,7 @@ def test_slurm_confirms_a_lost_node_before_the_event_and_names_its_state(plan, s
 
 def test_slurm_calling_the_node_healthy_keeps_it_and_the_attempt_is_a_crash(plan, spec, tmp_path):
     from hetctl.launch.confirm import settle
-    from hetctl.remote.slurmq import SlurmNode
+    from hetctl.remote.slurmparse import SlurmNode
 
     mon, run, clock = _slurm_monitor(plan, spec, tmp_path)
     feed(mon, clock, "n2", None, 0.1)
@@ -328,7 +328,7 @@ def test_slurm_calling_the_node_healthy_keeps_it_and_the_attempt_is_a_crash(plan
 
 def test_slurm_blames_a_node_whose_agent_did_not_answer_when_slurm_says_it_is_down(plan, spec, tmp_path):
     from hetctl.launch.confirm import settle
-    from hetctl.remote.slurmq import SlurmNode
+    from hetctl.remote.slurmparse import SlurmNode
 
     mon, run, clock = _slurm_monitor(plan, spec, tmp_path)
     feed(mon, clock, "n0", "exited", 1.0, rank=0, code=None, signal=6)
@@ -342,7 +342,7 @@ def test_slurm_blames_a_node_whose_agent_did_not_answer_when_slurm_says_it_is_do
 def test_slurm_drops_a_node_whose_het_job_component_ended_with_the_jobs_word(plan, spec, tmp_path):
     """n1 goes DOWN; Slurm then ends n2's one-node component of the het job: n2 reads IDLE but is lost too."""
     from hetctl.launch.confirm import settle
-    from hetctl.remote.slurmq import SlurmNode
+    from hetctl.remote.slurmparse import SlurmNode
 
     mon, run, clock = _slurm_monitor(plan, spec, tmp_path)
     feed(mon, clock, "n0", "exited", 1.0, rank=0, code=1, signal=None)
@@ -364,7 +364,8 @@ def test_slurm_drops_a_node_whose_het_job_component_ended_with_the_jobs_word(pla
 
 
 def test_slurm_confirm_polls_until_the_node_reads_lost():
-    from hetctl.remote.slurmq import SlurmNode, confirm_lost
+    from hetctl.remote.slurmparse import SlurmNode
+    from hetctl.remote.slurmq import confirm_lost
 
     answers = iter(["ALLOCATED", "ALLOCATED", "ALLOCATED*"])
     clock = Clock()
@@ -381,7 +382,8 @@ def test_slurm_confirm_polls_until_the_node_reads_lost():
 
 def test_slurm_confirm_in_a_het_job_waits_past_not_responding_until_down():
     """In a het job Slurm ends the other components only once it marks the node DOWN."""
-    from hetctl.remote.slurmq import SlurmNode, confirm_lost
+    from hetctl.remote.slurmparse import SlurmNode
+    from hetctl.remote.slurmq import confirm_lost
 
     clock = Clock()
     answers = iter(["ALLOCATED*", "ALLOCATED*", "DOWN*"])

@@ -32,7 +32,8 @@ from functools import cache
 
 import pytest
 
-from hetctl.plan.render import framework_rank, meshes, write_plan_dir
+from hetctl.plan.fwlayout import framework_rank, meshes
+from hetctl.plan.render import write_plan_dir
 from hetctl.plan.render import script_name
 from tests.placement import clusters, hosts_of, plan_for, script_ranks
 
@@ -247,7 +248,7 @@ def test_a_flagscale_plan_with_a_one_stage_mesh_past_the_first_is_refused_with_e
     from hetctl.errors import PlanInfeasible
     from hetctl.plan.render import render_node_scripts
 
-    from hetctl.plan.render import meshes
+    from hetctl.plan.fwlayout import meshes
 
     # The first of the tests' torchrun plans whose meshes include a one-stage mesh past the first (a planner
     # change may move which cluster that is; one must remain for the refusal to be tested at all).

@@ -9,14 +9,14 @@ import math
 import pytest
 
 from hetctl.errors import ConfigError
-from hetctl.plan.costmodel import Workload
+from hetctl.plan.workload import Workload
 from hetctl.plan.devices import collect
 from hetctl.plan.gradsync import bytes_line, sync_bytes
 from hetctl.plan.hetdp import HeteroSearch, dp_allreduce
 from hetctl.plan.models import model_cost
 from hetctl.plan.planner import plan_cluster
 from hetctl.train.gradmode import CHUNK, Mode, parse_mode, ring_bytes, wire_fraction
-from hetctl.train.main import parse_args
+from hetctl.train.options import parse_args
 from tests.test_hetdp import fast_slow, mixed
 from hetctl.files.cluster import Cluster
 from tests.test_plan_invariants import CHIPS, SMALL, node

@@ -17,7 +17,7 @@ from hetctl.plan.models import load_model, model_cost, presets, valid_tp
 from hetctl.plan.partition import bottleneck, minmax_split, proportional_split, ranges, uniform_split
 from hetctl.plan.simulate import BWD, FWD, estimate_1f1b, schedule_1f1b, simulate_1f1b
 from hetctl.vendors import VENDOR_TABLE, link_backend, stage_backend
-from hetctl.files.cluster import VENDORS
+from hetctl.files.chipfields import VENDORS
 
 
 def brute_force(L, slope, offset, cap):

@@ -16,7 +16,7 @@ from hetctl.errors import ConfigError, PlanInfeasible
 from hetctl.plan.models import load_model
 from hetctl.plan.planner import plan_cluster
 from hetctl.files.plan import ModelSpec, Plan
-from hetctl.plan.search import Pins
+from hetctl.plan.candidates import Pins
 from hetctl.files.cluster import Chip, Cluster, Nic, NodeFacts, Tflops
 
 # (vendor, model as the tool prints it, memory GB, bf16 TFLOPS or None, fp16 TFLOPS) — chips.md rows.
@@ -346,7 +346,7 @@ def test_mixed_columns_never_reuse_another_tp_degree(a100_chips, gb):
 
 
 def test_searcher_keys_stage_types_on_every_members_degree():
-    from hetctl.plan.costmodel import Workload
+    from hetctl.plan.workload import Workload
     from hetctl.plan.devices import collect
     from hetctl.plan.models import model_cost
     from hetctl.plan.search import Searcher

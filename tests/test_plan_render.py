@@ -21,12 +21,10 @@ import pytest
 from hetctl.plan.models import load_model
 from hetctl.plan.planner import plan_cluster
 from hetctl.plan.rankenv import rank_env, static_env
-from hetctl.plan.render import (
-    framework_rank, megatron_layout, meshes, parse_megatron_layout, render_node_scripts, script_name,
-    write_plan_dir,
-)
+from hetctl.plan.fwlayout import framework_rank, megatron_layout, meshes, parse_megatron_layout
+from hetctl.plan.render import render_node_scripts, script_name, write_plan_dir
 from hetctl.files.plan import Plan
-from hetctl.plan.search import Pins
+from hetctl.plan.candidates import Pins
 from hetctl.files.cluster import Cluster
 from hetctl.files.yamlio import load_model as load_yaml_model
 from tests.placement import rendered_anyway

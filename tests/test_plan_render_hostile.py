@@ -27,7 +27,8 @@ from hypothesis import strategies as st
 
 from hetctl.errors import ConfigError
 from hetctl.plan.planner import plan_cluster
-from hetctl.plan.render import _device_label, framework_rank, meshes, render_node_scripts, write_plan_dir
+from hetctl.plan.fwlayout import device_label, framework_rank, meshes
+from hetctl.plan.render import render_node_scripts, write_plan_dir
 from hetctl.files.plan import Plan
 from hetctl.files.cluster import Cluster
 from tests.placement import rendered_anyway
@@ -161,7 +162,7 @@ def _run_and_check(fw: str, plan: Plan, v: dict[str, str], scripts: dict[str, st
             assert argv[argv.index("--load") + 1] == ckpt and argv[argv.index("--save") + 1] == ckpt
         if fw == "flagscale":
             label = argv[argv.index("--hetero-current-device-type") + 1]
-            assert label.split("_")[0] == _device_label(stage.vendor, stage.model)
+            assert label.split("_")[0] == device_label(stage.vendor, stage.model)
 
 
 @pytest.mark.parametrize("bad", ["CUDA_VISIBLE_DEVICES;touch x", "A B", "1ABC", "X\nY"])

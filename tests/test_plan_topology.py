@@ -19,11 +19,12 @@ import pytest
 
 from hetctl.errors import ConfigError, PlanInfeasible
 from hetctl.files.cluster import Cluster
-from hetctl.plan.costmodel import Workload, link
+from hetctl.plan.costmodel import link
+from hetctl.plan.workload import Workload
 from hetctl.plan.devices import Group, collect
 from hetctl.plan.models import model_cost
 from hetctl.plan.planner import plan_cluster
-from hetctl.plan.search import Pins
+from hetctl.plan.candidates import Pins
 from hetctl.plan.topology import crosses, p2p_bytes, speed_placement, switch_placement
 from tests.test_plan_invariants import CHIPS, SMALL, check_invariants, node
 

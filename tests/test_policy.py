@@ -375,7 +375,7 @@ def test_straggler_hook_reports_a_straggler_and_ends_the_attempt_only_under_reba
 
 from hetctl.plan.models import load_model as load_spec  # noqa: E402
 from hetctl.plan.planner import plan_cluster  # noqa: E402
-from hetctl.plan.search import Pins  # noqa: E402
+from hetctl.plan.candidates import Pins  # noqa: E402
 from hetctl.files.cluster import Chip, Cluster, NodeFacts  # noqa: E402
 from hetctl.elastic.replan import layer_split, replan, survivors, with_speeds  # noqa: E402
 

@@ -116,7 +116,7 @@ def test_plan_splits_by_the_measured_layer_times_where_the_matmul_sees_no_differ
 
 
 def _pp3():
-    from hetctl.plan.search import Pins
+    from hetctl.plan.candidates import Pins
 
     return Pins(pp=3, dp=1)
 
@@ -196,7 +196,7 @@ def test_a_calibrated_speed_scales_a_profiled_chip_too():
     assert after[0] == pytest.approx(before[0] * 0.5, rel=1e-4)
     assert a.chips[0].profile.layer_fwd_ms == pytest.approx(2 * cl.nodes[0].chips[0].profile.layer_fwd_ms, rel=1e-4)
     assert a.chips[0].profile.peak_memory_gb == cl.nodes[0].chips[0].profile.peak_memory_gb
-    from hetctl.plan.search import Pins
+    from hetctl.plan.candidates import Pins
 
     plan = plan_cluster(slow, TINY, global_batch=4, pins=Pins(pp=2, dp=1))
     layers = {s.node: s.layers[1] - s.layers[0] for s in plan.stages}

@@ -21,11 +21,11 @@ import pytest
 from hetctl.errors import PlanInfeasible
 from hetctl.files.cluster import Cluster
 from hetctl.files.yamlio import load_model as load_file, save_model
-from hetctl.plan.costmodel import Workload, memory_terms
+from hetctl.plan.workload import Workload, memory_terms
 from hetctl.plan.models import load_model, model_cost
 from hetctl.plan.planner import plan_cluster
 from hetctl.plan.profmem import TOLERANCE, check, profile_peak
-from hetctl.plan.search import Pins
+from hetctl.plan.candidates import Pins
 
 FIX = Path(__file__).parent / "fixtures" / "profiles"
 MID = load_model(str(FIX / "mid.yaml"))

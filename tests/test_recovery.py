@@ -124,7 +124,7 @@ def make_site(cluster: SshdCluster, d: Path) -> Path:
     probed_site(cluster, d, TFLOPS)
     from hetctl.plan.models import load_model as load_spec
     from hetctl.plan.planner import plan_cluster
-    from hetctl.plan.search import Pins
+    from hetctl.plan.candidates import Pins
     from hetctl.files.cluster import Cluster
     from hetctl.files.yamlio import save_model
 

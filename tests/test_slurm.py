@@ -30,7 +30,7 @@ from hetctl.errors import Unreachable
 from hetctl.files.inventory import Node
 from hetctl.files.plan import Plan
 from hetctl.files.cluster import Cluster
-from hetctl.remote import slurmq
+from hetctl.remote import slurmparse, slurmq
 from hetctl.remote.slurm import SlurmTransport, clean_stderr, step_failure
 from hetctl.node import manifest as ckpt
 from hetctl.files.eventlog import read_events
@@ -50,7 +50,7 @@ def capture(name: str) -> str:
 
 
 def test_show_node_gives_gres_features_cpus_memory_and_state():
-    nodes = slurmq.parse_nodes(capture("scontrol_show_node_o.txt"))
+    nodes = slurmparse.parse_nodes(capture("scontrol_show_node_o.txt"))
     assert [(n.name, n.addr, n.cpus, n.memory_mb, n.gres, n.features) for n in nodes] == [
         ("n1", "127.0.0.2", 4, 1000, "gpu:2", ("nvidia",)),
         ("n2", "127.0.0.3", 4, 1000, "npu:2", ("ascend",)),
@@ -58,39 +58,39 @@ def test_show_node_gives_gres_features_cpus_memory_and_state():
     ]
     assert [(n.state, n.lost) for n in nodes] == [("MIXED", False), ("MIXED", False), ("MIXED+DRAIN", True)]
     assert nodes[2].reason.startswith("hetctl fixture capture [root@") and nodes[0].reason == ""
-    assert slurmq.parse_record(capture("scontrol_show_node_o.txt").splitlines()[2])["Reason"].startswith(
+    assert slurmparse.parse_record(capture("scontrol_show_node_o.txt").splitlines()[2])["Reason"].startswith(
         "hetctl fixture capture [root@")  # a value with spaces stays whole
 
 
 def test_show_job_gives_state_and_node_list():
-    job = slurmq.parse_job(capture("scontrol_show_job_o.txt"))
+    job = slurmparse.parse_job(capture("scontrol_show_job_o.txt"))
     assert (job.job_id, job.state, job.node_list, job.num_nodes, job.partition) == ("1", "RUNNING", "n[1-3]", 3, "all")
-    assert slurmq.parse_job("") is None
+    assert slurmparse.parse_job("") is None
 
 
 @pytest.mark.parametrize("state,lost", [("IDLE", False), ("ALLOCATED", False), ("DOWN*", True), ("IDLE*", True),
                                         ("MIXED+DRAIN", True), ("DRAINED", True), ("ALLOCATED+FAIL", True)])
 def test_lost_states(state, lost):
-    assert slurmq.SlurmNode("x", "x", state=state).lost is lost
+    assert slurmparse.SlurmNode("x", "x", state=state).lost is lost
 
 
 def test_a_het_job_reads_as_one_record_per_component_with_its_leader_and_offset():
     """``scontrol show job <leader>`` of ``salloc -N2 -C nvidia : -N1 -C ascend``, one-line and multi-line."""
-    one_line = slurmq.parse_jobs(capture("scontrol_show_job_het_o.txt"))
-    multi = slurmq.parse_jobs(capture("scontrol_show_job_het.txt"))
+    one_line = slurmparse.parse_jobs(capture("scontrol_show_job_het_o.txt"))
+    multi = slurmparse.parse_jobs(capture("scontrol_show_job_het.txt"))
     for jobs in (one_line, multi):
         assert [(j.job_id, j.state, j.node_list, j.num_nodes, j.features, j.het_job_id, j.het_offset) for j in jobs] == [
             ("3", "RUNNING", "n[1-2]", 2, "nvidia", "3", 0), ("4", "RUNNING", "n3", 1, "ascend", "3", 1)]
-        assert [j.het for j in jobs] == [slurmq.HetPlace("3", 0, "3"), slurmq.HetPlace("3", 1, "4")]
+        assert [j.het for j in jobs] == [slurmparse.HetPlace("3", 0, "3"), slurmparse.HetPlace("3", 1, "4")]
         assert jobs[1].het.label == "3+1" and jobs[0].extra["HetJobIdSet"] == "3-4"
-    assert slurmq.parse_job(capture("scontrol_show_job_het.txt")).job_id == "3"
-    plain = slurmq.parse_job(capture("scontrol_show_job_o.txt"))
+    assert slurmparse.parse_job(capture("scontrol_show_job_het.txt")).job_id == "3"
+    plain = slurmparse.parse_job(capture("scontrol_show_job_o.txt"))
     assert plain.het is None and plain.het_job_id == ""
 
 
 def test_after_a_node_failure_the_other_single_node_component_is_gone_and_says_so():
     """Slurm removed the DOWN n4 from 1+1 but killed 1+0 (n1 alone), --no-kill on both."""
-    jobs = slurmq.parse_jobs(capture("scontrol_show_job_het_node_fail_o.txt"))
+    jobs = slurmparse.parse_jobs(capture("scontrol_show_job_het_node_fail_o.txt"))
     assert [(j.job_id, j.state, j.node_list, j.het.label) for j in jobs] == [("1", "NODE_FAIL", "n1", "1+0"),
                                                                           ("2", "RUNNING", "n3", "1+1")]
     text = capture("scontrol_show_job_het_node_fail_o.txt").splitlines()
@@ -127,42 +127,42 @@ NODE_CAPTURES = {
 @pytest.mark.parametrize("name", sorted(NODE_CAPTURES))
 def test_multi_line_show_node_of_other_slurm_versions(name):
     """Public captures (Slurm 15.08 to 24.11) of plain ``scontrol show node``: one record over indented lines."""
-    (node,) = slurmq.parse_nodes(capture(name))
+    (node,) = slurmparse.parse_nodes(capture(name))
     assert (node.name, node.addr, node.cpus, node.memory_mb, node.gres, node.features, node.state, node.lost,
             node.reason) == NODE_CAPTURES[name]
-    assert slurmq.gres_fits(node.gres, "gpu:1") is bool(node.gres)
+    assert slurmparse.gres_fits(node.gres, "gpu:1") is bool(node.gres)
 
 
 def test_records_follow_each_other_even_with_a_blank_line_inside_one():
     """Slurm 24.11 prints a blank line inside a record (before Reason=); two records in one output."""
     text = capture("scontrol_show_node_24.11_cloud.txt") + "\n\n" + capture("scontrol_show_node_24.11_down_cloud.txt")
-    nodes = slurmq.parse_nodes(text)
+    nodes = slurmparse.parse_nodes(text)
     assert [(n.addr, n.state, n.reason[:11]) for n in nodes] == [("10.0.10.160", "IDLE+CLOUD", "Node start "),
                                                                 ("10.0.10.166", "DOWN+CLOUD+POWERED_DOWN", "Static node")]
-    assert slurmq.lost_words(nodes[1]).startswith("slurm: node gpu-st-ml-1 is DOWN+POWERED_DOWN (Static node")
-    one_line = slurmq.parse_nodes("\n".join(" ".join(ln.split()) for ln in text.split("\n\n\n")))
+    assert slurmparse.lost_words(nodes[1]).startswith("slurm: node gpu-st-ml-1 is DOWN+POWERED_DOWN (Static node")
+    one_line = slurmparse.parse_nodes("\n".join(" ".join(ln.split()) for ln in text.split("\n\n\n")))
     assert one_line == nodes  # the same records as -o would print them
 
 
 def test_a_nodes_switch_is_the_lowest_level_switch_or_block_that_names_it():
-    tree = slurmq.parse_topology(capture("scontrol_show_topology_tree_22.05.txt"))
+    tree = slurmparse.parse_topology(capture("scontrol_show_topology_tree_22.05.txt"))
     assert tree == {"n1": "leaf0", "n2": "leaf0", "n3": "leaf1", "n4": "leaf1"}  # not the spine, which names all
     # topology/block (Slurm 23.11+): a block is the fast domain its nodes share
-    blocks = slurmq.parse_topology("BlockName=b1 BlockIndex=0 Nodes=gpu-[001-018] BlockSize=18\n"
+    blocks = slurmparse.parse_topology("BlockName=b1 BlockIndex=0 Nodes=gpu-[001-018] BlockSize=18\n"
                                    "BlockName=b2 BlockIndex=1 Nodes=gpu-[019-036] BlockSize=18\n")
     assert blocks["gpu-001"] == "b1" and blocks["gpu-036"] == "b2" and len(blocks) == 36
     # what is not a valid or bounded hostlist labels nothing, and never raises
-    assert slurmq.parse_topology("SwitchName=s0 Level=0 Nodes=n[1-\nSwitchName=s1 Level=0 Nodes=x[1-99999999]\n"
+    assert slurmparse.parse_topology("SwitchName=s0 Level=0 Nodes=n[1-\nSwitchName=s1 Level=0 Nodes=x[1-99999999]\n"
                                  "SwitchName=s2 Level=0\n") == {}
-    assert slurmq.parse_topology("") == {}
+    assert slurmparse.parse_topology("") == {}
 
 
 def test_inside_a_het_allocation_its_variables_say_which_component_holds_a_node():
     """What salloc -N2 -C nvidia : -N1 -C ascend sets (no SLURM_JOB_NODELIST at all)."""
     env = {"SLURM_JOB_ID": "3", "SLURM_HET_SIZE": "2", "SLURM_JOB_ID_HET_GROUP_0": "3", "SLURM_JOB_ID_HET_GROUP_1": "4",
            "SLURM_JOB_NODELIST_HET_GROUP_0": "n[1-2]", "SLURM_JOB_NODELIST_HET_GROUP_1": "n3"}
-    assert slurmq.env_het_place("n2", env) == slurmq.HetPlace("3", 0, "3")
-    assert slurmq.env_het_place("n3", env) == slurmq.HetPlace("3", 1, "4")
+    assert slurmq.env_het_place("n2", env) == slurmparse.HetPlace("3", 0, "3")
+    assert slurmq.env_het_place("n3", env) == slurmparse.HetPlace("3", 1, "4")
     assert slurmq.env_het_place("n9", env) is None and slurmq.env_het_place("n1", {"SLURM_JOB_ID": "3"}) is None
 
 
@@ -175,7 +175,7 @@ def test_srun_argv_of_a_het_node_names_its_component():
     plain, _ = srun_argv(node, ["true"], job="3", step_name="hetctl-x")
     assert plain[:3] == ["srun", "--jobid=3", "--nodes=1"]  # a plain job's line is unchanged
     failed = step_failure("n3", "3", 1, "srun: error: No directives to start application on any available hetjob "
-                                        "components\n", slurmq.HetPlace("3", 1, "4"))
+                                        "components\n", slurmparse.HetPlace("3", 1, "4"))
     assert isinstance(failed, Unreachable) and "n3: srun cannot start a step in job 3 (component 3+1)" in failed.message
 
 
@@ -203,7 +203,7 @@ def allocate(cluster: SlurmCluster, *args: str) -> str:
 
 def allocation_env(cluster: SlurmCluster, job: str, home: Path) -> dict[str, str]:
     """The environment of a shell inside job ``job``, as salloc gives it (plus this site's HOME)."""
-    info = slurmq.parse_job(cluster.client("scontrol", "show", "job", "-o", job).stdout)
+    info = slurmparse.parse_job(cluster.client("scontrol", "show", "job", "-o", job).stdout)
     env = {**os.environ, **cluster.env, "SLURM_JOB_ID": job, "SLURM_JOB_NODELIST": info.node_list,
            "SLURM_JOB_NUM_NODES": str(info.num_nodes), "HOME": str(home), "COLUMNS": "200"}
     env.pop("SSH_AUTH_SOCK", None)
@@ -226,7 +226,7 @@ def het_allocation_env(cluster: SlurmCluster, job: str, home: Path) -> dict[str,
 def het_components(cluster: SlurmCluster, job: str) -> list[dict[str, str]]:
     """``scontrol show job -o <leader>``: one record per component."""
     out = cluster.client("scontrol", "show", "job", "-o", job).stdout
-    return [slurmq.parse_record(ln) for ln in out.splitlines() if ln.strip()]
+    return [slurmparse.parse_record(ln) for ln in out.splitlines() if ln.strip()]
 
 
 def hetctl(d: Path, env: dict, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -344,6 +344,7 @@ def test_a_het_job_named_from_outside_runs_each_step_in_the_component_holding_th
     """``slurm.job: <leader>`` of ``salloc -N1 -w n1 : -N1 -w n3``: srun takes only the leader's id, needs
     --het-group outside the allocation, and lists the step under the component's own id."""
     from hetctl.files.inventory import load_inventory
+    from hetctl.remote.slurmalloc import allocation, allocation_nodes
 
     c = slurm_cluster
     job = allocate(c, "-N1", "-w", "n1", ":", "-N1", "-w", "n3")
@@ -354,13 +355,13 @@ def test_a_het_job_named_from_outside_runs_each_step_in_the_component_holding_th
         component = het_components(c, job)[1]["JobId"]
         inv_file = tmp_path / "inventory.yaml"
         inv_file.write_text(yaml.safe_dump({"defaults": {"python": sys.executable}, "slurm": {"job": job}}))
-        inv = load_inventory(inv_file)
+        inv = load_inventory(inv_file, slurm=allocation)
         assert inv.names == ["n1", "n3"]  # both components
         assert [(n.name, n.slurm_job, n.slurm_het_group, n.slurm_het_component, n.labels["slurm_gres"])
                 for n in inv.nodes] == [("n1", job, 0, job, "gpu:2"), ("n3", job, 1, component, "")]
         for name in (component, f"{job}+1"):  # one component, named by its own id or as Slurm writes it
-            got, only = slurmq.allocation_nodes(inv.slurm.model_copy(update={"job": name}))
-            assert got == job and [(n.name, n.het) for n in only] == [("n3", slurmq.HetPlace(job, 1, component))]
+            got, only = allocation_nodes(inv.slurm.model_copy(update={"job": name}))
+            assert got == job and [(n.name, n.het) for n in only] == [("n3", slurmparse.HetPlace(job, 1, component))]
         for node in inv.nodes:
             r = SlurmTransport(node).run(["sh", "-c", 'echo "$SLURMD_NODENAME $SLURM_JOB_ID"'])
             assert r.stdout.split() == [node.name, job]
@@ -841,4 +842,4 @@ def test_launch_in_a_het_job_starts_each_step_in_its_component_and_drops_a_compo
 @pytest.mark.parametrize("have,want,fits", [("gpu:8", "gpu:8", True), ("gpu:a100:8(S:0-1)", "gpu:4", True),
                                             ("gpu:2", "gpu:8", False), ("", "gpu:1", False), ("npu:2,nic:1", "nic", True)])
 def test_gres_fits(have, want, fits):
-    assert slurmq.gres_fits(have, want) is fits
+    assert slurmparse.gres_fits(have, want) is fits

@@ -7,7 +7,7 @@ from importlib import resources
 import pytest
 
 from hetctl.errors import ConfigError
-from hetctl.files.cluster import VENDORS
+from hetctl.files.chipfields import VENDORS
 from hetctl.probe.specs import lookup, normalize_name, parse_table, table
 
 # Every row of reference/chips.md: (vendor, the name string a tool prints — or the

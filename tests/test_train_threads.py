@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hetctl.train.main import parse_args
+from hetctl.train.options import parse_args
 
 
 @pytest.mark.parametrize("env, want", [

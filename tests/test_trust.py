@@ -394,7 +394,7 @@ def test_node_strings_reach_a_real_terminal_as_visible_text(tmp_path, command):
 
 
 def test_json_output_escapes_what_json_leaves_raw(capsys):
-    from hetctl.cli import print_json
+    from hetctl.cli.base import print_json
 
     print_json(json.dumps({"chip": "A100\x9b2J\u202e"}, ensure_ascii=False))
     out = capsys.readouterr().out
@@ -728,9 +728,9 @@ def test_a_padded_line_in_real_rocminfo_output_reads_as_the_unpadded_one():
 @pytest.mark.parametrize("first, final, shown", [(5.5, float("nan"), "5.5000 → nan (diverged)"),
                                                  (5.5, None, "5.5000 → -"), (None, None, "-")])
 def test_the_run_summary_says_a_nan_loss_diverged(first, final, shown):
-    from hetctl.cli.run import _loss_span
+    from hetctl.cli.runview import loss_span
 
-    assert _loss_span(first, final) == shown
+    assert loss_span(first, final) == shown
 
 
 def test_the_edge_checks_exactly_the_protocols_events_and_fields():

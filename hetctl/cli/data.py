@@ -10,7 +10,8 @@ from typing import Callable, Iterator
 
 import typer
 
-from hetctl.cli import app, err, handle_errors, may_be_terminal, out, print_json, text
+from hetctl.cli.root import app
+from hetctl.cli.base import err, handle_errors, may_be_terminal, out, print_json, text
 
 data_app = typer.Typer(name="data", help="Prepare training data.", no_args_is_help=True)
 app.add_typer(data_app)

@@ -108,7 +108,7 @@ def plan_tiny(directory: str | Path, cluster: Any, stages: int = 3) -> tuple[Pla
     from hetctl.plan.models import load_model
     from hetctl.plan.planner import plan_cluster
     from hetctl.plan.render import write_plan_dir
-    from hetctl.plan.search import Pins
+    from hetctl.plan.candidates import Pins
 
     cluster_path = Path(directory) / "cluster.yaml"
     plan = plan_cluster(cluster, load_model(DEMO_MODEL), pins=Pins(pp=stages, dp=1), micro_batch=1,

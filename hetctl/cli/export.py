@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import typer
 
-from hetctl.cli import app, handle_errors, out, run_path, text
+from hetctl.cli.root import app
+from hetctl.cli.base import handle_errors, out, run_path, text
 
 
 @app.command("export")
@@ -28,7 +29,7 @@ def export_cmd(
         raise ConfigError(f"hetctl export needs {e.name}, which is not installed",
                           "pip install 'hetctl[train]'") from None
     if json_out:
-        from hetctl.cli import print_json
+        from hetctl.cli.base import print_json
         from hetctl.textsafe import json_dumps
 
         print_json(json_dumps({"folder": str(done.folder), "step": done.step, "tensors": done.tensors,

@@ -5,7 +5,7 @@ fan-out benchmark run, and most of its wall time at a few nodes was start-up: ty
 its pydantic-built option parsing) ran before the inventory was read and any node's ssh
 client could start. :func:`probe_fast` reads exactly those options from ``argv`` and runs
 :func:`run_probe`, the same body the typer command (:mod:`hetctl.cli.probe`) calls, with
-the same error lines and exit codes (:func:`hetctl.cli.report_error`); typer is then never
+the same error lines and exit codes (:func:`hetctl.cli.base.report_error`); typer is then never
 imported. Anything else in ``argv`` — another command, ``--help``, ``--bench``, ``--model``,
 an option given twice, a value that looks like an option, a missing ``-i`` — goes to typer
 as before, so its help, its parsing and its error messages are unchanged.
@@ -19,7 +19,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
-from hetctl.cli import err, interrupts_end_commands, may_be_terminal, out, print_json, report_error, report_interrupt, text
+from hetctl.cli.base import err, interrupts_end_commands, may_be_terminal, out, print_json, report_error, report_interrupt, text
 from hetctl.errors import HetctlError
 
 if TYPE_CHECKING:  # the cluster model is imported once the nodes' ssh clients have started
@@ -94,9 +94,10 @@ def run_probe(inventory: str | None, output: str | None = None, json_out: bool =
     # Only what reaching the nodes needs comes before the probe: the nodes' ssh clients
     # start while the rest of the CLI (rich, the parsers) is still being imported.
     from hetctl.files.inventory import load_inventory
+    from hetctl.remote.slurmalloc import allocation
     from hetctl.probe.gather import probe
 
-    inv = load_inventory(inventory)
+    inv = load_inventory(inventory, slurm=allocation)
     with _progress(len(inv.nodes)) as done:
         with interrupts_end_commands():
             cluster = probe(inv, bench=bench, on_done=done, profile=shape)
@@ -108,9 +109,9 @@ def run_probe(inventory: str | None, output: str | None = None, json_out: bool =
     if json_out:
         print_json(to_json(cluster))
     else:
-        from hetctl.cli.probe import _print_probe
+        from hetctl.cli.probeview import print_probe
 
-        _print_probe(cluster, bench=bench)
+        print_probe(cluster, bench=bench)
         for finding in cluster.findings:  # consistency across nodes (hetctl.probe.findings)
             out.print(text(("!", "yellow"), f" {finding.message}"), highlight=False, soft_wrap=True)
         if output:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import typer
 
-from hetctl.cli import app, err, handle_errors, out, print_json, text
+from hetctl.cli.root import app
+from hetctl.cli.base import err, handle_errors, out, print_json, text
 
 
 @app.command("plan")
@@ -62,7 +63,7 @@ def plan_cmd(
     from hetctl.plan.models import load_model as load_spec
     from hetctl.plan.planner import plan_cluster
     from hetctl.plan.render import write_plan_dir
-    from hetctl.plan.search import Pins
+    from hetctl.plan.candidates import Pins
     from hetctl.files.cluster import Cluster
     from hetctl.files.yamlio import load_model, to_json
 

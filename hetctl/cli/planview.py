@@ -9,10 +9,10 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from hetctl.cli import out
+from hetctl.cli.base import out
 from hetctl.cli.fit import Col, fitted
 
-from hetctl.plan.planner import WARNING
+from hetctl.plan.explain import WARNING
 from hetctl.files.plan import Estimate, Plan
 
 

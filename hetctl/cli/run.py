@@ -5,7 +5,9 @@ from __future__ import annotations
 import typer
 
 from hetctl.textsafe import json_dumps
-from hetctl.cli import app, err, handle_errors, out, print_json, run_path, text
+from hetctl.cli.root import app
+from hetctl.cli.base import err, handle_errors, print_json, run_path, text
+from hetctl.cli.runview import finish_launch, print_dry_run, warn
 
 
 # Fault-policy options shared by `launch` and `resume` (one definition, one help text).
@@ -150,15 +152,9 @@ def launch_cmd(
             data["srun"] = {n.node: dry_run_step(inv.node(n.node), n) for n in spec.nodes if n.transport == "slurm"}
         print_json(json_dumps(data, indent=2))
     else:
-        _print_dry_run(spec, inv, ssh, note)
+        print_dry_run(spec, inv, ssh, note)
     if anyway:  # last, where it is seen
-        _warn(anyway)
-
-
-def _warn(line: str) -> None:
-    """A warning on stderr, after what stdout already holds."""
-    out.file.flush()
-    err.print(text(("warning:", "yellow"), " ", line), highlight=False, soft_wrap=True)
+        warn(anyway)
 
 
 def _launch(plan, inv, pf, alloc, options, *, run_dir, policy, grace, hang_timeout, node_timeout, json_out,
@@ -172,7 +168,7 @@ def _launch(plan, inv, pf, alloc, options, *, run_dir, policy, grace, hang_timeo
     for warning in (launcher.checkpoint_warning(inv, plan),
                     launcher.compress_warning(plan, options.entry, options.script_args), anyway):
         if warning:
-            _warn(warning)
+            warn(warning)
     prepared = launcher.prepare_launch(
         plan, inv, options, run_root=run_dir, plan_path=pf, policy=policy,
         thresholds=Thresholds(grace_s=grace, hang_timeout=hang_timeout, node_timeout=node_timeout),
@@ -181,7 +177,7 @@ def _launch(plan, inv, pf, alloc, options, *, run_dir, policy, grace, hang_timeo
     result = _run_live(prepared)
     if export and result.summary.state == "succeeded":
         _export_run(result.summary.run_dir, export)
-    _finish_launch(result, json_out, anyway)
+    finish_launch(result, json_out, anyway)
 
 
 def _export_run(run_dir: str, folder: str) -> None:
@@ -193,7 +189,7 @@ def _export_run(run_dir: str, folder: str) -> None:
     try:
         done = export(run_dir, folder)
     except HetctlError as e:
-        _warn(f"--export {folder}: {e.message}; the run's checkpoints are kept: run `hetctl export {run_dir} -o "
+        warn(f"--export {folder}: {e.message}; the run's checkpoints are kept: run `hetctl export {run_dir} -o "
               "FOLDER` where they are readable")
         return
     err.print(text(f"exported step {done.step} ({done.tensors} tensors) to {done.folder}"), highlight=False,
@@ -290,7 +286,7 @@ def demo_cmd(
     ratio = result.summary.step_ratio
     if ratio is not None and ratio > 1.2:  # slower than the planner's 20% goal: say why
         extra = {**(extra or {}), "step_note": demo.shared_cpus_note(len(plan.ranks), ratio)}
-    _finish_launch(result, json_out, extra=extra)
+    finish_launch(result, json_out, extra=extra)
 
 
 def _demo_sample(summary, folder) -> dict:
@@ -304,7 +300,7 @@ def _demo_sample(summary, folder) -> dict:
     try:
         done = export(summary.run_dir, folder)
     except HetctlError as e:
-        _warn(f"export to {folder}: {e.message}; the run's checkpoints are kept")
+        warn(f"export to {folder}: {e.message}; the run's checkpoints are kept")
         return {"export": None, "prompt": demo.PROMPT, "sample": None}
     err.print(text(("export", "bold"), f" step {done.step} as a Hugging Face folder: {done.folder}"),
               highlight=False, soft_wrap=True)
@@ -329,114 +325,6 @@ def _policy(max_restarts: int, max_node_failures: int, rebalance: bool):
     from hetctl.elastic.policy import PolicyConfig
 
     return PolicyConfig(max_restarts=max_restarts, max_node_failures=max_node_failures, rebalance=rebalance)
-
-
-def _loss_span(first: float | None, final: float | None) -> str:
-    """``5.5000 → 1.2000``; a missing end is ``-``, and a NaN or infinite one says the run diverged."""
-    import math
-
-    def one(x: float | None) -> str:
-        return "-" if x is None else f"{x:.4f}" if math.isfinite(x) else f"{x} (diverged)"
-
-    return "-" if first is None and final is None else f"{one(first)} → {one(final)}"
-
-
-def _finish_launch(result, json_out: bool, warning: str | None = None, extra: dict | None = None) -> None:
-    """Summary on stdout, then ``warning`` (a plan rendered anyway); exit 0 only on success (3: could not start,
-    5: failed, 130: stopped). ``extra``: the demo's export and sample (a ``demo`` key in the JSON)."""
-    from hetctl.errors import RunFailed
-
-    s = result.summary
-    if json_out:
-        if extra is None:
-            print_json(s.model_dump_json(indent=2))
-        else:
-            print_json(json_dumps({**s.model_dump(mode="json"), "demo": extra}, indent=2))
-    else:
-        loss = _loss_span(s.first_loss, s.final_loss)
-        tps = "-" if s.tokens_per_s is None else f"{s.tokens_per_s:,.0f}"
-        colour = {"succeeded": "green", "failed": "red", "stopped": "yellow"}.get(s.state, "")
-        out.print(text((s.state, f"bold {colour}"), f"  run {s.run_id}  steps {s.steps}  loss {loss}  tokens/s {tps}  "
-                       f"attempts {s.attempts}  restarts {s.restarts}"), highlight=False, soft_wrap=True)
-        out.print(text(f"run folder: {s.run_dir}"), highlight=False, soft_wrap=True)
-        if s.step_ratio is not None:
-            out.print(text(f"step time: measured {s.measured_step_s:.4g} s, planned {s.predicted_step_s:.4g} s "
-                           f"(measured ÷ planned {s.step_ratio:.3g}); `hetctl plan --calibrate {s.run_dir}` "
-                           "re-plans with the measured speeds"), highlight=False, soft_wrap=True)
-            if extra and extra.get("step_note"):
-                out.print(text((extra["step_note"], "dim")), highlight=False, soft_wrap=True)
-        for r in s.recoveries:
-            out.print(text(f"attempt {r.attempt}: from {'its peers' if r.recovery_path == 'peer' else 'the checkpoint'}"
-                           f" at step {r.resume_step or 0}, {r.steps_lost} completed steps lost"), highlight=False)
-        if "diverged" in loss:
-            err.print(text(("warning:", "yellow"), " the loss is not a number at the end: the model diverged; lower the "
-                           "learning rate or resume from an earlier checkpoint"), highlight=False, soft_wrap=True)
-        if s.reason and s.state != "succeeded":
-            out.print(text(f"reason: {s.reason}"), highlight=False, soft_wrap=True)
-        if any(r.restart_s is not None for r in s.recoveries):
-            from hetctl.elastic.recovery import describe
-
-            for r in s.recoveries:  # seconds from the failure: where each restart's time went
-                if r.restart_s is not None:
-                    out.print(text(f"recovery: {describe(r)}"), highlight=False, soft_wrap=True)
-        if extra and extra.get("export"):
-            if extra.get("sample") is None:
-                out.print(text(f"exported to {extra['export']}; `pip install transformers` to see it generate text"),
-                          highlight=False, soft_wrap=True)
-            else:
-                out.print(text(("transformers generated from the export:", "bold")), highlight=False)
-                out.print(text(extra["sample"]), highlight=False, soft_wrap=True)  # the console drops control bytes
-    if warning:
-        _warn(warning)
-    if s.state != "succeeded":
-        err.print(text(("continue with:", "dim"), f" hetctl resume {s.run_dir}"), highlight=False, soft_wrap=True)
-        raise typer.Exit(130 if s.state == "stopped" else RunFailed.exit_code)
-
-
-def _print_dry_run(spec, inv=None, ssh=None, note=None) -> None:
-    """Per node: the agent command, then each rank's argv and environment (inventory env values masked but
-    ``public_env``'s); ``note``: the node
-    checks a launch would run first."""
-    import shlex
-
-    from hetctl.launch.materialize import mask_env
-
-    out.print(text(("dry run", "bold"), f": attempt {spec.attempt}, {sum(len(n.ranks) for n in spec.nodes)} ranks on "
-              f"{len(spec.nodes)} nodes; rendezvous {spec.master_addr}:{spec.master_port}; "
-              f"checkpoints {spec.ckpt_dir}; nothing started"), highlight=False, soft_wrap=True)
-    if note:
-        out.print(text(note), highlight=False, soft_wrap=True)
-    for n in spec.nodes:
-        out.print(text("\n", (n.node, "bold"), f" ({n.transport} {n.host}, workdir {n.workdir})"), highlight=False)
-        eff = (ssh or {}).get(n.node)
-        if isinstance(eff, str):
-            out.print(text(("  ssh: ", "red"), eff), highlight=False, soft_wrap=True)
-        elif eff is not None:  # what `ssh -G` says: the connection as it will be made
-            via = f" via {' → '.join(eff.jump_path or (eff.proxy_jump,))}" if eff.proxy_jump else ""
-            via += f" via ProxyCommand {eff.proxy_command}" if eff.proxy_command else ""
-            out.print(text(f"  ssh: {eff.user}@{eff.hostname}:{eff.port}{via}; keys "
-                           f"{', '.join(eff.identity_files) or 'agent only'}; known_hosts "
-                           f"{', '.join(eff.known_hosts)}; StrictHostKeyChecking {eff.strict_host_key_checking}"),
-                      highlight=False, soft_wrap=True)
-        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in mask_env(n.env, getattr(inv, "public_env", ())).items())
-        out.print(text(f"  agent: {env + ' ' if env else ''}{shlex.join(n.agent_argv)}"), highlight=False,
-                  soft_wrap=True)
-        if n.transport == "slurm" and inv is not None:  # the step the agent runs in
-            from hetctl.remote.slurm import dry_run_srun
-
-            out.print(text(f"  srun: {dry_run_srun(inv.node(n.node), n)}"), highlight=False, soft_wrap=True)
-        for r in n.ranks:
-            out.print(text(f"  rank {r.rank} (replica {r.replica}, stage {r.stage}, "
-                           f"layers {r.layers[0]}:{r.layers[1]}):"), highlight=False)
-            for k in sorted(r.env):
-                out.print(text(f"    {k}={shlex.quote(r.env[k])}"), highlight=False, soft_wrap=True)
-            argv = r.argv
-            if argv[:2] == ("bash", "-c"):  # a rendered framework rank: name its script rather than print it
-                from hetctl.plan.render import script_name
-
-                argv = ("bash", "-c", f"<plan/nodes/{script_name(n.node)} for rank {r.rank} alone, then exec>",
-                        *argv[3:])
-            out.print(text(f"    {shlex.join(argv)}"), highlight=False, soft_wrap=True)
 
 
 @app.command("resume")
@@ -530,8 +418,8 @@ def _resume(prep, alloc, json_out: bool) -> None:
 
     anyway = rendered_anyway(prep.plan, tuple(prep.info.inputs.entry))
     if anyway:
-        _warn(anyway)
+        warn(anyway)
     begin(prep)
     if alloc.job:
         prep.run.save_info(prep.info)
-    _finish_launch(_run_live(prep), json_out, anyway)
+    finish_launch(_run_live(prep), json_out, anyway)

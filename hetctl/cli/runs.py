@@ -7,7 +7,8 @@ import time
 import typer
 
 from hetctl.textsafe import json_dumps
-from hetctl.cli import app, err, handle_errors, out, print_json, run_path, text
+from hetctl.cli.root import app
+from hetctl.cli.base import err, handle_errors, out, print_json, run_path, text
 
 
 def _age(ts: float) -> str:

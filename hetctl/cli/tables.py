@@ -10,7 +10,8 @@ import json
 
 import typer
 
-from hetctl.cli import app, handle_errors, out, print_json
+from hetctl.cli.root import app
+from hetctl.cli.base import handle_errors, out, print_json
 
 
 def _fig(v: float | None) -> str:
@@ -41,7 +42,7 @@ def chips_cmd(
 ) -> None:
     """List the chip table: memory and dense peak TFLOPS per chip, as the planner uses them."""
     from hetctl.errors import ConfigError
-    from hetctl.files.cluster import VENDORS
+    from hetctl.files.chipfields import VENDORS
     from hetctl.probe.specs import AmbiguousSpec
 
     if vendor is not None and vendor.lower() not in VENDORS:

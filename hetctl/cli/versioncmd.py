@@ -13,7 +13,8 @@ from importlib import metadata
 
 import typer
 
-from hetctl.cli import app, handle_errors, out, print_json, text
+from hetctl.cli.root import app
+from hetctl.cli.base import handle_errors, out, print_json, text
 
 
 def _dist_version(name: str) -> str | None:

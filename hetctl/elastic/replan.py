@@ -169,7 +169,7 @@ def replan(
     """
     if plan_fn is None:
         from hetctl.plan.planner import plan_cluster as plan_fn
-    from hetctl.plan.search import Pins
+    from hetctl.plan.candidates import Pins
 
     left = survivors(cluster, drop)
     if factors:

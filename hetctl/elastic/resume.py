@@ -270,6 +270,7 @@ def _prepare(run: Any, lock: Any, *, inventory: Inventory | None, steps: int | N
     from hetctl.elastic.replan import keep_measured, replan
     from hetctl.elastic.start import policy_and_thresholds
     from hetctl.files.inventory import load_inventory
+    from hetctl.remote.slurmalloc import allocation
 
     info = run.load_info()
     info.inputs.faults = resumed_faults(info.inputs.faults, faults)
@@ -283,7 +284,7 @@ def _prepare(run: Any, lock: Any, *, inventory: Inventory | None, steps: int | N
     inv_path = inventory or info.inputs.inventory
     if not inv_path:
         raise ResumeRefused(f"{run.run_yaml}: the run records no inventory", "pass one with -i inventory.yaml")
-    inv = load_inventory(inv_path)
+    inv = load_inventory(inv_path, slurm=allocation)
     if connect is None:
         from hetctl.remote import connect as remote_connect
 

@@ -40,6 +40,7 @@ def load_plan_and_inventory(plan_dir: str | Path, inventory: str | Path | None =
     current directory), then relative to the plan folder.
     """
     from hetctl.files.inventory import load_inventory
+    from hetctl.remote.slurmalloc import allocation
 
     pf = plan_file(plan_dir)
     if not pf.exists():
@@ -56,7 +57,7 @@ def load_plan_and_inventory(plan_dir: str | Path, inventory: str | Path | None =
         inv_path = Path(plan.inventory)
         if not inv_path.is_absolute() and not inv_path.exists() and (pf.parent / inv_path).exists():
             inv_path = pf.parent / inv_path
-    inv = load_inventory(inv_path)
+    inv = load_inventory(inv_path, slurm=allocation)
     if inv.slurm is not None:
         from hetctl.remote.slurmq import check_plan_fits
 
@@ -191,7 +192,7 @@ def _trainer_args(args: tuple[str, ...]) -> tuple[Any, str | None]:
     """``args`` as the reference trainer's own parser reads them; or None and its one-line error."""
     import io
 
-    from hetctl.train.main import parse_args
+    from hetctl.train.options import parse_args
 
     said = io.StringIO()
     try:

@@ -16,22 +16,8 @@ from pydantic import Field
 from hetctl.files.fields import Strict as _Strict
 
 from hetctl.files import fields
+from hetctl.files.chipfields import Tflops, Vendor
 from hetctl.files.fields import Invalid
-
-Vendor = Literal[
-    "nvidia", "amd", "ascend", "iluvatar", "metax", "mthreads",
-    "cambricon", "hygon", "enflame", "biren", "gaudi", "cpu",
-]
-VENDORS: tuple[str, ...] = Vendor.__args__  # type: ignore[attr-defined]
-
-
-class Tflops(_Strict):
-    """Dense peak (or measured) TFLOPS per dtype; ``None`` where unknown."""
-
-    bf16: fields.Tflops | None = None
-    fp16: fields.Tflops | None = None
-    fp32: fields.Tflops | None = None
-
 
 class LayerProfile(_Strict):
     """The reference trainer's own units timed on this chip at one model shape (``probe --bench --model``).

@@ -30,12 +30,13 @@ Resolution rules (docs/inventory.md repeats them):
 * ``slurm:`` adds the nodes of a Slurm allocation (before any listed ``nodes:``):
   the job ``slurm.job``, else the one hetctl runs in (``SLURM_JOB_ID``). Each gets
   ``transport: slurm``, ``hostname`` = Slurm's ``NodeAddr``, the ``defaults:`` and
-  the labels ``slurm_gres``, ``slurm_features``, ``slurm_cpus``, ``slurm_memory_mb``
-  (:mod:`hetctl.remote.slurmq`), and ``switch``: the leaf switch (or block) Slurm's
-  topology puts the node under (``scontrol show topology``, from ``topology.conf``),
-  unless ``defaults: labels: switch:`` says otherwise. In a heterogeneous job (``salloc … : …``) the
-  nodes of every component, each with its component (``slurm_het_group``), and
-  ``slurm_job`` = the job's leader.
+  the labels ``slurm_gres``, ``slurm_features``, ``slurm_cpus``, ``slurm_memory_mb``,
+  and ``switch``: the leaf switch (or block) Slurm's topology puts the node under
+  (``scontrol show topology``, from ``topology.conf``), unless ``defaults: labels: switch:``
+  says otherwise. In a heterogeneous job (``salloc … : …``) the nodes of every component,
+  each with its component (``slurm_het_group``), and ``slurm_job`` = the job's leader.
+  Slurm is asked by the caller's ``slurm=`` function (:func:`hetctl.remote.slurmalloc.allocation`),
+  which returns a :class:`hetctl.files.allocation.Allocation`; this module runs no command.
 """
 
 from __future__ import annotations
@@ -43,13 +44,14 @@ from __future__ import annotations
 import getpass
 import os
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Callable, Literal
 
 from pydantic import BeforeValidator, Field, StringConstraints, ValidationError, model_validator
 
 from hetctl.files.fields import Strict as _Strict
 
-from hetctl.errors import ConfigError
+from hetctl.errors import ConfigError, HetctlError
+from hetctl.files.allocation import Allocation, AllocationError
 from hetctl.files.fields import NoNul, Text, Tflops, host_problem, node_name_problem
 from hetctl.files.hostrange import MAX_NODES, count_hostlist
 from hetctl.files.yamlio import _line_of, format_loc, located_error, read_yaml, validation_error
@@ -135,6 +137,11 @@ class SlurmSettings(_Strict):
         if isinstance(data, dict) and isinstance(data.get("job"), int) and not isinstance(data.get("job"), bool):
             data = {**data, "job": str(data["job"])}
         return data
+
+
+# Asks Slurm what the job a `slurm:` block names holds (hetctl.remote.slurmalloc.allocation); raises
+# AllocationError (located below `slurm:`) or HetctlError.
+AskSlurm = Callable[[SlurmSettings], Allocation]
 
 
 class InventoryFile(_Strict):
@@ -322,14 +329,14 @@ def _resolve_nodes(f: InventoryFile, base: Path, slurm_job: str | None = None) -
     return nodes
 
 
-def _slurm_nodes(f: InventoryFile, base: Path) -> tuple[list[Node], str]:
-    """The nodes of the Slurm allocation named by ``slurm:`` (with ``defaults:`` applied)."""
-    from hetctl.errors import HetctlError
-    from hetctl.remote import slurmq
-
+def _slurm_nodes(f: InventoryFile, base: Path, ask: AskSlurm | None) -> tuple[list[Node], str]:
+    """The nodes of the Slurm allocation named by ``slurm:`` (with ``defaults:`` applied), as ``ask`` reports it."""
+    if ask is None:
+        raise _LocatedError(("slurm",), "this reader of the inventory does not ask Slurm for the allocation's nodes",
+                            "load a `slurm:` inventory with load_inventory(path, slurm=hetctl.remote.slurmalloc.allocation)")
     try:
-        job, found = slurmq.allocation_nodes(f.slurm)
-    except slurmq.AllocationError as e:
+        held = ask(f.slurm)  # type: ignore[arg-type]
+    except AllocationError as e:
         raise _LocatedError(("slurm", *e.key), e.message, e.hint) from None
     except HetctlError as e:
         raise _LocatedError(("slurm",), e.message, e.hint) from None
@@ -339,19 +346,19 @@ def _slurm_nodes(f: InventoryFile, base: Path) -> tuple[list[Node], str]:
     for key in ("user", "port", "identity_file", "proxy_jump"):  # ssh coordinates do not apply to srun
         defaults.pop(key, None)
     nodes = []
-    switches = slurmq.topology_switches()  # topology.conf's leaf switches: the planner's `switch` label
-    for sn in found:
-        topo = {"switch": switches[sn.name]} if sn.name in switches else {}
-        labels = {**topo, **defaults.get("labels", {}), "slurm_gres": sn.gres, "slurm_features": ",".join(sn.features),
-                  "slurm_cpus": str(sn.cpus), "slurm_memory_mb": str(sn.memory_mb)}
+    for an in held.nodes:
+        topo = {"switch": an.switch} if an.switch is not None else {}  # the planner's `switch` label
+        labels = {**topo, **defaults.get("labels", {}), "slurm_gres": an.gres, "slurm_features": ",".join(an.features),
+                  "slurm_cpus": str(an.cpus), "slurm_memory_mb": str(an.memory_mb)}
         fields = {**defaults, "labels": labels, "env": dict(defaults.get("env", {}))}
-        het = {"slurm_het_group": sn.het.group, "slurm_het_component": sn.het.component} if sn.het else {}
-        nodes.append(Node(name=sn.name, host=sn.name, hostname=sn.addr, transport="slurm", workdir=workdir,
-                          slurm_job=job, **het, **fields))
-    return nodes, job
+        het = {"slurm_het_group": an.het_group, "slurm_het_component": an.het_component} \
+            if an.het_group is not None else {}
+        nodes.append(Node(name=an.name, host=an.name, hostname=an.addr, transport="slurm", workdir=workdir,
+                          slurm_job=held.job, **het, **fields))
+    return nodes, held.job
 
 
-def _resolve(f: InventoryFile, base: Path, source: Path) -> Inventory:
+def _resolve(f: InventoryFile, base: Path, source: Path, ask: AskSlurm | None) -> Inventory:
     ssh = f.ssh.model_copy()
     if ssh.config is None or ssh.config.lower() == "none":
         ssh.config = None
@@ -364,7 +371,7 @@ def _resolve(f: InventoryFile, base: Path, source: Path) -> Inventory:
         ssh.config = path
     if ssh.known_hosts is not None:
         ssh.known_hosts = _local_path(ssh.known_hosts, base)
-    slurm_nodes, slurm_job = _slurm_nodes(f, base) if f.slurm is not None else ([], None)
+    slurm_nodes, slurm_job = _slurm_nodes(f, base, ask) if f.slurm is not None else ([], None)
     nodes = slurm_nodes + _resolve_nodes(f, base, slurm_job)
     seen: set[str] = set()
     for n in nodes:
@@ -387,8 +394,12 @@ def _resolve(f: InventoryFile, base: Path, source: Path) -> Inventory:
                      public_env=f.public_env)
 
 
-def load_inventory(path: str | Path) -> Inventory:
+def load_inventory(path: str | Path, slurm: AskSlurm | None = None) -> Inventory:
     """Read, validate and resolve an inventory file.
+
+    Args:
+        slurm: how a ``slurm:`` block's nodes are found (:func:`hetctl.remote.slurmalloc.allocation`);
+            without it such an inventory is refused.
 
     Raises:
         ConfigError: one line naming ``file:line: key.path`` and the problem, for
@@ -406,7 +417,7 @@ def load_inventory(path: str | Path) -> Inventory:
     except ValidationError as e:
         raise validation_error(p, e, root, InventoryFile) from None
     try:
-        return _resolve(raw, p.resolve().parent, p)
+        return _resolve(raw, p.resolve().parent, p, slurm)
     except _LocatedError as e:
         raise located_error(p, _line_of(root, e.loc), format_loc(e.loc), e.msg, e.hint) from None
 

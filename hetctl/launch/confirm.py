@@ -46,7 +46,7 @@ Ended = Callable[[list[str]], Mapping[str, str]]  # node names → Slurm's word 
 
 def slurm_ended(places: Mapping[str, Any]) -> Ended:
     """The ``ended`` question for nodes of a heterogeneous job (``places``: node → its
-    :class:`~hetctl.remote.slurmq.HetPlace`)."""
+    :class:`~hetctl.remote.slurmparse.HetPlace`)."""
     from hetctl.remote import slurmq
 
     return lambda names: slurmq.ended_components({n: places[n] for n in names if n in places})
@@ -75,7 +75,7 @@ def settle(monitor: Any, unanswered: Iterable[str], ask: Ask = slurm_ask, ended:
             longer runs (a heterogeneous job's component); asked last, about every
             confirmed node not already lost. None: not asked (a plain job).
     """
-    from hetctl.remote.slurmq import lost_words
+    from hetctl.remote.slurmparse import lost_words
 
     suspects = dict(monitor.suspects)
     silent = [n for n in dict.fromkeys(unanswered) if n in monitor.confirm_nodes and n not in suspects]

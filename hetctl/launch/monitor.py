@@ -1,4 +1,5 @@
-"""Watching one attempt: agent events in, rank states, faults, progress and logs out.
+"""Watching one attempt: agent events in, rank states, faults, progress and logs out (what the heartbeats
+add up to, the stages' speeds, the loss and the throughput, is counted by :mod:`hetctl.launch.tally`).
 
 :class:`Monitor` consumes the agents' JSON events (see :mod:`hetctl.node.agent`) from a
 queue, keeps one :class:`RankStatus` per rank (the observed twin of
@@ -34,18 +35,11 @@ from hetctl.launch.progress import ProgressEntries
 from hetctl.launch.spares import SparesImporting
 from hetctl.launch.ranklogs import RankLogs
 from hetctl.launch.status import RankState, RankStatus, Snapshot
+from hetctl.launch.tally import Tally
 from hetctl.launch.wire import Refused, check as check_message
 from hetctl.node import protocol
 
 MAX_WARNINGS_PER_NODE = 20  # distinct bad_message reasons written per node and attempt
-
-def _add(sums: dict, key: tuple[int, int], ms: Any, also: dict | None = None) -> None:
-    """One more step of ``ms`` in the ``[n, sum]`` of ``key`` (and in ``also``'s)."""
-    for d in (sums, also) if also is not None else (sums,):
-        acc = d[key] or [0, 0.0]  # (stage_wall starts each key as an empty list)
-        d[key] = [acc[0] + 1, acc[1] + float(ms)]
-
-
 LIVE = (RankState.STARTING, RankState.RUNNING)
 
 OnProgress = Callable[[Mapping[tuple[int, int], float]], "Iterable[FailureRecord] | None"]
@@ -101,21 +95,8 @@ class Monitor:
         self.started_at = clock()
         self._stopping = False
         self._lost_tail: Callable[[str], str] | None = None
-        # One representative rank per (replica, stage) feeds the stage timings (TP peers agree).
-        self.rep = {}
-        for r in sorted(plan.ranks, key=lambda r: r.rank):
-            self.rep.setdefault((r.replica, r.stage), r.rank)
-        self.stage_ms: dict[tuple[int, int], list[float]] = defaultdict(list)  # [n, sum] after the first step
-        self.stage_wall: dict[tuple[int, int], list[float]] = defaultdict(list)  # [n, sum of step_ms], same steps
-        # The same, of the steps taken while no warm spare imported (hetctl.launch.spares): used when every
-        # stage has some, so that a spare's import is not measured as the stages' speed.
-        self.spares = SparesImporting()
-        self.quiet_ms: dict[tuple[int, int], list[float]] = defaultdict(lambda: [0, 0.0])
-        self.quiet_wall: dict[tuple[int, int], list[float]] = defaultdict(lambda: [0, 0.0])
-        self.loss_span: dict[int, list[tuple[int, float]]] = {}  # replica → [(first step, loss), (last, loss)]
-        self.walls: dict[int, list[tuple[int, float]]] = {}  # rank → [(first step, hb time), (last, time)]
-        self.reported_tps: dict[int, float] = {}  # last-stage rank → tokens/s from its final heartbeat
-        self.last_stage = max(s.stage for s in plan.stages)
+        self.tally = Tally(plan)  # stage timings, loss, throughput (hetctl.launch.tally)
+        self.spares = SparesImporting()  # warm spares importing now: their steps are not the stages' speed
         self.eval_step = 0  # the last validation step reported as an event
         self._last_progress_ev = (0.0, -1)
         self._entries = ProgressEntries()  # every replica's entry, or a summary per stage at scale
@@ -281,9 +262,6 @@ class Monitor:
             st.loss = None  # the trainer skipped this step (a non-finite loss or gradient norm)
         elif hb.get("loss") is not None:
             st.loss = float(hb["loss"])
-            span = self.loss_span.setdefault(st.replica, [(step, st.loss), (step, st.loss)])
-            if step > span[1][0]:
-                span[1] = (step, st.loss)
         for key in ("grad_norm", "lr"):
             if isinstance(hb.get(key), (int, float)):
                 setattr(st, key, float(hb[key]))
@@ -292,15 +270,11 @@ class Monitor:
                 setattr(st, key, hb[key])
         if isinstance(hb.get("skipped"), int):
             st.skipped = hb["skipped"]
-        if hb.get("first_loss") is not None:  # the trainer's own, exact even when polling missed step 1
-            self.loss_span.setdefault(st.replica, [(step, float(hb["first_loss"]))] * 2)[0] = (0, float(hb["first_loss"]))
         ev_step, ev_loss = hb.get("eval_step"), hb.get("eval_loss")
         if (isinstance(ev_step, int) and isinstance(ev_loss, (int, float)) and ev_step > self.eval_step
-                and st.stage == self.last_stage and st.replica == 0):  # the trainer repeats it: no poll misses it
+                and st.stage == self.tally.last_stage and st.replica == 0):  # the trainer repeats it: no poll misses it
             self.eval_step = ev_step
             self.events.emit(Evaluated(attempt=self.attempt, step=ev_step, eval_loss=float(ev_loss)))
-        if hb.get("tokens_per_s") is not None and st.stage == self.last_stage:
-            self.reported_tps[rank] = float(hb["tokens_per_s"])
         wall = float(hb["time"]) if isinstance(hb.get("time"), (int, float)) else time.time()
         if step >= self.resume_step:
             self.ready_wall.setdefault(rank, wall)
@@ -308,23 +282,10 @@ class Monitor:
             self.first_wall[rank] = wall
             if len(self.first_wall) == len(self.ranks) and self.on_first_step is not None:
                 self.on_first_step(max(self.first_wall.values()), max(self.ready_wall.values()))
-        if isinstance(hb.get("time"), (int, float)):
-            pts = self.walls.setdefault(rank, [(step, float(hb["time"]))] * 2)
-            pts[1] = (step, float(hb["time"]))
-        key = (st.replica, st.stage)
-        ms = hb.get("compute_ms", hb.get("step_ms"))
-        if advanced and ms is not None and self.rep.get(key) == rank:
-            acc = self.stage_ms[key]
-            if not acc:
-                acc.extend([0, 0.0])  # the first step (warm-up) is not counted
-            else:
-                quiet = not self.spares.busy
-                _add(self.stage_ms, key, ms, also=self.quiet_ms if quiet else None)
-                if hb.get("compute_ms") is not None and hb.get("step_ms") is not None:
-                    _add(self.stage_wall, key, hb["step_ms"], also=self.quiet_wall if quiet else None)
-            if self.on_progress is not None:
-                for f in self.on_progress({key: float(ms)}) or []:
-                    self._fail(f)
+        timed = self.tally.heartbeat(st, hb, advanced, quiet=not self.spares.busy)  # (stage, ms) of a new step
+        if timed is not None and self.on_progress is not None:
+            for f in self.on_progress({timed[0]: timed[1]}) or []:
+                self._fail(f)
 
     def _exited(self, rank: int, code: int | None, sig: int | None, error: str | None, oom: bool = False) -> None:
         st = self.ranks.get(rank)
@@ -408,7 +369,7 @@ class Monitor:
     def progress(self, now: float, force: bool = False) -> None:
         if self.on_update:
             self.on_update(self.snapshot(now))
-        last = [st for st in self.ranks.values() if st.stage == self.last_stage and st.step is not None]
+        last = [st for st in self.ranks.values() if st.stage == self.tally.last_stage and st.step is not None]
         if not last:
             return
         step = min(st.step for st in last)
@@ -420,7 +381,7 @@ class Monitor:
         # stage at 8-way TP, and at 1,024 nodes × 8 ranks 20 GB of events a day (bench/scale.py); past 16
         # entries, one per stage (launch/progress.py). The bytes across vendors are the representative's (its TP
         # peers send as many of their own shards).
-        reps = (self.ranks[r] for _, r in sorted(self.rep.items()))
+        reps = (self.ranks[r] for _, r in sorted(self.tally.rep.items()))
         stages, replicas = self._entries([StageProgress(st.replica, st.stage, st.step, st.loss, st.step_ms, st.xv_bytes,
                                                         st.xv_raw_bytes) for st in reps if st.step is not None], now)
         now_ = [st for st in last if st.step == step]
@@ -444,45 +405,14 @@ class Monitor:
                  for f in fails]
         fails = [classify(f) for f in fails]  # now that the logs are complete: set-up and storage errors
         fails.sort(key=lambda f: CAUSE_ORDER.get(f.kind, 2))  # the cause first; stable: time order otherwise
-        span = self.loss_span.get(0) or next(iter(self.loss_span.values()), None)
-        last = [st.step for st in self.ranks.values() if st.stage == self.last_stage and st.step is not None]
+        first, final = self.tally.losses()
+        last = [st.step for st in self.ranks.values() if st.stage == self.tally.last_stage and st.step is not None]
         return AttemptOutcome(
             state=state,
             failures=fails,
             last_step=min(last, default=0),
-            first_loss=span[0][1] if span else None,
-            final_loss=span[1][1] if span else None,
-            tokens_per_s=self.tokens_per_s(),
-            **self._stage_means(),
+            first_loss=first,
+            final_loss=final,
+            tokens_per_s=self.tally.tokens_per_s(),
+            **self.tally.stage_means(),
         )
-
-    def _stage_means(self) -> dict:
-        """Mean compute and step ms per stage: of the steps no spare's import ran beside, when every
-        measured stage has some, else of every step (the first, the warm-up, left out either way)."""
-        measured = [k for k, acc in self.stage_ms.items() if acc and acc[0]]
-        quiet = bool(measured) and all(self.quiet_ms[k][0] for k in measured)
-        ms, wall = (self.quiet_ms, self.quiet_wall) if quiet else (self.stage_ms, self.stage_wall)
-        return {"stage_step_ms": {k: ms[k][1] / ms[k][0] for k in measured if ms[k] and ms[k][0]},
-                "stage_wall_ms": {k: acc[1] / acc[0] for k, acc in list(wall.items()) if acc and acc[0]}}
-
-    def tokens_per_s(self) -> float | None:
-        """Tokens per second over the attempt.
-
-        The trainer's own figure from its final heartbeats when every last-stage
-        rank gave one; otherwise measured on the node's clock of a last-stage rank
-        from its first to its last heartbeat seen (start-up left out).
-        """
-        last_ranks = [r for r, st in self.ranks.items() if st.stage == self.last_stage]
-        if last_ranks and all(r in self.reported_tps for r in last_ranks):
-            return min(self.reported_tps[r] for r in last_ranks)
-        p = self.plan.parallel
-        tokens_per_step = p.global_batch * self.plan.model.seq_len
-        rates = []
-        for r, st in self.ranks.items():
-            pts = self.walls.get(r)
-            if st.stage != self.last_stage or not pts:
-                continue
-            (s0, t0), (s1, t1) = pts[0], pts[-1]
-            if s1 > s0 and t1 > t0:
-                rates.append((s1 - s0) * tokens_per_step / (t1 - t0))
-        return min(rates) if rates else None

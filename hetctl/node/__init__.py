@@ -11,8 +11,14 @@ from importlib import resources
 NO_CWD_IMPORTS = 'import sys\nif sys.path and sys.path[0] in ("", "."):\n    del sys.path[0]\n'
 
 
+# A program that runs as ``python -c`` or ``python -`` is one text: the node modules it imports go in front of
+# it, in this order, and it imports them only where their names are not there yet (imported from the package).
+BUNDLED = {"collector.py": ("toolrun.py",)}
+
+
 @lru_cache(maxsize=None)
 def source(name: str) -> str:
     """Source of a stdlib-only program in ``hetctl/node/`` that runs on a node as ``python -c`` (read once),
-    behind :data:`NO_CWD_IMPORTS`."""
-    return NO_CWD_IMPORTS + resources.files("hetctl.node").joinpath(name).read_text()
+    behind :data:`NO_CWD_IMPORTS` and the modules it is shipped with (:data:`BUNDLED`)."""
+    here = resources.files("hetctl.node")
+    return NO_CWD_IMPORTS + "\n".join(here.joinpath(n).read_text() for n in (*BUNDLED.get(name, ()), name))

@@ -8,8 +8,10 @@ from __future__ import annotations
 from hetctl.plan.devices import Devices
 from hetctl.files.plan import Plan
 from hetctl.vendors import vendor_info
-from hetctl.plan.layout import Found, Layout
+from hetctl.plan.layout import Found, Layout, Part
 from hetctl.plan.topology import p2p_bytes
+
+WARNING = "warning: "  # the notes shown without --explain (plan.notes holds both kinds)
 
 
 def _library(vendors: tuple[str, ...]) -> str | None:
@@ -123,8 +125,6 @@ def explain(plan: Plan, lay: Layout, devices: Devices, found: Found, homog, toke
             lines.append(f"{st.kind.label} memory: {st.kind.memory_check.line()}")
     lines.extend(crossings(lay, plan))
     if lay.dp > 1:
-        from hetctl.plan.hetdp import Part
-
         lines.append(sync_bytes_line(plan, [Part(kinds=(), lay=lay)]))
     stages = {(s.replica, s.stage): s for s in plan.stages}
     links = sorted({(s.vendor, stages[(s.replica, s.stage + 1)].vendor, s.backend_next)
@@ -173,8 +173,8 @@ def explain(plan: Plan, lay: Layout, devices: Devices, found: Found, homog, toke
 
 def sync_bytes_line(plan: Plan, parts) -> str:
     """Gradient-sync bytes per step inside and across vendors, as the planner priced them
-    (:func:`hetctl.plan.gradsync.sync_bytes`; ``parts``: the plan's :class:`~hetctl.plan.hetdp.Part` list)."""
-    from hetctl.plan.costmodel import Workload
+    (:func:`hetctl.plan.gradsync.sync_bytes`; ``parts``: the plan's :class:`~hetctl.plan.layout.Part` list)."""
+    from hetctl.plan.workload import Workload
     from hetctl.plan.frameworks import capability
     from hetctl.plan.gradsync import bytes_line, sync_bytes
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from hetctl.plan.costmodel import Workload
+from hetctl.plan.workload import Workload
 from hetctl.plan.devices import Devices, subset
 from hetctl.plan.layout import Layout, stage_compute
 
@@ -48,7 +48,8 @@ def reference_batch(sequences: float, micro_batch: int) -> int:
 
 def alone_at_share(devices: Devices, spec, work: Workload, framework: str) -> dict[str, float | str]:
     """Tokens/s of each chip type alone at its share of the global batch (or why it cannot train alone)."""
-    from hetctl.plan.search import Pins, Searcher
+    from hetctl.plan.candidates import Pins
+    from hetctl.plan.search import Searcher
 
     out: dict[str, float | str] = {}
     speed = {k.id: k.tflops * k.chips() for k in devices.kinds}

@@ -52,12 +52,13 @@ import functools
 from math import ceil
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from hetctl.plan.costmodel import GB, StageType, Workload
+from hetctl.plan.costmodel import GB, StageType
+from hetctl.plan.workload import Workload
 from hetctl.plan.simulate import simulate_1f1b
 from hetctl.vendors import GLOO_EFFICIENCY
 
 if TYPE_CHECKING:
-    from hetctl.plan.hetdp import Part
+    from hetctl.plan.layout import Part
 
 PCIE_GBS = 16.0  # assumed device↔host copy rate per chip, GB/s (PCIe 4.0 x16 at ~half its peak)
 STEP_LATENCY_S = 3e-5  # per member of a unit's ring all-reduce (the cost model's sync_fixed)

@@ -32,54 +32,18 @@ Costs, and what is assumed:
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
-from hetctl.plan.costmodel import Workload
+from hetctl.plan.workload import Workload
 from hetctl.plan.devices import Kind
 from hetctl.plan.frameworks import capability
-from hetctl.plan.layout import Layout
-from hetctl.plan.search import Pins, Searcher
-from hetctl.plan.simulate import simulate_1f1b
+from hetctl.plan.layout import Part
+from hetctl.plan.candidates import Pins
+from hetctl.plan.search import Searcher
 from hetctl.plan.gradsync import PCIE_GBS, STEP_LATENCY_S, reduce_seconds
 from hetctl.files.plan import ModelSpec
 
-__all__ = ["PCIE_GBS", "STEP_LATENCY_S", "HeteroLayout", "HeteroSearch", "Part", "dp_allreduce", "share"]
-
-
-@dataclass
-class Part:
-    """Some chip kinds, searched alone, running ``lay.dp`` replicas of ``lay.pp`` stages.
-
-    Attributes:
-        kinds: indexes into the searcher's kind list.
-        lay: the part's placed layout (``lay.m`` is what it was searched for).
-        micro: micro-batches of each of the part's replicas.
-        steps: simulated pipeline seconds of one replica by its micro-batch count (cached).
-    """
-
-    kinds: tuple[int, ...]
-    lay: Layout
-    micro: list[int] = field(default_factory=list)
-    steps: dict[int, float] = field(default_factory=dict)
-
-    def step_at(self, m: int) -> float:
-        """Simulated pipeline phase of one replica running ``m`` micro-batches (the all-reduce comes after)."""
-        if m not in self.steps:
-            self.steps[m] = simulate_1f1b(self.lay.fwd, self.lay.bwd, m).makespan
-        return self.steps[m]
-
-    def linear(self, m: int) -> float:
-        """The quick estimate used while sharing out micro-batches: ``Σ per + (m − 1)·max per``."""
-        per = [f + b for f, b in zip(self.lay.fwd, self.lay.bwd)]
-        return sum(per) + (m - 1) * max(per)
-
-    @property
-    def step(self) -> float:
-        return max(self.step_at(m) for m in set(self.micro))
-
-    @property
-    def vendors(self) -> set[str]:
-        return {v for st in self.lay.types for v in st.kind.vendors}
+__all__ = ["PCIE_GBS", "STEP_LATENCY_S", "HeteroLayout", "HeteroSearch", "dp_allreduce", "share"]
 
 
 @dataclass

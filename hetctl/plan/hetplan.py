@@ -8,11 +8,12 @@ plan whose replicas differ goes out.
 from __future__ import annotations
 
 from hetctl.files.plan import Baseline, Estimate, Parallel, Plan, Rank, Replica, Stage
-from hetctl.plan.costmodel import Workload
+from hetctl.plan.workload import Workload
 from hetctl.plan.devices import Devices
 from hetctl.plan.frameworks import capability
-from hetctl.plan.explain import _idle, _runs, calibrated_links, sync_bytes_line
-from hetctl.plan.hetdp import PCIE_GBS, HeteroLayout, Part
+from hetctl.plan.explain import WARNING, _idle, _runs, calibrated_links, sync_bytes_line
+from hetctl.plan.hetdp import PCIE_GBS, HeteroLayout
+from hetctl.plan.layout import Part, stage_rows
 
 
 def chips_of(part: Part) -> str:
@@ -23,8 +24,6 @@ def chips_of(part: Part) -> str:
 def build_hetero(hl: HeteroLayout, uniform: Plan, work: Workload, devices: Devices, homog,
                  considered: int) -> Plan:
     """The plan of ``hl``; ``uniform`` is the plan the search would give with one shape for every replica."""
-    from hetctl.plan.planner import WARNING, stage_rows  # planner imports this module
-
     stages: list[Stage] = []
     ranks: list[Rank] = []
     replicas: list[Replica] = []

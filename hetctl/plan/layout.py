@@ -1,4 +1,5 @@
-"""A candidate layout and the arithmetic on it: split terms, stage times, syncs, memory.
+"""A candidate layout and the arithmetic on it: split terms, stage times, syncs, memory; a hetero
+data-parallel part (:class:`Part`); and a placed layout's rows in the plan file (:func:`stage_rows`).
 
 A layout is ``pp`` stage positions ("columns"), each holding one stage in every
 one of the ``dp`` replicas. All replicas have the same layers and TP degree at a
@@ -11,9 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hetctl.files.plan import Rank, Stage
 from hetctl.plan.costmodel import StageType
 from hetctl.plan.devices import Group
-from hetctl.plan.simulate import SimResult
+from hetctl.plan.partition import ranges
+from hetctl.plan.simulate import SimResult, simulate_1f1b
+from hetctl.vendors import link_backend, stage_backend, vendor_info
 
 Slot = tuple[Group, tuple[int, ...]]  # a node's group and the chips of one stage
 
@@ -203,3 +207,71 @@ def memory_needed(lay: Layout, counts: list[int] | None = None) -> list[float]:
     counts = counts or lay.counts
     p = len(lay.types)
     return [st.memory(n, min(p - s, lay.m), s == 0, s == p - 1) for s, (st, n) in enumerate(zip(lay.types, counts))]
+
+
+@dataclass
+class Part:
+    """Some chip kinds, searched alone, running ``lay.dp`` replicas of ``lay.pp`` stages.
+
+    Attributes:
+        kinds: indexes into the searcher's kind list.
+        lay: the part's placed layout (``lay.m`` is what it was searched for).
+        micro: micro-batches of each of the part's replicas.
+        steps: simulated pipeline seconds of one replica by its micro-batch count (cached).
+    """
+
+    kinds: tuple[int, ...]
+    lay: Layout
+    micro: list[int] = field(default_factory=list)
+    steps: dict[int, float] = field(default_factory=dict)
+
+    def step_at(self, m: int) -> float:
+        """Simulated pipeline phase of one replica running ``m`` micro-batches (the all-reduce comes after)."""
+        if m not in self.steps:
+            self.steps[m] = simulate_1f1b(self.lay.fwd, self.lay.bwd, m).makespan
+        return self.steps[m]
+
+    def linear(self, m: int) -> float:
+        """The quick estimate used while sharing out micro-batches: ``Σ per + (m − 1)·max per``."""
+        per = [f + b for f, b in zip(self.lay.fwd, self.lay.bwd)]
+        return sum(per) + (m - 1) * max(per)
+
+    @property
+    def step(self) -> float:
+        return max(self.step_at(m) for m in set(self.micro))
+
+    @property
+    def vendors(self) -> set[str]:
+        return {v for st in self.lay.types for v in st.kind.vendors}
+
+
+def stage_rows(lay: Layout, stages: list[Stage], ranks: list[Rank], local: dict[str, int], first: int = 0) -> None:
+    """Append the stages and ranks of ``lay``'s replicas, numbered from replica ``first``."""
+    mem = memory_needed(lay)
+    compute = stage_compute(lay.types, lay.counts)
+    spans = ranges(lay.counts)
+    chunks: list[list[tuple[int, int]]] = [[] for _ in range(lay.pp)]
+    if lay.vp > 1:  # virtual stage c·pp + s is chunk c of stage s
+        flat = ranges([lay.chunks[s][c] for c in range(lay.vp) for s in range(lay.pp)])
+        chunks = [[flat[c * lay.pp + s] for c in range(lay.vp)] for s in range(lay.pp)]
+        spans = [row[0] for row in chunks]
+    for r, row in enumerate(lay.placement, start=first):
+        for s, (group, chips) in enumerate(row):
+            st = lay.types[s]
+            info = vendor_info(group.vendor)
+            # A position whose replicas run on several vendors synchronises over gloo.
+            backend = stage_backend(group.vendor) if len(st.kind.vendors) == 1 else "gloo"
+            nxt = link_backend(group.vendor, row[s + 1][0].vendor) if s < lay.pp - 1 else None
+            stages.append(Stage(
+                replica=r, stage=s, node=group.node, vendor=group.vendor, model=group.model, chips=list(chips),
+                tp=st.tp, layers=spans[s], chunks=chunks[s], precision=st.kind.precision, backend=backend,
+                backend_next=nxt, device_type=info.device_type,
+                visible_devices_env=info.visible_devices_env, est_ms=round((lay.fwd[s] + lay.bwd[s]) * 1e3, 6),
+                compute_ms=round(compute[s] * 1e3, 6), memory_gb=round(mem[s] / 1e9, 2), memory_limit_gb=group.memory_gb,
+                tflops=round(group.tflops, 6), speed_source="/".join(group.sources),
+            ))
+            for chip in chips:
+                lr = local.get(group.node, 0)
+                local[group.node] = lr + 1
+                ranks.append(Rank(rank=len(ranks), node=group.node, local_rank=lr, stage=s, replica=r,
+                                  chip=None if info.visible_devices_env is None else chip))

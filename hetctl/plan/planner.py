@@ -23,23 +23,23 @@ import time
 from pathlib import Path
 
 from hetctl.errors import ConfigError, PlanInfeasible
-from hetctl.plan.costmodel import Workload
+from hetctl.plan.workload import Workload
 from hetctl.plan.devices import Devices, ProfileUse, collect, subset
 from hetctl.plan.models import default_global_batch, model_cost
-from hetctl.plan.partition import proportional_split, ranges, uniform_split
+from hetctl.plan.partition import proportional_split, uniform_split
 from hetctl.files.plan import Baseline, Estimate, ModelSpec, Parallel, Plan, Rank, Stage
-from hetctl.plan.layout import Found, Layout, memory_needed, stage_compute
-from hetctl.plan.search import Pins, Searcher
+from hetctl.plan.layout import Found, Layout, stage_rows
+from hetctl.plan.candidates import Pins
+from hetctl.plan.search import Searcher
+from hetctl.plan.explain import WARNING
 from hetctl.plan.figures import alone_at_share, breakdown, breakdown_line, judge
 from hetctl.plan.frameworks import capability
 from hetctl.plan.hetdp import HeteroSearch
 from hetctl.plan.hetplan import build_hetero
 from hetctl.files.cluster import Cluster
 from hetctl.train.gradmode import Mode, parse_mode
-from hetctl.vendors import link_backend, stage_backend, vendor_info
 
 FRAMEWORKS = ("hetctl", "megatron", "flagscale", "deepspeed", "torchrun")
-WARNING = "warning: "  # notes shown without --explain
 HINT_MEMORY = "add nodes or chips with more memory, lower --micro-batch or --seq-len, or plan a smaller model"
 
 
@@ -357,38 +357,6 @@ def _baselines(lay: Layout, work, spec, total_flops, search: Searcher) -> dict[s
             alt = search.with_counts(lay, counts, rule)
         out[rule] = Baseline(layers=counts, estimate=_estimate(alt, work, spec, total_flops, None))
     return out
-
-
-def stage_rows(lay: Layout, stages: list[Stage], ranks: list[Rank], local: dict[str, int], first: int = 0) -> None:
-    """Append the stages and ranks of ``lay``'s replicas, numbered from replica ``first``."""
-    mem = memory_needed(lay)
-    compute = stage_compute(lay.types, lay.counts)
-    spans = ranges(lay.counts)
-    chunks: list[list[tuple[int, int]]] = [[] for _ in range(lay.pp)]
-    if lay.vp > 1:  # virtual stage c·pp + s is chunk c of stage s
-        flat = ranges([lay.chunks[s][c] for c in range(lay.vp) for s in range(lay.pp)])
-        chunks = [[flat[c * lay.pp + s] for c in range(lay.vp)] for s in range(lay.pp)]
-        spans = [row[0] for row in chunks]
-    for r, row in enumerate(lay.placement, start=first):
-        for s, (group, chips) in enumerate(row):
-            st = lay.types[s]
-            info = vendor_info(group.vendor)
-            # A position whose replicas run on several vendors synchronises over gloo.
-            backend = stage_backend(group.vendor) if len(st.kind.vendors) == 1 else "gloo"
-            nxt = link_backend(group.vendor, row[s + 1][0].vendor) if s < lay.pp - 1 else None
-            stages.append(Stage(
-                replica=r, stage=s, node=group.node, vendor=group.vendor, model=group.model, chips=list(chips),
-                tp=st.tp, layers=spans[s], chunks=chunks[s], precision=st.kind.precision, backend=backend,
-                backend_next=nxt, device_type=info.device_type,
-                visible_devices_env=info.visible_devices_env, est_ms=round((lay.fwd[s] + lay.bwd[s]) * 1e3, 6),
-                compute_ms=round(compute[s] * 1e3, 6), memory_gb=round(mem[s] / 1e9, 2), memory_limit_gb=group.memory_gb,
-                tflops=round(group.tflops, 6), speed_source="/".join(group.sources),
-            ))
-            for chip in chips:
-                lr = local.get(group.node, 0)
-                local[group.node] = lr + 1
-                ranks.append(Rank(rank=len(ranks), node=group.node, local_rank=lr, stage=s, replica=r,
-                                  chip=None if info.visible_devices_env is None else chip))
 
 
 def _build(lay: Layout, spec, work, devices: Devices, framework, cluster: Cluster, cluster_path,

@@ -3,7 +3,7 @@
 ``hetctl/node/layerprof.py`` records ``peak_memory_gb``: the device's peak
 allocated memory (``torch.<device>.max_memory_allocated``, a fresh process, no
 reset) over the whole profile. :func:`profile_peak` is the planner's memory
-model (:func:`hetctl.plan.costmodel.memory_terms`, nothing else) applied to what
+model (:func:`hetctl.plan.workload.memory_terms`, nothing else) applied to what
 layerprof holds at each step, in its order:
 
 1. *forward timing* (``held["y"] = block(x)`` again and again): the new forward
@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hetctl.plan.models import model_cost
+from hetctl.plan.workload import Workload, elem_bytes, memory_terms
 
 GB = 1e9
 TOLERANCE = 1.25  # measured/analytic above this: scaled (the foreach temporary alone is ≤ 25 %, see above)
@@ -82,8 +83,6 @@ def profile_peak(spec: Any, micro_batch: int, precision: str) -> dict[str, float
 
     ``spec``: a :class:`hetctl.files.plan.ModelSpec` of the profiled shape (``num_layers`` does not count).
     """
-    from hetctl.plan.costmodel import Workload, elem_bytes, memory_terms  # costmodel imports devices, which imports this
-
     cost = model_cost(spec.model_copy(update={"swiglu": True}))  # layerprof's Block is always SwiGLU
     t = memory_terms(Workload(cost=cost, micro_batch=micro_batch, global_batch=micro_batch), precision)
     eb = float(elem_bytes(precision))

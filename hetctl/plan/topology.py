@@ -23,7 +23,7 @@ never counted as a crossing.
 
 from __future__ import annotations
 
-from hetctl.plan.costmodel import elem_bytes
+from hetctl.plan.workload import elem_bytes
 from hetctl.plan.devices import Group, Kind
 from hetctl.plan.layout import Columns, Slot
 

@@ -18,18 +18,18 @@ import contextlib
 import json
 import threading
 import time
-from functools import lru_cache
 from typing import Any, Callable, ContextManager
 
 from typing import TYPE_CHECKING
 
 from hetctl.errors import HetctlError, RemoteError
+from hetctl.probe.nodescript import node_script, run_script
 
 if TYPE_CHECKING:
     from hetctl.files.cluster import Cluster, NodeFacts
     from hetctl.files.inventory import Inventory, Node
     from hetctl.probe.assemble import ProfileShape
-    from hetctl.remote.base import Result, Transport
+    from hetctl.remote.base import Transport
 
 # What turns answers into facts (assemble, the cluster models, the spec table, findings) is
 # imported by :func:`probe` while the nodes' ssh clients run, not before they start.
@@ -39,14 +39,6 @@ TOOL_TIMEOUT_S = 30.0
 BENCH_TIMEOUT_S = 900.0
 
 OnDone = Callable[[str, "NodeFacts"], None]
-
-
-@lru_cache(maxsize=None)
-def node_script(name: str) -> bytes:
-    """Source of a node-side script shipped on stdin (``collector.py``, ``bench.py``)."""
-    from hetctl.node import source
-
-    return source(name).encode()
 
 
 def collector_args(tool_timeout: float = TOOL_TIMEOUT_S) -> str:
@@ -62,44 +54,6 @@ def collector_args(tool_timeout: float = TOOL_TIMEOUT_S) -> str:
     drivers = list(dict.fromkeys(m for v in VENDOR_TABLE.values() for m in v.driver_modules))
     return json.dumps({"tools": TOOL_COMMANDS, "timeout": tool_timeout, "plugin_dists": plugins,
                        "driver_modules": drivers}, separators=(",", ":"))
-
-
-def _stderr_tail(result: Result) -> str:
-    lines = [ln.strip() for ln in (result.stderr or "").strip().splitlines() if ln.strip()]
-    return lines[-1] if lines else ""
-
-
-def decode_output(result: Result, python: str, what: str) -> dict[str, Any]:
-    """Decode the JSON a node-side script printed, or raise a one-line RemoteError.
-
-    Args:
-        result: the finished run of ``python - ARGS``.
-        python: the interpreter the inventory names for the node (for the hint).
-        what: ``collector`` or ``benchmark``, for the message.
-    """
-    tail = _stderr_tail(result)
-    if result.exit_code == 127 or (result.exit_code != 0 and "not found" in tail and python in tail):
-        raise RemoteError(
-            f"`{python}` not found on the node", "set `python:` for this node in the inventory", node=result.node
-        )
-    if result.exit_code != 0:
-        raise RemoteError(f"{what} exited {result.exit_code}" + (f": {tail}" if tail else ""), node=result.node)
-    text = (result.stdout or "").strip()
-    last = text.splitlines()[-1] if text else ""
-    try:
-        data = json.loads(last)
-    except ValueError:
-        data = None
-    if not isinstance(data, dict):
-        raise RemoteError(f"{what} printed no JSON" + (f": {tail}" if tail else ""), node=result.node)
-    return data
-
-
-def _run_script(transport: Transport, node: Node, script: str, args: str, timeout: float, what: str) -> dict[str, Any]:
-    python = node.python or "python3"
-    # The transport adds the node's inventory ``env`` itself.
-    result = transport.run([python, "-", args], input=node_script(script), timeout=timeout, check=False)
-    return decode_output(result, python, what)
 
 
 class MachineTurns:
@@ -154,7 +108,7 @@ def probe_node(node: Node, ssh: Any, *, bench: bool = False, args: str | None = 
         if connected is not None:
             connected(made)
     try:
-        raw = _run_script(transport, node, "collector.py", args or collector_args(), COLLECT_TIMEOUT_S, "collector")
+        raw = run_script(transport, node, "collector.py", args or collector_args(), COLLECT_TIMEOUT_S, "collector")
         from hetctl.probe.assemble import node_facts  # after the collector's ssh started (see _import_assembly)
 
         facts = node_facts(node, raw)
@@ -185,7 +139,7 @@ def _bench(transport: Transport, node: Node, facts: NodeFacts) -> NodeFacts:
         python = facts.software.python or "?"
         return apply_bench(facts, None, f"no torch for {node.python} (Python {python})")
     try:
-        report = _run_script(transport, node, "bench.py", json.dumps(request), BENCH_TIMEOUT_S, "benchmark")
+        report = run_script(transport, node, "bench.py", json.dumps(request), BENCH_TIMEOUT_S, "benchmark")
     except RemoteError as e:
         return apply_bench(facts, None, e.message)
     return apply_bench(facts, report)
@@ -198,7 +152,7 @@ def _profile(transport: Transport, node: Node, facts: NodeFacts, shape: ProfileS
     if request is None or not facts.software.torch:
         return facts  # the benchmark's row already says why nothing was measured
     try:
-        report = _run_script(transport, node, "layerprof.py", json.dumps(request), BENCH_TIMEOUT_S, "layer profile")
+        report = run_script(transport, node, "layerprof.py", json.dumps(request), BENCH_TIMEOUT_S, "layer profile")
     except RemoteError as e:
         report = {"error": e.message}
     return apply_profile(facts, request, report)

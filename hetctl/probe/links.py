@@ -115,7 +115,7 @@ def measure_link(src: tuple[Any, Any], dst: tuple[Any, Any], *, declared: float 
             return link.model_copy(update={"error": f"{d_node.name}: the receiver printed no port"})
         send_args = json.dumps({"mode": "send", "host": addr, "port": hello["port"], "seconds": seconds,
                                 "streams": streams, "pings": LINK_PINGS})
-        from hetctl.probe.gather import decode_output
+        from hetctl.probe.nodescript import decode_output
 
         python = s_node.python or "python3"
         result = s_t.run([python, "-", send_args], input=script, timeout=seconds + _WAIT_S + 60, check=False)

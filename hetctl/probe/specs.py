@@ -21,7 +21,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from hetctl.errors import ConfigError
-from hetctl.files.cluster import VENDORS, Tflops, Vendor
+from hetctl.files.chipfields import VENDORS, Tflops, Vendor
 from hetctl.probe.parsers._common import hex_id, is_masked
 
 SPEC_RESOURCE = "data/chips.yaml"

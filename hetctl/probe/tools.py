@@ -196,7 +196,7 @@ def _dedupe(chips: list[ParsedChip]) -> list[ParsedChip]:
 
 def _tool_chips(tools: dict[str, Any]) -> dict[str, tuple[str, list[ParsedChip]]]:
     """Vendor → (source label, chips) from the best tool for that vendor."""
-    from hetctl.files.cluster import VENDORS
+    from hetctl.files.chipfields import VENDORS
     from hetctl.probe.specs import lookup
 
     parsed = {k: parse_tool(k, t) for k in SOURCE_PREFERENCE if (t := _usable(tools.get(k)))}
@@ -350,7 +350,8 @@ def chips_from_raw(raw: dict) -> list[Chip]:
         the hardware really offers it), or the spec table's reported total
         when the source printed none.
     """
-    from hetctl.files.cluster import VENDORS, Chip
+    from hetctl.files.chipfields import VENDORS
+    from hetctl.files.cluster import Chip
 
     raw = raw or {}
     found = _one_per_device(_tool_chips(raw.get("tools") or {}), _pci_records(raw))

@@ -7,7 +7,7 @@ A command for node ``N`` of job ``J`` runs as::
 
 In a heterogeneous job (``salloc … : …``, one component per partition or chip
 kind) ``J`` is the job's leader and ``--het-group=K`` follows it, K being the
-component that holds ``N`` (:class:`hetctl.remote.slurmq.HetPlace`): srun refuses
+component that holds ``N`` (:class:`hetctl.remote.slurmparse.HetPlace`): srun refuses
 a component's own id, starts steps only on component 0 without ``--het-group``
 inside the allocation, and none at all outside it. The step is then listed
 under the component's own job id, which is where the stop escalation looks.
@@ -56,7 +56,7 @@ from hetctl.errors import HetctlError, RemoteError, Unreachable
 from hetctl.remote.startline import Collected
 from hetctl.remote.base import Result
 from hetctl.remote.base import track, untrack
-from hetctl.remote.slurmq import HetPlace
+from hetctl.remote.slurmparse import HetPlace
 from hetctl.remote.local import TIMEOUT_EXIT, LocalProcess, command_env, env_on_stdin, finish, shell_command, write_first
 
 TERM_WAIT_S = 3.0  # after scancel --signal=TERM: the agent's own SIGTERM handling (its grace is spent already)

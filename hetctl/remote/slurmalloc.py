@@ -19,8 +19,10 @@ cancelled (``scancel``) when the run ends or is stopped. A controller killed
 outside its control leaves it running: ``hetctl resume`` uses it again while it
 runs, and asks for a new one once it is gone.
 
-Loading the inventory does the asking (:func:`granted`, called by
-:func:`hetctl.remote.slurmq.allocation_nodes`) only inside :func:`allowed`, so
+Which job a ``slurm:`` block means, and its nodes checked against the block, is
+:func:`allocation_nodes`; :func:`allocation` is what a command passes to
+:func:`hetctl.files.inventory.load_inventory` (``slurm=``) to expand the block into nodes.
+Loading the inventory does the asking (:func:`granted`) only inside :func:`allowed`, so
 ``plan``, ``status`` and ``--dry-run`` never allocate anything.
 """
 
@@ -37,6 +39,9 @@ import time
 from typing import Callable, Iterator, Sequence
 
 from hetctl.errors import HetctlError
+from hetctl.files.allocation import AllocatedNode, Allocation, AllocationError
+from hetctl.remote import slurmq
+from hetctl.remote.slurmparse import SlurmNode, given, gres_fits
 
 Progress = Callable[[str], None]
 WAIT_NOTE_EVERY_S = 10.0  # how often "still waiting" is said while the job is pending
@@ -83,9 +88,7 @@ def allocate(s, nodelist: Sequence[str] = (), count: int = 0, progress: Progress
     Raises:
         HetctlError: salloc/sinfo missing, the request refused, or salloc failed.
     """
-    from hetctl.remote import slurmq
-
-    slurmq.check_partition(s)
+    check_partition(s)
     salloc = slurmq.client("salloc")
     argv = salloc_argv(s, nodelist, count)
     progress("slurm: asking for an allocation: " + " ".join(argv))
@@ -159,8 +162,6 @@ def _sigterm_interrupts() -> Callable[[], None]:
 
 def alive(job: str) -> bool:
     """True while ``job`` is RUNNING."""
-    from hetctl.remote import slurmq
-
     try:
         slurmq.show_job(job)
         return True
@@ -170,8 +171,6 @@ def alive(job: str) -> bool:
 
 def release(job: str) -> None:
     """Cancel ``job`` (``scancel JOB``); best effort, bounded."""
-    from hetctl.remote import slurmq
-
     try:
         subprocess.run([slurmq.client("scancel"), job], stdin=subprocess.DEVNULL, capture_output=True, timeout=30)
     except (HetctlError, OSError, subprocess.TimeoutExpired):
@@ -221,3 +220,76 @@ def granted(s) -> str | None:
     if allocator is None or not wants_allocation(s):
         return None
     return allocator(s)
+
+
+def allocation_nodes(s) -> tuple[str, list[SlurmNode]]:
+    """The job the ``slurm:`` block names (``slurm.job``, else ``SLURM_JOB_ID``, else the one hetctl asks for
+    itself where the command allows it: :func:`granted`) and its nodes, checked against it.
+
+    Raises:
+        AllocationError: no allocation, a node without an asked feature, fewer nodes than asked.
+        HetctlError: Slurm cannot be asked (client missing, job unknown or not running).
+    """
+    job = s.job or slurmq.current_job()
+    if not job:
+        job = granted(s)  # hetctl's own allocation, where the command may ask for one (launch, resume)
+    if not job:
+        if s.partition or s.features or s.gres:
+            check_partition(s)  # say now when no allocation could ever match
+        want = " ".join(filter(None, [f"-p {s.partition}" if s.partition else "", f"-N {s.nodes}" if s.nodes else "",
+                                      f"-C {'&'.join(s.features)}" if s.features else "",
+                                      f"--gres={s.gres}" if s.gres else ""]))
+        raise AllocationError((), "no Slurm allocation: SLURM_JOB_ID is not set and slurm.job is not given",
+                              f"run hetctl inside one (salloc {want + ' ' if want else ''}hetctl …) or set slurm.job"
+                              + ("; `hetctl launch` and `hetctl resume` ask for one themselves" if want else ""))
+    found = slurmq.job_nodes(job)
+    job = next((n.het.leader for n in found if n.het is not None), job)  # the id srun takes: a het job's leader
+    lacking = [(n.name, ft) for n in found for ft in s.features if ft not in n.features]
+    if lacking:
+        raise AllocationError(("features",), f"node {lacking[0][0]} of job {job} lacks feature {lacking[0][1]!r}",
+                              "ask for the allocation with -C (salloc -C " + "&".join(s.features) + ") or drop the feature")
+    if s.nodes is not None and len(found) < s.nodes:
+        raise AllocationError(("nodes",), f"job {job} has {len(found)} node(s), the inventory asks for {s.nodes}",
+                              f"ask for a larger allocation (salloc -N {s.nodes}) or lower slurm.nodes")
+    return job, found
+
+
+def check_partition(s) -> None:
+    """Raise an AllocationError when the partition cannot give what ``slurm:`` asks (``sinfo``, no allocation made)."""
+    argv = ["sinfo", "-h", "-N", "-o", "%N|%f|%G|%T"] + (["-p", s.partition] if s.partition else [])
+    r = slurmq.query(argv, "reading the Slurm partitions")
+    if r.returncode != 0:
+        raise HetctlError(f"sinfo failed: {slurmq.last_line(r)}", "check that slurmctld is up: scontrol ping")
+    rows = [ln.split("|") for ln in r.stdout.splitlines() if ln.count("|") == 3]
+    where = f"partition {s.partition}" if s.partition else "the cluster"
+    if not rows:
+        raise AllocationError(("partition",), f"Slurm has no partition {s.partition!r} (or it holds no node)",
+                              "list the partitions with `sinfo -s`")
+    fit = sorted({name for name, feats, gres, _ in rows
+                  if set(s.features) <= set(given(feats).split(",")) and (not s.gres or gres_fits(given(gres), s.gres))})
+    asked = " and ".join(filter(None, [f"features {','.join(s.features)}" if s.features else "",
+                                        f"gres {s.gres}" if s.gres else ""]))
+    if not fit:
+        feats = sorted({f for _, fs, _, _ in rows for f in given(fs).split(",") if f})
+        raise AllocationError(("features" if s.features else "gres",), f"{where} has no node with {asked}",
+                              f"its nodes offer features {','.join(feats) or 'none'}; pick another partition or relax slurm:")
+    if s.nodes is not None and len(fit) < s.nodes:
+        with_ = f" with {asked}" if asked else ""
+        raise AllocationError(("nodes",), f"{where} has {len(fit)} node(s){with_}, the inventory asks for {s.nodes}",
+                              "lower slurm.nodes or pick another partition")
+
+
+def allocation(s) -> Allocation:
+    """What the ``slurm:`` block ``s`` holds, for :func:`hetctl.files.inventory.load_inventory` (``slurm=``): the
+    job (:func:`allocation_nodes`) and its nodes, each with the switch Slurm's topology puts it under.
+
+    Raises:
+        AllocationError, HetctlError: as :func:`allocation_nodes`.
+    """
+    job, found = allocation_nodes(s)
+    switches = slurmq.topology_switches()  # topology.conf's leaf switches: the planner's `switch` label
+    return Allocation(job, tuple(
+        AllocatedNode(name=n.name, addr=n.addr, cpus=n.cpus, memory_mb=n.memory_mb, gres=n.gres, features=n.features,
+                      het_group=n.het.group if n.het else None, het_component=n.het.component if n.het else None,
+                      switch=switches.get(n.name))
+        for n in found))

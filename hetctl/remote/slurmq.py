@@ -1,8 +1,8 @@
-"""What Slurm says about an allocation and its nodes (``scontrol``/``squeue``/``salloc``).
+"""What Slurm says about an allocation and its nodes (``scontrol``/``squeue``/``sinfo``), asked now.
 
-The parsers are pure (tests feed them captured output of a real slurmctld); the
-callers run the Slurm client commands as argument lists and turn every failure
-into a one-line :class:`~hetctl.errors.HetctlError` that says what to do.
+The Slurm client commands run as argument lists, and every failure becomes a
+one-line :class:`~hetctl.errors.HetctlError` that says what to do; their output is
+parsed by the pure functions of :mod:`hetctl.remote.slurmparse`.
 """
 
 from __future__ import annotations
@@ -12,173 +12,13 @@ import re
 import shutil
 import subprocess
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Mapping, Sequence
 
 from hetctl.errors import HetctlError
+from hetctl.remote.slurmparse import HetPlace, SlurmJob, SlurmNode, given, parse_job, parse_jobs, parse_nodes, parse_topology
 
 QUERY_TIMEOUT_S = 30.0
-_KEY = re.compile(r"^([A-Za-z][A-Za-z0-9_:/.]*)=(.*)$")
-# Node states that mean the node is gone for this job (the base state, before flags like +DRAIN).
-LOST_STATES = ("DOWN", "DRAIN", "DRAINED", "DRAINING", "FAIL", "FAILING", "NOT_RESPONDING", "POWERED_DOWN", "FUTURE")
-
-
-def parse_record(line: str) -> dict[str, str]:
-    """One ``scontrol show …`` record: ``Key=value`` tokens; a token without ``=`` continues the last value."""
-    out: dict[str, str] = {}
-    last = None
-    for tok in line.split():
-        m = _KEY.match(tok)
-        if m:
-            last = m.group(1)
-            out[last] = m.group(2)
-        elif last is not None:
-            out[last] += " " + tok
-    return out
-
-
-def _record_lines(text: str) -> list[str]:
-    """Each record of ``scontrol show …`` output as one line.
-
-    With ``-o`` every line is a record. Without it a record starts at an unindented
-    line (``NodeName=…``, ``JobId=…``) and goes on over indented ones; blank lines
-    separate records but may also fall inside one (Slurm 24.05 puts one before a
-    node's ``Reason=``), so only indentation decides.
-    """
-    records: list[str] = []
-    for ln in text.splitlines():
-        if not ln.strip():
-            continue
-        if ln[:1].isspace() and records:
-            records[-1] += " " + ln.strip()
-        else:
-            records.append(ln.strip())
-    return records
-
-
-def parse_records(text: str) -> list[dict[str, str]]:
-    """Every record of ``scontrol show …`` output, one-line (``-o``) or multi-line."""
-    return [parse_record(ln) for ln in _record_lines(text) if "=" in ln]
-
-
-def _none(value: str | None) -> str:
-    return "" if value in (None, "(null)", "N/A", "none") else value
-
-
-def _int(value: str | None) -> int:
-    """A count as scontrol prints it (``4``, ``2-2`` for a range: its low end); 0 when absent or not a number."""
-    m = re.match(r"\d+", value or "")
-    return int(m.group()) if m else 0
-
-
-@dataclass(frozen=True)
-class HetPlace:
-    """Where a node sits in a heterogeneous job (``salloc … : …``, ``#SBATCH hetjob``).
-
-    Steps go to ``srun --jobid=<leader> --het-group=<group>``: srun takes only the
-    leader's id (a component's own id is refused: "Job not heterogeneous job
-    leader"), and without ``--het-group`` it starts nothing outside the allocation
-    ("No directives to start application on any available hetjob components") and
-    only on component 0 inside it. squeue lists a step of component K under the
-    component's own job id (``<component>.<step>``), never under the leader's.
-    """
-
-    leader: str  # HetJobId, the id srun --jobid takes
-    group: int  # HetJobOffset, srun's --het-group
-    component: str  # the component's own JobId (squeue -s -j, scancel <component>.<step>)
-
-    @property
-    def label(self) -> str:
-        """Slurm's own name of the component: ``<leader>+<offset>``."""
-        return f"{self.leader}+{self.group}"
-
-
-@dataclass(frozen=True)
-class SlurmNode:
-    """A node as ``scontrol show node`` describes it."""
-
-    name: str
-    addr: str
-    cpus: int = 0
-    memory_mb: int = 0
-    gres: str = ""  # "gpu:2" or "gpu:a100:8,nic:1"
-    features: tuple[str, ...] = ()
-    state: str = ""
-    partitions: tuple[str, ...] = ()
-    reason: str = ""  # why slurmctld set the state (DOWN/DRAIN), e.g. "Not responding"
-    het: HetPlace | None = None  # set by job_nodes for a node of a heterogeneous job: which component holds it
-
-    @property
-    def lost(self) -> bool:
-        """True when the state says the node is unusable (DOWN, DRAIN, FAIL, not responding …)."""
-        parts = re.split(r"[+*]", self.state.upper())
-        return any(p in LOST_STATES for p in parts if p) or self.state.endswith("*")
-
-    @property
-    def down(self) -> bool:
-        """Lost in a state Slurm acts on (DOWN, DRAIN, FAIL …), not merely NOT_RESPONDING (``*``), which
-        becomes DOWN after SlurmdTimeout."""
-        return any(p in LOST_STATES and p != "NOT_RESPONDING" for p in re.split(r"[+*]", self.state.upper()))
-
-
-def parse_nodes(text: str) -> list[SlurmNode]:
-    """``scontrol show node -o`` → nodes."""
-    nodes = []
-    for rec in parse_records(text):
-        if "NodeName" not in rec:
-            continue
-        features = _none(rec.get("AvailableFeatures", rec.get("Features")))  # Features= before Slurm 17.11
-        nodes.append(SlurmNode(
-            name=rec["NodeName"], addr=_none(rec.get("NodeAddr")) or rec["NodeName"],
-            cpus=_int(rec.get("CPUTot", rec.get("CPUs"))), memory_mb=_int(rec.get("RealMemory")),
-            gres=_none(rec.get("Gres")), features=tuple(f for f in features.split(",") if f),
-            state=rec.get("State", ""), partitions=tuple(p for p in _none(rec.get("Partitions")).split(",") if p),
-            reason=_none(rec.get("Reason")),
-        ))
-    return nodes
-
-
-@dataclass(frozen=True)
-class SlurmJob:
-    """A job as ``scontrol show job`` describes it."""
-
-    job_id: str
-    state: str
-    node_list: str
-    num_nodes: int
-    partition: str = ""
-    features: str = ""
-    het_job_id: str = ""  # HetJobId: the leader of the heterogeneous job this is a component of ("" for a plain job)
-    het_offset: int | None = None  # HetJobOffset: the component's index (srun --het-group)
-    extra: dict[str, str] = field(default_factory=dict, compare=False)
-
-    @property
-    def het(self) -> HetPlace | None:
-        """Where this component sits in its heterogeneous job; None for a plain job."""
-        if not self.het_job_id or self.het_offset is None:
-            return None
-        return HetPlace(self.het_job_id, self.het_offset, self.job_id)
-
-
-def parse_jobs(text: str) -> list[SlurmJob]:
-    """Every record of ``scontrol show job`` (``-o`` or not): one for a plain job, one per component of a
-    heterogeneous job asked for by its leader's id (``HetJobId``, ``HetJobOffset``)."""
-    out = []
-    for rec in parse_records(text):
-        if "JobId" not in rec:
-            continue
-        offset = rec.get("HetJobOffset", "")
-        out.append(SlurmJob(job_id=rec["JobId"], state=rec.get("JobState", ""), node_list=_none(rec.get("NodeList")),
-                            num_nodes=_int(rec.get("NumNodes")), partition=rec.get("Partition", ""),
-                            features=_none(rec.get("Features")), het_job_id=_none(rec.get("HetJobId")),
-                            het_offset=int(offset) if offset.isdigit() else None, extra=rec))
-    return out
-
-
-def parse_job(text: str) -> SlurmJob | None:
-    """The first record of ``scontrol show job``."""
-    jobs = parse_jobs(text)
-    return jobs[0] if jobs else None
 
 
 def _client(tool: str) -> str:
@@ -194,7 +34,8 @@ def client(tool: str) -> str:
     return _client(tool)
 
 
-def _run(argv: Sequence[str], what: str, timeout: float = QUERY_TIMEOUT_S) -> subprocess.CompletedProcess:
+def query(argv: Sequence[str], what: str, timeout: float = QUERY_TIMEOUT_S) -> subprocess.CompletedProcess:
+    """Run a Slurm client command (its output as text); a one-line error when it is missing or does not answer."""
     try:
         return subprocess.run([_client(argv[0]), *argv[1:]], stdin=subprocess.DEVNULL, capture_output=True, text=True,
                               timeout=timeout)
@@ -203,7 +44,8 @@ def _run(argv: Sequence[str], what: str, timeout: float = QUERY_TIMEOUT_S) -> su
                           "check that slurmctld is up: scontrol ping") from None
 
 
-def _tail(r: subprocess.CompletedProcess) -> str:
+def last_line(r: subprocess.CompletedProcess) -> str:
+    """What a failed command said last (its exit code when it said nothing)."""
     lines = [ln.strip() for ln in (r.stderr or r.stdout or "").splitlines() if ln.strip()]
     return lines[-1] if lines else f"exit code {r.returncode}"
 
@@ -217,10 +59,10 @@ def show_jobs(job: str) -> list[SlurmJob]:
     ``--no-kill``) is left out while another one runs. A one-line error when Slurm
     does not know the job or no part of it runs.
     """
-    r = _run(["scontrol", "show", "job", "-o", job], f"Slurm job {job}")
+    r = query(["scontrol", "show", "job", "-o", job], f"Slurm job {job}")
     parts = parse_jobs(r.stdout) if r.returncode == 0 else []
     if not parts:
-        raise HetctlError(f"Slurm job {job} not found: {_tail(r)}",
+        raise HetctlError(f"Slurm job {job} not found: {last_line(r)}",
                           "run hetctl inside a live allocation (salloc/sbatch) or fix slurm.job in the inventory")
     running = [p for p in parts if p.state == "RUNNING"]
     if not running:
@@ -238,39 +80,10 @@ def show_job(job: str) -> SlurmJob:
 
 def hostnames(node_list: str) -> list[str]:
     """``scontrol show hostnames LIST`` (Slurm's own expansion of ``n[1-3,5]``)."""
-    r = _run(["scontrol", "show", "hostnames", node_list], "expanding the node list")
+    r = query(["scontrol", "show", "hostnames", node_list], "expanding the node list")
     if r.returncode != 0:
-        raise HetctlError(f"cannot expand the Slurm node list {node_list!r}: {_tail(r)}")
+        raise HetctlError(f"cannot expand the Slurm node list {node_list!r}: {last_line(r)}")
     return [h for h in r.stdout.split() if h]
-
-
-def parse_topology(text: str) -> dict[str, str]:
-    """``scontrol show topology`` → node name → the switch (topology/tree) or block (topology/block) it hangs off.
-
-    Under a tree every switch names all the nodes below it (``SwitchName=spine Level=1 … Nodes=n[1-4]``),
-    so a node's switch is the lowest-level one that names it, its leaf. A node list that is not a
-    valid hostlist, or names more than :data:`hetctl.files.hostrange.MAX_NODES`, is skipped: the
-    topology only labels nodes, it never adds any.
-    """
-    import hostlist
-
-    from hetctl.files.hostrange import MAX_NODES, count_hostlist
-
-    best: dict[str, tuple[int, str]] = {}
-    for rec in parse_records(text):
-        name = rec.get("SwitchName") or rec.get("BlockName")
-        nodes = rec.get("Nodes", "")
-        if not name or not nodes or count_hostlist(nodes) > MAX_NODES:
-            continue
-        level = _int(rec.get("Level"))
-        try:
-            members = hostlist.expand_hostlist(nodes)
-        except hostlist.BadHostlist:
-            continue
-        for node in members:
-            if node not in best or level < best[node][0]:
-                best[node] = (level, name)
-    return {node: name for node, (_, name) in best.items()}
 
 
 def topology_switches() -> dict[str, str]:
@@ -281,7 +94,7 @@ def topology_switches() -> dict[str, str]:
     never an error.
     """
     try:
-        r = _run(["scontrol", "show", "topology"], "reading the Slurm topology")
+        r = query(["scontrol", "show", "topology"], "reading the Slurm topology")
     except HetctlError:
         return {}
     return parse_topology(r.stdout) if r.returncode == 0 else {}
@@ -289,9 +102,9 @@ def topology_switches() -> dict[str, str]:
 
 def show_nodes(names: Sequence[str]) -> list[SlurmNode]:
     """The nodes ``names`` in that order."""
-    r = _run(["scontrol", "show", "node", "-o", ",".join(names)], "reading the Slurm nodes")
+    r = query(["scontrol", "show", "node", "-o", ",".join(names)], "reading the Slurm nodes")
     if r.returncode != 0:
-        raise HetctlError(f"cannot read Slurm nodes {','.join(names)}: {_tail(r)}")
+        raise HetctlError(f"cannot read Slurm nodes {','.join(names)}: {last_line(r)}")
     by_name = {n.name: n for n in parse_nodes(r.stdout)}
     missing = [n for n in names if n not in by_name]
     if missing:
@@ -362,20 +175,10 @@ def node_state(name: str) -> SlurmNode | None:
     return nodes[0] if nodes else None
 
 
-def lost_words(node: SlurmNode) -> str:
-    """What Slurm says of a node, for an event's reason: ``slurm: node c2 is DOWN (Not responding)``."""
-    parts = [p for p in re.split(r"[+*]", node.state.upper()) if p]
-    flags = [p for p in parts if p in LOST_STATES]
-    if node.state.endswith("*") and "NOT_RESPONDING" not in flags:
-        flags.append("NOT_RESPONDING")
-    what = "+".join(flags or parts) or "in no state"
-    return f"slurm: node {node.name} is {what}" + (f" ({node.reason})" if node.reason else "")
-
-
 def slurmd_timeout(default: float = 300.0) -> float:
     """slurmctld's ``SlurmdTimeout`` in seconds (how long a silent node may stay up), ``default`` when unknown."""
     try:
-        r = _run(["scontrol", "show", "config"], "reading the Slurm configuration")
+        r = query(["scontrol", "show", "config"], "reading the Slurm configuration")
     except HetctlError:
         return default
     m = re.search(r"^SlurmdTimeout\s*=\s*(\d+)", r.stdout or "", re.M)
@@ -426,7 +229,7 @@ def ended_components(places: Mapping[str, HetPlace], run=None) -> dict[str, str]
     the failed one): such a node reads IDLE, yet no step can start there any more.
     A component Slurm cannot be asked about is left out.
     """
-    run = run or _run
+    run = run or query
     out: dict[str, str] = {}
     for component in dict.fromkeys(p.component for p in places.values()):
         try:
@@ -441,7 +244,7 @@ def ended_components(places: Mapping[str, HetPlace], run=None) -> dict[str, str]
         elif info.state in ("RUNNING", "SUSPENDED"):
             continue
         else:
-            state, reason = info.state, _none(info.extra.get("Reason", "")).replace("None", "")
+            state, reason = info.state, given(info.extra.get("Reason", "")).replace("None", "")
         for node, place in places.items():
             if place.component == component:
                 out[node] = f"slurm: {node}'s job component {place.label} is {state}" + (f" ({reason})" if reason else "")
@@ -468,86 +271,3 @@ def check_plan_fits(plan_nodes: Sequence[str], inventory) -> None:
         f"missing: {','.join(missing)}",
         f"ask for an allocation with those nodes (salloc -w {','.join(want)}) or probe and plan again inside this one",
     )
-
-
-class AllocationError(HetctlError):
-    """The allocation does not match the inventory's ``slurm:`` block; ``key`` names the key below it."""
-
-    def __init__(self, key: tuple[str, ...], message: str, hint: str | None = None) -> None:
-        super().__init__(message, hint)
-        self.key = key
-
-
-def allocation_nodes(s) -> tuple[str, list[SlurmNode]]:
-    """The job the ``slurm:`` block names (``slurm.job``, else ``SLURM_JOB_ID``, else the one hetctl asks for
-    itself where the command allows it: :mod:`hetctl.remote.slurmalloc`) and its nodes, checked against it.
-
-    Raises:
-        AllocationError: no allocation, a node without an asked feature, fewer nodes than asked.
-        HetctlError: Slurm cannot be asked (client missing, job unknown or not running).
-    """
-    job = s.job or current_job()
-    if not job:
-        from hetctl.remote.slurmalloc import granted
-
-        job = granted(s)  # hetctl's own allocation, where the command may ask for one (launch, resume)
-    if not job:
-        if s.partition or s.features or s.gres:
-            check_partition(s)  # say now when no allocation could ever match
-        want = " ".join(filter(None, [f"-p {s.partition}" if s.partition else "", f"-N {s.nodes}" if s.nodes else "",
-                                      f"-C {'&'.join(s.features)}" if s.features else "",
-                                      f"--gres={s.gres}" if s.gres else ""]))
-        raise AllocationError((), "no Slurm allocation: SLURM_JOB_ID is not set and slurm.job is not given",
-                              f"run hetctl inside one (salloc {want + ' ' if want else ''}hetctl …) or set slurm.job"
-                              + ("; `hetctl launch` and `hetctl resume` ask for one themselves" if want else ""))
-    found = job_nodes(job)
-    job = next((n.het.leader for n in found if n.het is not None), job)  # the id srun takes: a het job's leader
-    lacking = [(n.name, ft) for n in found for ft in s.features if ft not in n.features]
-    if lacking:
-        raise AllocationError(("features",), f"node {lacking[0][0]} of job {job} lacks feature {lacking[0][1]!r}",
-                              "ask for the allocation with -C (salloc -C " + "&".join(s.features) + ") or drop the feature")
-    if s.nodes is not None and len(found) < s.nodes:
-        raise AllocationError(("nodes",), f"job {job} has {len(found)} node(s), the inventory asks for {s.nodes}",
-                              f"ask for a larger allocation (salloc -N {s.nodes}) or lower slurm.nodes")
-    return job, found
-
-
-def _gres_items(gres: str) -> dict[str, int]:
-    """``gpu:a100:8(S:0-1),nic:1`` → ``{"gpu": 8, "nic": 1}`` (type names ignored, counts added)."""
-    out: dict[str, int] = {}
-    for item in filter(None, (g.strip() for g in re.sub(r"\([^)]*\)", "", gres).split(","))):
-        parts = item.split(":")
-        count = int(parts[-1]) if len(parts) > 1 and parts[-1].isdigit() else 1
-        out[parts[0]] = out.get(parts[0], 0) + count
-    return out
-
-
-def gres_fits(have: str, want: str) -> bool:
-    """True when a node's Gres ``have`` holds at least the Gres ``want`` (per name)."""
-    h = _gres_items(have)
-    return all(h.get(k, 0) >= n for k, n in _gres_items(want).items())
-
-
-def check_partition(s) -> None:
-    """Raise an AllocationError when the partition cannot give what ``slurm:`` asks (``sinfo``, no allocation made)."""
-    argv = ["sinfo", "-h", "-N", "-o", "%N|%f|%G|%T"] + (["-p", s.partition] if s.partition else [])
-    r = _run(argv, "reading the Slurm partitions")
-    if r.returncode != 0:
-        raise HetctlError(f"sinfo failed: {_tail(r)}", "check that slurmctld is up: scontrol ping")
-    rows = [ln.split("|") for ln in r.stdout.splitlines() if ln.count("|") == 3]
-    where = f"partition {s.partition}" if s.partition else "the cluster"
-    if not rows:
-        raise AllocationError(("partition",), f"Slurm has no partition {s.partition!r} (or it holds no node)",
-                              "list the partitions with `sinfo -s`")
-    fit = sorted({name for name, feats, gres, _ in rows
-                  if set(s.features) <= set(_none(feats).split(",")) and (not s.gres or gres_fits(_none(gres), s.gres))})
-    asked = " and ".join(filter(None, [f"features {','.join(s.features)}" if s.features else "",
-                                        f"gres {s.gres}" if s.gres else ""]))
-    if not fit:
-        feats = sorted({f for _, fs, _, _ in rows for f in _none(fs).split(",") if f})
-        raise AllocationError(("features" if s.features else "gres",), f"{where} has no node with {asked}",
-                              f"its nodes offer features {','.join(feats) or 'none'}; pick another partition or relax slurm:")
-    if s.nodes is not None and len(fit) < s.nodes:
-        with_ = f" with {asked}" if asked else ""
-        raise AllocationError(("nodes",), f"{where} has {len(fit)} node(s){with_}, the inventory asks for {s.nodes}",
-                              "lower slurm.nodes or pick another partition")

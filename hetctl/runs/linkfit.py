@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from hetctl.files.cluster import Cluster, Link
 from hetctl.files.events import Measured
 from hetctl.files.plan import Plan, Stage
-from hetctl.plan.costmodel import GB, Workload, elem_bytes, link
+from hetctl.plan.costmodel import GB, link
+from hetctl.plan.workload import Workload, elem_bytes
 from hetctl.plan.devices import Group, collect, plan_use
 from hetctl.plan.simulate import simulate_1f1b
 

@@ -234,13 +234,14 @@ def stop_run(run_dir: str | Path, *, force: bool = False, wait_s: float = 60.0,
 def _sweep_nodes(run: RunDir, connect: Callable[[Any], Any] | None) -> dict[str, Any]:
     """SIGTERM, then SIGKILL, every process of the run on every node any attempt used."""
     from hetctl.files.inventory import load_inventory
+    from hetctl.remote.slurmalloc import allocation
     from hetctl.launch.materialize import node_source
     from hetctl.remote.fanout import fanout
 
     info = run.load_info()
     if not info.inputs.inventory:
         return {}
-    inv = load_inventory(info.inputs.inventory)
+    inv = load_inventory(info.inputs.inventory, slurm=allocation)
     used = {r.node for n in run.attempts() for r in run.load_plan(n).ranks}
     nodes = [n for n in inv.nodes if n.name in used]
     if connect is None:

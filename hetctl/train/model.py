@@ -24,13 +24,16 @@ from __future__ import annotations
 import hashlib
 import math
 from functools import lru_cache
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from hetctl.train.units import Spans, unit_names
+
+if TYPE_CHECKING:  # the tensor-parallel parts are imported where a stage uses them
+    from hetctl.train.tensor import TensorGroup
 
 INIT_STD = 0.02
 
@@ -166,7 +169,7 @@ def _attention(q, k, v, rep: int):
 
 def block_forward(blk: nn.Module, x: torch.Tensor, into: Callable[[torch.Tensor], torch.Tensor] = _same,
                   out: Callable[[torch.Tensor], torch.Tensor] = _same) -> torch.Tensor:
-    """A block's forward pass: :class:`Block`'s, and a TP rank's share of it (:class:`hetctl.train.tensor.ParallelBlock`).
+    """A block's forward pass: :class:`Block`'s, and a TP rank's share of it (:class:`ParallelBlock`).
 
     ``blk`` holds ``heads``, ``groups`` and ``head_dim`` (its own heads: all, or one TP rank's) and the
     layers; ``into`` is applied to each normed input before the projections, ``out`` to the attention
@@ -183,6 +186,41 @@ def block_forward(blk: nn.Module, x: torch.Tensor, into: Callable[[torch.Tensor]
     x = x + out(blk.o(a.transpose(1, 2).reshape(b, s, -1)))
     y = into(blk.mlp_norm(x))
     return x + out(blk.down(F.silu(blk.gate(y)) * blk.up(y)))
+
+
+class ParallelBlock(nn.Module):
+    """One TP rank's share of :class:`Block` (same parameter names, sliced shapes), its communication
+    :mod:`hetctl.train.tensor`'s (a :class:`~hetctl.train.tensor.TensorGroup` ``tg``)."""
+
+    def __init__(self, spec: Mapping[str, Any], tg: TensorGroup) -> None:
+        super().__init__()
+        from hetctl.train.tensor import check_divisible
+
+        why = check_divisible(spec, tg.size)
+        if why:
+            raise ValueError(why)
+        h, heads = spec["hidden_size"], spec["num_attention_heads"]
+        groups = spec.get("num_query_groups") or heads
+        self.tg = tg
+        self.head_dim = h // heads
+        self.heads, self.groups = heads // tg.size, groups // tg.size  # this rank's
+        kv, ffn = self.groups * self.head_dim, spec["ffn_hidden_size"] // tg.size
+        self.rope = rope_settings(spec)
+        bias, eps = bool(spec.get("qkv_bias")), norm_eps(spec)
+        self.attn_norm = RMSNorm(h, eps)
+        self.q = nn.Linear(h, self.heads * self.head_dim, bias=bias)
+        self.k = nn.Linear(h, kv, bias=bias)
+        self.v = nn.Linear(h, kv, bias=bias)
+        self.o = nn.Linear(self.heads * self.head_dim, h, bias=False)
+        self.mlp_norm = RMSNorm(h, eps)
+        self.gate = nn.Linear(h, ffn, bias=False)
+        self.up = nn.Linear(h, ffn, bias=False)
+        self.down = nn.Linear(ffn, h, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from hetctl.train.tensor import CopyToTP, ReduceFromTP
+
+        return block_forward(self, x, lambda t: CopyToTP.apply(t, self.tg), lambda t: ReduceFromTP.apply(t, self.tg))
 
 
 class Head(nn.Module):
@@ -237,7 +275,7 @@ def build_units(spec: Mapping[str, Any], layers: Spans, first: bool, last: bool,
     start-up time of a large stage). With a tensor-parallel group ``tg``
     (:class:`hetctl.train.tensor.TensorGroup` of more than one rank) each layer
     is initialised whole, exactly as without TP, and this rank keeps its slice
-    (:class:`hetctl.train.tensor.ParallelBlock`); embedding and head stay whole.
+    (:class:`ParallelBlock`); embedding and head stay whole.
     """
     kinds: dict[str, type[nn.Module]] = {"embedding": Embedding, "head": Head}
     units = nn.ModuleDict()
@@ -247,7 +285,7 @@ def build_units(spec: Mapping[str, Any], layers: Spans, first: bool, last: bool,
         unit = unit.to_empty(device="cpu")
         _init_unit(unit, name, seed, spec["num_layers"])
         if tg is not None and tg.size > 1 and isinstance(unit, Block):
-            from hetctl.train.tensor import ParallelBlock, shard_state
+            from hetctl.train.tensor import shard_state
 
             with torch.device("meta"):
                 part = ParallelBlock(spec, tg)

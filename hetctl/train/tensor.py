@@ -15,7 +15,8 @@ Two autograd functions carry the communication: :class:`CopyToTP` (identity
 forward, all-reduce of the input gradient backward: the column-parallel input)
 and :class:`ReduceFromTP` (all-reduce forward, identity backward: after the
 row-parallel product). One of each per sub-block, so a layer costs two
-all-reduces forward and two backward. Norms, the embedding and the output
+all-reduces forward and two backward (the block that applies them is
+:class:`hetctl.train.model.ParallelBlock`, beside the whole one). Norms, the embedding and the output
 head are *replicated* across the TP group (every TP rank computes them in
 full on the same micro-batch; their gradients come out equal because every
 input gradient they see went through an all-reduce), so a TP rank's
@@ -35,7 +36,6 @@ from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 # Parameter name inside a block → the dimension its shards split (0: column-parallel rows, 1: row-parallel columns).
 # The q/k/v biases (Qwen2) split with their rows.
@@ -111,40 +111,6 @@ def check_divisible(spec: Mapping[str, Any], tp: int) -> str | None:
         if n % tp:
             return f"model.{what}={n} is not divisible by tp={tp}"
     return None
-
-
-class ParallelBlock(nn.Module):
-    """One TP rank's share of :class:`hetctl.train.model.Block` (same parameter names, sliced shapes)."""
-
-    def __init__(self, spec: Mapping[str, Any], tg: TensorGroup) -> None:
-        super().__init__()
-        from hetctl.train.model import RMSNorm, norm_eps, rope_settings
-
-        why = check_divisible(spec, tg.size)
-        if why:
-            raise ValueError(why)
-        h, heads = spec["hidden_size"], spec["num_attention_heads"]
-        groups = spec.get("num_query_groups") or heads
-        self.tg = tg
-        self.head_dim = h // heads
-        self.heads, self.groups = heads // tg.size, groups // tg.size  # this rank's
-        kv, ffn = self.groups * self.head_dim, spec["ffn_hidden_size"] // tg.size
-        self.rope = rope_settings(spec)
-        bias, eps = bool(spec.get("qkv_bias")), norm_eps(spec)
-        self.attn_norm = RMSNorm(h, eps)
-        self.q = nn.Linear(h, self.heads * self.head_dim, bias=bias)
-        self.k = nn.Linear(h, kv, bias=bias)
-        self.v = nn.Linear(h, kv, bias=bias)
-        self.o = nn.Linear(self.heads * self.head_dim, h, bias=False)
-        self.mlp_norm = RMSNorm(h, eps)
-        self.gate = nn.Linear(h, ffn, bias=False)
-        self.up = nn.Linear(h, ffn, bias=False)
-        self.down = nn.Linear(ffn, h, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from hetctl.train.model import block_forward
-
-        return block_forward(self, x, lambda t: CopyToTP.apply(t, self.tg), lambda t: ReduceFromTP.apply(t, self.tg))
 
 
 def is_block(unit: str) -> bool:
