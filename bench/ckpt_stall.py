@@ -2,7 +2,7 @@
 
 The same job twice per model and repetition, alternating the order: the
 reference trainer (``python -m hetctl.train``) as a two-stage pipeline of real
-rank processes over gloo on this host (``tests/rankrunner.py``, the rank
+rank processes over gloo on this host (``tests/helpers/rankrunner.py``, the rank
 contract as ``hetctl launch`` sets it), checkpointing every ``--every`` steps,
 once with ``--save-mode blocking`` (training waits while the stage serializes,
 hashes, writes and fsyncs its files and rank 0 writes the manifest) and once with
@@ -39,7 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.rankrunner import TINY, Ranks, tiny_plan  # noqa: E402
+from tests.helpers.rankrunner import TINY, Ranks, tiny_plan  # noqa: E402
 
 LARGE = {"name": "cpu-large", "num_layers": 8, "hidden_size": 384, "ffn_hidden_size": 1024,
          "num_attention_heads": 6, "num_query_groups": 3, "vocab_size": 4096, "seq_len": 64}

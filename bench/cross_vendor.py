@@ -1,7 +1,7 @@
 """Benchmark: compressed gradient sync across a shaped link between two "vendors" (issue 35).
 
 Two replicas of one model (data parallel, PP=1), each one rank of ``python -m hetctl.train``
-started with the rank contract ``hetctl launch`` sets (``tests/rankrunner.py``). The plan
+started with the rank contract ``hetctl launch`` sets (``tests/helpers/rankrunner.py``). The plan
 labels replica 0 ``nvidia`` and replica 1 ``ascend``, so their gradient all-reduce is the
 cross-vendor one: gloo over TCP, where ``--grad-compress`` applies. Replica 1 runs in a
 network namespace of its own, joined to this one by a veth pair; both ends are shaped with
@@ -59,7 +59,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.engine_quality import prepare
-from tests.rankrunner import Ranks, tiny_plan
+from tests.helpers.rankrunner import Ranks, tiny_plan
 
 MODES = ("none", "bf16", "powersgd:4", "int8")
 MODEL = {"name": "xv-bench", "num_layers": 2, "hidden_size": 256, "ffn_hidden_size": 688, "num_attention_heads": 4,

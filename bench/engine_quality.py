@@ -6,7 +6,7 @@ Issue 29. In one run, on the CPU:
     widened to ``--vocab`` for the bytes tokenizer's 257 ids) trained by
     hetctl's engine with the plan's split over three local nodes (three ranks of
     ``python -m hetctl.train``, one stage each, started with the rank contract
-    ``hetctl launch`` sets: ``tests/rankrunner.py``), and by **the peer**, a
+    ``hetctl launch`` sets: ``tests/helpers/rankrunner.py``), and by **the peer**, a
     single-process loop written here; both loss curves are printed side by
     side, and the gap of the final losses;
 (b) **speed**: the same training at PP=1 (one rank of the engine) against the
@@ -104,7 +104,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from tests.rankrunner import Ranks, tiny_plan  # noqa: E402
+from tests.helpers.rankrunner import Ranks, tiny_plan  # noqa: E402
 
 CORPUS = ROOT / "hetctl" / "data" / "corpus" / "tinyshakespeare.txt"
 GOAL_GAP_PCT, GOAL_SPEED = 1.0, 0.95

@@ -3,7 +3,7 @@
 In one run, on one device:
 
 (a) **hetctl's engine** at PP=1: one real rank of ``python -m hetctl.train`` with
-    the rank contract ``hetctl launch`` sets (``tests/rankrunner.py``), on a
+    the rank contract ``hetctl launch`` sets (``tests/helpers/rankrunner.py``), on a
     one-stage plan of the model; its final heartbeat gives the mean step time
     (the first step, warm-up, left out);
 (b) **the peer**: a single-process loop written here, independent of hetctl's
@@ -47,7 +47,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from tests.rankrunner import Ranks, tiny_plan  # noqa: E402
+from tests.helpers.rankrunner import Ranks, tiny_plan  # noqa: E402
 
 CPU_MODEL = {"name": "cpu-bench", "num_layers": 4, "hidden_size": 256, "ffn_hidden_size": 688,
              "num_attention_heads": 8, "num_query_groups": 4, "vocab_size": 2048, "seq_len": 128}

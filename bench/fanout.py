@@ -1,6 +1,6 @@
 """Benchmark: ``hetctl probe`` against ``pdsh`` running the same collector on the same hosts.
 
-Starts ``--hosts`` real OpenSSH servers on loopback (``tests/sshd.py``), then,
+Starts ``--hosts`` real OpenSSH servers on loopback (``tests/helpers/sshd.py``), then,
 for each host count in ``--counts`` and ``--reps`` times, alternating which goes
 first:
 
@@ -58,7 +58,7 @@ sys.path.insert(0, str(ROOT))
 
 from hetctl.probe.gather import collector_args  # noqa: E402
 from hetctl.probe.nodescript import node_script  # noqa: E402
-from tests.sshd import SshdCluster  # noqa: E402
+from tests.helpers.sshd import SshdCluster  # noqa: E402
 
 
 def write_ssh_config(cluster: SshdCluster, path: Path) -> Path:

@@ -34,7 +34,7 @@ from fanout import _children_cpu, write_ssh_config  # noqa: E402
 
 from hetctl.probe.gather import collector_args  # noqa: E402
 from hetctl.probe.nodescript import node_script  # noqa: E402
-from tests.sshd import SshdCluster  # noqa: E402
+from tests.helpers.sshd import SshdCluster  # noqa: E402
 
 
 def _run(argv: list[str], env: dict[str, str]) -> tuple[float, float, subprocess.CompletedProcess]:

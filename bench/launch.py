@@ -1,6 +1,6 @@
 """Benchmark: time to every rank's first heartbeat, ``hetctl launch`` against ``pdsh`` + ``torchrun``.
 
-Starts ``--hosts`` real OpenSSH servers on loopback (``tests/sshd.py``) and plans
+Starts ``--hosts`` real OpenSSH servers on loopback (``tests/helpers/sshd.py``) and plans
 the tiny model as a pipeline with one stage per host. Then, ``--reps`` times,
 alternating which goes first:
 
@@ -48,8 +48,8 @@ from hetctl.files.run import LaunchOptions  # noqa: E402
 from hetctl.launch import materialize as mat  # noqa: E402
 from hetctl.files.eventlog import read_events  # noqa: E402
 from hetctl.files.yamlio import save_model  # noqa: E402
-from tests.rankrunner import TINY, tiny_plan  # noqa: E402
-from tests.sshd import SshdCluster  # noqa: E402
+from tests.helpers.rankrunner import TINY, tiny_plan  # noqa: E402
+from tests.helpers.sshd import SshdCluster  # noqa: E402
 
 TORCHRUN_SETS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
 

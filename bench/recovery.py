@@ -67,7 +67,7 @@ from hetctl.files.eventlog import read_events  # noqa: E402
 from hetctl.launch.inject import rank_procs  # noqa: E402
 from hetctl.node.runtime import read_heartbeat  # noqa: E402
 from hetctl.files.yamlio import dump_yaml, save_model  # noqa: E402
-from tests.rankrunner import tiny_plan  # noqa: E402
+from tests.helpers.rankrunner import tiny_plan  # noqa: E402
 
 NODES = ("node-a", "node-b")
 

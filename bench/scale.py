@@ -63,7 +63,7 @@ GOALS = {"launch_s": 30.0, "detect_s": 0.5, "cpu_cores": 0.5, "rss_mb": 2048.0, 
 def build_plan(nodes: int):
     """A plan of ``nodes`` nodes × 8 ranks: pp 2 (1 if ``nodes`` is odd) × dp, each stage 8-way TP on one node."""
     from hetctl.files.plan import Plan
-    from tests.rankrunner import TINY, tiny_plan
+    from tests.helpers.rankrunner import TINY, tiny_plan
 
     model = {**TINY, "num_attention_heads": 8, "num_query_groups": 8}
     split = [3, 3] if nodes % 2 == 0 else [6]

@@ -1,6 +1,6 @@
 """Benchmark: time to every rank's first heartbeat on Slurm, ``hetctl launch`` against ``srun torchrun``.
 
-Starts a real Slurm mini-cluster (``tests/slurm.py``: munged, slurmctld, one slurmd
+Starts a real Slurm mini-cluster (``tests/helpers/slurm.py``: munged, slurmctld, one slurmd
 per node on loopback), takes one allocation of ``--nodes`` nodes (``salloc
 --no-shell``) and plans the tiny model as a pipeline with one stage per node.
 Then, on that same allocation, ``--reps`` times, alternating which goes first:
@@ -56,8 +56,8 @@ from hetctl.launch import materialize as mat  # noqa: E402
 from hetctl.files.eventlog import read_events  # noqa: E402
 from hetctl.launch.inject import signal_rank  # noqa: E402
 from hetctl.files.yamlio import save_model  # noqa: E402
-from tests.rankrunner import TINY, tiny_plan  # noqa: E402
-from tests.slurm import NodeSpec, SlurmCluster, skip_reason  # noqa: E402
+from tests.helpers.rankrunner import TINY, tiny_plan  # noqa: E402
+from tests.helpers.slurm import NodeSpec, SlurmCluster, skip_reason  # noqa: E402
 
 TORCHRUN_SETS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
 

@@ -17,7 +17,7 @@
   test, which then fails if any process it started is still alive.
 * ``sshd_inventory``: an inventory file for the shared cluster, in ``tmp_path``.
 * ``slurm_cluster`` (session) and ``make_slurm_cluster`` (function): a real Slurm
-  mini-cluster (munged, slurmctld, one slurmd per node; :mod:`tests.slurm`), shared
+  mini-cluster (munged, slurmctld, one slurmd per node; :mod:`tests.helpers.slurm`), shared
   read-only or private to a test that breaks it; skipped without root or the Slurm
   binaries. The private ones must leave no process behind.
 """
@@ -32,8 +32,8 @@ from typing import Callable
 
 import pytest
 
-from tests.slurm import SlurmCluster, skip_reason as slurm_skip_reason
-from tests.sshd import SshdCluster
+from tests.helpers.slurm import SlurmCluster, skip_reason as slurm_skip_reason
+from tests.helpers.sshd import SshdCluster
 
 FIXTURES = Path(__file__).parent / "fixtures"
 SMI_SAMPLES = FIXTURES / "smi-samples"

@@ -27,8 +27,8 @@ from hetctl.launch.inject import rank_procs, signal_rank
 from hetctl.node import manifest
 from hetctl.node.runtime import read_heartbeat
 from hetctl.train.units import expected_files
-from tests.sites import local_cli as cli
-from tests.sites import local_site, wait_while_running
+from tests.helpers.sites import local_cli as cli
+from tests.helpers.sites import local_site, wait_while_running
 
 pytestmark = pytest.mark.e2e
 

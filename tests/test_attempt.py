@@ -22,7 +22,7 @@ from hetctl.launch import materialize as mat
 from hetctl.launch.controller import AttemptController, AttemptRequest, Thresholds
 from hetctl.launch.outcome import FaultKind, RunState
 from hetctl.remote.testing import FakeFleet, NodeScript
-from tests.rankrunner import tiny_plan
+from tests.helpers.rankrunner import tiny_plan
 
 TH = Thresholds(hang_timeout=30, start_timeout=30, node_timeout=0.5, grace_s=0.1, connect_timeout=5)
 

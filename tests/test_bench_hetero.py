@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hetctl.files.inventory import load_inventory
-from tests.benches import load_bench
+from tests.helpers.benches import load_bench
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.benches import load_bench
+from tests.helpers.benches import load_bench
 
 torch = pytest.importorskip("torch")
 

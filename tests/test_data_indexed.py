@@ -391,7 +391,7 @@ def eval_losses(ranks) -> dict[int, str]:
 def test_a_pipeline_trains_on_the_corpus_and_resumed_or_replanned_runs_see_the_same_samples(shakespeare, tmp_path):
     pytest.importorskip("torch")
     from hetctl.node import manifest as checkpoint
-    from tests.rankrunner import Ranks, run_plan, tiny_plan
+    from tests.helpers.rankrunner import Ranks, run_plan, tiny_plan
 
     steps, every = 12, 4
     args = ("--data", str(shakespeare), "--eval-every", "4", "--log-samples")
@@ -441,7 +441,7 @@ def test_a_pipeline_trains_on_the_corpus_and_resumed_or_replanned_runs_see_the_s
 def test_bad_data_is_refused_by_a_rank_before_it_joins_the_group(shakespeare, tmp_path):
     """One rank alone (its peer never starts) fails at once, in one line naming the file and field."""
     pytest.importorskip("torch")
-    from tests.rankrunner import Ranks, free_port, tiny_plan
+    from tests.helpers.rankrunner import Ranks, free_port, tiny_plan
 
     small = {**MODEL, "vocab_size": 256}  # the bytes tokenizer's end-of-document id is 256
     cases = [(small, (str(shakespeare),), f"{shakespeare}.bin: token id 256 >= the model's vocab_size 256"),
@@ -463,7 +463,7 @@ def test_validation_goes_through_interleaved_and_tensor_parallel_stages(shakespe
     """The forward-only pass of every layout gives one stage's validation loss: exactly, or within float
     tolerance under TP (its all-reduces sum in another order)."""
     pytest.importorskip("torch")
-    from tests.rankrunner import run_plan, tiny_plan
+    from tests.helpers.rankrunner import run_plan, tiny_plan
     from tests.test_train_interleave import PP3_V2, interleaved_plan
 
     args = ("--data", str(shakespeare), "--eval-every", "2", "--log-samples")

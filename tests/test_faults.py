@@ -18,8 +18,8 @@ import pytest
 import yaml
 
 from hetctl.files.eventlog import read_events
-from tests.sites import local_cli as cli
-from tests.sites import local_site
+from tests.helpers.sites import local_cli as cli
+from tests.helpers.sites import local_site
 
 pytestmark = pytest.mark.e2e
 

@@ -33,7 +33,7 @@ import pytest
 import yaml
 
 from hetctl.files.eventlog import read_events
-from tests.sites import local_cli, local_site, wait_while_running
+from tests.helpers.sites import local_cli, local_site, wait_while_running
 
 pytestmark = pytest.mark.e2e
 
@@ -208,7 +208,7 @@ def test_resume_picks_up_a_megatron_checkpoint_folder_and_megatron_accepts_the_r
     """launch a Megatron plan as rendered, then `hetctl resume` it from a folder in Megatron's layout.
 
     Each rank runs the rendered command with Megatron's own argument code standing in for the
-    training loop (tests/framework_check.py: parse_args, validate_args, the rank generator and layout
+    training loop (tests/helpers/framework_check.py: parse_args, validate_args, the rank generator and layout
     parser): CUDA is needed past that and this machine has none.
     """
     from hetctl.files.cluster import Cluster
@@ -225,7 +225,7 @@ def test_resume_picks_up_a_megatron_checkpoint_folder_and_megatron_accepts_the_r
     out.mkdir()
     wrapper = tmp_path / "megatron-python"
     wrapper.write_text(f'#!/bin/sh\ncase "$1" in -c) exec {sys.executable} "$@";; esac\n'  # launch's argument check
-                       f'exec {sys.executable} {HERE / "framework_check.py"} "$CHECK_OUT" "$@"\n')
+                       f'exec {sys.executable} {HERE / "helpers" / "framework_check.py"} "$CHECK_OUT" "$@"\n')
     wrapper.chmod(0o755)
     inv = yaml.safe_load((site / "inventory.yaml").read_text())
     mlm = FLAG_SCALE / "third_party/Megatron-LM"
@@ -304,7 +304,7 @@ def test_script_options_are_refused_where_they_would_be_ignored(tmp_path):
 @pytest.mark.skipif(__import__("importlib").util.find_spec("deepspeed") is None,
                     reason="DeepSpeed not installed (pip install -e '.[frameworks]')")
 def test_a_deepspeed_plan_launched_as_rendered_places_every_rank_by_deepspeeds_own_account(tmp_path):
-    """Each rank's rendered DeepSpeed command under the agents; DeepSpeed's own code (tests/deepspeed_check.py:
+    """Each rank's rendered DeepSpeed command under the agents; DeepSpeed's own code (tests/helpers/deepspeed_check.py:
     init_distributed over gloo, the topology and grid, the config, PipelineModule's partition) says where it sits.
     """
     from hetctl.files.cluster import Cluster
@@ -326,7 +326,7 @@ def test_a_deepspeed_plan_launched_as_rendered_places_every_rank_by_deepspeeds_o
     out.mkdir()
     args = f"--out {out} --tp 1 --pp {plan.parallel.pp} --num-layers {plan.model.num_layers}"
     r = local_cli(site, "launch", "plan-ds", "--run-dir", "runs", "--steps", "5", "--json",
-                  "--script", str(HERE / "deepspeed_check.py"), "--args", args, timeout=600)
+                  "--script", str(HERE / "helpers" / "deepspeed_check.py"), "--args", args, timeout=600)
     assert r.returncode == 0, r.stderr
     run = Path(json.loads(r.stdout)["run_dir"])
     assert load_model(run / "attempts" / "0" / "plan.yaml", Plan) == plan

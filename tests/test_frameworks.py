@@ -1,8 +1,8 @@
 """The rendered scripts, checked by the frameworks' own code (issue 15).
 
 Each node script is run by real bash, every rank at once, with the framework's
-code standing where the training script would be (``tests/framework_check.py``
-for Megatron-LM and FlagScale, ``tests/deepspeed_check.py`` for DeepSpeed):
+code standing where the training script would be (``tests/helpers/framework_check.py``
+for Megatron-LM and FlagScale, ``tests/helpers/deepspeed_check.py`` for DeepSpeed):
 Megatron's ``parse_args``/``validate_args``, its rank generator and layout
 parser; FlagScale's hetero checks, ``RankMapper`` and ``ParallelContext`` over
 gloo; DeepSpeed's ``init_distributed`` over gloo, topology, grid, config and
@@ -94,7 +94,7 @@ def run_plan(tmp_path: Path, plan: Plan, env: dict[str, str], args: list[str]) -
 def megatron_python(tmp_path: Path) -> Path:
     """``HETCTL_PYTHON`` for Megatron/FlagScale scripts: this Python running the framework checker."""
     wrapper = tmp_path / "python"
-    wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} {HERE / "framework_check.py"} "$CHECK_OUT" "$@"\n')
+    wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} {HERE / "helpers" / "framework_check.py"} "$CHECK_OUT" "$@"\n')
     wrapper.chmod(0o755)
     return wrapper
 
@@ -249,7 +249,7 @@ def test_flagscale_accepts_the_rendered_hetero_scripts_and_places_every_rank(tmp
 def test_deepspeed_accepts_the_rendered_scripts_and_places_every_rank(tmp_path):
     plan = plan_cluster(Cluster(nodes=a100s(2, 2)), SMALL, global_batch=16, framework="deepspeed", homogeneous=False)
     tp, pp = plan.stages[0].tp, plan.parallel.pp
-    env = {"HETCTL_PYTHON": sys.executable, "HETCTL_SCRIPT": str(HERE / "deepspeed_check.py")}
+    env = {"HETCTL_PYTHON": sys.executable, "HETCTL_SCRIPT": str(HERE / "helpers" / "deepspeed_check.py")}
     args = ["--out", str(tmp_path / "out"), "--tp", str(tp), "--pp", str(pp), "--num-layers", str(SMALL.num_layers)]
     records = run_plan(tmp_path, plan, env, args)
     check_ranks(plan, records)

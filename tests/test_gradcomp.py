@@ -30,7 +30,7 @@ def test_launch_args_pass_it_and_a_bad_value_is_one_line():
     """``hetctl launch --args`` is checked by the trainer's own parser (hetctl.elastic.start)."""
     from hetctl.elastic.start import check_trainer_args
     from hetctl.files.plan import Plan
-    from tests.rankrunner import tiny_plan
+    from tests.helpers.rankrunner import tiny_plan
 
     plan = Plan.model_validate(tiny_plan([6]))
     check_trainer_args(plan, ("--grad-compress", "int8"))
@@ -128,7 +128,7 @@ def reduced(tmp_path_factory):
     """Every mode's results on every rank: one set of real gloo processes for all of them."""
     import torch.multiprocessing as mp
 
-    from tests.rankrunner import free_port
+    from tests.helpers.rankrunner import free_port
 
     out = tmp_path_factory.mktemp("reduced")
     mp.spawn(_ranks, args=(free_port(), str(out)), nprocs=WORLD, join=True)

@@ -1,7 +1,7 @@
 """Health before launch: measured links (``probe --bench``) and ``launch --health-check``.
 
 The slow link is real: one sshd host lives in its own network namespace, joined
-to the others by a veth pair rate-limited with ``tc`` tbf (:class:`tests.sshd.ShapedNetNs`),
+to the others by a veth pair rate-limited with ``tc`` tbf (:class:`tests.helpers.sshd.ShapedNetNs`),
 so every byte it sends or receives crosses a shaped link. The declared NIC speed
 is what the collector reads from the host's fake sysfs (hardware we do not have).
 """
@@ -22,8 +22,8 @@ from hetctl.files.yamlio import load_model
 from hetctl.elastic.health import gate
 from hetctl.elastic.policy import Tally
 from hetctl.probe.health import HealthReport
-from tests import sites
-from tests.sshd import ShapedNetNs
+from tests.helpers import sites
+from tests.helpers.sshd import ShapedNetNs
 from tests.test_collector import make_sysfs
 from tests.test_probe_cli import _slowed_python, cpu_cgroup, hetctl  # noqa: F401 - cpu_cgroup is a fixture
 

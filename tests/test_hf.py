@@ -24,7 +24,7 @@ from hetctl.train import hfconvert  # noqa: E402
 from hetctl.train.hfio import load_into, read_tensors  # noqa: E402
 from hetctl.train.hfweights import check, weight_files  # noqa: E402
 from hetctl.train.model import StageModule, build_units  # noqa: E402
-from tests.hfmodels import save_random  # noqa: E402
+from tests.helpers.hfmodels import save_random  # noqa: E402
 
 CASES = {
     "llama-llama3-rope": ("llama", {}),
@@ -182,7 +182,7 @@ def test_init_from_reaches_the_ranks_of_a_fresh_start_only():
     from hetctl.files.plan import Plan
     from hetctl.files.run import LaunchOptions
     from hetctl.launch import materialize as mat
-    from tests.rankrunner import tiny_plan
+    from tests.helpers.rankrunner import tiny_plan
 
     plan = Plan.model_validate(tiny_plan([4, 2]))
     nodes = {n: Node(name=n, host="h", python="/py", workdir="/w") for n in plan.nodes}

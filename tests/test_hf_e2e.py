@@ -22,9 +22,9 @@ pytest.importorskip("transformers")
 
 from hetctl.files.plan import Plan  # noqa: E402
 from hetctl.plan.hfconfig import load_config_spec  # noqa: E402
-from tests.hfmodels import save_random  # noqa: E402
-from tests.rankrunner import tiny_plan  # noqa: E402
-from tests.sites import hetctl  # noqa: E402
+from tests.helpers.hfmodels import save_random  # noqa: E402
+from tests.helpers.rankrunner import tiny_plan  # noqa: E402
+from tests.helpers.sites import hetctl  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 SEED, MB, MICRO, SEQ = 1234, 2, 2, 16
@@ -127,7 +127,7 @@ def test_tied_table_stays_one_across_stages_and_resumes_without_reimport(tmp_pat
     parameter) step after step; a resume on another split continues bit for bit, and the ``--init-from``
     it is given again is not re-applied (the checkpoint's weights win).
     """
-    from tests.rankrunner import run_plan
+    from tests.helpers.rankrunner import run_plan
 
     ref = save_random(tmp_path / "hf", "qwen2", tie_word_embeddings=True)
     spec = load_config_spec(tmp_path / "hf", seq_len=SEQ).model_dump(mode="json")
@@ -156,7 +156,7 @@ def test_tied_table_stays_one_across_stages_and_resumes_without_reimport(tmp_pat
 
 def test_tensor_parallel_stages_import_qwen2_biases_and_tied_table(tmp_path):
     """TP=2 on 1+2 stages: each rank keeps its slice of q/k/v and their biases; the loss is transformers'."""
-    from tests.rankrunner import run_plan
+    from tests.helpers.rankrunner import run_plan
 
     ref = save_random(tmp_path / "hf", "qwen2", tie_word_embeddings=True)
     spec = load_config_spec(tmp_path / "hf", seq_len=SEQ).model_dump(mode="json")

@@ -33,8 +33,8 @@ from hetctl.files.eventlog import read_events
 from hetctl.launch.inject import signal_rank
 from hetctl.node import jitstate, manifest
 from hetctl.node.runtime import read_heartbeat
-from tests.sites import local_cli as cli
-from tests.sites import wait_while_running
+from tests.helpers.sites import local_cli as cli
+from tests.helpers.sites import wait_while_running
 
 pytestmark = pytest.mark.e2e
 

@@ -26,8 +26,8 @@ from hetctl.files.plan import Plan
 from hetctl.node.manifest import latest_valid, steps as checkpoint_steps, validate
 from hetctl.files.eventlog import read_events
 from hetctl.files.yamlio import load_model
-from tests.sites import env_of, hetctl, probed_site
-from tests.sshd import SshdCluster
+from tests.helpers.sites import env_of, hetctl, probed_site
+from tests.helpers.sshd import SshdCluster
 
 pytestmark = pytest.mark.sshd
 
@@ -295,7 +295,7 @@ def free_port() -> int:
 
 def test_entry_runs_a_users_own_script(tmp_path):
     """``--entry``: the agents start the user's script with the same rank contract (local nodes, no torch)."""
-    from tests.rankrunner import tiny_plan
+    from tests.helpers.rankrunner import tiny_plan
 
     (tmp_path / "home" / ".ssh").mkdir(parents=True)
     (tmp_path / "train.py").write_text(USER_SCRIPT)

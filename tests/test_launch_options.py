@@ -16,7 +16,7 @@ from hetctl.files.plan import Plan
 from hetctl.files.run import FaultOptions, LaunchOptions, RunDir
 from hetctl.launch import materialize as mat
 from hetctl.remote.testing import FakeFleet
-from tests.rankrunner import tiny_plan
+from tests.helpers.rankrunner import tiny_plan
 
 # Each `hetctl launch` option: the LaunchOptions field it becomes (it reaches the ranks through materialize),
 # the FaultOptions field (the fault policy, run.yaml's inputs.faults), or what else takes it and why it is

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from hetctl.corpus.indexed import IndexedWriter, token_dtype
-from tests.sites import local_cli, local_site
+from tests.helpers.sites import local_cli, local_site
 
 pytestmark = pytest.mark.e2e
 

@@ -28,7 +28,7 @@ from hetctl.files.events import (CheckpointSkipped, CheckpointUnseen, Event, Gav
 from hetctl.launch.monitor import Monitor
 from hetctl.launch.outcome import FaultKind, RunState
 from hetctl.files.run import RunDir
-from tests.rankrunner import tiny_plan
+from tests.helpers.rankrunner import tiny_plan
 
 
 class Clock:

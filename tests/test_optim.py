@@ -17,7 +17,7 @@ import pytest
 from hetctl.errors import ConfigError
 from hetctl.node import manifest
 from hetctl.train import optim
-from tests.rankrunner import TINY, Ranks, run_plan, tiny_plan
+from tests.helpers.rankrunner import TINY, Ranks, run_plan, tiny_plan
 
 torch = pytest.importorskip("torch")
 

@@ -35,7 +35,7 @@ import pytest
 from hetctl.plan.fwlayout import framework_rank, meshes
 from hetctl.plan.render import write_plan_dir
 from hetctl.plan.render import script_name
-from tests.placement import clusters, hosts_of, plan_for, script_ranks
+from tests.helpers.placement import clusters, hosts_of, plan_for, script_ranks
 
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                      reason="DeepSpeed not installed (pip install -e '.[frameworks]')")

@@ -27,7 +27,7 @@ from hetctl.files.plan import Plan
 from hetctl.plan.candidates import Pins
 from hetctl.files.cluster import Cluster
 from hetctl.files.yamlio import load_model as load_yaml_model
-from tests.placement import rendered_anyway
+from tests.helpers.placement import rendered_anyway
 from tests.test_plan_invariants import SMALL, node
 
 CONTRACT = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",

@@ -31,7 +31,7 @@ from hetctl.plan.fwlayout import device_label, framework_rank, meshes
 from hetctl.plan.render import render_node_scripts, write_plan_dir
 from hetctl.files.plan import Plan
 from hetctl.files.cluster import Cluster
-from tests.placement import rendered_anyway
+from tests.helpers.placement import rendered_anyway
 from tests.test_plan_invariants import SMALL, node
 
 FRAMEWORKS = ("hetctl", "megatron", "flagscale", "deepspeed", "torchrun")

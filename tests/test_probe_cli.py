@@ -21,7 +21,7 @@ import yaml
 from hetctl.files.cluster import Cluster, Tflops
 from hetctl.probe.parsers.nvidia_smi import CSV_FIELDS
 from hetctl.files.yamlio import load_model
-from tests.sshd import SshdCluster
+from tests.helpers.sshd import SshdCluster
 from tests.test_collector import make_sysfs
 
 SAMPLES = Path(__file__).parent / "fixtures" / "smi-samples"
@@ -265,7 +265,7 @@ def test_malformed_inventory_is_one_clear_line_and_exit_2(tmp_path, content, exp
 def test_a_cluster_file_written_to_another_folder_still_finds_its_inventory(tmp_path):
     # `probe -i inventory.yaml -o out/cluster.yaml`, then `plan out/cluster.yaml`, then `launch`: the cluster file
     # recorded "inventory.yaml" as typed, and plan resolved it beside the cluster file (out/inventory.yaml: not found).
-    from tests.sites import local_cli
+    from tests.helpers.sites import local_cli
 
     (tmp_path / "inventory.yaml").write_text(yaml.safe_dump({"nodes": [
         {"name": "here", "host": "localhost", "transport": "local", "python": sys.executable, "workdir": "w",

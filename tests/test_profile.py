@@ -124,7 +124,7 @@ def _pp3():
 @pytest.mark.e2e
 def test_probe_bench_model_profiles_each_node_and_plan_uses_it(tmp_path):
     pytest.importorskip("torch")
-    from tests.sites import local_cli
+    from tests.helpers.sites import local_cli
 
     inv = {"defaults": {"transport": "local", "python": sys.executable, "env": {"OMP_NUM_THREADS": "1"}},
            "nodes": [{"name": f"node-{c}", "host": "localhost", "workdir": str(tmp_path / c)} for c in "ab"]}

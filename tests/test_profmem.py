@@ -4,7 +4,7 @@ The pure tests plan on ``tests/fixtures/profiles/cuda-mid.yaml`` (two A100s, 40
 and 80 GB, profiled at the shape of ``mid.yaml``; the file says where its peak
 comes from) with the peak as recorded, at the analytic figure, within the
 tolerance, and at twice it; and on the recorded CPU profile (no peak). The e2e
-tests count what layerprof really allocates (``tests/memcount.py``) and check
+tests count what layerprof really allocates (``tests/helpers/memcount.py``) and check
 both the fixture's figure and the analytic figure against it.
 """
 
@@ -156,9 +156,9 @@ def test_plan_explain_prints_both_figures(tmp_path):
 
 @pytest.mark.e2e
 def test_the_fixture_peak_is_what_layerprof_allocates():
-    """Recount the fixture's peak (layerprof's own units on the CPU, counted as tests/memcount.py says)."""
+    """Recount the fixture's peak (layerprof's own units on the CPU, counted as tests/helpers/memcount.py says)."""
     pytest.importorskip("torch")
-    from tests.memcount import layerprof_peak
+    from tests.helpers.memcount import layerprof_peak
 
     spec = {k: v for k, v in MID.model_dump().items() if k != "source"}
     counted = layerprof_peak(spec, 1, "bf16")
@@ -170,7 +170,7 @@ def test_the_fixture_peak_is_what_layerprof_allocates():
 def test_where_the_edges_do_not_dominate_the_analytic_figure_is_within_the_tolerance(micro_batch, precision):
     """The tiny model (vocabulary 256): optimizer- (micro-batch 1) or forward-bound (8, two graphs alive)."""
     pytest.importorskip("torch")
-    from tests.memcount import layerprof_peak
+    from tests.helpers.memcount import layerprof_peak
 
     tiny = load_model("tiny")
     counted = layerprof_peak(json.loads(tiny.model_dump_json()), micro_batch, precision)

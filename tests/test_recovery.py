@@ -108,8 +108,8 @@ from hetctl.files.plan import Plan  # noqa: E402
 from hetctl.files.eventlog import read_events  # noqa: E402
 from hetctl.launch.inject import rank_procs, signal_rank  # noqa: E402
 from hetctl.files.yamlio import load_model  # noqa: E402
-from tests.sites import env_of, hetctl, probed_site, wait_while_running  # noqa: E402
-from tests.sshd import SshdCluster  # noqa: E402
+from tests.helpers.sites import env_of, hetctl, probed_site, wait_while_running  # noqa: E402
+from tests.helpers.sshd import SshdCluster  # noqa: E402
 
 e2e = pytest.mark.sshd
 STEPS, EVERY = 24, 4

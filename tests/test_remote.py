@@ -25,7 +25,7 @@ from hetctl.remote import (
     TRANSPORTS, GroupFailed, LocalTransport, Process, SshTransport, Transport, connect, effective_settings, fanout,
 )
 from hetctl.remote.local import shell_command
-from tests.sshd import Replay, strip_source_header
+from tests.helpers.sshd import Replay, strip_source_header
 
 SAMPLES = Path(__file__).parent / "fixtures" / "smi-samples"
 

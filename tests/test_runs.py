@@ -13,8 +13,8 @@ import pytest
 
 from hetctl.files.eventlog import read_events
 from hetctl.files.run import RunDir
-from tests.sites import local_cli as cli
-from tests.sites import local_site
+from tests.helpers.sites import local_cli as cli
+from tests.helpers.sites import local_site
 
 pytestmark = pytest.mark.e2e
 

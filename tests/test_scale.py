@@ -34,7 +34,7 @@ from hetctl.launch.outcome import FaultKind, RunState
 from hetctl.launch.ranklogs import RankLogs
 from hetctl.remote.simfleet import SimFleet
 from hetctl.remote.testing import FakeFleet
-from tests.rankrunner import tiny_plan
+from tests.helpers.rankrunner import tiny_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 TH = Thresholds(hang_timeout=30, start_timeout=30, node_timeout=5, grace_s=0.1, connect_timeout=5)
@@ -97,7 +97,7 @@ from hetctl.files.plan import Plan
 from hetctl.files.run import LaunchOptions, RunDir
 from hetctl.launch.controller import AttemptController, AttemptRequest
 from hetctl.remote.testing import FakeFleet
-from tests.rankrunner import tiny_plan
+from tests.helpers.rankrunner import tiny_plan
 
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
 plan = Plan.model_validate(tiny_plan([1] * 6, dp=50))  # 300 nodes

@@ -18,7 +18,7 @@ from hetctl.errors import RemoteError
 from hetctl.files.eventlog import read_events
 from hetctl.files.inventory import load_inventory
 from hetctl.remote import connect, fanout
-from tests.sites import hetctl, probed_site
+from tests.helpers.sites import hetctl, probed_site
 
 pytestmark = [
     pytest.mark.e2e,

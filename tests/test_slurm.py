@@ -1,6 +1,6 @@
 """Slurm backend: the parsers on captured ``scontrol`` output, then everything on a real mini-cluster.
 
-The e2e tests run real munged, slurmctld and slurmd processes (:mod:`tests.slurm`);
+The e2e tests run real munged, slurmctld and slurmd processes (:mod:`tests.helpers.slurm`);
 allocations are real ``salloc`` jobs, every node command is a real ``srun`` step,
 and the ranks are real ``python -m hetctl.train`` processes talking gloo. Vendor
 chips are simulated the same way as for the sshd hosts: replayed vendor tools on
@@ -36,7 +36,7 @@ from hetctl.node import manifest as ckpt
 from hetctl.files.eventlog import read_events
 from hetctl.launch.inject import rank_procs, signal_rank
 from hetctl.files.yamlio import load_model
-from tests.slurm import NodeSpec, SlurmCluster, skip_reason
+from tests.helpers.slurm import NodeSpec, SlurmCluster, skip_reason
 
 CAPTURES = Path(__file__).parent / "fixtures" / "slurm"
 
@@ -596,7 +596,7 @@ class Launch:
 
 @e2e
 def test_launch_over_srun_ends_with_the_same_loss_as_over_ssh(cpu_site, slurm_reference, tmp_path):
-    from tests.sshd import SshdCluster
+    from tests.helpers.sshd import SshdCluster
 
     c, d, job, env = cpu_site
     if not Path("/usr/sbin/sshd").exists():
@@ -708,7 +708,7 @@ def test_allocation_smaller_than_the_plan_is_one_line(cpu_site, tmp_path):
 
 def test_sbatch_has_one_het_group_per_chip_kind_with_its_gres():
     from hetctl.plan.sbatch import het_groups, render_sbatch
-    from tests.rankrunner import tiny_plan
+    from tests.helpers.rankrunner import tiny_plan
 
     raw = tiny_plan([2, 2, 2])
     raw["stages"][1].update(vendor="nvidia", model="NVIDIA H200", device_type="cuda",
@@ -730,7 +730,7 @@ def test_sbatch_has_one_het_group_per_chip_kind_with_its_gres():
 @e2e
 def test_rendered_sbatch_runs_the_plan_to_the_end(cpu_site, tmp_path):
     """Two chip kinds (c3's CPU model differs in the cluster file), so a real het job of two groups."""
-    from tests.rankrunner import free_port
+    from tests.helpers.rankrunner import free_port
 
     c, d, job, env = cpu_site
     facts = yaml.safe_load((d / "cluster.yaml").read_text())

@@ -1,4 +1,4 @@
-"""hetctl's own Slurm allocation (``salloc --no-shell``) outside one, on the real mini-cluster (:mod:`tests.slurm`).
+"""hetctl's own Slurm allocation (``salloc --no-shell``) outside one, on the real mini-cluster (:mod:`tests.helpers.slurm`).
 
 The plan is made inside a test's allocation (probe through srun), which is then
 cancelled: ``hetctl launch`` and ``hetctl resume`` run with no ``SLURM_JOB_ID``
@@ -16,7 +16,7 @@ import signal
 import pytest
 import yaml
 
-from tests.slurm import NodeSpec
+from tests.helpers.slurm import NodeSpec
 from tests.test_slurm import (CPU_NODES, EVERY, FAST, Launch, allocate, allocation_env, hetctl, one_line_error,
                               wait_for, write_site)
 

@@ -33,7 +33,7 @@ from hetctl.errors import AuthFailed, ConfigError, HostKeyMismatch, RemoteError,
 from hetctl.files.inventory import load_inventory
 from hetctl.remote import connect, effective_settings
 from hetctl.remote.sshconfig import parse_dump
-from tests.sshd import NetNs, SshdCluster, sign_user_key
+from tests.helpers.sshd import NetNs, SshdCluster, sign_user_key
 
 pytestmark = [
     pytest.mark.e2e,

@@ -32,8 +32,8 @@ from hetctl.files.plan import Plan
 from hetctl.files.yamlio import dump_yaml, save_model
 from hetctl.launch.inject import rank_procs
 from hetctl.node.alive import alive
-from tests.rankrunner import tiny_plan
-from tests.sites import wait_while_running
+from tests.helpers.rankrunner import tiny_plan
+from tests.helpers.sites import wait_while_running
 
 pytestmark = pytest.mark.e2e
 NODES = ("node-a", "node-b")

@@ -17,7 +17,7 @@ from hetctl.errors import ConfigError
 from hetctl.node import manifest as checkpoint
 from hetctl.node.runtime import TRAIN_ENV, RankContext, load_plan, read_heartbeat, write_heartbeat
 from hetctl.train.topology import topology
-from tests.rankrunner import TINY, Ranks, run_plan, tiny_plan
+from tests.helpers.rankrunner import TINY, Ranks, run_plan, tiny_plan
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.e2e  # real torch training processes over gloo

@@ -30,7 +30,7 @@ import pytest
 
 from hetctl.node import manifest as checkpoint
 from hetctl.train.gradmode import state_file
-from tests.rankrunner import TINY, Ranks, run_plan
+from tests.helpers.rankrunner import TINY, Ranks, run_plan
 from tests.test_train_hetdp import uneven_plan
 
 torch = pytest.importorskip("torch")

@@ -21,7 +21,7 @@ import pytest
 
 from hetctl.files.plan import Estimate, Parallel, Plan, Rank, Replica, Stage
 from hetctl.node import manifest as checkpoint
-from tests.rankrunner import TINY, Ranks, run_plan, tiny_plan
+from tests.helpers.rankrunner import TINY, Ranks, run_plan, tiny_plan
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.e2e  # real torch training processes over gloo

@@ -24,7 +24,7 @@ from hetctl.node import manifest as checkpoint
 from hetctl.node.runtime import RankContext
 from hetctl.plan.rankenv import static_env
 from hetctl.train.topology import topology
-from tests.rankrunner import TINY, Ranks, run_plan, tiny_plan
+from tests.helpers.rankrunner import TINY, Ranks, run_plan, tiny_plan
 
 torch = pytest.importorskip("torch")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.rankrunner import run_plan, tiny_plan
+from tests.helpers.rankrunner import run_plan, tiny_plan
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.e2e  # real torch training processes over gloo

@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from tests.rankrunner import run_plan, tiny_plan
+from tests.helpers.rankrunner import run_plan, tiny_plan
 
 pytest.importorskip("torch")
 pytestmark = pytest.mark.e2e  # real torch training processes over gloo

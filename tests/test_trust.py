@@ -212,7 +212,7 @@ def test_a_malformed_preflight_answer_fails_only_its_own_node(tmp_path, answer, 
     from hetctl.errors import StartFailed
     from hetctl.files.plan import Plan
     from hetctl.remote.testing import FakeFleet, NodeScript
-    from tests.rankrunner import tiny_plan
+    from tests.helpers.rankrunner import tiny_plan
     from tests.test_attempt import attempt, inventory
 
     plan3 = Plan.model_validate(tiny_plan([2, 2, 2]))
@@ -578,7 +578,7 @@ def test_a_full_disk_under_the_run_folder_is_a_warning_not_a_crash(plan, spec, f
 # -- kinds 3 and 11: plan/slurm.sbatch quotes what it writes, and runs for one chip kind ----------
 def _one_kind_plan(model_name="tiny", chip_model="cpu"):
     from hetctl.files.plan import Plan
-    from tests.rankrunner import tiny_plan
+    from tests.helpers.rankrunner import tiny_plan
 
     raw = tiny_plan([2, 2, 2])
     raw["model"]["name"] = model_name
@@ -618,8 +618,8 @@ def test_sbatch_comment_lines_cannot_be_ended_by_a_chip_or_model_name(tmp_path):
 def test_sbatch_of_one_chip_kind_runs_as_written_on_the_mini_cluster(tmp_path_factory):
     """All-CPU nodes (one chip kind): `sbatch slurm.sbatch` with no argument trains to the end."""
     from hetctl.node import manifest as ckpt
-    from tests.rankrunner import free_port
-    from tests.slurm import NodeSpec, SlurmCluster, skip_reason
+    from tests.helpers.rankrunner import free_port
+    from tests.helpers.slurm import NodeSpec, SlurmCluster, skip_reason
     from tests.test_slurm import CPU_NODES, allocate, allocation_env, hetctl, write_site
 
     reason = skip_reason()

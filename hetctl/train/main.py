@@ -1,6 +1,6 @@
 """``python -m hetctl.train``: one rank of the reference pipeline trainer.
 
-The launcher (agent, or ``tests/rankrunner.py``) sets the rank contract
+The launcher (agent, or ``tests/helpers/rankrunner.py``) sets the rank contract
 (:data:`hetctl.node.runtime.TRAIN_ENV`); the run length and checkpoint interval come
 as options, defaulting to ``HETCTL_STEPS`` and ``HETCTL_CKPT_EVERY``. The last
 stage prints ``step=… loss=… step_ms=…`` per step; every rank writes its

@@ -16,7 +16,7 @@ What it does not see: memory a CUDA kernel takes that is not a tensor storage
 (cuBLAS workspaces), and kernels that save different tensors on CUDA than on
 the CPU (attention picks its own kernel per device).
 
-    python -m tests.memcount SPEC_JSON MICRO_BATCH PRECISION   # prints the peak in bytes
+    python -m tests.helpers.memcount SPEC_JSON MICRO_BATCH PRECISION   # prints the peak in bytes
 """
 
 from __future__ import annotations

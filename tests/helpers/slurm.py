@@ -42,7 +42,7 @@ from pathlib import Path
 
 import psutil
 
-from tests.sshd import Members, SshdHost
+from tests.helpers.sshd import Members, SshdHost
 
 MARKER_ENV = "HETCTL_TEST_SLURM"
 BINARIES = ("slurmctld", "slurmd", "srun", "salloc", "scontrol", "munged", "unshare")

@@ -24,7 +24,7 @@ from hetctl.plan.models import load_model
 from hetctl.plan.planner import plan_cluster
 from tests.test_plan_invariants import CHIPS, SMALL, four_to_one, issue15_cluster, memory_tight, node, random_cluster
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FRAMEWORKS = ("megatron", "flagscale", "deepspeed", "torchrun")
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from tests.sshd import SshdCluster
+from tests.helpers.sshd import SshdCluster
 
 
 def env_of(d: Path) -> dict:
