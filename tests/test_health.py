@@ -25,7 +25,7 @@ from hetctl.probe.health import HealthReport
 from tests.helpers import sites
 from tests.helpers.sshd import ShapedNetNs
 from tests.test_collector import make_sysfs
-from tests.test_probe_cli import _slowed_python, cpu_cgroup, hetctl  # noqa: F401 - cpu_cgroup is a fixture
+from tests.test_probe_cli import _python_in, cpu_cgroup, first_cgroup, hetctl  # noqa: F401 - fixtures
 
 NAMES = ["cpu-1", "cpu-2", "cpu-3"]
 ONE_GBE = [{"name": "eth0", "speed": "1000"}]
@@ -132,17 +132,20 @@ def test_gate_passes_refuses_or_drops_by_policy() -> None:
     assert events[1].dropped == ["b"] and events[1].reason == "health check flagged b"
 
 
-def _slowed_site(make_sshd_cluster, cgroup: Path, tmp_path: Path) -> tuple[Path, Path]:
-    """Three real sshd hosts, one (cpu-2) whose Python runs in a cgroup with 10% of a CPU; probed and planned."""
+def _slowed_site(make_sshd_cluster, cgroup: Path, first: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """Three real sshd hosts, one (cpu-2) whose Python runs in a cgroup with 10% of a CPU, the others' in one
+    served first (so that load from beside the suite cannot make them the slow ones); probed and planned."""
     c = make_sshd_cluster(names=NAMES)
     log = tmp_path / "python-slowed.log"
-    c["cpu-2"].install_script("python-slowed", _slowed_python(cgroup, log))
+    c["cpu-2"].install_script("python-slowed", _python_in(cgroup, log))
+    for name in NAMES:
+        if name != "cpu-2":
+            c[name].install_script("python-first", _python_in(first, tmp_path / f"python-first-{name}.log"))
     d = sites.probed_site(c, tmp_path / "site", {n: 1.0 for n in NAMES})
     inv = yaml.safe_load((d / "inventory.yaml").read_text())
     inv["ssh"]["fanout"] = 1  # one benchmark at a time: the unslowed hosts must not share the cores
     for n in inv["nodes"]:
-        if n["name"] == "cpu-2":
-            n["python"] = "python-slowed"
+        n["python"] = "python-slowed" if n["name"] == "cpu-2" else "python-first"
     (d / "inventory.yaml").write_text(yaml.safe_dump(inv, sort_keys=False))
     r = sites.hetctl(d, "plan", "-c", "cluster.yaml", "--model", "tiny", "--pp", "3", "-o", "plan")
     assert r.returncode == 0, r.stderr
@@ -156,8 +159,9 @@ def _events(d: Path, run_dir: str = "runs") -> list[dict]:
 
 
 @pytest.mark.e2e
-def test_launch_health_check_drops_the_slowed_node_and_trains_on_the_rest(make_sshd_cluster, cpu_cgroup, tmp_path):  # noqa: F811
-    d, log = _slowed_site(make_sshd_cluster, cpu_cgroup, tmp_path)
+def test_launch_health_check_drops_the_slowed_node_and_trains_on_the_rest(make_sshd_cluster, cpu_cgroup,  # noqa: F811
+                                                                          first_cgroup, tmp_path):  # noqa: F811
+    d, log = _slowed_site(make_sshd_cluster, cpu_cgroup, first_cgroup, tmp_path)
     r = sites.hetctl(d, "launch", "plan", "--health-check", "drop", "--steps", "4", "--checkpoint-every", "2",
                      "--json", timeout=600)
     assert r.returncode == 0, r.stderr
@@ -185,8 +189,9 @@ def test_launch_health_check_drops_the_slowed_node_and_trains_on_the_rest(make_s
 
 
 @pytest.mark.e2e
-def test_launch_health_check_refuses_with_one_line_naming_the_node(make_sshd_cluster, cpu_cgroup, tmp_path):  # noqa: F811
-    d, _ = _slowed_site(make_sshd_cluster, cpu_cgroup, tmp_path)
+def test_launch_health_check_refuses_with_one_line_naming_the_node(make_sshd_cluster, cpu_cgroup,  # noqa: F811
+                                                                  first_cgroup, tmp_path):  # noqa: F811
+    d, _ = _slowed_site(make_sshd_cluster, cpu_cgroup, first_cgroup, tmp_path)
     r = sites.hetctl(d, "launch", "plan", "--health-check", "refuse", "--steps", "4", timeout=600)
     assert r.returncode == 3, r.stderr
     assert "Traceback" not in r.stderr

@@ -338,18 +338,14 @@ def test_findings_on_hosts_that_differ_and_plan_refuses_mixed_torch(make_sshd_cl
 CPU_CGROUP = Path("/sys/fs/cgroup/cpu")
 
 
-@pytest.fixture
-def cpu_cgroup():
-    """A cpu cgroup (v1) limited to 10% of one CPU; yields its folder.
-
-    The period is short (10 ms) so that no timed chunk of the benchmark fits in one
-    period's quota and runs at full speed.
-    """
-    group = CPU_CGROUP / f"hetctl-test-{os.getpid()}"
+def _cgroup(name: str, settings: dict[str, str]):
+    """A cpu cgroup (v1) with ``settings`` written to its files; yields its folder, then moves out what is
+    left in it and removes it."""
+    group = CPU_CGROUP / f"hetctl-test-{name}-{os.getpid()}"
     try:
         group.mkdir()
-        (group / "cpu.cfs_period_us").write_text("10000\n")
-        (group / "cpu.cfs_quota_us").write_text("1000\n")
+        for key, value in settings.items():
+            (group / key).write_text(f"{value}\n")
     except OSError as e:
         pytest.skip(f"no writable cpu cgroup here: {e}")
     yield group
@@ -361,7 +357,24 @@ def cpu_cgroup():
     group.rmdir()
 
 
-def _slowed_python(cgroup: Path, log: Path) -> str:
+@pytest.fixture
+def cpu_cgroup():
+    """A cpu cgroup (v1) limited to 10% of one CPU; yields its folder.
+
+    The period is short (10 ms) so that no timed chunk of the benchmark fits in one
+    period's quota and runs at full speed.
+    """
+    yield from _cgroup("slow", {"cpu.cfs_period_us": "10000", "cpu.cfs_quota_us": "1000"})
+
+
+@pytest.fixture
+def first_cgroup():
+    """A cpu cgroup (v1) with no quota and the largest weight: what runs in it is served before anything else
+    on this machine (the other test worker, a bench beside the suite), so its speed is the machine's."""
+    yield from _cgroup("first", {"cpu.shares": "262144"})
+
+
+def _python_in(cgroup: Path, log: Path) -> str:
     """A ``python`` for one host: joins ``cgroup`` (or fails loudly), runs Python, and logs each run.
 
     Each line of ``log``: the arguments, the run's cpu cgroup, and the cgroup's
@@ -371,7 +384,7 @@ def _slowed_python(cgroup: Path, log: Path) -> str:
     q = {k: shlex.quote(str(v)) for k, v in
          {"procs": cgroup / "cgroup.procs", "stat": cgroup / "cpu.stat", "log": log, "py": sys.executable}.items()}
     return f"""#!/bin/sh
-echo $$ > {q['procs']} || {{ echo "python-slowed: cannot join the cpu cgroup" >&2; exit 97; }}
+echo $$ > {q['procs']} || {{ echo "python-in-cgroup: cannot join the cpu cgroup" >&2; exit 97; }}
 before=$(sed -n 's/^throttled_time //p' {q['stat']})
 {q['py']} "$@"
 rc=$?
@@ -383,17 +396,22 @@ exit $rc
 
 
 @pytest.mark.e2e
-def test_bench_flags_the_chip_slowed_by_a_cgroup(make_sshd_cluster, cpu_cgroup, tmp_path):
-    """Three CPU-only hosts; on one, the node's Python (collector and benchmark) runs in a cgroup with 10% of a CPU."""
+def test_bench_flags_the_chip_slowed_by_a_cgroup(make_sshd_cluster, cpu_cgroup, first_cgroup, tmp_path):
+    """Three CPU-only hosts; on one, the node's Python (collector and benchmark) runs in a cgroup with 10% of a CPU.
+
+    The two others run theirs in a cgroup served first: under load from beside the suite (the other test
+    worker, a bench) an unslowed host once measured slower than the slowed one, which says nothing of hetctl.
+    """
     c = make_sshd_cluster(names=["cpu-1", "cpu-2", "cpu-3"])
     runs = tmp_path / "python-slowed.log"
-    c["cpu-2"].install_script("python-slowed", _slowed_python(cpu_cgroup, runs))
+    c["cpu-2"].install_script("python-slowed", _python_in(cpu_cgroup, runs))
+    for name in ("cpu-1", "cpu-3"):
+        c[name].install_script("python-first", _python_in(first_cgroup, tmp_path / f"python-first-{name}.log"))
     data = c.inventory()
     # One node at a time: the two unslowed hosts must not share this machine's cores while they measure.
     data.setdefault("ssh", {})["fanout"] = 1
     for n in data["nodes"]:
-        if n["name"] == "cpu-2":
-            n["python"] = "python-slowed"
+        n["python"] = "python-slowed" if n["name"] == "cpu-2" else "python-first"
     inv = tmp_path / "inventory.yaml"
     inv.write_text(yaml.safe_dump(data))
     out = tmp_path / "cluster.yaml"

@@ -112,12 +112,13 @@ def test_a_stream_without_a_descriptor_is_read_by_a_thread_of_its_own():
 def test_the_agent_connection_reads_its_streams_through_the_shared_reader():
     """AgentLink hands both streams to the one reader: events to the inbox, stderr to the tail, EOF once."""
     from hetctl.launch.agentlink import AgentLink
+    from hetctl.remote.local import LocalProcess
 
     p = subprocess.Popen([sys.executable, "-I", "-c", "import sys; print('{\"ev\": \"hello\"}'); "
                           "print('boom', file=sys.stderr)"],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     inbox: queue.SimpleQueue = queue.SimpleQueue()
-    agent = AgentLink("n1", None, p, inbox)
+    agent = AgentLink("n1", None, LocalProcess(p), inbox)
     assert agent.eof.wait(30)
     p.wait(10)
     first, last = inbox.get(timeout=5), inbox.get(timeout=5)
@@ -128,3 +129,23 @@ def test_the_agent_connection_reads_its_streams_through_the_shared_reader():
             break
         threading.Event().wait(0.1)
     assert agent.tail() == "boom"
+
+
+def test_an_agents_tail_is_its_own_stderr_after_the_start_line_read_back_from_its_file(tmp_path):
+    """With stderr in a file (one descriptor per agent): an earlier agent's lines and what the login shell
+    printed before the start line are not this agent's last words."""
+    from hetctl.files.inventory import Node
+    from hetctl.launch.agentlink import AgentLink
+    from hetctl.remote.local import LocalTransport
+
+    err = tmp_path / "agent.stderr"
+    err.write_text("the agent of the attempt before\n")
+    t = LocalTransport(Node(name="n1", host="localhost", python=sys.executable))
+    p = t.start(["sh", "-c", "echo 'a banner' >&2; echo hetctl-pid:$$ >&2; echo '{\"ev\": \"hello\"}'; "
+                 "echo 'Traceback: boom' >&2"], stderr_to=err)
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+    agent = AgentLink("n1", t, p, inbox)
+    assert agent.eof.wait(30) and p.wait(10) == 0
+    assert inbox.get(timeout=5)[:2] == ("n1", {"ev": "hello"})
+    assert agent.tail() == "Traceback: boom"
+    assert "the agent of the attempt before" in err.read_text()  # kept: the file is the node's, every attempt's

@@ -310,6 +310,54 @@ def test_start_streams_lines_both_ways(ssh):
     assert p.wait(10) == 0 and p.poll() == 0
 
 
+ECHO_BOTH = ("import sys\nprint('err:start', file=sys.stderr, flush=True)\n"
+             "for line in sys.stdin: print('echo:' + line.strip(), flush=True)\n"
+             "print('err:eof', file=sys.stderr, flush=True)\nprint('eof', flush=True)")
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize("where", ["ssh", "local"])
+def test_start_with_stderr_to_a_file_holds_one_descriptor_and_streams_both_ways(where, request, tmp_path):
+    """An agent's streams at a thousand nodes (issue 36): stdin and stdout on one socket, stderr in a file that
+    this side does not hold open; the start line still found, EOF still given, stderr all in the file."""
+    t = request.getfixturevalue(where)
+    err = tmp_path / "logs" / "n" / "agent.stderr"
+    before = _fds()
+    p = t.start([sys.executable, "-u", "-c", ECHO_BOTH], stderr_to=err)
+    assert _fds() - before == 1 and p.stderr is None and p.stderr_path == err
+    for word in ("one", "two"):
+        p.stdin.write(word.encode() + b"\n")
+        p.stdin.flush()
+        assert p.stdout.readline() == f"echo:{word}\n".encode()
+    p.close_stdin()
+    assert p.stdout.readline() == b"eof\n" and p.stdout.readline() == b""
+    assert p.wait(10) == 0
+    text = err.read_text()
+    assert "err:start" in text and "err:eof" in text and "echo:" not in text
+    assert err.stat().st_mode & 0o777 == 0o600
+
+
+def test_with_stderr_to_a_file_a_lost_node_ends_the_stream_and_ssh_words_are_read_back(make_sshd_cluster, tmp_path):
+    """The agent's one socket ends when its node is lost, and a start that fails says what ssh said, read back
+    from the stderr file (no pipe holds it)."""
+    cluster = make_sshd_cluster(1)
+    inv = load_inventory(cluster.write_inventory())
+    t = connect(inv.nodes[0], inv.ssh)
+    p = t.start(["sh", "-c", "echo up; exec sleep 300"], stderr_to=tmp_path / "a.stderr")
+    assert p.stdout.readline() == b"up\n"
+    cluster[0].kill()
+    assert p.stdout.readline() == b""  # the stream ends instead of hanging
+    assert p.wait(10) == -1
+    assert wait_until(lambda: not t.connected)
+    with pytest.raises(Unreachable) as info:
+        t.start(["true"], stderr_to=tmp_path / "b.stderr")
+    assert "connection refused" in info.value.message
+    t.close()
+
+
 def test_kill_closes_the_channel_and_the_remote_command_sees_eof(make_sshd_cluster):
     cluster = make_sshd_cluster(1)
     host = cluster[0]

@@ -181,6 +181,7 @@ sys.stdout.flush()
 class _Proc:
     def __init__(self, popen: subprocess.Popen) -> None:
         self.stdout, self.stderr, self.stdin = popen.stdout, popen.stderr, popen.stdin
+        self.stderr_path, self.stderr_from = None, 0
 
 
 def test_the_reader_survives_a_real_hostile_agent_with_bounded_memory():

@@ -3,10 +3,16 @@ and environment, nothing started) and the run's summary at the end, with the exi
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import typer
 
 from hetctl.cli.base import err, out, print_json, text
 from hetctl.textsafe import json_dumps
+
+if TYPE_CHECKING:
+    from hetctl.files.inventory import Inventory
+    from hetctl.launch.materialize import LaunchSpec
 
 
 def warn(line: str) -> None:
@@ -77,10 +83,10 @@ def finish_launch(result, json_out: bool, warning: str | None = None, extra: dic
         raise typer.Exit(130 if s.state == "stopped" else RunFailed.exit_code)
 
 
-def print_dry_run(spec, inv=None, ssh=None, note=None) -> None:
+def print_dry_run(spec: LaunchSpec, inv: Inventory | None = None, ssh: dict[str, Any] | None = None,
+                  note: str | None = None) -> None:
     """Per node: the agent command, then each rank's argv and environment (inventory env values masked but
-    ``public_env``'s); ``note``: the node
-    checks a launch would run first."""
+    ``public_env``'s); ``note``: the node checks a launch would run first."""
     import shlex
 
     from hetctl.launch.materialize import mask_env
@@ -102,7 +108,7 @@ def print_dry_run(spec, inv=None, ssh=None, note=None) -> None:
                            f"{', '.join(eff.identity_files) or 'agent only'}; known_hosts "
                            f"{', '.join(eff.known_hosts)}; StrictHostKeyChecking {eff.strict_host_key_checking}"),
                       highlight=False, soft_wrap=True)
-        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in mask_env(n.env, getattr(inv, "public_env", ())).items())
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in mask_env(n.env, inv.public_env if inv is not None else ()).items())
         out.print(text(f"  agent: {env + ' ' if env else ''}{shlex.join(n.agent_argv)}"), highlight=False,
                   soft_wrap=True)
         if n.transport == "slurm" and inv is not None:  # the step the agent runs in

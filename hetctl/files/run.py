@@ -294,6 +294,10 @@ class RunDir:
     def log_path(self, node: str, rank: int) -> Path:
         return self.path / "logs" / safe_name(node) / f"rank-{rank}.log"
 
+    def agent_stderr_path(self, node: str) -> Path:
+        """What the node's agent (and the ``ssh`` or ``srun`` that carries it) wrote on stderr, every attempt's."""
+        return self.path / "logs" / safe_name(node) / "agent.stderr"
+
     def save_plan(self, attempt: int, plan: Plan) -> Path:
         return save_model(self.plan_path(attempt), plan, header=f"run {self.run_id}, attempt {attempt}")
 

@@ -10,6 +10,7 @@ keeps one across attempts for its warm spares.
 from __future__ import annotations
 
 import json
+import re
 import queue
 import threading
 import time
@@ -17,6 +18,8 @@ from typing import Any, Mapping
 
 from hetctl.errors import HetctlError
 from hetctl.launch import reader, wire
+
+START_LINE = re.compile(r"hetctl-pid:\d+")  # the start line a transport's shell wrote before the agent ran
 
 
 class AgentLink:
@@ -35,7 +38,8 @@ class AgentLink:
         self.port_answered = threading.Event()
         streams = reader.shared()
         streams.add(proc.stdout, self._stdout_line, self._stdout_end)
-        streams.add(proc.stderr, self._stderr_line, lambda: None, wire.MAX_TEXT)
+        if proc.stderr is not None:  # else it goes to a file (stderr_path), read back by tail()
+            streams.add(proc.stderr, self._stderr_line, lambda: None, wire.MAX_TEXT)
 
     def _stdout_line(self, raw: bytes | wire.Refused) -> None:
         if isinstance(raw, wire.Refused):
@@ -93,5 +97,17 @@ class AgentLink:
         return self.port
 
     def tail(self) -> str:
+        """The agent's last words: its stderr's last lines (from its file, when it has one) and what it printed
+        on stdout that was not an event."""
+        path = self.proc.stderr_path
+        if path is not None:
+            from hetctl.remote.stdio import file_tail
+
+            text = file_tail(path, self.proc.stderr_from).decode(errors="replace").splitlines()
+            starts = [i for i, ln in enumerate(text) if START_LINE.fullmatch(ln.strip())]
+            said = [ln.rstrip() for ln in text[starts[-1] + 1 if starts else 0:]]  # not the login shell's
+            with self._lock:
+                lines = said[-20:] + self.stderr_tail
+            return "\n".join(line for line in lines[-20:] if line)
         with self._lock:
             return "\n".join(line for line in self.stderr_tail if line)

@@ -365,7 +365,9 @@ class AttemptController:
             if agent is not None:
                 agent.inbox = self.inbox
             else:
-                proc = self.transports[node.name].start(list(nl.agent_argv), env=nl.env or None, cwd=nl.workdir)
+                # stdin and stdout on one socket, stderr to the run folder: one descriptor here per node
+                proc = self.transports[node.name].start(list(nl.agent_argv), env=nl.env or None, cwd=nl.workdir,
+                                                        stderr_to=self.run_dir.agent_stderr_path(node.name))
                 agent = AgentLink(node.name, self.transports[node.name], proc, self.inbox)
                 self.pool.keep(node.name, self.transports[node.name], agent)
             self.agents[node.name] = agent

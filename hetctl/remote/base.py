@@ -42,12 +42,15 @@ class Process(Protocol):
     """A long-running command started with :meth:`Transport.start`.
 
     ``stdout`` yields bytes lines; ``stdin`` accepts bytes. Closing stdin is the
-    agent's signal that the controller is gone.
+    agent's signal that the controller is gone. ``stderr`` is None when it goes to the
+    file ``stderr_path`` (a ``start(..., stderr_to=PATH)``: :mod:`hetctl.remote.stdio`).
     """
 
     stdin: IO[bytes]
     stdout: IO[bytes]
-    stderr: IO[bytes]
+    stderr: IO[bytes] | None
+    stderr_path: Path | None
+    stderr_from: int  # where this command's stderr starts in that file
 
     def poll(self) -> int | None: ...
 
@@ -81,6 +84,7 @@ class Transport(Protocol):
         env: Mapping[str, str] | None = None,
         cwd: str | None = None,
         input: bytes | None = None,
+        stderr_to: str | Path | None = None,
     ) -> Process: ...
 
     def put(self, data: bytes | Path, remote_path: str, mode: int = 0o644) -> None: ...

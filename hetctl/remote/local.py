@@ -22,6 +22,7 @@ from typing import IO, Mapping, Sequence
 from hetctl.errors import CommandFailed, RemoteError
 from hetctl.remote.startline import Collected
 from hetctl.remote.base import Result, track, untrack
+from hetctl.remote.stdio import Stdio
 
 TIMEOUT_EXIT = 124  # like coreutils timeout(1): the command was stopped by hetctl
 
@@ -82,13 +83,13 @@ def command_env(node, env: Mapping[str, str] | None) -> dict[str, str]:
     return {**(node.env or {}), **(env or {})}
 
 
-def write_first(popen: subprocess.Popen, data: bytes) -> None:
-    """Write what a started command must read first (its environment line, its input); the pipe stays open."""
+def write_first(stdin: IO[bytes], data: bytes) -> None:
+    """Write what a started command must read first (its environment line, its input); the stream stays open."""
     if not data:
         return
     try:
-        popen.stdin.write(data)
-        popen.stdin.flush()
+        stdin.write(data)
+        stdin.flush()
     except OSError:
         pass  # it exited at once; its status and stderr tell the rest
 
@@ -106,14 +107,17 @@ def finish(result: Result, check: bool, timeout: float | None) -> Result:
 
 
 class LocalProcess:
-    """A started local command; a thin shell over :class:`subprocess.Popen`."""
+    """A started local command; a thin shell over :class:`subprocess.Popen` and its streams
+    (:class:`~hetctl.remote.stdio.Stdio`: pipes, or one socket and a stderr file)."""
 
-    def __init__(self, popen: subprocess.Popen) -> None:
+    def __init__(self, popen: subprocess.Popen, stdio: Stdio | None = None) -> None:
         self._popen = popen
         self.pid = popen.pid
-        self.stdin: IO[bytes] = popen.stdin  # type: ignore[assignment]
-        self.stdout: IO[bytes] = popen.stdout  # type: ignore[assignment]
-        self.stderr: IO[bytes] = popen.stderr  # type: ignore[assignment]
+        self.stdio = stdio or Stdio().attach(popen)
+        self.stdin: IO[bytes] = self.stdio.stdin  # type: ignore[assignment]
+        self.stdout: IO[bytes] = self.stdio.stdout  # type: ignore[assignment]
+        self.stderr: IO[bytes] | None = self.stdio.stderr
+        self.stderr_path, self.stderr_from = self.stdio.stderr_path, self.stdio.stderr_from
 
     def poll(self) -> int | None:
         return self._popen.poll()
@@ -123,10 +127,7 @@ class LocalProcess:
         return self._popen.wait(timeout)
 
     def close_stdin(self) -> None:
-        try:
-            self.stdin.close()
-        except OSError:
-            pass
+        self.stdio.close_stdin()
 
     def kill(self) -> None:
         """SIGKILL the command's whole process group (it was started in its own session)."""
@@ -201,21 +202,23 @@ class LocalTransport:
         env: Mapping[str, str] | None = None,
         cwd: str | None = None,
         input: bytes | None = None,
+        stderr_to: str | Path | None = None,
     ) -> LocalProcess:
         """Start ``argv`` with piped stdin/stdout/stderr; read both outputs or it may block.
 
         ``input`` is written to its stdin first (after the environment line); the pipe stays open for the caller.
+        ``stderr_to``: stdin and stdout on one socket, stderr to that file (:mod:`hetctl.remote.stdio`).
         """
         line, prefix = self._argv(argv, env, cwd)
-        popen = subprocess.Popen(
-            line,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-        )
-        write_first(popen, prefix + (input or b""))
-        return LocalProcess(popen)
+        stdio = Stdio(stderr_to)
+        try:
+            popen = subprocess.Popen(line, **stdio.popen_kwargs(), start_new_session=True)
+        except OSError:
+            stdio.failed_to_start()
+            raise
+        stdio.attach(popen)
+        write_first(stdio.stdin, prefix + (input or b""))
+        return LocalProcess(popen, stdio)
 
     def put(self, data: bytes | Path, remote_path: str, mode: int = 0o644) -> None:
         """Write ``data`` (bytes or the contents of a local file) atomically, creating folders."""

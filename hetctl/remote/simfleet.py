@@ -7,9 +7,10 @@ measuring the controller, not the fake:
 - the nodes live in a **child process** (``python -m hetctl.remote.simfleet``), a
   single-threaded ``selectors`` loop, so the controller's process holds only the
   controller's work: its CPU, memory and threads are what ``hetctl launch`` would have;
-- every agent is a **real file descriptor** pair in the controller, as an ``ssh``
-  client's pipes are: stdin and stdout on one Unix socket (two descriptors), stderr on
-  a pipe — three per node, so descriptor limits bind as they would over SSH;
+- every agent is a **real file descriptor** in the controller, as an ``ssh`` client's
+  streams are: stdin and stdout on one Unix socket, stderr in a file
+  (:mod:`hetctl.remote.stdio`) — one per node; or, for a caller that passes no
+  ``stderr_to``, three (the socket, its duplicate for stdin, a stderr pipe), as three pipes are;
 - every connection and every command costs ``latency_s`` (a handshake, a remote
   shell), and each agent speaks the protocol of :mod:`hetctl.node.agent`: ``hello``,
   ``started``, a heartbeat per rank every ``step_s`` (one ``heartbeats`` line per node,
@@ -45,13 +46,20 @@ HB_POLL_S = 0.2  # the real agent's heartbeat poll: a rank's heartbeat leaves wi
 
 
 class SimProcess:
-    """An agent's :class:`~hetctl.remote.base.Process`: stdin/stdout on a Unix socket, stderr on a pipe."""
+    """An agent's :class:`~hetctl.remote.base.Process`: stdin/stdout on a Unix socket, stderr on a pipe; or, with
+    ``stderr_path`` (a transport's ``stderr_to``), stdin and stdout on the one socket and stderr in that file, as
+    :mod:`hetctl.remote.stdio` gives a real agent."""
 
-    def __init__(self, sock: socket.socket, err: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, err: socket.socket | None, stderr_path: Path | None = None) -> None:
         self.sock, self.err = sock, err
         self.stdout = sock.makefile("rb")
-        self.stdin = os.fdopen(os.dup(sock.fileno()), "wb", buffering=0)  # a pipe's own descriptor, as over ssh
-        self.stderr = err.makefile("rb")  # silent, open while the agent lives (its reader thread waits, as over ssh)
+        self.stderr_path, self.stderr_from = stderr_path, 0
+        if err is None:
+            self.stdin = sock.makefile("wb")
+            self.stderr = None
+        else:
+            self.stdin = os.fdopen(os.dup(sock.fileno()), "wb", buffering=0)  # a pipe's own descriptor, as over ssh
+            self.stderr = err.makefile("rb")  # silent, open while the agent lives (its reader waits, as over ssh)
         self.code: int | None = None
 
     def poll(self) -> int | None:
@@ -71,7 +79,8 @@ class SimProcess:
     def kill(self) -> None:
         for s in (self.sock, self.err):
             try:
-                s.shutdown(socket.SHUT_RDWR)
+                if s is not None:
+                    s.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
         self.code = -9
@@ -79,7 +88,8 @@ class SimProcess:
     def close(self) -> None:
         for f in (self.stdin, self.stderr, self.stdout, self.sock, self.err):
             try:
-                f.close()
+                if f is not None:
+                    f.close()
             except OSError:
                 pass
 
@@ -100,15 +110,22 @@ class SimTransport:
         return Result(self.node, " ".join(argv), 0, json.dumps(answer) + "\n", "")
 
     def start(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: str | None = None,
-              input: bytes | None = None) -> SimProcess:
+              input: bytes | None = None, stderr_to: str | Path | None = None) -> SimProcess:
         time.sleep(self.fleet.latency_s)
+        headers = [{"node": self.node, "step_s": self.fleet.step_s}]
+        if stderr_to is None:
+            headers.insert(0, {"stderr_of": self.node})
+        else:
+            Path(stderr_to).parent.mkdir(parents=True, exist_ok=True)
+            Path(stderr_to).touch(mode=0o600)  # the simulated agent writes nothing on stderr
         socks = []
-        for header in ({"stderr_of": self.node}, {"node": self.node, "step_s": self.fleet.step_s}):
+        for header in headers:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.connect(str(self.fleet.address))
             sock.sendall((json.dumps(header) + "\n").encode())
             socks.append(sock)
-        proc = SimProcess(socks[1], socks[0])
+        proc = SimProcess(socks[-1], socks[0] if stderr_to is None else None,
+                          Path(stderr_to) if stderr_to is not None else None)
         self.procs.append(proc)
         return proc
 

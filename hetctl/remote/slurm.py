@@ -58,6 +58,7 @@ from hetctl.remote.base import Result
 from hetctl.remote.base import track, untrack
 from hetctl.remote.slurmparse import HetPlace
 from hetctl.remote.local import TIMEOUT_EXIT, LocalProcess, command_env, env_on_stdin, finish, shell_command, write_first
+from hetctl.remote.stdio import Stdio
 
 TERM_WAIT_S = 3.0  # after scancel --signal=TERM: the agent's own SIGTERM handling (its grace is spent already)
 KILL_WAIT_S = 5.0  # after scancel --signal=KILL, before the local srun is killed
@@ -189,8 +190,8 @@ class SlurmProcess(LocalProcess):
     the component's own id.
     """
 
-    def __init__(self, popen: subprocess.Popen, node: str, job: str, step_name: str) -> None:
-        super().__init__(popen)
+    def __init__(self, popen: subprocess.Popen, node: str, job: str, step_name: str, stdio: Stdio | None = None) -> None:
+        super().__init__(popen, stdio)
         self.node, self.job, self.step_name = node, job, step_name
 
     def _wait_exit(self, seconds: float) -> bool:
@@ -240,15 +241,17 @@ class SlurmTransport:
         self.srun = srun_path()
 
     def _popen(self, argv: Sequence[str], env: Mapping[str, str] | None,
-               cwd: str | None) -> tuple[subprocess.Popen, str, bytes]:
+               cwd: str | None, stdio: Stdio | None = None) -> tuple[subprocess.Popen, str, bytes]:
         name = f"hetctl-{uuid.uuid4().hex[:10]}"
         line, prefix = srun_argv(self.spec, argv, env, cwd, job=self.job, step_name=name, srun=self.srun,
                                  het_group=self.het.group if self.het is not None else None)
+        stdio = stdio or Stdio()
         try:
-            popen = subprocess.Popen(line, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     start_new_session=True)
+            popen = subprocess.Popen(line, **stdio.popen_kwargs(), start_new_session=True)
         except OSError as e:
+            stdio.failed_to_start()
             raise Unreachable(f"{self.node}: cannot run srun: {e.strerror}", node=self.node) from None
+        stdio.attach(popen)
         return popen, name, prefix
 
     def run(
@@ -296,14 +299,17 @@ class SlurmTransport:
         env: Mapping[str, str] | None = None,
         cwd: str | None = None,
         input: bytes | None = None,
+        stderr_to: str | Path | None = None,
     ) -> SlurmProcess:
         """Start ``argv`` as a step with piped stdin/stdout/stderr; read both outputs or it may block.
 
         ``input`` is written to its stdin first (after the environment line); the pipe stays open.
+        ``stderr_to``: stdin and stdout on one socket, stderr to that file (:mod:`hetctl.remote.stdio`).
         """
-        popen, name, prefix = self._popen(argv, env, cwd)
-        write_first(popen, prefix + (input or b""))
-        return SlurmProcess(popen, self.node, self.step_job, name)
+        stdio = Stdio(stderr_to)
+        popen, name, prefix = self._popen(argv, env, cwd, stdio)
+        write_first(stdio.stdin, prefix + (input or b""))
+        return SlurmProcess(popen, self.node, self.step_job, name, stdio)
 
     def put(self, data: bytes | Path, remote_path: str, mode: int = 0o644) -> None:
         """Write ``data`` atomically on the node (``cat`` into a temp file, then ``mv``), creating folders."""

@@ -53,6 +53,7 @@ from hetctl.remote import startline
 from hetctl.remote.base import Result, track, untrack
 from hetctl.remote.local import TIMEOUT_EXIT, command_env, env_on_stdin, finish, shell_command, write_first
 from hetctl.remote.sshmaster import SSH_FAILED, SshMaster
+from hetctl.remote.stdio import Stdio
 
 _NOT_RUN_HINT = ("`ssh HOST echo ok` must print just ok: a start-up file (~/.bashrc, ~/.profile) that execs another "
                  "shell or waits for input, sshd's ForceCommand, or a login shell that is not POSIX sh (csh, fish) "
@@ -84,14 +85,17 @@ class SshProcess:
     EOF on stdin and a broken pipe on output (the agent stops its ranks on that).
     """
 
-    def __init__(self, popen: subprocess.Popen, transport: SshTransport, command: str, pid: int | None) -> None:
+    def __init__(self, popen: subprocess.Popen, transport: SshTransport, command: str, pid: int | None,
+                 stdio: Stdio | None = None) -> None:
         self._popen = popen
         self._transport = transport
         self.command = command
         self.pid = pid  # the command's pid on the node (its process group)
-        self.stdin: IO[bytes] = popen.stdin  # type: ignore[assignment]
-        self.stdout: IO[bytes] = popen.stdout  # type: ignore[assignment]
-        self.stderr: IO[bytes] = popen.stderr  # type: ignore[assignment]
+        self.stdio = stdio or Stdio().attach(popen)
+        self.stdin: IO[bytes] = self.stdio.stdin  # type: ignore[assignment]
+        self.stdout: IO[bytes] = self.stdio.stdout  # type: ignore[assignment]
+        self.stderr: IO[bytes] | None = self.stdio.stderr
+        self.stderr_path, self.stderr_from = self.stdio.stderr_path, self.stdio.stderr_from
         self._code: int | None = None
 
     def _status(self, rc: int | None) -> int | None:
@@ -110,10 +114,7 @@ class SshProcess:
         return self._status(self._popen.wait(timeout))  # type: ignore[return-value]
 
     def close_stdin(self) -> None:
-        try:
-            self._popen.stdin.close()
-        except OSError:
-            pass
+        self.stdio.close_stdin()
 
     def kill(self) -> None:
         self._popen.kill()
@@ -129,7 +130,7 @@ class SshTransport(SshMaster):
     # --- running -------------------------------------------------------------
 
     def _popen(self, argv: Sequence[str], env: Mapping[str, str] | None, cwd: str | None,
-               node_env: bool = True) -> tuple[subprocess.Popen, bytes]:
+               node_env: bool = True, stdio: Stdio | None = None) -> tuple[subprocess.Popen, bytes]:
         """The ssh client running ``argv`` on the node, and the bytes to write first on its stdin.
 
         The environment (the node's inventory ``env`` and ``env``) travels on stdin
@@ -143,8 +144,13 @@ class SshTransport(SshMaster):
                                        dict(env or {}))
         line = startline.START + shell_command(wrapped, None, cwd)
         self._used = True
-        popen = subprocess.Popen(self._argv("auto", command=line), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, start_new_session=True)
+        stdio = stdio or Stdio()
+        try:
+            popen = subprocess.Popen(self._argv("auto", command=line), **stdio.popen_kwargs(), start_new_session=True)
+        except OSError:
+            stdio.failed_to_start()
+            raise
+        stdio.attach(popen)
         if not self.persist:
             self._live = [p for p in self._live if p.poll() is None] + [popen]
         return popen, prefix
@@ -256,16 +262,20 @@ class SshTransport(SshMaster):
         env: Mapping[str, str] | None = None,
         cwd: str | None = None,
         input: bytes | None = None,
+        stderr_to: str | Path | None = None,
     ) -> SshProcess:
         """Start ``argv`` and return once it runs on the node; read its stdout and stderr.
 
         ``input`` is written to the command's stdin first (data that must not appear on
         a command line, such as secrets); the pipe stays open for the caller.
+        ``stderr_to``: stdin and stdout on one socket, stderr (ssh's own words included) to
+        that file (:mod:`hetctl.remote.stdio`); the start line is then read on stdout.
 
         Raises:
             Unreachable, AuthFailed, HostKeyMismatch: the command could not be started.
         """
-        popen, prefix = self._popen(argv, env, cwd)
+        stdio = Stdio(stderr_to)
+        popen, prefix = self._popen(argv, env, cwd, stdio=stdio)
         limit = self._start_limit()
         state = {"killed": False, "master_up": False}
 
@@ -276,26 +286,32 @@ class SshTransport(SshMaster):
 
         timer = threading.Timer(limit, give_up)
         timer.start()
+        early_out = b""
         try:
-            pid, early = startline.await_marker(popen)
-            if pid is not None:  # the command runs: what the login shell printed before it is not its output
-                startline.skip_to_start(popen.stdout, pid)
+            if stdio.stderr is None:  # one socket: the start line on stdout, stderr in its file
+                pid, early_out = startline.await_marker(stdio.stdout)
+                early = b""
+            else:
+                pid, early = startline.await_marker(stdio.stderr)
+                if pid is not None:  # the command runs: what the login shell printed before it is not its output
+                    startline.skip_to_start(stdio.stdout, pid)
         finally:
             timer.cancel()
         if pid is None:
             popen.kill()
             code = popen.wait()
-            rest = popen.stderr.read() if popen.stderr else b""
+            rest = stdio.stderr.read() if stdio.stderr else stdio.stderr_text()
             stderr = (early + rest).decode(errors="replace")
             if code == SSH_FAILED and not state["killed"]:
                 raise self._error(stderr, code)
             if state["killed"] and not state["master_up"]:
                 raise Unreachable(f"{self.node}: {self.effective.where}: no connection within {limit:g} s",
                                   "check that the node is up and answers SSH", node=self.node)
-            out = popen.stdout.read() if popen.stdout else b""
+            out = early_out + (stdio.stdout.read() if stdio.stdout else b"")
+            stdio.close()
             raise self._not_run(out.decode(errors="replace"), stderr, None if state["killed"] else code, limit)
-        write_first(popen, prefix + (input or b""))  # only now: hetctl's own command reads it
-        return SshProcess(popen, self, shlex.join(argv), pid)
+        write_first(stdio.stdin, prefix + (input or b""))  # only now: hetctl's own command reads it
+        return SshProcess(popen, self, shlex.join(argv), pid, stdio)
 
     def _not_run(self, stdout: str, stderr: str, code: int | None, limit: float) -> RemoteError:
         """The node answered but did not run hetctl's command (no start line): one line saying what it did.

@@ -13,7 +13,6 @@ shell, a login shell that is not POSIX sh) never reads hetctl's data.
 from __future__ import annotations
 
 import re
-import subprocess
 import threading
 from typing import IO, Any
 
@@ -50,11 +49,12 @@ class Started:
         self._event.set()
 
 
-def await_marker(popen: subprocess.Popen) -> tuple[int | None, bytes]:
-    """Read stderr up to the start line; the rest stays buffered for the caller."""
+def await_marker(stream: IO[bytes]) -> tuple[int | None, bytes]:
+    """Read ``stream`` (stderr, or stdout when stderr goes to a file) up to the start line, and what came before
+    it; the rest stays buffered for the caller."""
     seen = b""
     while True:
-        line = popen.stderr.readline()
+        line = stream.readline()
         if not line:
             return None, seen
         m = PID_LINE.search(line)

@@ -193,6 +193,7 @@ class FakeProcess:
     def __init__(self, agent: _FakeAgent) -> None:
         self.agent = agent
         self.stdin, self.stdout, self.stderr = agent.stdin, agent.stdout, agent.stderr
+        self.stderr_path, self.stderr_from = None, 0  # a fake agent's stderr is its stream, whatever stderr_to asked
 
     def poll(self) -> int | None:
         return self.agent.code
@@ -229,7 +230,7 @@ class FakeTransport:
         return Result(self.node, " ".join(argv), 127, "", f"fake node: no script for {argv[0]}")
 
     def start(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
-              cwd: str | None = None) -> FakeProcess:
+              cwd: str | None = None, stderr_to: Any = None) -> FakeProcess:
         agent = _FakeAgent(self.node, self.script)
         self.fleet.agents.setdefault(self.node, []).append(agent)
         return FakeProcess(agent)
