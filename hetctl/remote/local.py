@@ -14,7 +14,6 @@ import os
 import shlex
 import signal
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 from typing import IO, Mapping, Sequence
@@ -23,6 +22,7 @@ from hetctl.errors import CommandFailed, RemoteError
 from hetctl.remote.startline import Collected
 from hetctl.remote.base import Result, track, untrack
 from hetctl.remote.stdio import Stdio
+from hetctl.node.runtime import write_atomic
 
 TIMEOUT_EXIT = 124  # like coreutils timeout(1): the command was stopped by hetctl
 
@@ -225,12 +225,7 @@ class LocalTransport:
         path = Path(os.path.expanduser(remote_path))
         payload = data.read_bytes() if isinstance(data, Path) else data
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-            with os.fdopen(fd, "wb") as f:
-                f.write(payload)
-            os.chmod(tmp, mode)
-            os.replace(tmp, path)
+            write_atomic(path, payload, mode=mode)
         except OSError as e:
             raise RemoteError(f"{self.node}: cannot write {path}: {e.strerror}", node=self.node) from None
 

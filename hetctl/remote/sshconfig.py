@@ -42,7 +42,6 @@ import re
 import shutil
 import stat
 import subprocess
-import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -167,10 +166,9 @@ def write_config(settings: Any) -> str:
     folder = control_dir()
     path = os.path.join(folder, f"config-{hashlib.sha256(text.encode()).hexdigest()[:16]}")
     if not os.path.exists(path):
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".config-")
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
+        from hetctl.node.runtime import write_atomic
+
+        write_atomic(path, text.encode())  # 0600, as the control folder's other files
     return path
 
 
