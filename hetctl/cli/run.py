@@ -256,11 +256,12 @@ def demo_cmd(
         prof = next(c.profile for c in n.chips if c.profile)
         err.print(text(f"  {n.name}: {len(n.chips)} × {n.chips[0].model}, {prof.model} layer measured "
                        f"{prof.layer_fwd_ms:.3g} ms forward + {prof.layer_bwd_ms:.3g} ms backward "
-                       f"(micro-batch {prof.micro_batch})"), highlight=False)
+                       f"(micro-batch {prof.micro_batch})"), highlight=False, soft_wrap=True)
     err.print(text(("3/4 plan", "bold"), " tiny"), highlight=False)
     plan, plan_path = demo.plan_tiny(directory, cluster)
     for s in plan.stages:
-        err.print(text(f"  stage {s.stage} on {s.node}: layers {s.layers[0]}:{s.layers[1]}"), highlight=False)
+        err.print(text(f"  stage {s.stage} on {s.node}: layers {s.layers[0]}:{s.layers[1]}"), highlight=False,
+                  soft_wrap=True)
     err.print(text(("4/4 launch", "bold"), f" {steps} steps"), highlight=False)
     from hetctl.files.run import LaunchOptions
 
@@ -278,7 +279,7 @@ def demo_cmd(
         err.print(f"  a failure will be injected: rank {victim} gets kill -9 once the run passes step {at} "
                   "(--no-inject-failure for a clean run)", highlight=False, soft_wrap=True)
         listeners.append(KillAtStep(prepared.run.run_id, victim, at, on_fire=lambda line: err.print(
-            text((line, "bold magenta")), highlight=False)))
+            text((line, "bold magenta")), highlight=False, soft_wrap=True)))
     result = _run_live(prepared, listeners=listeners)
     extra = None
     if export and result.summary.state == "succeeded":
