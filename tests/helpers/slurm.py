@@ -42,6 +42,7 @@ from pathlib import Path
 
 import psutil
 
+from tests.helpers import procscan
 from tests.helpers.sshd import Members, SshdHost
 
 MARKER_ENV = "HETCTL_TEST_SLURM"
@@ -99,28 +100,8 @@ def _running(p: psutil.Process) -> bool:
 
 def marked(marker: str, needle_paths: tuple[str, ...] = ()) -> list[psutil.Process]:
     """Live processes with ``HETCTL_TEST_SLURM=marker[:…]`` in their environment, or a path in their argv."""
-    env_needle = f"{MARKER_ENV}={marker}".encode()
     paths = tuple(p.encode() for p in needle_paths)
-    out = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/environ", "rb") as f:
-                env = f.read()
-            with open(f"/proc/{entry.name}/cmdline", "rb") as f:
-                cmd = f.read()
-        except OSError:
-            continue
-        hit = env_needle in env and any(v == env_needle or v.startswith(env_needle + b":") for v in env.split(b"\0"))
-        if hit or any(p in cmd for p in paths):
-            try:
-                proc = psutil.Process(int(entry.name))
-            except psutil.NoSuchProcess:
-                continue
-            if _running(proc):
-                out.append(proc)
-    return out
+    return [p for p in procscan.marked(MARKER_ENV, marker, lambda cmd: any(x in cmd for x in paths)) if _running(p)]
 
 
 class SlurmNode:

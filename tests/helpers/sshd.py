@@ -46,6 +46,8 @@ from typing import Mapping
 import psutil
 import yaml
 
+from tests.helpers import procscan
+
 SSHD = "/usr/sbin/sshd"
 MARKER_ENV = "HETCTL_TEST_SSHD"
 SYSFS_ENV = "HETCTL_SYSFS_ROOT"
@@ -403,32 +405,10 @@ LogLevel INFO
 
 
 def _marked(marker: str, config: Path | None = None) -> list[psutil.Process]:
-    """Live processes carrying ``HETCTL_TEST_SSHD=marker`` (or ``marker:…``), or running with ``config``.
-
-    Reads ``/proc/<pid>/{environ,cmdline}`` directly: psutil's parsing of every
-    process's environment made stopping a cluster take seconds. Zombies have
-    neither, so they never match.
-    """
-    needle = f"{MARKER_ENV}={marker}".encode()
+    """Live processes carrying ``HETCTL_TEST_SSHD=marker`` (or ``marker:…``), or running with ``config`` (sshd
+    rewrites its argv into one title, which still names it)."""
     cfg = str(config).encode() if config else None
-    out = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/environ", "rb") as f:
-                env = f.read()
-            with open(f"/proc/{entry.name}/cmdline", "rb") as f:
-                cmd = f.read()
-        except OSError:
-            continue
-        hit = needle in env and any(v == needle or v.startswith(needle + b":") for v in env.split(b"\0"))
-        if hit or (cfg is not None and cfg in cmd):  # sshd rewrites its argv into one title
-            try:
-                out.append(psutil.Process(int(entry.name)))
-            except psutil.NoSuchProcess:
-                pass
-    return out
+    return procscan.marked(MARKER_ENV, marker, lambda cmd: cfg is not None and cfg in cmd)
 
 
 class Members:
