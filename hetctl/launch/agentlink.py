@@ -18,6 +18,7 @@ from typing import Any, Mapping
 
 from hetctl.errors import HetctlError
 from hetctl.launch import reader, wire
+from hetctl.remote.stdio import file_tail
 
 START_LINE = re.compile(r"hetctl-pid:\d+")  # the start line a transport's shell wrote before the agent ran
 
@@ -101,8 +102,6 @@ class AgentLink:
         on stdout that was not an event."""
         path = self.proc.stderr_path
         if path is not None:
-            from hetctl.remote.stdio import file_tail
-
             text = file_tail(path, self.proc.stderr_from).decode(errors="replace").splitlines()
             starts = [i for i, ln in enumerate(text) if START_LINE.fullmatch(ln.strip())]
             said = [ln.rstrip() for ln in text[starts[-1] + 1 if starts else 0:]]  # not the login shell's

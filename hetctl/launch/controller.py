@@ -43,6 +43,7 @@ from hetctl.errors import HetctlError, StartFailed
 from hetctl.files.plan import Plan
 from hetctl.launch import materialize as mat, wire
 from hetctl.launch.agentlink import AgentLink
+from hetctl.launch.fwargs import Once
 from hetctl.launch.ship import ship as ship_files
 from hetctl.files.events import Launched
 from hetctl.files.eventlog import EventLog
@@ -198,7 +199,7 @@ class AttemptController:
         self.pool = pool if pool is not None else AgentPool(keeps=False)
         self.on_first_step = on_first_step
         self._rank0 = min(req.plan.ranks, key=lambda r: r.rank).node
-        self._argchecks: Any = None
+        self._argchecks = Once()  # Megatron-LM's argument check: once per distinct environment, this attempt
 
     # -- phases --------------------------------------------------------------
     def run(self) -> AttemptOutcome:
@@ -268,9 +269,6 @@ class AttemptController:
         missing = [r.node for r in self.req.plan.ranks if r.node not in self.nodes]
         if missing:
             raise start_failed([_start_failure(n, "not in the inventory") for n in dict.fromkeys(missing)])
-        from hetctl.launch.fwargs import Once
-
-        self._argchecks = Once()  # Megatron-LM's argument check: once per distinct environment
         results = _fanout(self.plan_nodes, self._guard(lambda node: self._preflight(node, *self._connect(node))),
                           self._width())
         failures = [_start_failure(n, str(v)) for n, v in results.items() if isinstance(v, BaseException)]
