@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -182,11 +183,36 @@ def _group(item: pytest.Item) -> str:
     return "e2e:other"
 
 
+# Per test process (xdist worker, or "main"): [first start, last stop, busy seconds], to show how long
+# each worker idled at the end while another finished its last module.
+_WORKERS: dict[str, list[float]] = {}
+_CPU_AT_START: list[tuple[float, float]] = []
+
+
+def _cpu_seconds() -> tuple[float, float]:
+    """(busy, total) CPU seconds of this machine since boot, all cores, from /proc/stat (Linux)."""
+    try:
+        fields = [float(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return 0.0, 0.0
+    hz = os.sysconf("SC_CLK_TCK")
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)  # idle + iowait
+    return (sum(fields) - idle) / hz, sum(fields) / hz
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    _CPU_AT_START[:] = [(_cpu_seconds()[0], time.time())]
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     group = getattr(report, "hetctl_group", None)
     if group is not None:
         tests = _GROUP_TIMES.setdefault(group, {})
         tests[report.nodeid] = tests.get(report.nodeid, 0.0) + report.duration
+        node = getattr(report, "node", None)
+        worker = getattr(getattr(node, "gateway", None), "id", None) or "main"
+        row = _WORKERS.setdefault(worker, [report.start, report.stop, 0.0])
+        row[0], row[1], row[2] = min(row[0], report.start), max(row[1], report.stop), row[2] + report.duration
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -202,3 +228,13 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     tr.section("time per group (setup + call + teardown)")
     for group, tests in sorted(_GROUP_TIMES.items(), key=lambda kv: -sum(kv[1].values())):
         tr.write_line(f"{group:<10} {sum(tests.values()):8.1f} s  over {len(tests):4d} tests")
+    if _CPU_AT_START and len(_WORKERS) > 1:
+        start = min(r[0] for r in _WORKERS.values())
+        end = max(r[1] for r in _WORKERS.values())
+        for worker, (_first, last, busy) in sorted(_WORKERS.items()):
+            tr.write_line(f"{worker:<10} {busy:8.1f} s  in tests, done {last - start:7.1f} s after the first test "
+                          f"(idle {end - last:6.1f} s at the end)")
+        busy0, t0 = _CPU_AT_START[0]
+        cores = os.cpu_count() or 1
+        used = (_cpu_seconds()[0] - busy0) / max(time.time() - t0, 1e-9)
+        tr.write_line(f"machine    {used:8.2f} of {cores} cores busy on average over the run (all processes)")
