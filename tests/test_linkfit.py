@@ -63,7 +63,7 @@ def hop_cost(cluster: Cluster, plan, a: str, b: str) -> float:
 @pytest.fixture
 def pp3():
     cl = cpu_cluster("a", "b", "c")
-    return cl, plan_cluster(cl, load_spec("tiny"), global_batch=16, pins=Pins(pp=3, dp=1))
+    return cl, plan_cluster(cl, load_spec("tiny"), global_batch=16, micro_batch=1, pins=Pins(pp=3, dp=1))
 
 
 def test_a_slower_step_than_simulated_is_put_on_the_links_and_the_planner_reads_it_back(pp3, tmp_path):
@@ -85,7 +85,7 @@ def test_a_slower_step_than_simulated_is_put_on_the_links_and_the_planner_reads_
     assert {lk.method for lk in back.links} == {"calibrated"} and all(lk.latency_ms > 0 for lk in back.links)
     for h in fit.hops:
         assert hop_cost(back, plan, h.src, h.dst) == pytest.approx(h.fitted_s, rel=1e-4)
-    again = plan_cluster(back, load_spec("tiny"), global_batch=16, pins=Pins(pp=3, dp=1))
+    again = plan_cluster(back, load_spec("tiny"), global_batch=16, micro_batch=1, pins=Pins(pp=3, dp=1))
     assert again.estimate.step_time_s > plan.estimate.step_time_s
     assert any("links calibrated by plan --calibrate" in n and "a " in n for n in again.notes), again.notes
 

@@ -13,7 +13,7 @@ import random
 import pytest
 
 from hetctl.errors import ConfigError
-from hetctl.plan.models import load_model, model_cost, presets, valid_tp
+from hetctl.plan.models import default_micro_batch, load_model, model_cost, presets, valid_tp
 from hetctl.plan.partition import bottleneck, minmax_split, proportional_split, ranges, uniform_split
 from hetctl.plan.simulate import BWD, FWD, estimate_1f1b, schedule_1f1b, simulate_1f1b
 from hetctl.vendors import VENDOR_TABLE, link_backend, stage_backend
@@ -145,6 +145,21 @@ def test_presets_have_sources_and_realistic_sizes():
     assert billions["llama3-8b"] == pytest.approx(8.03, rel=0.02)
     assert billions["gpt3-175b"] == pytest.approx(175, rel=0.03)
     assert billions["qwen2-72b"] == pytest.approx(72.7, rel=0.02)
+
+
+def test_the_default_micro_batch_is_the_presets_and_always_divides_the_batch(tmp_path):
+    from hetctl.plan.candidates import Pins
+    from hetctl.plan.planner import plan_cluster
+    from tests.test_elastic import cpu_cluster
+
+    tiny = load_model("tiny")
+    assert presets()["tiny"].micro_batch == 4 and presets()["llama2-7b"].micro_batch == 1
+    assert default_micro_batch(tiny) == 4 and default_micro_batch(tiny, 16) == 4
+    assert default_micro_batch(tiny, 6) == 3 and default_micro_batch(tiny, 12, dp=6) == 2
+    assert default_micro_batch(tiny, 7) == 1 and default_micro_batch(load_model("llama2-7b"), 1024) == 1
+    plan = plan_cluster(cpu_cluster("a", "b"), tiny, global_batch=6, pins=Pins(pp=2, dp=1))
+    assert (plan.parallel.micro_batch, plan.parallel.micro_batches) == (3, 2)
+    assert plan_cluster(cpu_cluster("a", "b"), tiny, micro_batch=1, pins=Pins(pp=2, dp=1)).parallel.micro_batch == 1
 
 
 def test_model_file_in_megatron_names(tmp_path):

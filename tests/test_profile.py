@@ -104,8 +104,8 @@ def test_plan_splits_by_the_measured_layer_times_where_the_matmul_sees_no_differ
     """Three nodes with the same matmul figure; one was profiled inside a 25% CPU quota."""
     nodes = [cpu_node("n1", "full"), cpu_node("n2", "full"), cpu_node("n3", "cgroup-25pct")]
     plain = plan_cluster(Cluster(nodes=[cpu_node(n.name, None) for n in nodes]), TINY, global_batch=4,
-                         pins=_pp3())
-    profiled = plan_cluster(Cluster(nodes=nodes), TINY, global_batch=4, pins=_pp3())
+                         micro_batch=1, pins=_pp3())
+    profiled = plan_cluster(Cluster(nodes=nodes), TINY, global_batch=4, micro_batch=1, pins=_pp3())  # as recorded
     layers = {s.node: s.layers[1] - s.layers[0] for s in profiled.stages}
     assert sorted(s.layers[1] - s.layers[0] for s in plain.stages) == [2, 3, 3]
     assert layers["n3"] < min(layers["n1"], layers["n2"]), layers

@@ -137,7 +137,7 @@ def test_a_cpu_profile_reports_no_peak():
     from tests.test_profile import TINY, _pp3, cpu_node
 
     plan = plan_cluster(Cluster(nodes=[cpu_node(n, "full") for n in ("n1", "n2", "n3")]), TINY, global_batch=4,
-                        pins=_pp3())
+                        micro_batch=1, pins=_pp3())  # the recorded profile's micro-batch
     assert "cpu AMD EPYC memory: no device peak reported; analytic" in plan.notes
 
 

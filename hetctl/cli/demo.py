@@ -83,12 +83,13 @@ def probe_nodes(inventory_path: Path) -> tuple[Any, Any]:
     """Load the demo inventory and probe it with the layer profile of ``tiny``; every node must answer
     and be profiled (the plan is made from those figures)."""
     from hetctl.files.inventory import load_inventory
-    from hetctl.plan.models import load_model
+    from hetctl.plan.models import default_micro_batch, load_model
     from hetctl.probe.assemble import ProfileShape
     from hetctl.probe.gather import probe
 
     inv = load_inventory(inventory_path)
-    cluster = probe(inv, profile=ProfileShape(spec=load_model(DEMO_MODEL).model_dump(), micro_batch=1))
+    spec = load_model(DEMO_MODEL)
+    cluster = probe(inv, profile=ProfileShape(spec=spec.model_dump(), micro_batch=default_micro_batch(spec)))
     cluster.inventory = str(inventory_path.resolve())
     down = [n for n in cluster.nodes if not n.reachable]
     if down:
@@ -111,7 +112,7 @@ def plan_tiny(directory: str | Path, cluster: Any, stages: int = 3) -> tuple[Pla
     from hetctl.plan.candidates import Pins
 
     cluster_path = Path(directory) / "cluster.yaml"
-    plan = plan_cluster(cluster, load_model(DEMO_MODEL), pins=Pins(pp=stages, dp=1), micro_batch=1,
+    plan = plan_cluster(cluster, load_model(DEMO_MODEL), pins=Pins(pp=stages, dp=1),
                         cluster_path=cluster_path)
     written = write_plan_dir(plan, Path(directory) / "plan", hosts={n.name: n.host for n in cluster.nodes})
     return plan, written[0]

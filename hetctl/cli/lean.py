@@ -75,7 +75,7 @@ def probe_fast(argv: Sequence[str]) -> int | None:
 
 
 def run_probe(inventory: str | None, output: str | None = None, json_out: bool = False, bench: bool = False,
-              model: str | None = None, micro_batch: int = 1, seq_len: int | None = None) -> int:
+              model: str | None = None, micro_batch: int | None = None, seq_len: int | None = None) -> int:
     """``hetctl probe``: probe every node, write/print the facts; the exit code (1: some node did not answer).
 
     Raises:
@@ -87,10 +87,11 @@ def run_probe(inventory: str | None, output: str | None = None, json_out: bool =
         raise ConfigError("no inventory given", "pass -i inventory.yaml (inventories/local.yaml is an example)")
     shape = None
     if model is not None:
-        from hetctl.plan.models import load_model
+        from hetctl.plan.models import default_micro_batch, load_model
         from hetctl.probe.assemble import ProfileShape
 
-        shape = ProfileShape(spec=load_model(model, seq_len).model_dump(), micro_batch=micro_batch)
+        spec = load_model(model, seq_len)
+        shape = ProfileShape(spec=spec.model_dump(), micro_batch=micro_batch or default_micro_batch(spec))
     # Only what reaching the nodes needs comes before the probe: the nodes' ssh clients
     # start while the rest of the CLI (rich, the parsers) is still being imported.
     from hetctl.files.inventory import load_inventory

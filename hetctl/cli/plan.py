@@ -17,7 +17,8 @@ def plan_cmd(
                                      "llama3-8b, llama3-70b, qwen2-72b, gpt3-175b) or a YAML file in Megatron's names "
                                      "(with --calibrate: default the run's)."),
     global_batch: int | None = typer.Option(None, "--global-batch", help="Sequences per step (default: the preset's)."),
-    micro_batch: int | None = typer.Option(None, "--micro-batch", help="Sequences per micro-batch (default 1).",
+    micro_batch: int | None = typer.Option(None, "--micro-batch", help="Sequences per micro-batch (default: the "
+                                           "preset's, else 1).",
                                            min=1),
     seq_len: int | None = typer.Option(None, "--seq-len", help="Sequence length (default: the model's)."),
     framework: str | None = typer.Option(None, "--framework", help="Launch scripts for hetctl (the reference "
@@ -104,7 +105,7 @@ def plan_cmd(
     if mixed := check_uniform_torch(facts, allow_mixed=allow_mixed_software, where=cluster):
         err.print(text(("warning:", "yellow"), f" {mixed} (--allow-mixed-software)"), highlight=False, soft_wrap=True)
     plan = plan_cluster(
-        facts, spec, global_batch=global_batch, micro_batch=micro_batch or 1, framework=framework or "hetctl",
+        facts, spec, global_batch=global_batch, micro_batch=micro_batch, framework=framework or "hetctl",
         pins=Pins(pp=pp, dp=dp, tp=tp), cluster_path=cluster, grad_compress=grad_compress or "none",
         p2p_compress=p2p_compress or "none",
     )

@@ -21,8 +21,9 @@ def probe_cmd(
     model: str | None = typer.Option(None, "--model", "-m", help="Also time the reference trainer's layer at this "
                                      "model's shape (a preset name or a model YAML; with or without --bench); plans "
                                      "of that shape then use the measured layer times."),
-    micro_batch: int = typer.Option(1, "--micro-batch", min=1, help="With --model: the micro-batch to profile at "
-                                    "(the plan must use the same one for the profile to count)."),
+    micro_batch: int | None = typer.Option(None, "--micro-batch", min=1, help="With --model: the micro-batch to "
+                                           "profile at (default: the preset's, as `plan` uses; the plan must use the "
+                                           "same one for the profile to count)."),
     seq_len: int | None = typer.Option(None, "--seq-len", min=1, help="With --model: override its sequence length."),
 ) -> None:
     """Find out what every node has: chips, memory, NICs, software.

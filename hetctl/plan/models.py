@@ -29,10 +29,11 @@ from hetctl.files.plan import MAX_SEQ_LEN, ModelSpec
 
 @dataclass(frozen=True)
 class Preset:
-    """A named model with its default global batch and its source."""
+    """A named model with its default global and micro batch and its source."""
 
     spec: ModelSpec
     global_batch: int
+    micro_batch: int = 1
 
 
 @lru_cache(maxsize=1)
@@ -43,7 +44,8 @@ def presets() -> dict[str, Preset]:
     out = {}
     for name, entry in data.items():
         spec = ModelSpec(name=name, source=" ".join(str(entry["source"]).split()), **entry["spec"])
-        out[name] = Preset(spec=spec, global_batch=int(entry["global_batch"]))
+        out[name] = Preset(spec=spec, global_batch=int(entry["global_batch"]),
+                           micro_batch=int(entry.get("micro_batch", 1)))
     return out
 
 
@@ -53,6 +55,20 @@ def default_global_batch(spec: ModelSpec) -> int:
     if preset is not None:
         return preset.global_batch
     return max(1, (4 * 1024 * 1024) // spec.seq_len)
+
+
+def default_micro_batch(spec: ModelSpec, global_batch: int | None = None, dp: int | None = None) -> int:
+    """The preset's micro-batch (sequences per forward), else 1: the most memory-frugal choice.
+
+    Given the global batch (and a pinned data-parallel degree), the largest micro-batch up to the preset's
+    that divides each replica's share, so that a smaller ``--global-batch`` never fails on the default.
+    """
+    preset = presets().get(spec.name)
+    mb = preset.micro_batch if preset is not None else 1
+    if global_batch is None:
+        return mb
+    share = max(1, global_batch // (dp or 1))
+    return max(m for m in range(1, mb + 1) if share % m == 0)
 
 
 def load_model(name_or_path: str, seq_len: int | None = None) -> ModelSpec:

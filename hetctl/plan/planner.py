@@ -25,7 +25,7 @@ from pathlib import Path
 from hetctl.errors import ConfigError, PlanInfeasible
 from hetctl.plan.workload import Workload
 from hetctl.plan.devices import Devices, ProfileUse, collect, subset
-from hetctl.plan.models import default_global_batch, model_cost
+from hetctl.plan.models import default_global_batch, default_micro_batch, model_cost
 from hetctl.plan.partition import proportional_split, uniform_split
 from hetctl.files.plan import Baseline, Estimate, ModelSpec, Parallel, Plan, Rank, Stage
 from hetctl.plan.layout import Found, Layout, stage_rows
@@ -48,7 +48,7 @@ def plan_cluster(
     spec: ModelSpec,
     *,
     global_batch: int | None = None,
-    micro_batch: int = 1,
+    micro_batch: int | None = None,
     framework: str = "hetctl",
     pins: Pins = Pins(),
     cluster_path: str | Path | None = None,
@@ -64,7 +64,7 @@ def plan_cluster(
         spec: the model, with its sequence length.
         global_batch: sequences per optimizer step (default: the preset's, or
             about 4M tokens).
-        micro_batch: sequences per micro-batch.
+        micro_batch: sequences per micro-batch (default: the preset's, ``hetctl/data/models.yaml``, else 1).
         framework: the launch template; Megatron and DeepSpeed get one TP degree
             for every stage. Their plan may still span vendors, which they cannot
             run: rendering refuses it (:func:`hetctl.plan.render.unrunnable`).
@@ -90,6 +90,8 @@ def plan_cluster(
     if framework not in FRAMEWORKS:
         raise ConfigError(f"--framework {framework}: unknown", f"use one of {', '.join(FRAMEWORKS)}")
     gb = global_batch if global_batch is not None else default_global_batch(spec)
+    if micro_batch is None:
+        micro_batch = default_micro_batch(spec, gb, pins.dp)
     _check_options(gb, micro_batch, pins, spec)
     cost = model_cost(spec)
     devices = collect(cluster, ProfileUse(spec=spec, micro_batch=micro_batch, layer_flops=cost.layer_flops))
