@@ -29,7 +29,7 @@ STDLIB = set(sys.stdlib_module_names)
 OPTIONAL = {"rankproc.py": ("psutil",), "runtime.py": ("yaml",), "bench.py": ("torch",), "layerprof.py": ("torch",),
             "standby.py": ("torch",)}
 # The layer profile times the reference trainer's own units, so it imports them (on the node, when run).
-OPTIONAL_HETCTL = {"layerprof.py": ("hetctl.train",)}
+OPTIONAL_HETCTL = {"layerprof.py": ("hetctl.train",), "standby.py": ("hetctl.train.adamw",)}
 
 
 def imports(path: Path) -> set[str]:

@@ -11,6 +11,7 @@ import json
 import math
 import types
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -127,6 +128,63 @@ def test_checkpoint_state_does_not_depend_on_the_groups():
     trained(again, opt2)
     for (n, a), b in zip(units.named_parameters(), again.parameters()):
         assert torch.equal(a, b), n
+
+
+def test_the_trainers_adamw_is_torchs_bit_for_bit():
+    """hetctl.train.adamw.AdamW against torch.optim.AdamW: same weights and state, in torch's format."""
+    from hetctl.train.adamw import AdamW
+
+    def run(make):
+        gen = torch.Generator().manual_seed(7)
+        params = [torch.nn.Parameter(torch.randn(shape, generator=gen)) for shape in ((5, 3), (3,), (4, 4), (2,))]
+        opt = make([{"params": params[:2], "weight_decay": 0.1}, {"params": params[2:], "weight_decay": 0.0}],
+                   lr=3e-3, betas=(0.9, 0.95), eps=1e-8)
+        for step in range(1, 6):
+            for g in opt.param_groups:
+                g["lr"] = 3e-3 * step / 5
+            opt.zero_grad(set_to_none=step % 2 == 0)
+            loss = sum((p * torch.arange(p.numel()).view_as(p)).pow(2).sum() for p in params[:-1])  # one has no grad
+            loss.backward()
+            opt.step()
+        return params, opt
+
+    mine, theirs = run(AdamW), run(torch.optim.AdamW)
+    for a, b in zip(mine[0], theirs[0]):
+        assert torch.equal(a, b)
+    assert mine[0][-1] not in mine[1].state and theirs[0][-1] not in theirs[1].state
+    for p, q in zip(mine[0][:-1], theirs[0][:-1]):
+        sa, sb = mine[1].state[p], theirs[1].state[q]
+        assert sa.keys() == sb.keys() == {"step", "exp_avg", "exp_avg_sq"}
+        for k in sa:
+            assert torch.equal(sa[k], sb[k]) and (sa[k].dtype, sa[k].device) == (sb[k].dtype, sb[k].device), k
+
+
+@pytest.mark.e2e
+def test_a_rank_builds_and_steps_without_importing_the_compiler():
+    """A stage's units, optimizer and deterministic kernels leave torch._dynamo unimported (a second per rank)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "from hetctl.train import optim\n"
+        "from hetctl.train.adamw import deterministic\n"
+        "from hetctl.train.model import StageModule, build_units\n"
+        "from tests.helpers.rankrunner import TINY\n"
+        "deterministic()\n"
+        "assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()\n"
+        "units = build_units(TINY, (0, TINY['num_layers']), True, True, 1)\n"
+        "from tests.test_optim import cfg\n"
+        "opt = optim.build(units, cfg())\n"
+        "x = torch.randint(0, TINY['vocab_size'], (2, TINY['seq_len']))\n"
+        "torch.nn.functional.cross_entropy(StageModule(units)(x).flatten(0, 1), x.flatten()).backward()\n"
+        "opt.step(); opt.zero_grad()\n"
+        "print(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       cwd=str(Path(__file__).resolve().parents[1]))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]", r.stdout
 
 
 def _saved(payload) -> bytes:

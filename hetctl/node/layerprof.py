@@ -122,7 +122,9 @@ def profile(args):
     edges, _ = _median_ms(edge_both, sync, budget)
     out["edges_fwd_bwd_ms"] = edges
 
-    opt = torch.optim.AdamW(block.parameters(), lr=1e-4)
+    from hetctl.train.adamw import AdamW
+
+    opt = AdamW(block.parameters(), lr=1e-4)  # the trainer's own optimizer
     for p in block.parameters():
         p.grad = torch.zeros_like(p)
     params = sum(p.numel() for p in block.parameters())

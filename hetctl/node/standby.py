@@ -155,16 +155,18 @@ def preload(argv: list[str]) -> list[str]:
 def _warm_torch() -> str | None:
     """One optimizer step on a constant tensor: torch imports most of itself lazily, at the first step.
 
-    On torch 2.x the first ``optimizer.step()`` imports ``torch._dynamo`` and with it
-    sympy and much of ``torch.distributed`` (800+ modules, seconds): work a restarted
-    rank would do before its first step. No random numbers are drawn (the rank's
-    generator state is its own), no device other than the CPU is touched.
+    The rank's own optimizer (:class:`hetctl.train.adamw.AdamW`): its first step imports
+    the functional Adam and the kernels it picks, work a restarted rank would do before
+    its first step. No random numbers are drawn (the rank's generator state is its own),
+    no device other than the CPU is touched.
     """
     try:
         import torch
 
+        from hetctl.train.adamw import AdamW
+
         p = torch.nn.Parameter(torch.ones(4, 4))
-        opt = torch.optim.AdamW([p], lr=1e-3)
+        opt = AdamW([p], lr=1e-3)
         (p @ torch.ones(4, 2)).sum().backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -23,7 +23,7 @@ import io
 import json
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,9 @@ from torch import nn
 from hetctl.errors import HetctlError
 from hetctl.node import manifest
 from hetctl.train.units import STATE, expected_files
+
+if TYPE_CHECKING:
+    from hetctl.train.adamw import AdamW
 
 # The key a rank's gathered part carries instead of entries when its write failed.
 ERROR = "__error__"
@@ -52,7 +55,7 @@ def _host_copy(v: Any, old: Any, copy: bool = True) -> Any:
     return v.to("cpu", copy=True)
 
 
-def snapshot(units: nn.ModuleDict, optimizer: torch.optim.Optimizer, reuse: Snapshot | None = None,
+def snapshot(units: nn.ModuleDict, optimizer: AdamW, reuse: Snapshot | None = None,
              copy: bool = True) -> Snapshot:
     """A copy of every unit's weights and AdamW state in host memory, ``{unit: {"params", "optim"}}``.
 
@@ -77,7 +80,7 @@ def snapshot(units: nn.ModuleDict, optimizer: torch.optim.Optimizer, reuse: Snap
     return out
 
 
-def host_buffers(units: nn.ModuleDict, optimizer: torch.optim.Optimizer) -> Snapshot:
+def host_buffers(units: nn.ModuleDict, optimizer: AdamW) -> Snapshot:
     """Zeroed host tensors shaped like a :func:`snapshot`, its pages already touched.
 
     Made in the background before the first save, so that the first snapshot copies
@@ -159,7 +162,7 @@ def gather_and_commit(ckpt_dir: Path, step: int, part: Mapping[str, Any], *, ran
     return manifest.write_manifest(manifest.step_dir(ckpt_dir, step), step, digest, files=files, meta=meta)
 
 
-def load(blobs: Mapping[str, bytes], units: nn.ModuleDict, optimizer: torch.optim.Optimizer,
+def load(blobs: Mapping[str, bytes], units: nn.ModuleDict, optimizer: AdamW,
          tp: tuple[int, int] = (0, 1)) -> dict[str, Any]:
     """Load this stage's units and their AdamW state from verified file contents.
 
@@ -192,7 +195,7 @@ def load(blobs: Mapping[str, bytes], units: nn.ModuleDict, optimizer: torch.opti
     return json.loads(blobs[STATE])
 
 
-def load_copy(blobs: Mapping[str, bytes], copy: nn.Parameter, optimizer: torch.optim.Optimizer) -> None:
+def load_copy(blobs: Mapping[str, bytes], copy: nn.Parameter, optimizer: AdamW) -> None:
     """A last stage's copy of a tied table from ``embedding.pt``: the table's weights and AdamW state."""
     payload = torch.load(io.BytesIO(blobs["embedding.pt"]), map_location="cpu", weights_only=True)
     with torch.no_grad():

@@ -46,13 +46,15 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-import torch
 from torch import nn
 
 from hetctl.node import jitstate, manifest
 from hetctl.train import ckpt
+
+if TYPE_CHECKING:
+    from hetctl.train.adamw import AdamW
 
 EXIT_ON_SIGTERM = 128 + int(signal.SIGTERM)
 
@@ -74,7 +76,7 @@ class JitCheckpoint:
     """
 
     def __init__(self, ckpt_dir: Path, *, attempt: int, rank: int, start: int, units: nn.ModuleDict,
-                 optimizer: torch.optim.Optimizer, digest: str, state_of: Callable[[int], Mapping[str, Any]],
+                 optimizer: AdamW, digest: str, state_of: Callable[[int], Mapping[str, Any]],
                  meta: Mapping[str, Any], log: Callable[[str], None], test_delay_s: float = 0.0) -> None:
         self.dir = jitstate.rank_dir(ckpt_dir, attempt, rank)
         self.rank, self.start, self.units, self.optimizer = rank, start, units, optimizer

@@ -185,8 +185,10 @@ def run(args: argparse.Namespace, ctx: RankContext) -> int:
     from hetctl.train.saver import Saver
     from hetctl.train.model import StageModule, build_units
 
+    from hetctl.train.adamw import deterministic
+
     torch.set_num_threads(args.threads)
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    deterministic()
     device = _device(topo, torch)
     timeout = datetime.timedelta(seconds=args.comm_timeout)
     store = dist.TCPStore(ctx.master_addr, ctx.master_port, ctx.world_size, is_master=ctx.rank == 0, timeout=timeout)

@@ -61,7 +61,9 @@ class Embedding(nn.Module):
 
     def __init__(self, spec: Mapping[str, Any]) -> None:
         super().__init__()
-        self.tokens = nn.Embedding(spec["vocab_size"], spec["hidden_size"])
+        # Made from a table, as nn.Embedding's own init would on the meta device import torch._dynamo
+        # (a second of CPU per rank); the weights are initialized by build_units, never by nn.Embedding.
+        self.tokens = nn.Embedding.from_pretrained(torch.empty(spec["vocab_size"], spec["hidden_size"]), freeze=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.tokens(ids)

@@ -279,10 +279,10 @@ def param_groups(units: Any, extra: Sequence[Any] = ()) -> list[dict[str, Any]]:
 
 def build(units: Any, cfg: OptimConfig, extra: Sequence[Any] = ()):
     """The stage's AdamW over :func:`param_groups` (``extra``: a last stage's tied copy), at step 1's rate."""
-    import torch
+    from hetctl.train.adamw import AdamW
 
-    return torch.optim.AdamW(param_groups(units, extra), lr=cfg.schedule.lr_at(1), betas=BETAS, eps=EPS,
-                             weight_decay=cfg.weight_decay)
+    return AdamW(param_groups(units, extra), lr=cfg.schedule.lr_at(1), betas=BETAS, eps=EPS,
+                 weight_decay=cfg.weight_decay)
 
 
 @dataclass(frozen=True)

@@ -32,14 +32,16 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
 from hetctl.node import manifest
 from hetctl.train import ckpt
+
+if TYPE_CHECKING:
+    from hetctl.train.adamw import AdamW
 
 MODES = ("async", "blocking")
 BACKGROUND_NICE = 10  # added to the writer thread's nice value: below training, far from starved
@@ -139,7 +141,7 @@ class Saver:
             finally:
                 self._idle.set()
 
-    def prepare(self, units: nn.ModuleDict, optimizer: torch.optim.Optimizer) -> None:
+    def prepare(self, units: nn.ModuleDict, optimizer: AdamW) -> None:
         """Start the writer thread and let it allocate the snapshot's host buffers (async mode).
 
         Called after the first step, once AdamW has its state, so that the first save
@@ -153,7 +155,7 @@ class Saver:
 
         self._submit(make, None)
 
-    def save(self, step: int, units: nn.ModuleDict, optimizer: torch.optim.Optimizer, *,
+    def save(self, step: int, units: nn.ModuleDict, optimizer: AdamW, *,
              state: Mapping[str, Any], meta: Mapping[str, Any], on_wait: Callable[[], None] | None = None,
              own: Mapping[str, Any] | None = None) -> None:
         """Take checkpoint ``step`` (collective: every rank calls it at the same step).
