@@ -135,9 +135,9 @@ def test_probe_bench_model_profiles_each_node_and_plan_uses_it(tmp_path):
     for n in cluster.nodes:
         prof = n.chips[0].profile
         assert prof is not None, n.bench_error
-        assert prof.layer_fwd_ms > 0 and prof.layer_bwd_ms > 0 and prof.micro_batch == 1
+        assert prof.layer_fwd_ms > 0 and prof.layer_bwd_ms > 0 and prof.micro_batch == 4  # the preset's, as plan's
         assert prof.optimizer_ns_per_param and prof.optimizer_ns_per_param > 0
-    assert "layer profile (tiny, micro-batch 1" in r.stdout
+    assert "layer profile (tiny, micro-batch 4" in r.stdout
     r = local_cli(tmp_path, "plan", "-c", "cluster.yaml", "-m", "tiny", "-o", "plan", "--explain")
     assert r.returncode == 0, r.stderr
     assert "(layer profile)" in r.stdout
