@@ -38,7 +38,7 @@ from tests.helpers.sites import wait_while_running
 
 pytestmark = pytest.mark.e2e
 
-STEPS, EVERY, KILL_AT = 20, 10, 13
+STEPS, EVERY, KILL_AT = 30, 10, 13  # steps to spare after the kill: the step-10 save may commit late
 FAST = ("--hang-timeout", "120", "--node-timeout", "20")
 SPEC = {"name": "t", "num_layers": 2, "hidden_size": 32, "ffn_hidden_size": 64, "num_attention_heads": 2,
         "num_query_groups": 2, "vocab_size": 64, "seq_len": 8}
@@ -181,7 +181,9 @@ def reference(site) -> dict:
 
 
 class Killed:
-    """A launch in the background whose rank ``rank`` gets kill -9 once any rank has completed ``at`` steps."""
+    """A launch in the background whose rank ``rank`` gets kill -9 once any rank has completed ``at`` steps
+    and the step-``EVERY`` checkpoint is complete (saves are asynchronous: under load the save of step 10
+    once committed after step 13, and a test that expects to fall back to it found none)."""
 
     def __init__(self, site: Path, name: str, plan: str, rank: int, at: int, *extra: str) -> None:
         runs = site / f"runs-{name}"
@@ -190,12 +192,15 @@ class Killed:
         self.run = wait_while_running(self.proc, lambda: next(iter(runs.glob("*/run.yaml")), None), "a run folder",
                                       180).parent
         beats = lambda: [read_heartbeat(p) for p in site.glob(f"nodes/*/runs/{self.run.name}/0/hb/rank-*.json")]  # noqa: E731
+        self.ckpt = site / "checkpoints" / self.run.name
         wait_while_running(self.proc, lambda: any(hb and hb["step"] >= at for hb in beats()), f"step {at}", 240)
+        saved = lambda: (manifest.latest_valid(self.ckpt) or (0,))[0]  # noqa: E731
+        wait_while_running(self.proc, lambda: saved() >= EVERY, f"the step-{EVERY} checkpoint", 120)
+        self.saved_at_kill = saved()  # the newest complete checkpoint (a later one may be committing)
         signal_rank(self.run.name, rank, signal.SIGKILL, attempt=0)
         out, err = self.proc.communicate(timeout=400)
         assert self.proc.returncode == 0, err
         self.summary = json.loads(out)
-        self.ckpt = site / "checkpoints" / self.run.name
 
     def events(self, kind: str) -> list[dict]:
         return read_events(self.run / "events.jsonl", kind)
@@ -236,7 +241,9 @@ def test_rank_killed_with_dp1_falls_back_to_the_checkpoint(site):
 def test_dumps_cut_short_by_the_grace_period_are_not_used(site, reference):
     run = Killed(site, "cut", "plan", 3, KILL_AT, "-i", "inventory-slow-dump.yaml", "--grace", "2")
     (rec,) = run.events("resume_source")
-    assert (rec["recovery_path"], rec["resume_step"]) == ("checkpoint", EVERY), rec
+    # the newest complete checkpoint, never the dumps: the one complete at the kill, or one that was committing
+    assert rec["recovery_path"] == "checkpoint" and rec["resume_step"] % EVERY == 0, rec
+    assert run.saved_at_kill <= rec["resume_step"] <= run.saved_at_kill + EVERY, (run.saved_at_kill, rec)
     assert "no manifest.json (the checkpoint was never finished)" in rec["reason"]
     assert run.summary["final_loss"] == reference["final_loss"]
     assert "jit: " not in run.logs()  # every dump was SIGKILLed before it could finish and say so
