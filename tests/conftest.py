@@ -65,8 +65,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # long one (the last long module left one process idle for 30 s of a 20-minute run).
     e2e: dict[str, int] = {}
     for item in items:
-        e2e[item.nodeid.split("::")[0]] = e2e.get(item.nodeid.split("::")[0], 0) + bool(item.get_closest_marker("e2e"))
-    items.sort(key=lambda item: -e2e[item.nodeid.split("::")[0]])  # stable: a module's own order is kept
+        e2e[item.path] = e2e.get(item.path, 0) + bool(item.get_closest_marker("e2e"))
+    items.sort(key=lambda item: -e2e[item.path])  # stable: a module's own order is kept
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -197,19 +197,18 @@ _WORKERS: dict[str, list[float]] = {}
 _CPU_AT_START: list[tuple[float, float]] = []
 
 
-def _cpu_seconds() -> tuple[float, float]:
-    """(busy, total) CPU seconds of this machine since boot, all cores, from /proc/stat (Linux)."""
+def _cpu_busy_seconds() -> float:
+    """Busy CPU seconds of this machine since boot, all cores, from /proc/stat (Linux; 0 elsewhere)."""
     try:
         fields = [float(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
     except (OSError, ValueError):
-        return 0.0, 0.0
-    hz = os.sysconf("SC_CLK_TCK")
+        return 0.0
     idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)  # idle + iowait
-    return (sum(fields) - idle) / hz, sum(fields) / hz
+    return (sum(fields) - idle) / os.sysconf("SC_CLK_TCK")
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    _CPU_AT_START[:] = [(_cpu_seconds()[0], time.time())]
+    _CPU_AT_START[:] = [(_cpu_busy_seconds(), time.time())]
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
@@ -244,5 +243,5 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
                           f"(idle {end - last:6.1f} s at the end)")
         busy0, t0 = _CPU_AT_START[0]
         cores = os.cpu_count() or 1
-        used = (_cpu_seconds()[0] - busy0) / max(time.time() - t0, 1e-9)
+        used = (_cpu_busy_seconds() - busy0) / max(time.time() - t0, 1e-9)
         tr.write_line(f"machine    {used:8.2f} of {cores} cores busy on average over the run (all processes)")

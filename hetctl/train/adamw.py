@@ -7,7 +7,7 @@ short test run. The arithmetic is not in the class: it is the functional
 ``torch.optim.adam.adam``, which imports nothing more. :class:`AdamW` keeps the
 parameter groups and per-parameter state in torch's own layout
 (``param_groups[i]["lr"]``, ``state[p] = {"step", "exp_avg", "exp_avg_sq"}``, the
-step counter a CPU float32 scalar) and calls that function as ``torch.optim.AdamW``
+step counter a CPU scalar of torch's scalar dtype) and calls that function as ``torch.optim.AdamW``
 does, with torch's choice of the foreach kernels per device. The updates are the
 same bit for bit (``tests/test_optim.py``), and so are the checkpoints.
 
@@ -56,6 +56,7 @@ class AdamW:
     def step(self) -> None:
         """One AdamW update of every parameter that has a gradient (state made on its first)."""
         from torch.optim.adam import adam
+        from torch.optim.optimizer import _get_scalar_dtype
 
         for group in self.param_groups:
             params, grads, avgs, sqs, steps = [], [], [], [], []
@@ -65,7 +66,7 @@ class AdamW:
                 state = self.state.get(p)
                 if not state:
                     state = self.state[p] = {
-                        "step": torch.tensor(0.0, dtype=torch.float32),  # on the CPU, as torch keeps it
+                        "step": torch.tensor(0.0, dtype=_get_scalar_dtype()),  # on the CPU, as torch keeps it
                         "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
                         "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
                     }
