@@ -243,6 +243,14 @@ def _frozen_newest_layer(run):
     return newest, path, sorted(f for f in path.iterdir() if f.name.startswith("layer-"))[0]
 
 
+def _skipped_at(run, newest):
+    """The skip event for the tampered step. Under load the other ranks may have begun a newer checkpoint before
+    rank 0 froze; that folder is incomplete and is rightly skipped first, so only later steps may come before."""
+    steps = [e["step"] for e in run.events("checkpoint_skipped")]
+    assert newest in steps and all(s > newest for s in steps[: steps.index(newest)]), run.story()
+    return run.events("checkpoint_skipped")[steps.index(newest)]
+
+
 @e2e
 def test_corrupted_newest_checkpoint_is_skipped_and_the_previous_used(cluster, site, reference):
     run = Launch(site, "corrupt")
@@ -253,8 +261,8 @@ def test_corrupted_newest_checkpoint_is_skipped_and_the_previous_used(cluster, s
     signal_rank(run.run_id, 1, signal.SIGKILL)
     summary = run.finish()
     assert summary["final_loss"] == reference["final_loss"], run.story()
-    skipped = run.events("checkpoint_skipped")
-    assert skipped and skipped[0]["step"] == newest and "sha256 mismatch" in skipped[0]["problems"][0]
+    skipped = _skipped_at(run, newest)
+    assert "sha256 mismatch" in skipped["problems"][0], run.story()
     assert run.events("restart")[0]["resume_step"] == newest - EVERY
     assert cluster.wait_no_session_processes(30) == []
 
@@ -283,8 +291,8 @@ def test_a_checkpoint_that_passes_sha256_but_cannot_load_is_marked_and_the_previ
     assert [r["resume_step"] for r in restarts] == [newest, newest - EVERY], run.story()
     assert f"checkpoint step {newest} cannot be loaded: RuntimeError" in restarts[1]["reason"], run.story()
     assert "marked unloadable" in restarts[1]["reason"]
-    skipped = run.events("checkpoint_skipped")
-    assert skipped and skipped[0]["step"] == newest and "a rank could not load it: " in skipped[0]["problems"][0]
+    skipped = _skipped_at(run, newest)
+    assert "a rank could not load it: " in skipped["problems"][0], run.story()
     assert not run.events("node_abnormal") and not run.events("replan"), run.story()  # no node blamed
     assert (path / ckpt.UNLOADABLE).is_file() and ckpt.validate(path)[0].startswith("a rank could not load it: ")
     assert cluster.wait_no_session_processes(30) == []
