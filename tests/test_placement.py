@@ -218,6 +218,7 @@ def _flag_scale_dir():
     return FLAG_SCALE
 
 
+@pytest.mark.e2e  # FlagScale's Megatron is imported in a child process
 @pytest.mark.skipif(_flag_scale_dir() is None, reason="FlagScale not installed (pip install --no-deps flag-scale==0.8.0)")
 def test_flagscale_numbers_every_stages_layers_from_its_place_in_the_model():
     """FlagScale's own layer offset, per stage with its mesh's pp (as its hetero mode sets it), is the plan's."""

@@ -192,6 +192,7 @@ def test_simulated_nodes_run_the_real_controller_and_a_crash_is_the_root_cause(t
     assert root.at == pytest.approx(crashed[0], abs=0.01)  # the node's clock at the exit, as the real agent reports
 
 
+@pytest.mark.e2e  # the simulated nodes run in a child process
 def test_the_scale_bench_runs_end_to_end_on_four_nodes():
     spec = importlib.util.spec_from_file_location("scale_bench", ROOT / "bench" / "scale.py")
     bench = importlib.util.module_from_spec(spec)
