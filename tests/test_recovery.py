@@ -235,7 +235,8 @@ def test_sigstopped_rank_is_a_hang_and_the_restart_matches(cluster, site, refere
 
 
 def _frozen_newest_layer(run):
-    """Freeze rank 0 after the second checkpoint (so no newer one appears): that step, its folder, a layer file."""
+    """Freeze rank 0 after the second checkpoint (rank 0 writes every manifest, so no newer one can complete):
+    the newest complete step, its folder, a layer file."""
     run.wait_checkpoint(EVERY * 2)
     for p in rank_procs(run.run_id, 0):
         os.kill(p.pid, signal.SIGSTOP)
@@ -246,9 +247,10 @@ def _frozen_newest_layer(run):
 def _skipped_at(run, newest):
     """The skip event for the tampered step. Under load the other ranks may have begun a newer checkpoint before
     rank 0 froze; that folder is incomplete and is rightly skipped first, so only later steps may come before."""
-    steps = [e["step"] for e in run.events("checkpoint_skipped")]
+    skipped = run.events("checkpoint_skipped")
+    steps = [e["step"] for e in skipped]
     assert newest in steps and all(s > newest for s in steps[: steps.index(newest)]), run.story()
-    return run.events("checkpoint_skipped")[steps.index(newest)]
+    return skipped[steps.index(newest)]
 
 
 @e2e

@@ -48,11 +48,12 @@ def test_status_logs_and_a_clean_stop_from_another_terminal(site):
         assert [r["run_id"] for r in listing] == [run.name]
         logs = cli(site, "logs", str(run), "--rank", "2", "--tail", "3").stdout.splitlines()
         # three consecutive lines of rank 2's log (a step line among them: a checkpoint wait may sit between)
-        node2 = next(r.node for r in RunDir.open(run).load_plan(0).ranks if r.rank == 2)
-        whole = RunDir.open(run).log_path(node2, 2).read_text().splitlines()
+        rd = RunDir.open(run)
+        placed = {r.rank: r.node for r in rd.load_plan(0).ranks}
+        whole = rd.log_path(placed[2], 2).read_text().splitlines()
         assert len(logs) == 3 and any(line.startswith("step=") for line in logs)
         assert any(whole[i:i + 3] == logs for i in range(len(whole) - 2)), (logs, whole[-6:])
-        first = next(r.node for r in RunDir.open(run).load_plan(0).ranks if r.rank == 0)  # planned from measurements
+        first = placed[0]  # planned from measurements
         both = cli(site, "logs", str(run), "--node", first).stdout
         assert both.startswith(f"==> hetctl attempt 0, rank 0 on {first} <==")
 
