@@ -10,6 +10,9 @@
   not pile up in the developer's ``/tmp/hetctl-<uid>``.
 * ``_no_spares_unless_asked`` (session, autouse): ``HETCTL_STANDBY=off``, so a launch
   starts no warm spares unless the test passes ``--standby`` (the standby tests do).
+* ``_ranks_from_a_fork_server`` (session, autouse): ``HETCTL_TEST_ZYGOTE=1``, so the rank runner
+  (:mod:`tests.helpers.rankrunner`) forks its ranks from one process that imported torch
+  (:mod:`tests.helpers.zygote`); launches through the agent still start them cold.
 * ``sshd_cluster`` (session): three running hosts shared by tests that only read
   from them. Do not kill, pause or install tools on it.
 * ``make_sshd_cluster`` (function): a factory for private clusters a test may
@@ -98,6 +101,20 @@ def _no_spares_unless_asked():
             os.environ.pop("HETCTL_STANDBY", None)
         else:
             os.environ["HETCTL_STANDBY"] = before
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _ranks_from_a_fork_server():
+    """``HETCTL_TEST_ZYGOTE=1``: the rank runner forks its ranks from a process that imported torch once
+    (``tests/helpers/zygote.py``) instead of ~1.9 CPU-s of import in each (issue 38). ``HETCTL_TEST_ZYGOTE=0`` in
+    the caller's environment keeps every rank cold."""
+    before = os.environ.get("HETCTL_TEST_ZYGOTE")
+    os.environ["HETCTL_TEST_ZYGOTE"] = before if before is not None else "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("HETCTL_TEST_ZYGOTE", None)
 
 
 @pytest.fixture(autouse=True)

@@ -106,11 +106,16 @@ class Ranks:
 
     def start(self) -> "Ranks":
         port = free_port()
+        from tests.helpers import zygote
+
         for r in self.plan["ranks"]:
             rank = r["rank"]
+            argv, env = self.argv(r), self.env(r, port)
             with open(self.dir / f"rank-{rank}.out", "wb") as out, open(self.dir / f"rank-{rank}.err", "wb") as err:
-                self.procs[rank] = subprocess.Popen(self.argv(r), env=self.env(r, port), stdout=out, stderr=err,
-                                                    stdin=subprocess.DEVNULL, start_new_session=True)
+                # Forked from a process that has imported torch already (the tests' fork server), else cold.
+                forked = zygote.spawn(argv, env, out.name, err.name)
+                self.procs[rank] = forked or subprocess.Popen(argv, env=env, stdout=out, stderr=err,
+                                                              stdin=subprocess.DEVNULL, start_new_session=True)
         return self
 
     def heartbeat(self, rank: int) -> dict[str, Any] | None:
