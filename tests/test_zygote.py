@@ -54,12 +54,16 @@ def test_a_forked_rank_has_its_argv_env_files_session_and_exit_code(tmp_path, mo
     assert "ValueError: a rank's own error" in err.read_text() and "Traceback" in err.read_text()
 
     p, out, _ = run("sleep")
-    deadline = time.monotonic() + 60
-    while "sleeping" not in out.read_text() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert p.poll() is None
-    os.killpg(p.pid, signal.SIGKILL)  # its own process group, as a test's fault injection sends it
-    assert p.wait(60) == -signal.SIGKILL
+    try:
+        deadline = time.monotonic() + 60
+        while "sleeping" not in out.read_text() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert p.poll() is None
+        os.killpg(p.pid, signal.SIGKILL)  # its own process group, as a test's fault injection sends it
+        assert p.wait(60) == -signal.SIGKILL
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
 
 
 def test_only_a_python_dash_m_command_is_forked_and_only_when_asked(monkeypatch):
