@@ -42,8 +42,9 @@ SERVER = r'''
 import json, os, select, signal, sys
 import torch, torch.distributed  # the point of it
 
-def child(req):
+def child(req, told):
     os.setsid()
+    os.close(told)  # the parent replies once the session exists, so a killpg right after never misses
     fd = os.open(os.devnull, os.O_RDONLY)
     os.dup2(fd, 0)
     os.close(fd)
@@ -95,15 +96,19 @@ def main():
         while b"\n" in buf:
             line, buf = buf.split(b"\n", 1)
             req = json.loads(line)
+            sid_r, sid_w = os.pipe()
             pid = os.fork()
             if pid == 0:
                 reply.close()
                 inbox.close()
                 signal.set_wakeup_fd(-1)
-                os.close(wake_r)
-                os.close(wake_w)
+                for fd in (wake_r, wake_w, sid_r):
+                    os.close(fd)
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-                child(req)
+                child(req, sid_w)
+            os.close(sid_w)
+            os.read(sid_r, 1)  # EOF: the child has its own session (or has died)
+            os.close(sid_r)
             reply.write(f"started {pid}\n")
 
 main()
@@ -129,6 +134,8 @@ class Forked:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self.zygote.cond:
             while self.poll() is None:
+                if self.zygote.dead:
+                    raise RuntimeError(f"the test zygote ended; rank pid {self.pid}'s exit is unknown")
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise subprocess.TimeoutExpired(f"rank pid {self.pid}", timeout)
@@ -144,6 +151,7 @@ class Zygote:
         self.proc = subprocess.Popen([sys.executable, "-c", SERVER], env=self.env, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, start_new_session=True)
         self.exits: dict[int, int] = {}
+        self.dead = False
         self.cond = threading.Condition()
         self.started: list[int] = []
         if self.proc.stdout.readline() != b"ready\n":
@@ -156,7 +164,8 @@ class Zygote:
             with self.cond:
                 if word == "exit":
                     self.exits[int(pid)] = int(rest[0])
-                else:
+                else:  # a reused pid: an earlier child's exit is not this one's
+                    self.exits.pop(int(pid), None)
                     self.started.append(int(pid))
                 self.cond.notify_all()
         with self.cond:  # the zygote is gone: its children can no longer be reported
@@ -171,7 +180,7 @@ class Zygote:
             self.proc.stdin.flush()
             deadline = time.monotonic() + 60
             while len(self.started) == seen:
-                if getattr(self, "dead", False) or time.monotonic() > deadline:
+                if self.dead or time.monotonic() > deadline:
                     raise RuntimeError("the test zygote did not fork")
                 self.cond.wait(0.2)
             return Forked(self, self.started[seen])
