@@ -61,7 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.engine_quality import prepare
 from tests.helpers.rankrunner import Ranks, tiny_plan
 
-MODES = ("none", "bf16", "powersgd:4", "int8")
+MODES = ("none", "bf16", "powersgd:4", "powersgd:16", "int8")
 MODEL = {"name": "xv-bench", "num_layers": 2, "hidden_size": 256, "ffn_hidden_size": 688, "num_attention_heads": 4,
          "num_query_groups": 4, "vocab_size": 32000, "seq_len": 64}
 A_ADDR, B_ADDR = "10.231.0.1", "10.231.0.2"
