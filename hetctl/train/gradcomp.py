@@ -57,6 +57,8 @@ class Compressor:
         self.mode = mode
         self.error: dict[str, torch.Tensor] = {}
         self.q: dict[str, torch.Tensor] = {}
+        self._int8_last: torch.Tensor | None = None  # int8: the fed vector this step's owed views point into
+        self._int8_spare: torch.Tensor | None = None  # int8: the one before, free for the next step
         self._free: dict[str, torch.Tensor] = {}  # PowerSGD: last step's fed gradients, this step's owed buffers
         self.sent = 0
         """Bytes this rank sent on the cross-vendor path since the attempt started (as a ring sends them)."""
@@ -108,13 +110,21 @@ class Compressor:
     def _int8(self, group: dist.ProcessGroup, d: int, parts: list[Part]) -> None:
         # One vector for the whole batch: its chunks may span two parts, but only the last chunk is padded.
         n = sum(t.numel() for _, t, _ in parts)
-        fed = torch.zeros(n + (-n % CHUNK))  # padded here, so quantize needs no copy
+        fed = self._int8_buffer(n + (-n % CHUNK))  # padded here, so quantize needs no copy
+        fed[n:].zero_()
         at = 0
         for key, t, _ in parts:
             self._fed(key, t, out=fed[at:at + t.numel()])
             at += t.numel()
-        q, s = quantize(fed)
-        owed = fed.sub_(dequantize(q, s, fed.numel()))[:n]  # fed is ours: what this rank's share lost, in place
+        rows = fed.view(-1, CHUNK)
+        q = torch.empty(rows.shape, dtype=torch.int8)
+        s = torch.empty(rows.shape[0])
+        # A block of chunks at a time, so the temporaries stay small and in cache: the same values per element.
+        for r0 in range(0, rows.shape[0], BLOCK_ROWS):
+            r1 = min(rows.shape[0], r0 + BLOCK_ROWS)
+            q[r0:r1], s[r0:r1] = quantize(rows[r0:r1].reshape(-1))
+            rows[r0:r1].sub_(dequantize(q[r0:r1], s[r0:r1], (r1 - r0) * CHUNK).view(-1, CHUNK))  # what it lost
+        owed = fed[:n]
         at = 0
         for key, t, _ in parts:
             self.error[key] = owed[at:at + t.numel()]
@@ -124,10 +134,19 @@ class Compressor:
         dist.all_gather(got_q, q, group=group)
         dist.all_gather(got_s, s, group=group)
         self.sent += (d - 1) * (q.numel() + 4 * s.numel())
-        total = dequantize(got_q[0], got_s[0], owed.numel())
-        for q_r, s_r in zip(got_q[1:], got_s[1:]):  # group-rank order: the same additions on every member
-            total += dequantize(q_r, s_r, owed.numel())
-        _scatter(total, parts)
+        for r0 in range(0, rows.shape[0], BLOCK_ROWS):
+            r1 = min(rows.shape[0], r0 + BLOCK_ROWS)
+            total = dequantize(got_q[0][r0:r1], got_s[0][r0:r1], (r1 - r0) * CHUNK)
+            for q_r, s_r in zip(got_q[1:], got_s[1:]):  # group-rank order: the same additions on every member
+                total += dequantize(q_r[r0:r1], s_r[r0:r1], (r1 - r0) * CHUNK)
+            _scatter_range(total, r0 * CHUNK, parts)
+
+    def _int8_buffer(self, size: int) -> torch.Tensor:
+        """This step's fed vector: not the one last step's owed views point into (they are read into it)."""
+        spare = self._int8_spare
+        buf = spare if spare is not None and spare.numel() == size else torch.empty(size)
+        self._int8_spare, self._int8_last = self._int8_last, buf
+        return buf
 
     def _powersgd(self, group: dist.ProcessGroup, d: int, parts: list[Part]) -> None:
         r = self.mode.rank
@@ -217,6 +236,20 @@ def quantize(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize(q: torch.Tensor, scale: torch.Tensor, numel: int) -> torch.Tensor:
     """The float32 values :func:`quantize` stands for, cut to ``numel``."""
     return q.view(-1, CHUNK).float().mul_(scale[:, None]).reshape(-1)[:numel]
+
+
+BLOCK_ROWS = 1024  # int8: chunks quantized or summed at a time (1 Mi values, 4 MiB of float32)
+
+
+def _scatter_range(block: torch.Tensor, start: int, parts: list[Part]) -> None:
+    """Copy ``block``, the values ``start…`` of the parts laid end to end, into the parts it covers."""
+    end = start + block.numel()
+    at = 0
+    for _, t, _ in parts:
+        lo, hi = max(at, start), min(at + t.numel(), end)
+        if lo < hi:
+            t[lo - at:hi - at].copy_(block[lo - start:hi - start])
+        at += t.numel()
 
 
 def _scatter(flat: torch.Tensor, parts: list[Part]) -> None:
