@@ -88,12 +88,12 @@ class Compressor:
             flat = torch.cat([t for _, t, _ in parts])
             dist.all_reduce(flat, group=group)
             self.sent += ring_bytes(n, 4, d)
-            _scatter(flat, parts)
+            _scatter_range(flat, 0, parts)
         elif kind == "bf16":
             flat = torch.cat([t for _, t, _ in parts]).to(torch.bfloat16)
             dist.all_reduce(flat, group=group)
             self.sent += ring_bytes(n, 2, d)
-            _scatter(flat.float(), parts)
+            _scatter_range(flat.float(), 0, parts)
         elif kind == "int8":
             self._int8(group, d, parts)
         else:
@@ -249,13 +249,6 @@ def _scatter_range(block: torch.Tensor, start: int, parts: list[Part]) -> None:
         lo, hi = max(at, start), min(at + t.numel(), end)
         if lo < hi:
             t[lo - at:hi - at].copy_(block[lo - start:hi - start])
-        at += t.numel()
-
-
-def _scatter(flat: torch.Tensor, parts: list[Part]) -> None:
-    at = 0
-    for _, t, _ in parts:
-        t.copy_(flat[at:at + t.numel()])
         at += t.numel()
 
 
