@@ -70,7 +70,7 @@ def test_what_the_stream_had_already_buffered_comes_first():
 
 def test_a_line_over_the_limit_is_refused_with_at_most_the_limit_held():
     got, ended, on_line, on_end = _collect()
-    cut = reader._Cut(1000, on_line, on_end)
+    cut = reader.LineCut(1000, on_line, on_end)
     data = b"a\n" + b"y" * 100_000 + b"\nb\n" + b"z" * 999 + b"\n" + b"w" * 1000 + b"\n" + b"tail"
     most = 0
     for i in range(0, len(data), 333):

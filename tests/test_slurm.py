@@ -631,16 +631,21 @@ def test_dry_run_names_the_slurm_nodes(cpu_site):
     r = hetctl(d, env, "launch", "plan", "--dry-run")
     assert r.returncode == 0, r.stderr
     lines = [ln.strip() for ln in r.stdout.splitlines() if ln.strip().startswith("srun: ")]
-    assert len(lines) == len(used)
-    for node, line in zip(used, lines):
-        words = shlex.split(line.split("  (stdin first:")[0].removeprefix("srun: "))
-        assert words[:9] == [shutil.which("srun"), f"--jobid={job}", "--nodes=1", "--ntasks=1", "-w", node, "--overlap", "--quiet",
-                             "--job-name=hetctl-<id>"]
-        assert words[9:11] == ["/bin/sh", "-c"] and "hetctl-agent-" in words[11] and sys.executable in words[11]
-        assert "<hetctl/node/envexec.py>" in words[11] and line.endswith("(stdin first: OMP_NUM_THREADS)")
+    assert len(lines) == len(used) >= 2
+    names = sorted(used)  # the plan's nodes share one step (one task each), in the order srun is given them
+    for line in lines:
+        words = shlex.split(line.split("  (")[0].removeprefix("srun: "))
+        assert words[:13] == [shutil.which("srun"), f"--jobid={job}", f"--nodes={len(names)}", f"--ntasks={len(names)}",
+                              "--ntasks-per-node=1", "-w", ",".join(names), "--overlap", "--no-kill",
+                              "--kill-on-bad-exit=0", "--label", "--quiet", "--job-name=hetctl-<id>"]
+        assert words[13:15] == ["/bin/sh", "-c"] and words[16:18] == ["hetctl-step", "<hetctl/node/stepmux.py>"]
+        assert words[18:] == [w for n in names for w in (n, sys.executable)]  # each node's python, as data
+        assert f"(one step: {', '.join(names)})" in line and line.endswith("(stdin first: OMP_NUM_THREADS)")
+    agents = [ln.strip() for ln in r.stdout.splitlines() if ln.strip().startswith("agent: ")]
+    assert len(agents) == len(used) and all("hetctl-agent-" in a for a in agents)  # what each task spawns
     srun = json.loads(hetctl(d, env, "launch", "plan", "--dry-run", "--json").stdout)["srun"]
-    assert sorted(srun) == sorted(used) and all(s["env_on_stdin"] == ["OMP_NUM_THREADS"] for s in srun.values())
-    assert all(s["argv"][:9] == words[:5] + [n] + words[6:9] for n, s in srun.items())
+    assert sorted(srun) == names and all(s["env_on_stdin"] == ["OMP_NUM_THREADS"] for s in srun.values())
+    assert all(s["argv"][:13] == words[:13] and s["step"] == names for s in srun.values())
     assert not hetctl_steps(c, job)
 
 
@@ -663,11 +668,13 @@ def test_sigkilled_controller_leaves_no_step_and_resume_finishes(cpu_site, slurm
     c, d, job, env = cpu_site
     run = Launch(d, env, "ctl")
     run.wait_checkpoint(EVERY * 2)
-    assert len(hetctl_steps(c, job)) == 2  # one agent step per node of the plan
+    assert len(hetctl_steps(c, job)) == 1  # one step for the agents of every node of the plan
     # the dry run's srun argv is the one started, word for word (but the run id and the step's random name)
     dry = json.loads(hetctl(d, env, "launch", "plan", "--dry-run", "--json").stdout)
-    started = {p.cmdline()[5]: p.cmdline() for p in psutil.Process(run.proc.pid).children(recursive=True)
-               if p.name() == "srun" and "hetctl-agent-" in p.cmdline()[-1]}
+    (step,) = {tuple(p.cmdline()) for p in psutil.Process(run.proc.pid).children(recursive=True)
+               if p.name() == "srun" and "hetctl-step" in p.cmdline()}  # srun and the child it forks
+    step = list(step)
+    started = {n: step for n in step[step.index("-w") + 1].split(",")}
 
     def same(argv: list[str], run_id: str) -> list[str]:
         """argv with the shell line split in words; the run id, the step's random name and ~ made alike
@@ -792,9 +799,14 @@ def test_lost_node_replans_on_the_survivors_of_the_allocation(make_slurm_cluster
     last = run.events("launched")[-1]["attempt"]
     final = load_model(run.run / "attempts" / str(last) / "plan.yaml", Plan)
     assert lost not in {r_.node for r_ in final.ranks} and lost not in run.events("launched")[-1]["nodes"]
-    # slurmctld keeps listing the dead node's step (its slurmd never confirms the end): no step runs elsewhere
+    # slurmctld keeps listing a step that had a task on the dead node (its slurmd never confirms the end);
+    # on the survivors nothing of any step is left: no step daemon, no task
     r = c.client("squeue", "-h", "-s", "-j", job, "-o", "%i %j %N", check=False)
-    assert [ln.split()[2] for ln in r.stdout.splitlines() if " hetctl-" in ln] in ([], [lost]), r.stdout
+    for listed in [ln.split()[2] for ln in r.stdout.splitlines() if " hetctl-" in ln]:
+        assert lost in c.client("scontrol", "show", "hostnames", listed).stdout.split(), r.stdout
+    survivors = [n for n in CPU_NODES if n != lost]
+    assert wait_for(lambda: not [p for n in survivors for p in c[n].processes() if p.pid != c[n].proc.pid], 15,
+                    "the survivors' step daemons and tasks to end")
     assert rank_procs(run.run_id) == []
 
 
@@ -819,7 +831,7 @@ def test_launch_in_a_het_job_starts_each_step_in_its_component_and_drops_a_compo
                                                            "c3": [f"--jobid={job}", "--het-group=1"]}
     run = Launch(d, env, "het")
     run.wait_checkpoint(EVERY * 2)
-    assert len(hetctl_steps(c, job)) == 1 and len(hetctl_steps(c, component)) == 2  # c1 | c2, c3
+    assert len(hetctl_steps(c, job)) == 1 and len(hetctl_steps(c, component)) == 1  # c1 | c2 and c3 in one step
     c["c3"].kill()
     summary = run.finish()
     assert summary["state"] == "succeeded" and summary["steps"] == STEPS

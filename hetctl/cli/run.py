@@ -147,9 +147,9 @@ def launch_cmd(
             data["warning"] = anyway
         data["ssh"] = {n: (e if isinstance(e, str) else e.to_dict()) for n, e in ssh.items()}
         if any(n.transport == "slurm" for n in spec.nodes):  # the step each agent runs in, argv exactly
-            from hetctl.remote.slurm import dry_run_step
+            from hetctl.remote.slurmstep import dry_run_steps
 
-            data["srun"] = {n.node: dry_run_step(inv.node(n.node), n) for n in spec.nodes if n.transport == "slurm"}
+            data["srun"] = dry_run_steps(inv, spec)
         print_json(json_dumps(data, indent=2))
     else:
         print_dry_run(spec, inv, ssh, note)

@@ -91,6 +91,7 @@ def print_dry_run(spec: LaunchSpec, inv: Inventory | None = None, ssh: dict[str,
 
     from hetctl.launch.materialize import mask_env
 
+    steps: dict[str, dict] | None = None  # the Slurm nodes' agent steps, made at the first
     out.print(text(("dry run", "bold"), f": attempt {spec.attempt}, {sum(len(n.ranks) for n in spec.nodes)} ranks on "
               f"{len(spec.nodes)} nodes; rendezvous {spec.master_addr}:{spec.master_port}; "
               f"checkpoints {spec.ckpt_dir}; nothing started"), highlight=False, soft_wrap=True)
@@ -112,9 +113,10 @@ def print_dry_run(spec: LaunchSpec, inv: Inventory | None = None, ssh: dict[str,
         out.print(text(f"  agent: {env + ' ' if env else ''}{shlex.join(n.agent_argv)}"), highlight=False,
                   soft_wrap=True)
         if n.transport == "slurm" and inv is not None:  # the step the agent runs in
-            from hetctl.remote.slurm import dry_run_srun
+            from hetctl.remote.slurmstep import dry_run_steps, srun_text
 
-            out.print(text(f"  srun: {dry_run_srun(inv.node(n.node), n)}"), highlight=False, soft_wrap=True)
+            steps = steps if steps is not None else dry_run_steps(inv, spec)
+            out.print(text(f"  srun: {srun_text(steps[n.node])}"), highlight=False, soft_wrap=True)
         for r in n.ranks:
             out.print(text(f"  rank {r.rank} (replica {r.replica}, stage {r.stage}, "
                            f"layers {r.layers[0]}:{r.layers[1]}):"), highlight=False)

@@ -130,6 +130,9 @@ class SlurmSettings(_Strict):
     features: list[str] = Field(default_factory=list, description="node features every node must have (-C)")
     gres: str | None = Field(default=None, description="generic resources per node, e.g. gpu:8")
     nodes: int | None = Field(default=None, ge=1, description="how many nodes to ask for")
+    steps: Literal["component", "node"] = Field(
+        default="component",
+        description="the agents' srun steps: one per het component (or job), or one per node (each node's env its own)")
 
     @model_validator(mode="before")
     @classmethod

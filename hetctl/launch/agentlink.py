@@ -38,7 +38,11 @@ class AgentLink:
         self.port: int | None = None
         self.port_answered = threading.Event()
         streams = reader.shared()
-        streams.add(proc.stdout, self._stdout_line, self._stdout_end)
+        subscribe = getattr(proc, "subscribe", None)
+        if subscribe is not None:  # a task of a shared step (hetctl.remote.slurmstep): its step's reader demuxes
+            subscribe(self._stdout_line, self._stdout_end)
+        else:
+            streams.add(proc.stdout, self._stdout_line, self._stdout_end)
         if proc.stderr is not None:  # else it goes to a file (stderr_path), read back by tail()
             streams.add(proc.stderr, self._stderr_line, lambda: None, wire.MAX_TEXT)
 

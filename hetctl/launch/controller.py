@@ -356,6 +356,7 @@ class AttemptController:
     def _start_agents(self) -> list[FailureRecord]:
         """One agent per node (the kept one, else a new one), sent the node's ranks; START failures, or []."""
         by_name = {n.node: n for n in self.spec.nodes}
+        shared = self._shared_steps([n for n in self.plan_nodes if self.pool.agent(n.name) is None], by_name)
 
         def start(node: Node) -> None:
             nl = by_name[node.name]
@@ -363,9 +364,12 @@ class AttemptController:
             if agent is not None:
                 agent.inbox = self.inbox
             else:
-                # stdin and stdout on one socket, stderr to the run folder: one descriptor here per node
-                proc = self.transports[node.name].start(list(nl.agent_argv), env=nl.env or None, cwd=nl.workdir,
-                                                        stderr_to=self.run_dir.agent_stderr_path(node.name))
+                # a task of the component's step; else stdin and stdout on one socket, stderr to the run folder
+                proc = shared.get(node.name) or self.transports[node.name].start(
+                    list(nl.agent_argv), env=nl.env or None, cwd=nl.workdir,
+                    stderr_to=self.run_dir.agent_stderr_path(node.name))
+                if isinstance(proc, BaseException):
+                    raise proc
                 agent = AgentLink(node.name, self.transports[node.name], proc, self.inbox)
                 self.pool.keep(node.name, self.transports[node.name], agent)
             self.agents[node.name] = agent
@@ -375,6 +379,14 @@ class AttemptController:
 
         started = _fanout(self.plan_nodes, self._guard(start, "cannot start the agent: "), self._width())
         return [_start_failure(n, str(v)) for n, v in started.items() if isinstance(v, BaseException)]
+
+    def _shared_steps(self, fresh: list[Node], by_name: Mapping[str, Any]) -> dict[str, Any]:
+        """Slurm nodes' new agents, one srun step per component (:mod:`hetctl.remote.slurmstep`); {} otherwise."""
+        if self.inventory.slurm is not None and self.inventory.slurm.steps == "node":
+            return {}
+        from hetctl.remote.slurmstep import start_shared
+
+        return start_shared(fresh, self.transports, by_name, self.run_dir)
 
     def _stop_all(self, monitor: Monitor) -> list[str]:
         """Tell every agent to stop its ranks; wait for ``stopped`` or EOF; then cut the links.

@@ -56,7 +56,7 @@ def take_buffered(stream: Any, fd: int) -> bytes:
 
 
 @dataclass
-class _Cut:
+class LineCut:
     """One stream's line cutter: bytes in, whole lines (or refusals) out."""
 
     limit: int
@@ -111,7 +111,7 @@ class Reader:
     def __init__(self) -> None:
         self._sel = selectors.DefaultSelector()
         self._lock = threading.Lock()
-        self._added: list[tuple[int, _Cut]] = []
+        self._added: list[tuple[int, LineCut]] = []
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         self._sel.register(self._wake_r, selectors.EVENT_READ, None)
@@ -119,7 +119,7 @@ class Reader:
 
     def add(self, stream: Any, on_line: OnLine, on_end: OnEnd, limit: int = MAX_LINE) -> None:
         """Read ``stream`` to its end: ``on_line`` for each line, then ``on_end`` once (EOF, or it was closed)."""
-        cut = _Cut(limit, on_line, on_end, stream)
+        cut = LineCut(limit, on_line, on_end, stream)
         fd = _fileno(stream)
         if fd is None:
             threading.Thread(target=self._read_thread, args=(stream, cut), daemon=True, name="reader").start()
@@ -145,7 +145,7 @@ class Reader:
             pass  # the pipe is full of wake-ups already
 
     @staticmethod
-    def _read_thread(stream: Any, cut: _Cut) -> None:
+    def _read_thread(stream: Any, cut: LineCut) -> None:
         try:
             while True:
                 data = stream.read1(CHUNK) if hasattr(stream, "read1") else stream.readline()
@@ -169,7 +169,7 @@ class Reader:
             except (OSError, ValueError):
                 cut.end()  # closed before it could be watched
 
-    def _drop(self, fd: int, cut: _Cut) -> None:
+    def _drop(self, fd: int, cut: LineCut) -> None:
         try:
             self._sel.unregister(fd)
         except (KeyError, ValueError):
@@ -187,7 +187,7 @@ class Reader:
                     except OSError:
                         pass
                     continue
-                cut: _Cut = key.data
+                cut: LineCut = key.data
                 if getattr(cut.stream, "closed", False):
                     self._drop(key.fd, cut)
                     continue

@@ -337,15 +337,3 @@ def dry_run_step(node, launch) -> dict:
                         step_name="hetctl-<id>", srun=shutil.which("srun") or "srun",
                         het_group=het.group if het is not None else None)
     return {"argv": line, "env_on_stdin": sorted(env)}
-
-
-def dry_run_srun(node, launch) -> str:
-    """:func:`dry_run_step`'s argv as one shell line, the env loader's source shown as ``<hetctl/node/envexec.py>``."""
-    from hetctl.node import source
-
-    step = dry_run_step(node, launch)
-    *head, line = step["argv"]
-    text = shlex.join([*head, line.replace(shlex.quote(source("envexec.py")), "<hetctl/node/envexec.py>")])
-    if step["env_on_stdin"]:
-        text += f"  (stdin first: {', '.join(step['env_on_stdin'])})"
-    return text
