@@ -5,9 +5,10 @@ per node on loopback), takes one allocation of ``--nodes`` nodes (``salloc
 --no-shell``) and plans the tiny model as a pipeline with one stage per node.
 Then, on that same allocation, ``--reps`` times, alternating which goes first:
 
-* ``hetctl launch plan/`` with the inventory ``slurm: {}`` inside the job (a fresh
+* ``hetctl launch plan/`` with the inventory ``slurm: {steps: …}`` inside the job (a fresh
   CLI process: inventory from ``scontrol``, one ``srun`` step per node for the
-  pre-flight, the shipping of agent and plan, and the agent, which spawns the rank);
+  pre-flight and the shipping of agent and plan, then the agents, which spawn the
+  ranks: one step for all of them, or with ``--agent-steps node`` one step each);
 * the way Slurm users launch today: ``srun --nodes N --ntasks-per-node 1 bash -c
   '. env-$SLURM_NODEID.sh && exec python -m torch.distributed.run --nnodes N
   --node-rank $SLURM_NODEID … -m hetctl.train …'`` with the per-node environment
@@ -19,7 +20,9 @@ the command's start until every rank's heartbeat file exists. Then, once, the
 crash detection over Slurm: kill -9 one rank of a ``hetctl launch`` and take the
 ``rank_failed`` event's timestamp. The last line, for scripts::
 
-    slurm_launch: ratio=<hetctl/srun-torchrun median> detect_s=<seconds>
+    slurm_launch: ratio=<hetctl/srun-torchrun median> detect_s=<seconds> sruns=<n> steps=<n> fds=<n>
+
+(``sruns``, ``steps``, ``fds``: what the controller held while it trained, see :func:`held`.)
 
 Needs root and the Slurm binaries (Debian: slurmctld slurmd slurm-client munge),
 and torch. From the repo root::
@@ -159,8 +162,20 @@ def time_srun(cluster: SlurmCluster, job: str, plan: Plan, inventory: Path, env:
     return elapsed
 
 
-def detection(d: Path, env: dict, plan: Plan) -> float:
-    """kill -9 the last rank of a running ``hetctl launch``; seconds until its ``rank_failed`` event."""
+def held(pid: int, job: str, cluster: SlurmCluster) -> dict[str, int]:
+    """What a training ``hetctl launch`` holds: its srun processes (srun forks a helper: both count), its open
+    descriptors, and the job's hetctl steps in slurmctld."""
+    import psutil
+
+    me = psutil.Process(pid)
+    sruns = [p for p in me.children(recursive=True) if p.name() == "srun"]
+    steps = cluster.client("squeue", "-h", "-s", "-j", job, "-o", "%j", check=False).stdout.split()
+    return {"sruns": len(sruns), "fds": me.num_fds(), "steps": sum(s.startswith("hetctl-") for s in steps)}
+
+
+def detection(d: Path, env: dict, plan: Plan, job: str, cluster: SlurmCluster) -> tuple[float, dict[str, int]]:
+    """kill -9 the last rank of a running ``hetctl launch``; seconds until its ``rank_failed`` event, and what
+    the controller held while it trained (:func:`held`)."""
     runs = d / "runs-detect"
     proc = subprocess.Popen([sys.executable, "-m", "hetctl", "launch", "plan", "--steps", "100000",
                              "--checkpoint-every", "0", "--run-dir", str(runs), "--json", "--max-restarts", "0",
@@ -173,6 +188,7 @@ def detection(d: Path, env: dict, plan: Plan) -> float:
         if proc.poll() is not None or time.monotonic() > deadline:
             raise SystemExit(f"no progress before the kill: {proc.communicate()[1][-3000:]}")
         time.sleep(0.02)
+    holds = held(proc.pid, job, cluster)
     t_kill = time.time()
     signal_rank(run.name, max(r.rank for r in plan.ranks), signal.SIGKILL)
     while not read_events(run / "events.jsonl", "rank_failed"):
@@ -181,7 +197,7 @@ def detection(d: Path, env: dict, plan: Plan) -> float:
         time.sleep(0.002)
     ev = read_events(run / "events.jsonl", "rank_failed")[0]
     proc.communicate(timeout=120)
-    return ev["ts"] - t_kill
+    return ev["ts"] - t_kill, holds
 
 
 def main() -> None:
@@ -189,6 +205,8 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=3, help="Slurm nodes, one rank (pipeline stage) each")
     ap.add_argument("--reps", type=int, default=3, help="repetitions of each launcher")
     ap.add_argument("--steps", type=int, default=3, help="training steps per job after the first heartbeat")
+    ap.add_argument("--agent-steps", choices=("component", "node"), default="component",
+                    help="the inventory's slurm.steps: the agents in one srun step (default), or one step each")
     o = ap.parse_args()
     reason = skip_reason()
     if reason:
@@ -205,10 +223,10 @@ def main() -> None:
             env.pop("SLURM_JOB_NODELIST", None)  # hetctl asks slurmctld for the job's nodes
             inventory = d / "inventory.yaml"
             inventory.write_text(yaml.safe_dump({"defaults": {"python": sys.executable, "env": {"OMP_NUM_THREADS": "1"}},
-                                                 "slurm": {}}))
+                                                 "slurm": {"steps": o.agent_steps}}))
             plan = build_plan(cluster.names, inventory, d / "plan")
             print(f"Slurm mini-cluster up in {up:.2f} s: {o.nodes} nodes, job {job}, one rank each "
-                  f"(tiny model, PP={o.nodes}); {o.reps} reps; {os.cpu_count()} CPUs")
+                  f"(tiny model, PP={o.nodes}); {o.reps} reps; {os.cpu_count()} CPUs; agents' steps: {o.agent_steps}")
             het, sr = [], []
             for rep in range(o.reps):
                 for which in ((0, 1) if rep % 2 == 0 else (1, 0)):
@@ -217,11 +235,14 @@ def main() -> None:
                     else:
                         sr.append(time_srun(cluster, job, plan, inventory, env, d / f"srun-{rep}", o.steps))
                 print(f"  rep {rep + 1}: hetctl launch {het[-1]:.2f} s, srun torchrun {sr[-1]:.2f} s", flush=True)
-            detect = detection(d, env, plan)
+            detect, holds = detection(d, env, plan, job, cluster)
             mh, ms = statistics.median(het), statistics.median(sr)
             print(f"\ncommand → every rank's first heartbeat (median): hetctl launch {mh:.2f} s, srun torchrun {ms:.2f} s")
             print(f"kill -9 of a rank → rank_failed event: {detect:.3f} s")
-            print(f"slurm_launch: ratio={mh / ms:.2f} detect_s={detect:.3f}")
+            print(f"while training, hetctl held {holds['sruns']} srun processes and {holds['fds']} descriptors; "
+                  f"slurmctld listed {holds['steps']} hetctl steps")
+            print(f"slurm_launch: ratio={mh / ms:.2f} detect_s={detect:.3f} sruns={holds['sruns']} "
+                  f"steps={holds['steps']} fds={holds['fds']}")
 
 
 if __name__ == "__main__":
