@@ -17,7 +17,7 @@ import pytest
 
 from hetctl.files.inventory import Node
 from hetctl.node import source
-from hetctl.remote import slurmstep
+from hetctl.remote import mux, slurmstep
 from hetctl.remote.slurm import SlurmTransport
 from tests.test_slurm import allocate, hetctl_steps, wait_for
 
@@ -59,7 +59,7 @@ def test_one_step_carries_every_nodes_program_and_stops_one_node_alone(slurm_clu
         prog = ["sh", "-c", 'echo "$SLURMD_NODENAME:$K:$(pwd)"; echo warm >&2; cat; echo bye; exit 3']
         launches = {n.name: SimpleNamespace(agent_argv=prog, env={"K2": "x"}, workdir=str(tmp_path)) for n in nodes}
         members = slurmstep.start_shared(nodes, transports, launches, _run_dir(tmp_path))
-        assert set(members) == {"n1", "n2", "n3"} and all(isinstance(m, slurmstep.StepMember) for m in members.values())
+        assert set(members) == {"n1", "n2", "n3"} and all(isinstance(m, mux.Member) for m in members.values())
         assert len(hetctl_steps(slurm_cluster, job)) == 1  # one step, not one per node
         seen = {n: Lines(m) for n, m in members.items()}
         for n in members:
@@ -85,10 +85,8 @@ def test_one_step_carries_every_nodes_program_and_stops_one_node_alone(slurm_clu
 def _step(names: list[str]) -> slurmstep.SharedStep:
     """A SharedStep's reader side alone (no srun): the tasks are ``names`` in Slurm's order."""
     step = object.__new__(slurmstep.SharedStep)
-    step.nodes = [SimpleNamespace(name=n) for n in names]
-    step.members, step.by_task, step.hellos, step.name = {}, {}, {}, "hetctl-test"
-    step._said = threading.Condition()
-    step._ended = False
+    mux.Mux.__init__(step)
+    step.nodes, step.name = [SimpleNamespace(name=n) for n in names], "hetctl-test"
     return step
 
 
@@ -105,7 +103,7 @@ def test_a_task_is_believed_only_where_slurm_placed_it(monkeypatch, tmp_path):
     step.nodes = nodes
     out = step.start({n: (["agent"], None, None, tmp_path / n / "agent.stderr") for n in "ab"}, hello_s=0.1)
     assert isinstance(out["a"], Exception) and "Slurm placed task 0 on a, but that task says it is 'b'" in str(out["a"])
-    assert isinstance(out["b"], slurmstep.StepMember) and step.by_task == {1: out["b"]}
+    assert isinstance(out["b"], mux.Member) and step.by_task == {1: out["b"]}
     got = Lines(out["b"])
     step._line(b'0: o.{"ev":"from a, posing as b"}\n')  # the refused task's lines reach no member
     step._line(b'1: o+{"ev":\n')

@@ -98,6 +98,9 @@ class SshSettings(_Strict):
         description="ServerAliveInterval in seconds, 0 off (unset: ssh_config, else 5)",
     )
     fanout: int = Field(default=64, ge=1, le=4096, strict=True, description="how many nodes are contacted at once")
+    relay_above: int | None = Field(
+        default=None, ge=1, strict=True,
+        description="past this many nodes, the agents' sessions go through relay nodes (about √N); unset: never")
 
 
 class NodeDefaults(_Strict):

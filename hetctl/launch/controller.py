@@ -364,10 +364,9 @@ class AttemptController:
             if agent is not None:
                 agent.inbox = self.inbox
             else:
-                # a task of the component's step; else stdin and stdout on one socket, stderr to the run folder
-                proc = shared.get(node.name) or self.transports[node.name].start(
-                    list(nl.agent_argv), env=nl.env or None, cwd=nl.workdir,
-                    stderr_to=self.run_dir.agent_stderr_path(node.name))
+                proc = shared.get(node.name) or self.transports[node.name].start(  # a task of a step or relay; else
+                    list(nl.agent_argv), env=nl.env or None, cwd=nl.workdir,  # stdin and stdout on one socket,
+                    stderr_to=self.run_dir.agent_stderr_path(node.name))  # stderr to the run folder
                 if isinstance(proc, BaseException):
                     raise proc
                 agent = AgentLink(node.name, self.transports[node.name], proc, self.inbox)
@@ -381,12 +380,13 @@ class AttemptController:
         return [_start_failure(n, str(v)) for n, v in started.items() if isinstance(v, BaseException)]
 
     def _shared_steps(self, fresh: list[Node], by_name: Mapping[str, Any]) -> dict[str, Any]:
-        """Slurm nodes' new agents, one srun step per component (:mod:`hetctl.remote.slurmstep`); {} otherwise."""
-        if self.inventory.slurm is not None and self.inventory.slurm.steps == "node":
-            return {}
+        """New agents carried several to one srun step or relay (:mod:`hetctl.remote.mux`); {} for the others."""
+        from hetctl.remote.relay import start_relayed
         from hetctl.remote.slurmstep import start_shared
 
-        return start_shared(fresh, self.transports, by_name, self.run_dir)
+        out = {} if self.inventory.slurm is not None and self.inventory.slurm.steps == "node" else \
+            start_shared(fresh, self.transports, by_name, self.run_dir)
+        return {**out, **start_relayed(fresh, self.transports, by_name, self.run_dir, self.inventory.ssh)}
 
     def _stop_all(self, monitor: Monitor) -> list[str]:
         """Tell every agent to stop its ranks; wait for ``stopped`` or EOF; then cut the links.

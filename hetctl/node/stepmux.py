@@ -42,20 +42,21 @@ def _write_all(data: bytes) -> None:
         data = data[os.write(1, data):]
 
 
-def emit(kind: bytes, line: bytes, more: bool = False) -> None:
-    """One line of ``kind`` (without its newline) as pieces; ``more``: the line is not complete yet."""
+def emit(kind: bytes, line: bytes, more: bool = False, label: bytes = b"") -> None:
+    """One line of ``kind`` (without its newline) as pieces; ``more``: the line is not complete yet;
+    ``label``: what goes in front of each piece (a relay's task label; srun puts its own)."""
     pieces = [line[i:i + PIECE] for i in range(0, len(line), PIECE)] or [b""]
     with _out:
         for i, piece in enumerate(pieces):
             last = i == len(pieces) - 1 and not more
-            _write_all(kind + (b"." if last else b"+") + piece + b"\n")
+            _write_all(label + kind + (b"." if last else b"+") + piece + b"\n")
 
 
-def record(obj: dict) -> None:
-    emit(b"x", json.dumps(obj, separators=(",", ":")).encode())
+def record(obj: dict, label: bytes = b"") -> None:
+    emit(b"x", json.dumps(obj, separators=(",", ":")).encode(), label=label)
 
 
-def pump(fd: int, kind: bytes) -> None:
+def pump(fd: int, kind: bytes, label: bytes = b"") -> None:
     """Every line of ``fd`` out as ``kind`` pieces; a line longer than a piece goes out as it comes."""
     buf = b""
     while True:
@@ -68,21 +69,22 @@ def pump(fd: int, kind: bytes) -> None:
         buf += data
         *lines, buf = buf.split(b"\n")
         for line in lines:
-            emit(kind, line)
+            emit(kind, line, label=label)
         if len(buf) >= PIECE:  # a long line: send what is here, keep the memory bounded
             cut = len(buf) - len(buf) % PIECE
-            emit(kind, buf[:cut], more=True)
+            emit(kind, buf[:cut], more=True, label=label)
             buf = buf[cut:]
     if buf:
-        emit(kind, buf)
+        emit(kind, buf, label=label)
     os.close(fd)
 
 
 class Task:
-    """This node's program and what the step's stdin asks of it."""
+    """One node's program and what the stdin asks of it; ``label`` goes in front of its pieces (a relay's),
+    ``ended`` is called once it has ended and its streams are drained."""
 
-    def __init__(self, me: str) -> None:
-        self.me = me
+    def __init__(self, me: str, label: bytes = b"", ended=None) -> None:
+        self.me, self.label, self.ended = me, label, ended
         self.prefix = ('{"n": ' + json.dumps(me) + ",").encode()
         self.proc = None
 
@@ -101,10 +103,7 @@ class Task:
         elif op == "eof":
             self.close()
         elif op == "kill":
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+            self.signal(signal.SIGKILL, group=True)
 
     def spawn(self, argv: list, cwd) -> None:
         if argv and argv[0].startswith("~/"):
@@ -115,11 +114,11 @@ class Task:
         except (OSError, ValueError) as e:
             what = "cannot enter %s" % cwd if isinstance(e, OSError) and e.filename == cwd and cwd else \
                 "cannot run %s" % (argv[:1] or ["nothing"])[0]
-            emit(b"e", ("hetctl: %s: %s" % (what, getattr(e, "strerror", None) or e)).encode())
-            record({"exit": 127})
-            os._exit(127)
-        record({"spawned": self.proc.pid})
-        pumps = [threading.Thread(target=pump, args=(s.fileno(), k), daemon=True)
+            emit(b"e", ("hetctl: %s: %s" % (what, getattr(e, "strerror", None) or e)).encode(), label=self.label)
+            self.finish(127)
+            return
+        record({"spawned": self.proc.pid}, self.label)
+        pumps = [threading.Thread(target=pump, args=(s.fileno(), k, self.label), daemon=True)
                  for s, k in ((self.proc.stdout, b"o"), (self.proc.stderr, b"e"))]
         for t in pumps:
             t.start()
@@ -129,28 +128,31 @@ class Task:
         code = self.proc.wait()
         for t in pumps:
             t.join()
-        record({"exit": code if code >= 0 else 128 - code})
-        os._exit(0)
+        self.finish(code if code >= 0 else 128 - code)
+
+    def finish(self, code: int) -> None:
+        record({"exit": code}, self.label)
+        if self.ended is not None:
+            self.ended(self)
 
     def close(self) -> None:
         try:
             self.proc.stdin.close()
-        except OSError:
+        except (OSError, AttributeError):
             pass
 
-    def terminate(self, signum, frame) -> None:
+    def signal(self, sig: int, group: bool = False) -> None:
         if self.proc is not None:
             try:
-                os.kill(self.proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
+                (os.killpg if group else os.kill)(self.proc.pid, sig)
+            except (ProcessLookupError, PermissionError):
                 pass
-        else:
-            os._exit(128 + signal.SIGTERM)
 
 
 def main(me: str) -> None:
-    task = Task(me)
-    signal.signal(signal.SIGTERM, task.terminate)
+    """A task of a Slurm step: this node's program, addressed by the node's name."""
+    task = Task(me, ended=lambda t: os._exit(0))
+    signal.signal(signal.SIGTERM, lambda signum, frame: task.signal(signal.SIGTERM) if task.proc else os._exit(143))
     record({"hello": me, "pid": os.getpid()})
     for line in sys.stdin.buffer:
         if not line.startswith(task.prefix):
@@ -164,8 +166,48 @@ def main(me: str) -> None:
     if task.proc is None:
         os._exit(0)
     task.close()  # the step's stdin ended: as a node's own step would, end the program's
-    threading.Event().wait()  # _reap ends the task once the program has ended
+    threading.Event().wait()  # the task's end ends this process
+
+
+class Relay:
+    """A relay (``--relay``): the programs of a group of nodes, each spawned with its label ``t``; it ends once
+    its stdin has ended and every program with it."""
+
+    def __init__(self) -> None:
+        self.tasks: dict = {}
+        self.lock = threading.Lock()
+        self.closed = False
+
+    def ended(self, task: Task) -> None:
+        with self.lock:
+            task.done = True
+            if self.closed and all(getattr(t, "done", False) for t in self.tasks.values()):
+                os._exit(0)
+
+    def run(self) -> None:
+        signal.signal(signal.SIGTERM, lambda signum, frame: [t.signal(signal.SIGTERM) for t in list(self.tasks.values())])
+        for line in sys.stdin.buffer:
+            try:
+                msg = json.loads(line)
+            except ValueError:
+                continue
+            if not isinstance(msg, dict) or not isinstance(msg.get("n"), str):
+                continue
+            task = self.tasks.get(msg["n"])
+            if task is None and msg.get("op") == "spawn" and isinstance(msg.get("t"), int):
+                with self.lock:
+                    task = self.tasks[msg["n"]] = Task(msg["n"], b"%d: " % msg["t"], self.ended)
+            if task is not None:
+                task.handle(msg)
+        with self.lock:
+            self.closed = True
+            tasks = list(self.tasks.values())
+            if all(getattr(t, "done", False) for t in tasks):
+                os._exit(0)
+        for task in tasks:
+            task.close()  # the controller's link ended: end every program's stdin, as its own link would
+        threading.Event().wait()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    Relay().run() if sys.argv[1] == "--relay" else main(sys.argv[1])

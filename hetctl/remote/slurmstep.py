@@ -16,9 +16,9 @@ step's node list, in Slurm's order, is the order of its tasks (one per node,
 block distribution). ``--no-kill`` and ``--kill-on-bad-exit=0`` keep the other
 nodes' agents running when one node fails or one agent ends.
 
-Each node's agent is a :class:`StepMember`, which the controller uses as it uses a
-step of its own (:class:`~hetctl.launch.agentlink.AgentLink`): stdin, the lines of
-stdout (:meth:`StepMember.subscribe`), stderr in the node's ``agent.stderr`` file,
+Each node's agent is a :class:`~hetctl.remote.mux.Member`, which the controller uses
+as it uses a step of its own (:class:`~hetctl.launch.agentlink.AgentLink`): stdin, the lines of
+stdout (:meth:`~hetctl.remote.mux.Member.subscribe`), stderr in the node's ``agent.stderr`` file,
 ``close_stdin``, ``kill``. Stopping one node is its agent's own stop (``eof``, then
 ``kill`` through its task, then a one-off step on that node that kills the agent's
 process group); the step itself is cancelled once none of its agents is left.
@@ -31,26 +31,20 @@ whose ``env`` holds a secret the others must not see keeps a step of its own:
 
 from __future__ import annotations
 
-import base64
-import json
 import os
-import re
 import subprocess
 import threading
 import time
 import uuid
-import zlib
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from hetctl.errors import HetctlError, Unreachable
 from hetctl.remote.base import track, untrack
-from hetctl.remote.local import command_env, env_on_stdin
+from hetctl.remote.local import command_env
+from hetctl.remote.mux import Member, Mux
 
 HELLO_S = 60.0  # every task's first line, from the srun's start (a step on many nodes takes a while)
-KILL_WAIT_S = 5.0  # after ``kill`` through the task, before the one-off step on the node
-LINE_LIMIT = 2048  # one piece (900 bytes of payload, stepmux.PIECE) with srun's label, and room to spare
-_LABEL = re.compile(rb"^(?:P\d+ )?\s*(\d+): (.*?)\n?$", re.S)
 # The node's python, chosen on the node from the pairs after the source (no value is pasted into the script).
 PICK = ('src=$1; shift; while [ $# -ge 2 ]; do if [ "$1" = "$SLURMD_NODENAME" ]; then '
         'case $2 in "~/"*) py=$HOME/${2#"~/"} ;; *) py=$2 ;; esac; exec "$py" -c "$src" "$1"; fi; shift 2; done; '
@@ -83,148 +77,18 @@ def slurm_order(step_job: str, step_name: str, timeout: float = 15.0) -> list[st
     return names or None
 
 
-class _Input:
-    """A member's stdin: what is written goes to the step as that node's ``in`` lines."""
-
-    def __init__(self, member: StepMember) -> None:
-        self.member = member
-
-    def write(self, data: bytes) -> int:
-        self.member.step.send(self.member.node, "in", z=base64.b64encode(zlib.compress(data)).decode())
-        return len(data)
-
-    def flush(self) -> None:
-        pass
-
-    def close(self) -> None:
-        self.member.close_stdin()
-
-
-class StepMember:
-    """One node's agent, a task of a :class:`SharedStep`; used as a started command is (``Transport.start``)."""
-
-    stdout = None  # its lines come through subscribe()
-    stderr = None  # they go to stderr_path
-
-    def __init__(self, step: SharedStep, node: Any, transport: Any, stderr_to: str | Path) -> None:
-        from hetctl.launch.reader import LineCut
-        from hetctl.launch.wire import MAX_LINE, MAX_TEXT
-
-        self.step, self.node, self.transport = step, node.name, transport
-        self.stdin = _Input(self)
-        self.stderr_path = Path(stderr_to)
-        self.stderr_path.parent.mkdir(parents=True, exist_ok=True)
-        self.stderr_from = self.stderr_path.stat().st_size if self.stderr_path.exists() else 0
-        self.pid: int | None = None  # the agent's, on the node (its process group)
-        self.returncode: int | None = None
-        self.ended = threading.Event()
-        self._lock = threading.Lock()
-        self._pending: list[bytes | None] = []  # stdout pieces before subscribe(); None: a line's end
-        self._out: LineCut | None = None
-        self._err = LineCut(MAX_TEXT, self._stderr_line, lambda: None)
-        self._limit = MAX_LINE
-        self._stdin_closed = False
-
-    # -- what the step's reader hands over ---------------------------------------------------------------
-    def piece(self, kind: bytes, last: bool, payload: bytes) -> None:
-        if kind == b"o":
-            with self._lock:
-                if self._out is None:
-                    self._pending += [payload, None] if last else [payload]
-                    return
-                out = self._out
-            out.feed(payload + (b"\n" if last else b""))
-        elif kind == b"e":
-            self._err.feed(payload + (b"\n" if last else b""))
-
-    def _stderr_line(self, raw: Any) -> None:
-        text = raw if isinstance(raw, bytes) else str(getattr(raw, "reason", raw)).encode() + b"\n"
-        try:
-            fd = os.open(self.stderr_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-            try:
-                os.write(fd, text)
-            finally:
-                os.close(fd)
-        except OSError:
-            pass
-
-    def finish(self, code: int) -> None:
-        """The agent ended (its exit record) or the step did: the end of its stdout, once."""
-        with self._lock:
-            if self.ended.is_set():
-                return
-            self.returncode = code
-            self.ended.set()
-            out = self._out
-        self._err.end()
-        if out is not None:
-            out.end()
-
-    # -- the Process the controller holds ----------------------------------------------------------------
-    def subscribe(self, on_line: Callable[[Any], None], on_end: Callable[[], None]) -> None:
-        """Its stdout lines from now on (and those that came before) to ``on_line``; ``on_end`` at its end."""
-        from hetctl.launch.reader import LineCut
-
-        cut = LineCut(self._limit, on_line, on_end)
-        with self._lock:
-            for p in self._pending:
-                cut.feed(b"\n" if p is None else p)
-            self._pending, self._out = [], cut
-            ended = self.ended.is_set()
-        if ended:
-            cut.end()
-
-    def poll(self) -> int | None:
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        if not self.ended.wait(timeout):
-            raise subprocess.TimeoutExpired(f"{self.node} in {self.step.name}", timeout or 0.0)
-        return self.returncode if self.returncode is not None else -1
-
-    def close_stdin(self) -> None:
-        if not self._stdin_closed:
-            self._stdin_closed = True
-            try:
-                self.step.send(self.node, "eof")
-            except OSError:
-                pass  # the step has ended, and the agent with it
-
-    def kill(self) -> None:
-        """End the agent: SIGKILL through its task; then a one-off step on the node; the step goes with the last."""
-        if not self.ended.is_set():
-            try:
-                self.step.send(self.node, "kill")
-            except OSError:
-                pass
-            if not self.ended.wait(KILL_WAIT_S) and self.pid is not None:
-                try:
-                    self.transport.run(["/bin/sh", "-c", 'kill -KILL -- "-$1"', "hetctl-kill", str(self.pid)],
-                                       timeout=KILL_WAIT_S, check=False)
-                except HetctlError:
-                    pass  # the node is gone: Slurm ends its tasks with it
-                self.ended.wait(KILL_WAIT_S)
-        self.finish(-9)
-        self.close_stdin()
-        self.step.member_gone()
-
-
-class SharedStep:
-    """The srun of one component's agents; its reader hands each task's pieces to the task's member."""
+class SharedStep(Mux):
+    """The srun of one component's agents (a :class:`~hetctl.remote.mux.Mux`); a task is believed to be the node
+    Slurm placed it on."""
 
     def __init__(self, nodes: Sequence[Any], transports: Mapping[str, Any], srun_stderr: str | Path) -> None:
         from hetctl.remote.slurm import SlurmProcess
 
+        super().__init__()
         first = transports[nodes[0].name]
         self.job, self.het, self.step_job = first.job, first.het, first.step_job
         self.nodes, self.transports = list(nodes), transports
         self.name = f"hetctl-{uuid.uuid4().hex[:10]}"
-        self.members: dict[str, StepMember] = {}
-        self.by_task: dict[int, StepMember] = {}
-        self.hellos: dict[int, str] = {}
-        self._said = threading.Condition()
-        self._wlock = threading.Lock()
-        self._ended = False
         line = step_argv(nodes, job=self.job, het_group=self.het.group if self.het is not None else None,
                          step_name=self.name, srun=first.srun)
         Path(srun_stderr).parent.mkdir(parents=True, exist_ok=True)
@@ -237,121 +101,38 @@ class SharedStep:
         finally:
             os.close(err)
         track(self.popen)
-        self._proc = SlurmProcess(self.popen, nodes[0].name, self.step_job, self.name)
-        from hetctl.launch import reader
+        self.attach(SlurmProcess(self.popen, nodes[0].name, self.step_job, self.name))
 
-        reader.shared().add(self.popen.stdout, self._line, self._end, LINE_LIMIT)
-
-    # -- the reader's side ------------------------------------------------------------------------------------
-    def _line(self, raw: Any) -> None:
-        m = _LABEL.match(raw) if isinstance(raw, bytes) else None
-        if m is None or len(m[2]) < 2:
-            return  # not a task's piece (a refused over-long line): no task can be told from it
-        task, body = int(m[1]), m[2]
-        kind, last, payload = body[:1], body[1:2] == b".", body[2:]
-        if kind == b"x":
-            self._record(task, payload)
-            return
-        member = self.by_task.get(task)
-        if member is not None:
-            member.piece(kind, last, payload)
-
-    def _record(self, task: int, payload: bytes) -> None:
-        try:
-            rec = json.loads(payload)
-        except ValueError:
-            return
-        if not isinstance(rec, dict):
-            return
-        member = self.by_task.get(task)
-        if "hello" in rec and task not in self.hellos:
-            with self._said:
-                self.hellos[task] = str(rec["hello"])[:200]
-                self._said.notify_all()
-        elif member is not None and isinstance(rec.get("spawned"), int):
-            member.pid = rec["spawned"]
-        elif member is not None and isinstance(rec.get("exit"), int):
-            member.finish(rec["exit"])
-            self.member_gone()
-
-    def _end(self) -> None:
-        """srun's stdout ended: every agent not ended yet ends with it (on a thread: srun may take a moment)."""
-        with self._said:
-            self._ended = True
-            self._said.notify_all()
-
-        def reap() -> None:
-            code = self.popen.wait()
-            untrack(self.popen)
-            for member in list(self.members.values()):
-                member.finish(code if code else -1)
-
-        threading.Thread(target=reap, daemon=True, name="srun-reaper").start()
-
-    # -- the controller's side -------------------------------------------------------------------------------
-    def send(self, node: str, op: str, **fields: Any) -> None:
-        """One line for ``node``'s task (every task reads it; that one acts)."""
-        data = (json.dumps({"n": node, "op": op, **fields}) + "\n").encode()
-        with self._wlock:
-            try:
-                self.popen.stdin.write(data)
-                self.popen.stdin.flush()
-            except ValueError:  # closed here: the step has ended
-                raise BrokenPipeError(f"step {self.name} has ended") from None
+    def ended(self) -> None:
+        untrack(self.popen)
 
     def start(self, launches: Mapping[str, tuple[Sequence[str], Mapping[str, str] | None, str | None, Path]],
-              hello_s: float = HELLO_S) -> dict[str, StepMember | HetctlError]:
+              hello_s: float = HELLO_S) -> dict[str, Member | HetctlError]:
         """Each node's agent (``node → (argv, env, cwd, stderr_to)``) as its task; an error for each that cannot."""
         deadline = time.monotonic() + hello_s
         with self._said:
             self._said.wait_for(lambda: self._ended or len(self.hellos) >= len(self.nodes),
                                 max(0.0, deadline - time.monotonic()))
         order = slurm_order(self.step_job, self.name) if self.hellos else None
-        out: dict[str, StepMember | HetctlError] = {}
+        out: dict[str, Member | HetctlError] = {}
         for node in self.nodes:
             task = order.index(node.name) if order and node.name in order else None
             said = self.hellos.get(task) if task is not None else None
-            if order is None or said != node.name:
+            if task is None or said != node.name:
                 why = ("srun ended before its task answered" if self._ended else
                        "Slurm does not list the step's nodes" if order is None and self.hellos else
                        f"its task did not answer in {hello_s:g} s" if said is None else
                        f"Slurm placed task {task} on {node.name}, but that task says it is {said!r}")
                 out[node.name] = Unreachable(f"{node.name}: no agent in step {self.name}: {why}", node=node.name)
                 continue
-            argv, env, cwd, stderr_to = launches[node.name]
-            member = StepMember(self, node, self.transports[node.name], stderr_to)
-            self.members[node.name], self.by_task[task] = member, member
-            wrapped, prefix = env_on_stdin(node.python, argv, command_env(node, env))
-            try:
-                self.send(node.name, "spawn", argv=list(wrapped), cwd=cwd)
-                if prefix:
-                    member.stdin.write(prefix)
-            except OSError:
-                member.finish(-1)
-            out[node.name] = member
+            out[node.name] = self.add(node, task, launches[node.name], self.transports[node.name])
         if not self.members:
             self.kill()
         return out
 
-    def member_gone(self) -> None:
-        """One agent ended: once none is left, the step ends (stdin closed; cancelled if it does not)."""
-        if self.members and all(m.ended.is_set() for m in self.members.values()):
-            threading.Thread(target=self.kill, daemon=True, name="srun-end").start()  # never on the reader's thread
-
-    def kill(self) -> None:
-        with self._wlock:
-            try:
-                self.popen.stdin.close()
-            except OSError:
-                pass
-        try:
-            self.popen.wait(2.0)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()  # scancel TERM, then KILL, then the local srun
-
 
 def start_shared(nodes: Sequence[Any], transports: Mapping[str, Any], launches: Mapping[str, Any],
-                 run_dir: Any) -> dict[str, StepMember | HetctlError]:
+                 run_dir: Any) -> dict[str, Member | HetctlError]:
     """The agents of ``nodes`` whose transport is Slurm, one shared step per component (or job) of two nodes
     or more, started side by side; the other nodes are not in the answer (they get a step of their own).
 
@@ -364,7 +145,7 @@ def start_shared(nodes: Sequence[Any], transports: Mapping[str, Any], launches: 
         t = transports.get(node.name)
         if isinstance(t, SlurmTransport):
             groups.setdefault((t.job, t.het.group if t.het is not None else None), []).append(node)
-    out: dict[str, StepMember | HetctlError] = {}
+    out: dict[str, Member | HetctlError] = {}
 
     def one(group: list[Any]) -> None:
         try:
