@@ -158,3 +158,23 @@ def test_one_relayed_node_stops_alone(cluster, site, tmp_path):
         for t in transports.values():
             t.close()
     assert cluster.wait_no_session_processes(10) == []
+
+
+@pytest.mark.sshd
+def test_a_lost_relay_is_dropped_and_its_group_is_not(cluster, site):
+    """Kill the relay host node-1 mid-run (the last test here: node-1 stays down): node-1 is lost, node-2, whose
+    agent went down with the relay's session, is not blamed; the run ends on the survivors, relayed again."""
+    from tests.test_recovery import Launch, plan_of
+
+    run = Launch(site, "lost-relay", "-i", "inventory-relay.yaml")
+    run.wait_checkpoint(8)
+    cluster["node-1"].kill()  # its sshd and every process under it: the relay, node-1's agent and ranks
+    summary = run.finish()
+    assert summary["state"] == "succeeded" and summary["steps"] == 24, run.story()
+    assert [e["node"] for e in run.events("node_lost")] == ["node-1"], run.story()
+    (carried,) = run.events("agent_lost")
+    assert carried["node"] == "node-2" and "its relay node-1 was lost" in carried["reason"], run.story()
+    (replan,) = run.events("replan")
+    assert replan["dropped"] == ["node-1"], run.story()
+    last = plan_of(run.run, run.events("launched")[-1]["attempt"])
+    assert "node-2" in {r.node for r in last.ranks} and "node-1" not in {r.node for r in last.ranks}

@@ -64,9 +64,10 @@ class AgentLink:
 
     def _stdout_end(self) -> None:
         self.eof.set()
-        self._put(None)
+        carried = getattr(self.proc, "lost_with", None)  # a relayed agent whose relay was lost
+        self._put(wire.Carried(carried) if carried else None)
 
-    def _put(self, msg: dict | wire.Refused | None) -> None:
+    def _put(self, msg: dict | wire.Refused | wire.Carried | None) -> None:
         """To the monitor, with when it was read: the monitor tells its own lag from the node's silence."""
         self.inbox.put((self.name, msg, time.monotonic()))
 

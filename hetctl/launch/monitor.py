@@ -26,8 +26,8 @@ from collections import defaultdict
 from dataclasses import replace
 from typing import Any, Callable, Iterable, Mapping
 
-from hetctl.files.events import (BadMessage, Evaluated, NodeLost, ProcessesLeft, Progress, RankFailed, StageProgress,
-                                 Standby, StorageWarning)
+from hetctl.files.events import (AgentLost, BadMessage, Evaluated, NodeLost, ProcessesLeft, Progress, RankFailed,
+                                 StageProgress, Standby, StorageWarning)
 from hetctl.files.eventlog import EventLog
 from hetctl.launch.outcome import CAUSE_ORDER, AttemptOutcome, FailureRecord, FaultKind, RunState, classify
 from hetctl.files.run import RunDir
@@ -36,7 +36,7 @@ from hetctl.launch.spares import SparesImporting
 from hetctl.launch.ranklogs import RankLogs
 from hetctl.launch.status import RankState, RankStatus, Snapshot
 from hetctl.launch.tally import Tally
-from hetctl.launch.wire import Refused, check as check_message
+from hetctl.launch.wire import Carried, Refused, check as check_message
 from hetctl.node import protocol
 
 MAX_WARNINGS_PER_NODE = 20  # distinct bad_message reasons written per node and attempt
@@ -156,7 +156,7 @@ class Monitor:
             except queue.Empty:
                 continue
             self.handle(node, msg)
-            if msg is None or node in self.stopped_nodes:
+            if msg is None or isinstance(msg, Carried) or node in self.stopped_nodes:
                 pending.discard(node)
         for st in self.ranks.values():
             if st.state in LIVE:
@@ -172,13 +172,19 @@ class Monitor:
         return item[0], item[1]
 
     # -- events from the agents ---------------------------------------------
-    def handle(self, node: str, msg: dict | Refused | None) -> None:
-        """One line of ``node``'s agent (None: its stream ended), believed only as far as
-        :func:`hetctl.launch.wire.check` allows; a refused one is a ``bad_message`` warning."""
+    def handle(self, node: str, msg: dict | Refused | Carried | None) -> None:
+        """One line of ``node``'s agent (None: its stream ended; Carried: with its relay), believed only as far
+        as :func:`hetctl.launch.wire.check` allows; a refused one is a ``bad_message`` warning."""
         now = self.clock()
         self.last_seen[node] = now
-        if msg is None:
-            if node not in self.stopped_nodes:
+        if msg is None or isinstance(msg, Carried):
+            if node in self.stopped_nodes:
+                pass
+            elif isinstance(msg, Carried):  # its relay was lost, not (as far as anyone knows) the node
+                self.events.emit(AgentLost(attempt=self.attempt, node=node, reason=msg.reason))
+                self.node_state[node] = "stopped"
+                self._fail(FailureRecord(FaultKind.CRASH, node, time.time(), reason=msg.reason))
+            else:
                 self._node_lost(node, "the agent's stream ended" + self._tail(node))
             return
         checked = msg if isinstance(msg, Refused) else check_message(msg, self.owned.get(node, ()))

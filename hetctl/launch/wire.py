@@ -34,6 +34,14 @@ class Refused:
     reason: str
 
 
+@dataclass(frozen=True)
+class Carried:
+    """A node's agent stream ended with the stream that carried it (its relay was lost): ``reason`` says which.
+    The node itself is not blamed (hetctl.remote.relay)."""
+
+    reason: str
+
+
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 

@@ -65,6 +65,7 @@ class Member:
         self.stderr_path.parent.mkdir(parents=True, exist_ok=True)
         self.stderr_from = self.stderr_path.stat().st_size if self.stderr_path.exists() else 0
         self.pid: int | None = None  # the agent's, on the node (its process group)
+        self.lost_with: str | None = None  # why its stream ended with the carrier's (a relay that was lost)
         self.returncode: int | None = None
         self.ended = threading.Event()
         self._lock = threading.Lock()
@@ -224,6 +225,8 @@ class Mux:
             except subprocess.TimeoutExpired:
                 code = -1
             for member in list(self.members.values()):
+                if not member.ended.is_set():
+                    member.lost_with = self.lost_with(member, code)
                 member.finish(code if code else -1)
             self.ended()
 
@@ -231,6 +234,11 @@ class Mux:
 
     def ended(self) -> None:
         """The carrier has exited (a subclass's clean-up)."""
+
+    def lost_with(self, member: Member, code: int) -> str | None:
+        """Why ``member``'s agent is gone with the carrier when that says nothing about its own node (None: it
+        does; the node's loss is judged as a node's own stream's end)."""
+        return None
 
     # -- the controller's side -------------------------------------------------------------------------------
     def send(self, node: str, op: str, **fields: Any) -> None:

@@ -28,7 +28,9 @@ speak for its members. Pre-flight and shipping still go from the controller to
 each node (short commands, ``ssh.fanout`` at a time); only the agents' sessions
 are relayed. Stopping one node is its agent's own stop through its relay; killing
 it ends its ``ssh`` on the relay (the agent then sees its stdin end). A relay
-that is lost ends its group's agents with it.
+that is lost ends its group's agents with it: the relay's node is lost (as a node
+whose own session ended), the others are not blamed (``agent_lost``, restarted like
+a crash; the next attempt's pre-flight reaches each of them directly).
 """
 
 from __future__ import annotations
@@ -81,8 +83,13 @@ class Relay(Mux):
         from hetctl.node import source
 
         super().__init__()
-        self.name, self.transport = f"the relay on {relay.name}", transport
+        self.name, self.transport, self.relay = f"the relay on {relay.name}", transport, relay.name
         self.attach(transport.start([relay.python, "-c", source("stepmux.py"), "--relay"], stderr_to=stderr_to))
+
+    def lost_with(self, member: Member, code: int) -> str | None:
+        if member.node == self.relay:
+            return None  # the relay's own agent: its node's stream, as any node's
+        return f"its relay {self.relay} was lost (the session there ended, exit {code}); {member.node} is not blamed"
 
     def start(self, group: Sequence[Any], launches: Mapping[str, tuple], settings: Any) -> dict[str, Member]:
         relay = group[0]
