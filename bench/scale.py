@@ -133,7 +133,7 @@ def measure(nodes: int, o: argparse.Namespace) -> dict:
     from hetctl.elastic.loop import ElasticRun
     from hetctl.elastic.policy import PolicyConfig
     from hetctl.elastic.start import prepare_launch
-    from hetctl.files.inventory import Inventory, Node
+    from hetctl.files.inventory import Inventory, Node, SshSettings
     from hetctl.files.run import LaunchOptions
     from hetctl.remote.simfleet import SimFleet
 
@@ -144,7 +144,7 @@ def measure(nodes: int, o: argparse.Namespace) -> dict:
             SimFleet(latency_s=o.latency, step_s=o.step) as fleet:
         tmp = Path(tmp_s)
         (tmp / "ck").mkdir()
-        inv = Inventory(checkpoint_dir=str(tmp / "ck"),
+        inv = Inventory(checkpoint_dir=str(tmp / "ck"), ssh=SshSettings(relay_above=getattr(o, "relay_above", None)),
                         nodes=[Node(name=n, host=n, python="/usr/bin/python3", workdir=f"/w/{n}") for n in plan.nodes])
         prepared = prepare_launch(plan, inv, LaunchOptions(steps=10**7, checkpoint_every=0), run_root=tmp / "runs",
                                   plan_path=None, policy=PolicyConfig(max_restarts=3))
@@ -239,6 +239,8 @@ def main() -> None:
     ap.add_argument("--step", type=float, default=1.0, help="seconds per training step (one heartbeat per rank)")
     ap.add_argument("--settle", type=float, default=3.0, help="seconds after launch before the steady window")
     ap.add_argument("--window", type=float, default=10.0, help="seconds of steady training measured")
+    ap.add_argument("--relay-above", type=int, default=None,
+                    help="the inventory's ssh.relay_above: past this many nodes the agents go through relays")
     ap.add_argument("--one", type=int, help=argparse.SUPPRESS)  # a child: measure one N, print JSON
     o = ap.parse_args()
     if o.one:
@@ -246,11 +248,13 @@ def main() -> None:
         return
     counts = [int(x) for x in o.nodes.split(",")]
     print(f"{RANKS_PER_NODE} ranks per node, {o.latency * 1000:.0f} ms per connection and command, a step every "
-          f"{o.step:g} s, steady window {o.window:g} s; {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}")
+          f"{o.step:g} s, steady window {o.window:g} s; relays past {o.relay_above or 'never'} nodes; {os.cpu_count()} "
+          f"CPUs, load {os.getloadavg()[0]:.2f}")
     rows = []
     for n in counts:
         argv = [sys.executable, __file__, "--one", str(n), "--latency", str(o.latency), "--step", str(o.step),
-                "--settle", str(o.settle), "--window", str(o.window)]
+                "--settle", str(o.settle), "--window", str(o.window),
+                *(["--relay-above", str(o.relay_above)] if o.relay_above else [])]
         proc = subprocess.run(argv, capture_output=True, text=True)
         if proc.returncode != 0:
             raise SystemExit(f"{n} nodes: exit {proc.returncode}\n{proc.stderr[-3000:]}")

@@ -24,7 +24,7 @@ import yaml
 from hetctl.files.run import LaunchOptions
 from hetctl.errors import StartFailed
 from hetctl.files.eventlog import EventLog, read_events
-from hetctl.files.inventory import Inventory, Node
+from hetctl.files.inventory import Inventory, Node, SshSettings
 from hetctl.files.plan import Plan
 from hetctl.files.run import RunDir
 from hetctl.files.yamlio import dump_yaml
@@ -92,7 +92,7 @@ LOW_LIMIT = """
 import resource, sys
 from hetctl.errors import StartFailed
 from hetctl.files.eventlog import EventLog
-from hetctl.files.inventory import Inventory, Node
+from hetctl.files.inventory import Inventory, Node, SshSettings
 from hetctl.files.plan import Plan
 from hetctl.files.run import LaunchOptions, RunDir
 from hetctl.launch.controller import AttemptController, AttemptRequest
@@ -171,9 +171,11 @@ def test_the_launch_spec_as_data_is_what_asdict_gave():
     assert {n["env"]["TOKEN"] for n in spec.to_dict(public=("TOKEN", "A"))["nodes"]} == {"***"}
 
 
-def test_simulated_nodes_run_the_real_controller_and_a_crash_is_the_root_cause(tmp_path):
+@pytest.mark.parametrize("relay_above", [None, 1], ids=["direct", "relayed"])
+def test_simulated_nodes_run_the_real_controller_and_a_crash_is_the_root_cause(tmp_path, relay_above):
     plan = Plan.model_validate(tiny_plan([3, 3], tp=4))
-    inv = Inventory(nodes=[Node(name=n, host=n, python="/py", workdir=f"/w/{n}") for n in plan.nodes])
+    inv = Inventory(nodes=[Node(name=n, host=n, python="/py", workdir=f"/w/{n}") for n in plan.nodes],
+                    ssh=SshSettings(relay_above=relay_above))  # relayed: one relay, n0, carries n0's and n1's agents
     run = RunDir.create(tmp_path, "r")
     with SimFleet(latency_s=0.0, step_s=0.05) as fleet, EventLog(run.events_path) as events:
         req = AttemptRequest(plan=plan, attempt=0, options=LaunchOptions(steps=10**6, checkpoint_every=0), ckpt_dir="/ck")
@@ -187,6 +189,8 @@ def test_simulated_nodes_run_the_real_controller_and_a_crash_is_the_root_cause(t
 
         out = ctl.run()
     assert out.state == RunState.FAILED and crashed
+    assert {n: type(a.proc).__name__ for n, a in ctl.agents.items()} == (
+        {"n0": "Member", "n1": "Member"} if relay_above else {"n0": "SimProcess", "n1": "SimProcess"})
     root = out.root_cause
     assert (root.kind, root.node, root.rank, root.exit_code) == (FaultKind.CRASH, "n1", 5, 7)
     assert root.at == pytest.approx(crashed[0], abs=0.01)  # the node's clock at the exit, as the real agent reports

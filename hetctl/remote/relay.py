@@ -103,9 +103,7 @@ def start_relayed(nodes: Sequence[Any], transports: Mapping[str, Any], launches:
                   settings: Any) -> dict[str, Member | HetctlError]:
     """The agents of ``nodes`` whose transport is ssh, through relays, when there are more than
     ``settings.relay_above`` of them; {} otherwise (each node then gets its own session)."""
-    from hetctl.remote.ssh import SshTransport
-
-    ssh = [n for n in nodes if isinstance(transports.get(n.name), SshTransport)]
+    ssh = [n for n in nodes if getattr(transports.get(n.name), "relayable", False)]  # ssh (or its simulation)
     if settings.relay_above is None or len(ssh) <= settings.relay_above:
         return {}
     out: dict[str, Member | HetctlError] = {}

@@ -20,7 +20,7 @@ measuring the controller, not the fake:
 A crash is injected on demand with :meth:`SimFleet.crash`; the rank's ``exited`` line
 carries the node's clock at the crash, as the real agent's does. What is not simulated:
 the ``ssh`` client processes and their masters (outside the controller's process
-either way), rank logs (the ranks print nothing), warm spares.
+either way), rank logs (the ranks print nothing), warm spares. Relays: :mod:`hetctl.remote.simrelay`.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from hetctl.remote.base import Result
+from hetctl.remote.simrelay import RelayMixin
 from hetctl.remote.testing import preflight_answer
 
 HB_POLL_S = 0.2  # the real agent's heartbeat poll: a rank's heartbeat leaves within it after the step
@@ -97,6 +98,8 @@ class SimProcess:
 class SimTransport:
     """A Transport to one simulated node; every call costs the fleet's ``latency_s``."""
 
+    relayable = True  # it stands for ssh: agents may go through relays (hetctl.remote.relay)
+
     def __init__(self, node: Any, fleet: "SimFleet") -> None:
         self.node, self.fleet = node.name, fleet
         self.procs: list[SimProcess] = []
@@ -112,7 +115,8 @@ class SimTransport:
     def start(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: str | None = None,
               input: bytes | None = None, stderr_to: str | Path | None = None) -> SimProcess:
         time.sleep(self.fleet.latency_s)
-        headers = [{"node": self.node, "step_s": self.fleet.step_s}]
+        relay = "--relay" in argv  # a relay's stepmux (hetctl.remote.relay): it carries its group's agents
+        headers = [{"relay" if relay else "node": self.node, "step_s": self.fleet.step_s}]
         if stderr_to is None:
             headers.insert(0, {"stderr_of": self.node})
         else:
@@ -201,8 +205,11 @@ class SimFleet:
 class _Node:
     """One simulated agent's state in the child."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket | None) -> None:
         self.sock, self.name = sock, ""
+        self.carrier: _Node | None = None  # a relayed agent's relay (hetctl.remote.simrelay); its label there
+        self.label = 0
+        self.members: dict[str, _Node] | None = None  # a relay's agents
         self.inbuf, self.out = b"", bytearray()
         self.step_s = 1.0
         self.ranks: dict[int, dict] = {}  # rank → {"step", "steps", "attempt"}
@@ -211,7 +218,7 @@ class _Node:
         self.poll_phase = random.uniform(0.0, HB_POLL_S)
 
 
-class _Fleet:
+class _Fleet(RelayMixin):
     def __init__(self, address: str) -> None:
         self.sel = selectors.DefaultSelector()
         self.lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -232,7 +239,13 @@ class _Fleet:
     def emit(self, n: _Node, ev: str, **fields: Any) -> None:
         n.out += (json.dumps({"ev": ev, "t": time.time(), **fields}, separators=(",", ":")) + "\n").encode()
 
+    @staticmethod
+    def make(sock: socket.socket | None) -> _Node:
+        return _Node(sock)
+
     def flush(self, n: _Node) -> None:
+        if n.sock is None:
+            return self.relay_flush(n)  # a relayed agent: through its relay
         if n.out:
             try:
                 sent = n.sock.send(n.out)
@@ -252,6 +265,9 @@ class _Fleet:
         if not n.name and "stderr_of" in msg:  # the agent's stderr: silent; it closes with the agent
             n.name = f"stderr of {msg['stderr_of']}"
             self.stderrs[str(msg["stderr_of"])] = n
+            return
+        if not n.name and "relay" in msg:
+            self.relay_open(n, msg)
             return
         if not n.name:
             n.name, n.step_s = str(msg["node"]), float(msg.get("step_s", 1.0))
@@ -286,12 +302,13 @@ class _Fleet:
             n.ranks.clear()
             self.emit(n, "stopped", reason="stop requested")
             if not msg.get("keep"):  # the agent exits: every line it wrote reaches the controller first
-                n.sock.setblocking(True)
-                try:
-                    n.sock.sendall(n.out)
-                except OSError:
-                    pass
-                n.out.clear()
+                if n.sock is not None:
+                    n.sock.setblocking(True)
+                    try:
+                        n.sock.sendall(n.out)
+                    except OSError:
+                        pass
+                    n.out.clear()
                 self.drop(n)
         else:
             self.emit(n, "error", message=f"unknown command {cmd!r}")
@@ -342,6 +359,10 @@ class _Fleet:
         return {"t": t}
 
     def drop(self, n: _Node) -> None:
+        if n.sock is None:
+            return self.relay_drop(n)
+        for member in list((n.members or {}).values()):  # a relay's end ends its agents
+            self.drop(member)
         n.gen += 1
         n.ranks.clear()
         if self.nodes.get(n.name) is n:
@@ -382,7 +403,7 @@ class _Fleet:
                     self.tick(n, kind, when)
                     touched.add(n)
             for n in touched:
-                if n.sock.fileno() >= 0:
+                if self.open(n):
                     self.flush(n)
 
     def control(self) -> bool:
@@ -410,7 +431,7 @@ class _Fleet:
             while b"\n" in n.inbuf:
                 line, n.inbuf = n.inbuf.split(b"\n", 1)
                 if line.strip():
-                    self.command(n, json.loads(line))
+                    (self.relay_command if n.members is not None else self.command)(n, json.loads(line))
                 if n.sock.fileno() < 0:
                     return
         if n.sock.fileno() >= 0:

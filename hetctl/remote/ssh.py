@@ -127,6 +127,8 @@ class SshTransport(SshMaster):
     (:class:`~hetctl.remote.sshmaster.SshMaster`: its arguments, and what it raises); thread-safe (one ssh
     process per command)."""
 
+    relayable = True  # its agents may go through relay nodes (hetctl.remote.relay)
+
     # --- running -------------------------------------------------------------
 
     def _popen(self, argv: Sequence[str], env: Mapping[str, str] | None, cwd: str | None,
