@@ -97,6 +97,12 @@ def _relayed_sessions(cluster: SshdCluster) -> set[tuple[str, str]]:
 
 @pytest.mark.sshd
 def test_a_plan_trains_through_relays_to_the_loss_it_reaches_without_them(cluster, site):
+    dry = hetctl(site, "launch", "plan", "--dry-run", "--json", "-i", "inventory-relay.yaml")
+    assert json.loads(dry.stdout)["relays"] == {"node-1": "node-1", "node-2": "node-1", "node-3": "node-3",
+                                               "node-4": "node-3"}, dry.stderr
+    text = hetctl(site, "launch", "plan", "--dry-run", "-i", "inventory-relay.yaml").stdout
+    assert "relay: node-1 (its agent over ssh from there)" in text and "relay: itself" in text
+    assert "relays" not in json.loads(hetctl(site, "launch", "plan", "--dry-run", "--json").stdout)
     args = ("launch", "plan", "--steps", str(STEPS), "--checkpoint-every", "0", "--json")
     direct = hetctl(site, *args)
     assert direct.returncode == 0, direct.stderr

@@ -150,6 +150,10 @@ def launch_cmd(
             from hetctl.remote.slurmstep import dry_run_steps
 
             data["srun"] = dry_run_steps(inv, spec)
+        from hetctl.remote.relay import relays_of
+
+        if relays := relays_of(inv, spec):  # node → the relay its agent's session goes through
+            data["relays"] = relays
         print_json(json_dumps(data, indent=2))
     else:
         print_dry_run(spec, inv, ssh, note)

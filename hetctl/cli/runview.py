@@ -91,7 +91,10 @@ def print_dry_run(spec: LaunchSpec, inv: Inventory | None = None, ssh: dict[str,
 
     from hetctl.launch.materialize import mask_env
 
+    from hetctl.remote.relay import relays_of
+
     steps: dict[str, dict] | None = None  # the Slurm nodes' agent steps, made at the first
+    relays = relays_of(inv, spec) if inv is not None else {}  # node → the relay its agent goes through
     out.print(text(("dry run", "bold"), f": attempt {spec.attempt}, {sum(len(n.ranks) for n in spec.nodes)} ranks on "
               f"{len(spec.nodes)} nodes; rendezvous {spec.master_addr}:{spec.master_port}; "
               f"checkpoints {spec.ckpt_dir}; nothing started"), highlight=False, soft_wrap=True)
@@ -109,6 +112,9 @@ def print_dry_run(spec: LaunchSpec, inv: Inventory | None = None, ssh: dict[str,
                            f"{', '.join(eff.identity_files) or 'agent only'}; known_hosts "
                            f"{', '.join(eff.known_hosts)}; StrictHostKeyChecking {eff.strict_host_key_checking}"),
                       highlight=False, soft_wrap=True)
+        if relay := relays.get(n.node):
+            out.print(text(f"  relay: {'itself' if relay == n.node else relay + ' (its agent over ssh from there)'}"),
+                      highlight=False)
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in mask_env(n.env, inv.public_env if inv is not None else ()).items())
         out.print(text(f"  agent: {env + ' ' if env else ''}{shlex.join(n.agent_argv)}"), highlight=False,
                   soft_wrap=True)

@@ -125,3 +125,12 @@ def start_relayed(nodes: Sequence[Any], transports: Mapping[str, Any], launches:
     for t in threads:
         t.join()
     return out
+
+
+def relays_of(inv: Any, spec: Any) -> dict[str, str]:
+    """For ``launch --dry-run``: each ssh node of ``spec`` whose agent would go through a relay → that relay
+    (the relay's own node included); {} when ``ssh.relay_above`` does not apply."""
+    names = [n.node for n in spec.nodes if n.transport == "ssh"]
+    if inv.ssh.relay_above is None or len(names) <= inv.ssh.relay_above:
+        return {}
+    return {n.name: g[0].name for g in relay_groups([inv.node(x) for x in names]) for n in g}
