@@ -121,3 +121,9 @@ def test_the_step_line_passes_each_node_its_python_as_an_argument():
     i = argv.index("hetctl-step")
     assert argv[i - 1] == slurmstep.PICK and argv[i + 1] == source("stepmux.py")
     assert argv[i + 2:] == ["c1", "~/venv/bin/python", "c2", "py; rm -rf /"]  # data, never pasted into the script
+
+
+def test_a_large_component_is_cut_into_steps_of_at_most_128_tasks():
+    component = [SimpleNamespace(name=f"c{i:03d}") for i in range(300)]
+    steps = slurmstep._steps([component, component[:5]])
+    assert [len(s) for s in steps] == [128, 128, 44, 5] and steps[2][-1].name == "c299"

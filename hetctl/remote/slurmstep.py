@@ -37,7 +37,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from hetctl.errors import HetctlError, Unreachable
 from hetctl.remote.base import track, untrack
@@ -45,6 +45,9 @@ from hetctl.remote.local import command_env
 from hetctl.remote.mux import Member, Mux
 
 HELLO_S = 60.0  # every task's first line, from the srun's start (a step on many nodes takes a while)
+# Tasks per step: every line for one node reaches every task of its step, so a start moves N² lines for N
+# tasks; steps of at most 128 keep that to 128 per node's line (1,024 nodes: 8 steps, not 1,024 nor one).
+MAX_TASKS = 128
 # The node's python, chosen on the node from the pairs after the source (no value is pasted into the script).
 PICK = ('src=$1; shift; while [ $# -ge 2 ]; do if [ "$1" = "$SLURMD_NODENAME" ]; then '
         'case $2 in "~/"*) py=$HOME/${2#"~/"} ;; *) py=$2 ;; esac; exec "$py" -c "$src" "$1"; fi; shift 2; done; '
@@ -131,6 +134,11 @@ class SharedStep(Mux):
         return out
 
 
+def _steps(components: Iterable[list[Any]]) -> list[list[Any]]:
+    """Each component's nodes in steps of at most :data:`MAX_TASKS` (their stdin lines reach every task)."""
+    return [c[i:i + MAX_TASKS] for c in components for i in range(0, len(c), MAX_TASKS)]
+
+
 def start_shared(nodes: Sequence[Any], transports: Mapping[str, Any], launches: Mapping[str, Any],
                  run_dir: Any) -> dict[str, Member | HetctlError]:
     """The agents of ``nodes`` whose transport is Slurm, one shared step per component (or job) of two nodes
@@ -157,7 +165,8 @@ def start_shared(nodes: Sequence[Any], transports: Mapping[str, Any], launches: 
             err = e if isinstance(e, HetctlError) else HetctlError(f"cannot start the component's srun step: {e}")
             out.update({n.name: err for n in group})
 
-    threads = [threading.Thread(target=one, args=(g,), name="srun-step") for g in groups.values() if len(g) > 1]
+    threads = [threading.Thread(target=one, args=(g,), name="srun-step")
+               for g in _steps(groups.values()) if len(g) > 1]
     for t in threads:
         t.start()
     for t in threads:
@@ -181,15 +190,16 @@ def dry_run_steps(inv: Any, spec: Any) -> dict[str, dict]:
         groups.setdefault((job, het.group if het is not None else None), []).append(node)
     shared = inv.slurm is None or inv.slurm.steps != "node"
     out: dict[str, dict] = {}
-    for (job, group), nodes in groups.items():
-        for node in nodes:
-            env = sorted(command_env(node, launches[node.name].env or None))
-            if shared and len(nodes) > 1:
-                argv = step_argv(nodes, job=job or "<job>", het_group=group, step_name="hetctl-<id>",
-                                 srun=shutil.which("srun") or "srun")
-                out[node.name] = {"argv": argv, "env_on_stdin": env, "step": [n.name for n in nodes]}
-            else:
-                out[node.name] = {**dry_run_step(node, launches[node.name]), "step": [node.name]}
+    for (job, group), component in groups.items():
+        for nodes in _steps([component]):
+            for node in nodes:
+                env = sorted(command_env(node, launches[node.name].env or None))
+                if shared and len(nodes) > 1:
+                    argv = step_argv(nodes, job=job or "<job>", het_group=group, step_name="hetctl-<id>",
+                                     srun=shutil.which("srun") or "srun")
+                    out[node.name] = {"argv": argv, "env_on_stdin": env, "step": [n.name for n in nodes]}
+                else:
+                    out[node.name] = {**dry_run_step(node, launches[node.name]), "step": [node.name]}
     return out
 
 
