@@ -283,3 +283,27 @@ class Mux:
             self.carrier.wait(2.0)
         except subprocess.TimeoutExpired:
             self.carrier.kill()
+
+
+def start_groups(groups: Sequence[list[Any]], start: Callable[[list[Any], dict[str, tuple]], dict[str, Member]],
+                 launches: Any, run_dir: Any, what: Callable[[list[Any]], str]) -> dict[str, Member | HetctlError]:
+    """Each group's carrier and agents, the groups side by side: ``start(group, launch)`` gives the members
+    (``launch``: node → ``(argv, env, cwd, stderr_to)`` from ``launches``, node → its NodeLaunch); a group
+    whose carrier cannot start gets that error for every node (``what(group)`` names the carrier)."""
+    out: dict[str, Member | HetctlError] = {}
+
+    def one(group: list[Any]) -> None:
+        try:
+            out.update(start(group, {n.name: (list(launches[n.name].agent_argv), launches[n.name].env or None,
+                                              launches[n.name].workdir, run_dir.agent_stderr_path(n.name))
+                                     for n in group}))
+        except (HetctlError, OSError) as e:
+            err = e if isinstance(e, HetctlError) else HetctlError(f"cannot start {what(group)}: {e}")
+            out.update({n.name: err for n in group})
+
+    threads = [threading.Thread(target=one, args=(g,), name="carrier-start") for g in groups]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out

@@ -36,13 +36,12 @@ a crash; the next attempt's pre-flight reaches each of them directly).
 from __future__ import annotations
 
 import math
-import threading
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from hetctl.errors import HetctlError
 from hetctl.remote.local import shell_command
-from hetctl.remote.mux import Member, Mux
+from hetctl.remote.mux import Member, Mux, start_groups
 from hetctl.remote.sshconfig import DEFAULT_CONNECT_TIMEOUT, DEFAULT_KEEPALIVE, node_options, opt_value, policy_value
 
 GROUP_LABELS = ("switch", "rack")
@@ -106,25 +105,13 @@ def start_relayed(nodes: Sequence[Any], transports: Mapping[str, Any], launches:
     ssh = [n for n in nodes if getattr(transports.get(n.name), "relayable", False)]  # ssh (or its simulation)
     if settings.relay_above is None or len(ssh) <= settings.relay_above:
         return {}
-    out: dict[str, Member | HetctlError] = {}
 
-    def one(group: list[Any]) -> None:
+    def start(group: list[Any], launch: dict[str, tuple]) -> dict[str, Member]:
         relay = group[0]
-        try:
-            mux = Relay(relay, transports[relay.name], run_dir.agent_stderr_path(relay.name).with_name("relay.stderr"))
-            out.update(mux.start(group, {n.name: (list(launches[n.name].agent_argv), launches[n.name].env or None,
-                                                  launches[n.name].workdir, run_dir.agent_stderr_path(n.name))
-                                         for n in group}, settings))
-        except (HetctlError, OSError) as e:
-            err = e if isinstance(e, HetctlError) else HetctlError(f"cannot start the relay on {relay.name}: {e}")
-            out.update({n.name: err for n in group})
+        stderr_to = run_dir.agent_stderr_path(relay.name).with_name("relay.stderr")
+        return Relay(relay, transports[relay.name], stderr_to).start(group, launch, settings)
 
-    threads = [threading.Thread(target=one, args=(g,), name="relay") for g in relay_groups(ssh)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return out
+    return start_groups(relay_groups(ssh), start, launches, run_dir, lambda group: f"the relay on {group[0].name}")
 
 
 def relays_of(inv: Any, spec: Any) -> dict[str, str]:

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -42,7 +41,7 @@ from typing import Any, Iterable, Mapping, Sequence
 from hetctl.errors import HetctlError, Unreachable
 from hetctl.remote.base import track, untrack
 from hetctl.remote.local import command_env
-from hetctl.remote.mux import Member, Mux
+from hetctl.remote.mux import Member, Mux, start_groups
 
 HELLO_S = 60.0  # every task's first line, from the srun's start (a step on many nodes takes a while)
 # Tasks per step: every line for one node reaches every task of its step, so a start moves N² lines for N
@@ -153,25 +152,9 @@ def start_shared(nodes: Sequence[Any], transports: Mapping[str, Any], launches: 
         t = transports.get(node.name)
         if isinstance(t, SlurmTransport):
             groups.setdefault((t.job, t.het.group if t.het is not None else None), []).append(node)
-    out: dict[str, Member | HetctlError] = {}
-
-    def one(group: list[Any]) -> None:
-        try:
-            step = SharedStep(group, transports, run_dir.path / "logs" / "srun.stderr")
-            out.update(step.start({n.name: (list(launches[n.name].agent_argv), launches[n.name].env or None,
-                                            launches[n.name].workdir, run_dir.agent_stderr_path(n.name))
-                                   for n in group}))
-        except (HetctlError, OSError) as e:
-            err = e if isinstance(e, HetctlError) else HetctlError(f"cannot start the component's srun step: {e}")
-            out.update({n.name: err for n in group})
-
-    threads = [threading.Thread(target=one, args=(g,), name="srun-step")
-               for g in _steps(groups.values()) if len(g) > 1]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return out
+    return start_groups([g for g in _steps(groups.values()) if len(g) > 1],
+                        lambda group, launch: SharedStep(group, transports, run_dir.path / "logs" / "srun.stderr")
+                        .start(launch), launches, run_dir, lambda group: "the component's srun step")
 
 
 def dry_run_steps(inv: Any, spec: Any) -> dict[str, dict]:
