@@ -184,3 +184,45 @@ def test_a_lost_relay_is_dropped_and_its_group_is_not(cluster, site):
     assert replan["dropped"] == ["node-1"], run.story()
     last = plan_of(run.run, run.events("launched")[-1]["attempt"])
     assert "node-2" in {r.node for r in last.ranks} and "node-1" not in {r.node for r in last.ranks}
+
+
+@pytest.mark.parametrize("relay_silent", [True, False])
+def test_a_node_silent_with_its_relay_is_not_blamed_one_silent_alone_is(tmp_path, relay_silent):
+    from hetctl.files.eventlog import read_events
+    from hetctl.launch.monitor import Monitor
+    from hetctl.launch.outcome import FaultKind
+    from hetctl.launch.wire import Carried
+    from tests.test_monitor import Clock, start_all
+
+    plan, clock = tm_plan(), Clock()
+    mon, run = tm_monitor(plan, tmp_path, clock)
+    assert isinstance(mon, Monitor)
+    mon.carriers = {"n0": "n0", "n1": "n0"}  # n0 relays n1's agent
+    start_all(mon, clock, plan)
+    clock.t += 10  # past the node timeout (3 s) for the silent ones; the others spoke just now
+    for node in sorted(set(mon.node_state) - ({"n0", "n1"} if relay_silent else {"n1"})):
+        mon.handle(node, {"ev": "alive", "ranks": {}})
+    mon.check(clock.t)
+    lost = [e["node"] for e in read_events(run.events_path, "node_lost")]
+    carried = [e["node"] for e in read_events(run.events_path, "agent_lost")]
+    if relay_silent:
+        assert (lost, carried) == (["n0"], ["n1"])
+        assert {(f.node, f.kind) for f in mon.failures} == {("n0", FaultKind.NODE_LOST), ("n1", FaultKind.CRASH)}
+        mon.handle("n1", Carried("its relay n0 was lost"))
+        assert len(read_events(run.events_path, "agent_lost")) == 1  # the stream's later end adds nothing
+    else:
+        assert (lost, carried) == (["n1"], [])
+
+
+def tm_plan():
+    from hetctl.files.plan import Plan
+    from tests.helpers.rankrunner import tiny_plan
+
+    return Plan.model_validate(tiny_plan([2, 2, 2], dp=2))  # ranks 0-5 on n0-n5
+
+
+def tm_monitor(plan, tmp_path, clock):
+    from tests.test_monitor import make_monitor, nodes, spec
+
+    return make_monitor(plan, spec.__wrapped__(plan, nodes.__wrapped__(plan)), tmp_path, clock, hang_timeout=100,
+                        start_timeout=100)  # only the nodes' silence is judged here

@@ -222,8 +222,8 @@ class AttemptController:
             monitor = Monitor(
                 self.req.plan, self.spec, self.run_dir, self.events, self.th, attempt=self.req.attempt,
                 clock=self.clock, on_progress=self.on_progress, on_update=self.on_update,
-                confirm=[n.name for n in self.plan_nodes if n.transport == "slurm"],
-                on_first_step=self.on_first_step,
+                confirm=[n.name for n in self.plan_nodes if n.transport == "slurm"], on_first_step=self.on_first_step,
+                carriers={n: a.proc.carrier_node for n, a in self.agents.items() if getattr(a.proc, "carrier_node", None)},
             )
             if failures:
                 self._stop_all(monitor)

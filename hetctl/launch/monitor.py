@@ -69,7 +69,8 @@ class Monitor:
     def __init__(self, plan: Any, spec: Any, run: RunDir, events: EventLog, th: Any, *, attempt: int,
                  clock: Callable[[], float] = time.monotonic, on_progress: OnProgress | None = None,
                  on_update: OnUpdate | None = None, confirm: Iterable[str] = (),
-                 on_first_step: Callable[[float, float], None] | None = None) -> None:
+                 on_first_step: Callable[[float, float], None] | None = None,
+                 carriers: Mapping[str, str] | None = None) -> None:
         self.plan, self.spec, self.run_dir, self.events, self.th = plan, spec, run, events, th
         self.attempt = attempt
         self.clock = clock
@@ -91,6 +92,8 @@ class Monitor:
         # Nodes whose loss their scheduler must confirm before the node_lost event (hetctl.launch.confirm).
         self.confirm_nodes: set[str] = set(confirm)
         self.suspects: dict[str, str] = {}  # node → what hetctl saw, awaiting that word
+        self.carriers = dict(carriers or {})  # a relayed node → its relay (hetctl.remote.relay)
+        self.carried: set[str] = set()  # nodes whose agent went with its relay (agent_lost, not node_lost)
         self.failures: list[FailureRecord] = []
         self.started_at = clock()
         self._stopping = False
@@ -181,6 +184,9 @@ class Monitor:
             if node in self.stopped_nodes:
                 pass
             elif isinstance(msg, Carried):  # its relay was lost, not (as far as anyone knows) the node
+                if node in self.carried:
+                    return
+                self.carried.add(node)
                 self.events.emit(AgentLost(attempt=self.attempt, node=node, reason=msg.reason))
                 self.node_state[node] = "stopped"
                 self._fail(FailureRecord(FaultKind.CRASH, node, time.time(), reason=msg.reason))
@@ -317,10 +323,15 @@ class Monitor:
         in the queue): a node whose lines wait there is not silent. At 2,048 simulated nodes with a reader
         thread per stream, a monitor 155 s behind declared 2,047 live nodes lost (bench/README.md).
         """
-        for node, seen in self.last_seen.items():
-            if node not in self.stopped_nodes and now - seen > self.th.node_timeout + self.lag:
-                self._node_lost(node, f"no word from the agent for {now - seen:.1f}s")
-                self.last_seen[node] = now
+        silent = {node: now - seen for node, seen in self.last_seen.items()
+                  if node not in self.stopped_nodes and now - seen > self.th.node_timeout + self.lag}
+        for node, quiet in silent.items():
+            relay = self.carriers.get(node)
+            if relay not in (None, node) and relay in silent:  # its relay is silent too: the relay is the one lost
+                self.handle(node, Carried(f"no word for {quiet:.1f}s, nor from its relay {relay}; {node} is not blamed"))
+            else:
+                self._node_lost(node, f"no word from the agent for {quiet:.1f}s")
+            self.last_seen[node] = now
         if any(f.kind == FaultKind.HANG for f in self.failures):
             return  # one hang explains the others: peers of a stuck rank wait on it
         stale = []

@@ -66,6 +66,7 @@ class Member:
         self.stderr_from = self.stderr_path.stat().st_size if self.stderr_path.exists() else 0
         self.pid: int | None = None  # the agent's, on the node (its process group)
         self.lost_with: str | None = None  # why its stream ended with the carrier's (a relay that was lost)
+        self.carrier_node: str | None = getattr(step, "relay", None)  # the node its relay runs on (relays only)
         self.returncode: int | None = None
         self.ended = threading.Event()
         self._lock = threading.Lock()

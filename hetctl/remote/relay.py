@@ -30,7 +30,8 @@ are relayed. Stopping one node is its agent's own stop through its relay; killin
 it ends its ``ssh`` on the relay (the agent then sees its stdin end). A relay
 that is lost ends its group's agents with it: the relay's node is lost (as a node
 whose own session ended), the others are not blamed (``agent_lost``, restarted like
-a crash; the next attempt's pre-flight reaches each of them directly).
+a crash; the next attempt's pre-flight reaches each of them directly). The same when
+the relay and its group fall silent together (:meth:`hetctl.launch.monitor.Monitor.check`).
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ class Relay(Mux):
         from hetctl.node import source
 
         super().__init__()
-        self.name, self.transport, self.relay = f"the relay on {relay.name}", transport, relay.name
+        self.name, self.transport, self.relay = f"the relay on {relay.name}", transport, relay.name  # before add()
         self.attach(transport.start([relay.python, "-c", source("stepmux.py"), "--relay"], stderr_to=stderr_to))
 
     def lost_with(self, member: Member, code: int) -> str | None:
