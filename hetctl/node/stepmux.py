@@ -175,13 +175,14 @@ class Relay:
 
     def __init__(self) -> None:
         self.tasks: dict = {}
+        self.done: set = set()  # the names of the tasks whose program has ended
         self.lock = threading.Lock()
         self.closed = False
 
     def ended(self, task: Task) -> None:
         with self.lock:
-            task.done = True
-            if self.closed and all(getattr(t, "done", False) for t in self.tasks.values()):
+            self.done.add(task.me)
+            if self.closed and len(self.done) == len(self.tasks):
                 os._exit(0)
 
     def run(self) -> None:
@@ -202,7 +203,7 @@ class Relay:
         with self.lock:
             self.closed = True
             tasks = list(self.tasks.values())
-            if all(getattr(t, "done", False) for t in tasks):
+            if len(self.done) == len(tasks):
                 os._exit(0)
         for task in tasks:
             task.close()  # the controller's link ended: end every program's stdin, as its own link would

@@ -57,7 +57,7 @@ class Member:
 
     def __init__(self, step: Mux, node: Any, kill_via: Any, stderr_to: str | Path) -> None:
         from hetctl.launch.reader import LineCut
-        from hetctl.launch.wire import MAX_LINE, MAX_TEXT
+        from hetctl.launch.wire import MAX_TEXT
 
         self.step, self.node, self.kill_via = step, node.name, kill_via
         self.stdin = _Input(self)
@@ -70,23 +70,23 @@ class Member:
         self.returncode: int | None = None
         self.ended = threading.Event()
         self._lock = threading.Lock()
-        self._pending: list[bytes | None] = []  # stdout pieces before subscribe(); None: a line's end
+        self._pending = bytearray()  # its stdout before subscribe()
         self._out: LineCut | None = None
         self._err = LineCut(MAX_TEXT, self._stderr_line, lambda: None)
-        self._limit = MAX_LINE
         self._stdin_closed = False
 
     # -- what the step's reader hands over ---------------------------------------------------------------
     def piece(self, kind: bytes, last: bool, payload: bytes) -> None:
+        data = payload + b"\n" if last else payload
         if kind == b"o":
             with self._lock:
                 if self._out is None:
-                    self._pending += [payload, None] if last else [payload]
+                    self._pending += data
                     return
                 out = self._out
-            out.feed(payload + (b"\n" if last else b""))
+            out.feed(data)
         elif kind == b"e":
-            self._err.feed(payload + (b"\n" if last else b""))
+            self._err.feed(data)
 
     def _stderr_line(self, raw: Any) -> None:
         text = raw if isinstance(raw, bytes) else str(getattr(raw, "reason", raw)).encode() + b"\n"
@@ -115,12 +115,12 @@ class Member:
     def subscribe(self, on_line: Callable[[Any], None], on_end: Callable[[], None]) -> None:
         """Its stdout lines from now on (and those that came before) to ``on_line``; ``on_end`` at its end."""
         from hetctl.launch.reader import LineCut
+        from hetctl.launch.wire import MAX_LINE
 
-        cut = LineCut(self._limit, on_line, on_end)
+        cut = LineCut(MAX_LINE, on_line, on_end)
         with self._lock:
-            for p in self._pending:
-                cut.feed(b"\n" if p is None else p)
-            self._pending, self._out = [], cut
+            cut.feed(bytes(self._pending))
+            self._pending, self._out = bytearray(), cut
             ended = self.ended.is_set()
         if ended:
             cut.end()
