@@ -108,6 +108,9 @@ def check_invariants(plan: Plan, cluster: Cluster) -> None:
     for n in plan.nodes:
         assert [r.local_rank for r in plan.ranks_on(n)] == list(range(len(plan.ranks_on(n))))
     assert plan.nodes == list(dict.fromkeys(r.node for r in plan.ranks))
+    by_node = plan.ranks_by_node()  # the one-pass index the launch uses: the same ranks, in rank order
+    assert {n: [r.rank for r in rs] for n, rs in by_node.items()} == {
+        n: sorted(r.rank for r in plan.ranks_on(n)) for n in plan.nodes}
     est = plan.estimate
     assert 0 < est.utilization <= 1 and 0 <= est.bubble < 1
     assert est.tokens_per_s <= plan.ideal_tokens_per_s * (1 + 1e-9)

@@ -223,14 +223,14 @@ def materialize(
         scripts = render_rank_scripts(plan, only=only)
         progress = progress or DEFAULT_PROGRESS.get(plan.framework)
     out: list[NodeLaunch] = []
-    order = list(dict.fromkeys([r.node for r in sorted(plan.ranks, key=lambda r: r.rank)]))
-    for name in order:
+    by_node = plan.ranks_by_node()  # in the order of each node's first rank
+    for name, node_ranks in by_node.items():
         node = nodes[name]
         workdir = (workdirs or {}).get(name) or str(node.workdir)
         base = node_base(workdir, run_id, attempt)
         plan_path = f"{base}/plan.json"
         ranks = []
-        for r in sorted(plan.ranks_on(name), key=lambda r: r.rank):
+        for r in node_ranks:
             if only is not None and r.rank not in only:
                 continue
             hb = f"{base}/hb/rank-{r.rank}.json"

@@ -197,9 +197,10 @@ def _prepare(plan: Plan, hosts: dict[str, str], plan_path: str):
         "ds_launcher": _ds_launcher(plan, mesh_list) if fw == "deepspeed" else None,
     }
     by_node = {}
+    node_ranks = plan.ranks_by_node()
     for node in plan.nodes:
         ranks = []
-        for r in sorted(plan.ranks_on(node), key=lambda r: r.rank):
+        for r in node_ranks.get(node, []):
             stage = stage_of(plan, r)
             e = static_env(plan, r, visible)
             if reorder:
