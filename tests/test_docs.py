@@ -77,10 +77,12 @@ def test_architecture_sections_cited_by_the_code_exist():
 def test_framework_table_matches_capabilities():
     from hetctl.plan.frameworks import CAPABILITIES
 
-    rows = re.findall(r"^\| `(\w+)` \| [^|]+ \| (\w+) \| (yes|no) \| (yes|no) \| (\w+) \|$", _page("frameworks.md"),
-                      flags=re.M)
-    table = {name: (tp, interleave == "yes", uneven == "yes", vendors) for name, tp, interleave, uneven, vendors in rows}
-    assert table == {name: (cap.tp, cap.interleave, cap.uneven_dp, cap.vendors) for name, cap in CAPABILITIES.items()}
+    rows = re.findall(r"^\| `(\w+)` \| [^|]+ \| (\w+) \| (yes|no) \| (yes|no) \| (\w+) \| (yes|no) \|$",
+                      _page("frameworks.md"), flags=re.M)
+    table = {name: (tp, interleave == "yes", uneven == "yes", vendors, zb == "yes")
+             for name, tp, interleave, uneven, vendors, zb in rows}
+    assert table == {name: (cap.tp, cap.interleave, cap.uneven_dp, cap.vendors, cap.zero_bubble)
+                     for name, cap in CAPABILITIES.items()}
 
 
 @pytest.mark.parametrize("model_name", ["NodeEntry", "SshSettings", "SlurmSettings", "InventoryFile"])

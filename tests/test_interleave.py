@@ -117,15 +117,16 @@ def fast_slow() -> Cluster:
 
 
 def plain_step(cluster: Cluster, gb: int, framework: str) -> float:
-    """Step seconds of the best plan without interleaving (the planner before it)."""
-    work = Workload(cost=model_cost(SMALL), micro_batch=1, global_batch=gb)
+    """Step seconds of the best plan without interleaving (the planner before it), ZB-H1 off."""
+    work = Workload(cost=model_cost(SMALL), micro_batch=1, global_batch=gb, schedule="1f1b")
     # the speeds the planner uses: sustained at this shape (hetctl.plan.efficiency)
     return Searcher(collect(cluster, plan_use(SMALL, 1)).kinds, SMALL, work, framework, Pins(),
                     interleave=False).run().best.step
 
 
 def test_search_interleaves_where_it_is_faster_and_the_framework_runs_it():
-    plan = plan_cluster(fast_slow(), SMALL, global_batch=32, framework="hetctl", homogeneous=False)
+    # ZB-H1 off: here it beats interleaving for hetctl (tests/test_zerobubble.py)
+    plan = plan_cluster(fast_slow(), SMALL, global_batch=32, framework="hetctl", homogeneous=False, schedule="1f1b")
     par = plan.parallel
     assert par.virtual_stages > 1 and par.pp >= 2
     assert plan.estimate.step_time_s < plain_step(fast_slow(), 32, "hetctl")
@@ -143,7 +144,7 @@ def test_search_interleaves_where_it_is_faster_and_the_framework_runs_it():
 
 
 def test_old_plans_load_and_bad_chunks_are_refused():
-    plan = plan_cluster(fast_slow(), SMALL, global_batch=32, framework="hetctl", homogeneous=False)
+    plan = plan_cluster(fast_slow(), SMALL, global_batch=32, framework="hetctl", homogeneous=False, schedule="1f1b")
     assert plan.parallel.virtual_stages > 1
     data = plan.model_dump(mode="json")
     old = plan_cluster(fast_slow(), SMALL, global_batch=32, framework="flagscale", homogeneous=False)

@@ -44,6 +44,10 @@ def plan_cmd(
                                             "between stages of two vendors: none (fp32) or bf16. The plan prices "
                                             "those bytes and its ranks use the mode (default none; with "
                                             "--calibrate, the run's)."),
+    schedule: str = typer.Option("auto", "--schedule", metavar="NAME",
+                                 help="Pipeline schedule: auto (ZB-H1 where the framework runs it, the chips are "
+                                 "not CPUs and it simulates faster, else 1F1B or interleaved 1F1B), 1f1b (never "
+                                 "ZB-H1), or zb-h1 (also on CPU nodes). Only --framework hetctl runs ZB-H1."),
     allow_mixed_software: bool = typer.Option(False, "--allow-mixed-software",
                                               help="Plan even when nodes run different torch major.minor versions."),
     force: bool = typer.Option(False, "--force", help="Replace launch scripts in the output folder that were "
@@ -107,7 +111,7 @@ def plan_cmd(
     plan = plan_cluster(
         facts, spec, global_batch=global_batch, micro_batch=micro_batch, framework=framework or "hetctl",
         pins=Pins(pp=pp, dp=dp, tp=tp), cluster_path=cluster, grad_compress=grad_compress or "none",
-        p2p_compress=p2p_compress or "none",
+        p2p_compress=p2p_compress or "none", schedule=schedule,
     )
     if note:
         plan = plan.model_copy(update={"notes": [note, *plan.notes]})

@@ -27,6 +27,8 @@ def stage_table(plan: Plan, console: Console | None = None) -> Table:
              f"{par.micro_batches} micro-batches of {par.micro_batch}, global batch {par.global_batch}")
     if par.virtual_stages > 1:
         title += f", interleaved 1F1B with {par.virtual_stages} virtual stages per rank"
+    if par.schedule == "zb-h1":
+        title += ", ZB-H1 schedule"
     if plan.replicas:
         title = (f"{plan.model.name}: {par.dp} replicas of different shape ({len(plan.ranks)} ranks, "
                  f"{len(plan.nodes)} nodes), {plan.micro_batches_of(0)} micro-batches of {par.micro_batch} in "

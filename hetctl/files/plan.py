@@ -74,6 +74,9 @@ class Parallel(_Strict):
     microbatch_group: int | None = Field(default=None, ge=1, le=1_000_000, description="micro-batches per group of "
                                          "the interleaved schedule (Megatron's --microbatch-group-size-per-virtual-"
                                          "pipeline-stage; None: pp)")
+    schedule: Literal["1f1b", "zb-h1"] = Field(default="1f1b", description="pipeline schedule: 1F1B, or ZB-H1 "
+                                               "(backward split into input and weight gradients, weight passes "
+                                               "held back to fill the bubble; stages[].defer says how many)")
 
 
 class Stage(_Strict):
@@ -98,6 +101,8 @@ class Stage(_Strict):
     compute_ms: Amount | None = Field(default=None, description="the same without the sends: the stage's layers "
                                       "(and the head on the last stage), what a rank's heartbeats measure as "
                                       "compute; None in plans written before it was recorded")
+    defer: int = Field(default=0, ge=0, le=1_000_000, description="ZB-H1: the weight-gradient passes this stage "
+                       "may hold back (at most its stage number; 0 under 1F1B)")
     memory_gb: Amount = 0.0
     memory_limit_gb: Amount | None = None
     tflops: Amount | None = Field(default=None, description="per chip, the sustained rate the plan used")
@@ -251,6 +256,13 @@ def _check_stages(plan: Plan) -> None:
                           f"interleaving {m} micro-batches over pp {par.pp} in groups of {n}: Megatron's rule needs "
                           "pp ≥ 2, pp ≤ group ≤ micro_batches, and micro_batches mod group 0 or at least pp",
                           "plan again, or set virtual_stages to 1")
+    if par.schedule == "zb-h1" and (v > 1 or plan.replicas):
+        raise Invalid(("parallel", "schedule"), "zb-h1 with " + ("interleaving" if v > 1 else
+                      "replicas of different shape"), "plan again, or set parallel.schedule to 1f1b")
+    for i, st in enumerate(plan.stages):
+        if st.defer > (st.stage if par.schedule == "zb-h1" else 0):
+            raise Invalid(("stages", i, "defer"), f"{st.defer} held-back weight passes at stage {st.stage} under "
+                          f"{par.schedule}", "at most the stage number under zb-h1, 0 under 1f1b; plan again")
     for r, items in sorted(grid.items()):
         items.sort(key=lambda it: it[1].stage)
         numbers = [st.stage for _, st in items]

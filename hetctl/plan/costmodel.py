@@ -37,6 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hetctl.plan.devices import Group, Kind
+from hetctl.plan.zerobubble import weight_share
 from hetctl.plan.workload import Workload, elem_bytes, memory_terms
 from hetctl.vendors import GLOO_EFFICIENCY, VENDOR_TABLE, link_backend, stage_backend, vendor_info
 
@@ -67,6 +68,10 @@ class StageType:
         vocab_split: how many ways the embedding and head are split across the
             stage's chips: ``tp`` where the framework splits them by vocabulary,
             1 where every TP rank holds them whole (the reference trainer).
+        w_layer, w_head: the part of ``b_layer`` and ``b_head`` that is weight
+            gradients (ZB-H1's W pass, :mod:`hetctl.plan.zerobubble`): the
+            layer's matrix products with weights once more; the rest (input
+            gradients, attention's own products, the TP all-reduces) is its B.
     """
 
     kind: Kind
@@ -89,6 +94,8 @@ class StageType:
     sync_fixed: float
     flops: float
     vocab_split: int = 1
+    w_layer: float = 0.0
+    w_head: float = 0.0
 
     def mem_offset(self, in_flight: int, first: bool, last: bool) -> float:
         extra = self.reserve
@@ -157,6 +164,8 @@ def stage_type(kind: Kind, tp: int, work: Workload, dp: int, tp_vocab: bool = Tr
         sync_first=per_param * c.embed_params * tp / vt * wire("embed"),
         sync_last=per_param * c.head_params * tp / vt * wire("head"), sync_fixed=3e-5 * dp + ring if dp > 1 else 0.0,
         flops=rate, vocab_split=vt,
+        w_layer=compute * weight_share(c.layer_flops, c.layer_flops - 4.0 * c.seq_len * c.hidden),
+        w_head=work.tokens * c.head_flops * tp / vt / rate,
     )
 
 

@@ -66,7 +66,18 @@ def _idle(plan: Plan, devices: Devices) -> list[str]:
 
 
 def _schedule(lay: Layout, plan: Plan) -> str:
-    """Which pipeline schedule, and what interleaving did or would do."""
+    """Which pipeline schedule, and what interleaving or ZB-H1 did or would do."""
+    if lay.schedule == "zb-h1":
+        plain = lay.plain
+        vs = ""
+        if plain is not None and plain.sim is not None:
+            vs = (f"; plain 1F1B on the same stages: {plain.step:.4g} s/step, bubble "
+                  f"{100 * max(0.0, plain.sim.bubble):.1f}% ({100 * (plain.step / lay.step - 1):.1f}% slower)")
+        held = ", ".join(map(str, lay.defers[:8])) + (", …" if lay.pp > 8 else "")
+        return (f"schedule: ZB-H1 (zero bubble: each backward's weight gradients wait for a W pass that fills "
+                f"the bubble); W passes held back by stage: {held} (at most the stage number, fewer where memory "
+                f"cannot keep the extra micro-batches); W is {100 * sum(lay.wgt) / max(sum(lay.bwd), 1e-30):.0f}% "
+                f"of the backward{vs}")
     if lay.vp == 1:
         from hetctl.plan.frameworks import capability
 

@@ -62,6 +62,18 @@ Columns:
     the group size; the script must run Megatron's interleaved order.
   Never on CPU nodes (:class:`hetctl.plan.search.Searcher`: gloo's point-to-point
   shares their compute cores, which the cost model does not cover).
+- ``zero_bubble`` — ZB-H1 (:mod:`hetctl.plan.zerobubble`): the backward split into the
+  input gradient (B) and the weight gradients (W), W passes held back to fill the bubble,
+  1F1B's peak memory.
+
+  * ``hetctl``: yes — its linear layers leave their weight gradients to a W pass
+    (:mod:`hetctl.train.zbstore`) and each rank runs the plan's order
+    (``parallel.schedule``, ``stages[].defer``), under TP too; not with interleaving
+    or replicas of different shape.
+  * ``megatron`` / ``deepspeed`` / ``flagscale``: no — their released schedules are
+    1F1B and interleaved 1F1B (zero-bubble schedules live in forks).
+  * ``torchrun`` (the user's own script): no — nothing in the rank contract asks a
+    script to split its backward.
 - ``hierarchical_dp`` — the gradient all-reduce between replicas of different
   shape is hierarchical (:mod:`hetctl.plan.gradsync`): per unit, a
   reduce-scatter inside each vendor's chips with its library, the shards
@@ -139,11 +151,12 @@ class Capability:
     interleave: bool = False
     hierarchical_dp: bool = False
     vendors: str = "many"
+    zero_bubble: bool = False
 
 
 CAPABILITIES: dict[str, Capability] = {
     "hetctl": Capability(tp="uniform", tp_vocab=False, uneven_dp=True, interleave=True, hierarchical_dp=True,
-                         overlap_cross_vendor_dp=True),
+                         overlap_cross_vendor_dp=True, zero_bubble=True),
     "megatron": Capability(tp="uniform", interleave=True, vendors="one"),
     "deepspeed": Capability(tp="uniform", vendors="one"),
     "flagscale": Capability(tp="any", one_type_per_position=True),

@@ -17,6 +17,7 @@ from hetctl.plan.costmodel import StageType
 from hetctl.plan.devices import Group
 from hetctl.plan.partition import ranges
 from hetctl.plan.simulate import SimResult, simulate_1f1b
+from hetctl.plan.zerobubble import peak_in_flight
 from hetctl.vendors import link_backend, stage_backend, vendor_info
 
 Slot = tuple[Group, tuple[int, ...]]  # a node's group and the chips of one stage
@@ -87,6 +88,9 @@ class Layout:
         plain: the same placement under plain 1F1B, when interleaving won.
         speed_twin: the same layout in the speed-only order, where the switch-aware
             placement (:mod:`hetctl.plan.topology`) differs and won.
+        schedule: ``1f1b``, or ``zb-h1`` (:mod:`hetctl.plan.zerobubble`): then ``wgt`` is
+            each stage's W seconds per micro-batch (part of ``bwd``) and ``defers`` the W
+            passes each stage may hold back; ``plain`` is the same layout under 1F1B.
     """
 
     dp: int
@@ -112,6 +116,9 @@ class Layout:
     wrap: float = 0.0
     plain: "Layout | None" = None
     speed_twin: "Layout | None" = None
+    schedule: str = "1f1b"
+    wgt: list[float] = field(default_factory=list)
+    defers: list[int] = field(default_factory=list)
 
     @property
     def pp(self) -> int:
@@ -184,6 +191,13 @@ def stage_times(types: list[StageType], counts: list[int], links: list[float]):
     return fwd, bwd
 
 
+def stage_wgt(types: list[StageType], counts: list[int]) -> list[float]:
+    """Per stage, the W seconds (weight gradients) of one micro-batch's backward: ZB-H1's deferrable part."""
+    out = [n * st.w_layer for st, n in zip(types, counts)]
+    out[-1] += types[-1].w_head
+    return out
+
+
 def stage_compute(types: list[StageType], counts: list[int]) -> list[float]:
     """Per stage, forward + backward seconds of one micro-batch's own work: its layers, and the
     head on the last stage; the sends left out (what a rank measures as compute, the plan's ``compute_ms``)."""
@@ -206,7 +220,9 @@ def memory_needed(lay: Layout, counts: list[int] | None = None) -> list[float]:
         return memory_interleaved(lay.types, lay.chunks, lay.m, lay.group)
     counts = counts or lay.counts
     p = len(lay.types)
-    return [st.memory(n, min(p - s, lay.m), s == 0, s == p - 1) for s, (st, n) in enumerate(zip(lay.types, counts))]
+    defers = lay.defers or [0] * p
+    return [st.memory(n, peak_in_flight(s, p, lay.m, defers[s]), s == 0, s == p - 1)
+            for s, (st, n) in enumerate(zip(lay.types, counts))]
 
 
 @dataclass
@@ -269,6 +285,7 @@ def stage_rows(lay: Layout, stages: list[Stage], ranks: list[Rank], local: dict[
                 visible_devices_env=info.visible_devices_env, est_ms=round((lay.fwd[s] + lay.bwd[s]) * 1e3, 6),
                 compute_ms=round(compute[s] * 1e3, 6), memory_gb=round(mem[s] / 1e9, 2), memory_limit_gb=group.memory_gb,
                 tflops=round(group.tflops, 6), speed_source="/".join(group.sources),
+                defer=lay.defers[s] if lay.defers else 0,
             ))
             for chip in chips:
                 lr = local.get(group.node, 0)

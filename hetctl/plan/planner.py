@@ -56,6 +56,7 @@ def plan_cluster(
     topology: bool = True,
     grad_compress: str = "none",
     p2p_compress: str = "none",
+    schedule: str = "auto",
 ) -> Plan:
     """Decide the fastest layout of ``spec`` on ``cluster``.
 
@@ -81,6 +82,7 @@ def plan_cluster(
         p2p_compress: the reference trainer's ``--p2p-compress`` (``none``, ``bf16``): its pipeline links
             between vendors are priced at bf16's bytes, and the plan records it for its ranks. Only
             ``framework="hetctl"``; another framework's links carry its stages' own precision.
+        schedule: ``auto``, ``1f1b`` or ``zb-h1`` (:attr:`hetctl.plan.workload.Workload.schedule`).
 
     Raises:
         ConfigError: bad options or a chip without a TFLOPS or memory figure.
@@ -93,6 +95,10 @@ def plan_cluster(
     if micro_batch is None:
         micro_batch = default_micro_batch(spec, gb, pins.dp)
     _check_options(gb, micro_batch, pins, spec)
+    if schedule not in ("auto", "1f1b", "zb-h1"):
+        raise ConfigError(f"--schedule {schedule}: unknown", "use auto, 1f1b or zb-h1")
+    if schedule == "zb-h1" and not capability(framework).zero_bubble:
+        raise ConfigError(f"--schedule zb-h1: {framework} has no zero-bubble schedule", "use --framework hetctl")
     cost = model_cost(spec)
     devices = collect(cluster, ProfileUse(spec=spec, micro_batch=micro_batch, layer_flops=cost.layer_flops))
     if not devices.kinds:
@@ -101,7 +107,7 @@ def plan_cluster(
             "probe the cluster again once nodes are reachable",
         )
     work = Workload(cost=cost, micro_batch=micro_batch, global_batch=gb, compress=_compress(grad_compress, framework),
-                    p2p=_p2p(p2p_compress, framework))
+                    p2p=_p2p(p2p_compress, framework), schedule=schedule)
     found = Searcher(devices.kinds, spec, work, framework, pins, topology=topology).run()
     if found.best is None:
         raise _with_other_frameworks(_infeasible(found, pins, work, spec, devices), found, devices, spec, work,
@@ -378,7 +384,7 @@ def _build(lay: Layout, spec, work, devices: Devices, framework, cluster: Cluste
         model=spec,
         parallel=Parallel(pp=lay.pp, dp=lay.dp, tp=max(st.tp for st in lay.types), micro_batch=work.micro_batch,
                           micro_batches=lay.m, global_batch=work.global_batch, virtual_stages=lay.vp,
-                          microbatch_group=lay.group if lay.vp > 1 else None),
+                          microbatch_group=lay.group if lay.vp > 1 else None, schedule=lay.schedule),
         framework=framework,
         cluster=str(cluster_path) if cluster_path else None,
         inventory=inventory,

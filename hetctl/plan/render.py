@@ -171,6 +171,9 @@ def _prepare(plan: Plan, hosts: dict[str, str], plan_path: str):
     if plan.parallel.virtual_stages > 1 and not capability(fw).interleave:
         raise ConfigError(f"plan: interleaved 1F1B ({plan.parallel.virtual_stages} virtual stages per rank), which "
                           f"--framework {fw} cannot run", "plan again for this framework (it gets plain 1F1B)")
+    if plan.parallel.schedule == "zb-h1" and not capability(fw).zero_bubble:
+        raise ConfigError(f"plan: the ZB-H1 schedule, which --framework {fw} cannot run",
+                          "plan again for this framework (it gets 1F1B), or use --framework hetctl")
     # Replicas of different shape have no common process meshes; each rank's label is its own chip type.
     mesh_list = [] if plan.replicas else meshes(plan, by_type=fw == "flagscale")
     first = min(plan.ranks, key=lambda r: r.rank)

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from dataclasses import replace
 
 from hetctl.plan.candidates import Candidates, Pins
 from hetctl.plan.costmodel import StageType, kind_link, link, stage_type
@@ -48,9 +49,11 @@ from hetctl.plan.deepspeed_layout import deepspeed_split
 from hetctl.plan.frameworks import CAPABILITIES
 from hetctl.plan import interleave as il
 from hetctl.plan import topology
+from hetctl.plan import zerobubble as zb
 from hetctl.plan.topology import labelled as topology_labelled
 from hetctl.plan.devices import Kind, merge
-from hetctl.plan.layout import Columns, Found, Layout, Miss, pairs, split_terms, stage_times, sync_times
+from hetctl.plan.layout import (Columns, Found, Layout, Miss, pairs, split_terms, stage_times, stage_wgt,
+                                 sync_times)
 from hetctl.plan.partition import minmax_split, proportional_split, uniform_split
 from hetctl.files.plan import ModelSpec
 from hetctl.plan.simulate import estimate_1f1b, simulate_1f1b
@@ -90,6 +93,11 @@ class Searcher(Candidates):
         # interleaving doubles those messages; unmeasured, so not assumed.
         self.interleave = (interleave and not uneven and CAPABILITIES.get(framework) is not None
                            and CAPABILITIES[framework].interleave and not any(k.vendor == "cpu" for k in kinds))
+        # ZB-H1 sends no more messages than 1F1B, but its W passes on CPU ranks are not measured yet: there
+        # only when asked (plan --schedule zb-h1).
+        self.zero_bubble = (not uneven and work.schedule != "1f1b" and CAPABILITIES.get(framework) is not None
+                            and CAPABILITIES[framework].zero_bubble
+                            and (work.schedule == "zb-h1" or not any(k.vendor == "cpu" for k in kinds)))
 
     # -- stage types and links by kind ---------------------------------------------
 
@@ -199,6 +207,10 @@ class Searcher(Candidates):
         lay = Layout(dp=dp, m=m, types=types, counts=counts, links=links, est=est, ends=ends,
                      fwd=fwd, bwd=bwd, caps=caps, syncs=sync_times(types, counts))
         best = lay
+        if self.zero_bubble and len(types) > 1:  # ranked by ZB-H1's bubble too: (p − 1)(F + B − W) on equal stages
+            wgt = stage_wgt(types, counts)
+            cut = 2 * (sum(wgt) - max(wgt))
+            best = replace(lay, schedule="zb-h1", est=est - cut, ends=[e - cut for e in ends], wgt=wgt, plain=lay)
         for v, group in il.allowed(len(types), counts, m, self.interleave and wrap is not None):
             alt = self.interleaved(lay, v, group, wrap or 0.0, exact=False)
             if alt is not None and alt.step < best.step * (1 - 1e-9):
@@ -290,8 +302,8 @@ class Searcher(Candidates):
             if exact is not None:
                 placed.append(exact)
         n_plain = len(placed)
-        if self.interleave:
-            # The leaders by the interleaved estimate too; the plain leaders stay placed, so the
+        if self.interleave or self.zero_bubble:
+            # The leaders by the interleaved (or ZB-H1) estimate too; the plain leaders stay placed, so the
             # winner is never slower than the search without interleaving.
             chosen = {x[1] for x in found[:self.keep]}
             for _, i, lay, (tps, cols) in sorted(found, key=lambda x: (x[2].step, x[1]))[:self.keep]:
@@ -356,16 +368,35 @@ class Searcher(Candidates):
         if self.uneven:  # a hetero part is simulated at the micro-batch counts it is finally given
             return exact
         exact.sim = simulate_1f1b(exact.fwd, exact.bwd, exact.m)
+        zb = self.zb_h1(exact)
         if not self.interleave or lay.pp < 2:
-            return exact
+            return zb or exact
         wrap = max(link(row[-1][0], row[0][0], lay.types[-1].kind.precision, self.work, lay.types[0].kind.precision)[0]
                    for row in placement)
-        best = exact
+        best = zb or exact
         for v, group in il.allowed(exact.pp, exact.counts, exact.m, self.interleave):
             alt = self.interleaved(exact, v, group, wrap, exact=True)
             if alt is not None and alt.step < best.step * (1 - 1e-9):
                 best = alt
         return best
+
+    def zb_h1(self, lay: Layout) -> Layout | None:
+        """Placed ``lay`` (plain 1F1B) under ZB-H1 (:mod:`hetctl.plan.zerobubble`) when that simulates faster; else
+        None. Stage ``s`` holds back at most ``s`` W passes, fewer where its memory cannot store the extra
+        micro-batches' inputs."""
+        if not self.zero_bubble or lay.pp < 2 or lay.sim is None:
+            return None
+        p, m = lay.pp, lay.m
+        defers = []
+        for s, (st, n) in enumerate(zip(lay.types, lay.counts)):
+            d = s
+            while d and st.memory(n, zb.peak_in_flight(s, p, m, d), s == 0, s == p - 1) > st.limit:
+                d -= 1
+            defers.append(d)
+        wgt = stage_wgt(lay.types, lay.counts)
+        sim = zb.simulate_zbh1(lay.fwd, [b - w for b, w in zip(lay.bwd, wgt)], wgt, m, defers)
+        out = replace(lay, schedule="zb-h1", wgt=wgt, defers=defers, sim=sim, plain=lay, alternates={})
+        return out if out.step < lay.step * (1 - 1e-9) else None
 
     def finish(self, lay: Layout) -> Layout:
         """The winner, or one of the baseline splits of it when that simulates faster.
@@ -397,7 +428,10 @@ class Searcher(Candidates):
         """The same placed layout with another layer split, simulated."""
         fwd, bwd = stage_times(lay.types, counts, lay.links)
         est, ends = estimate_1f1b(fwd, bwd, lay.m)
-        return Layout(dp=lay.dp, m=lay.m, types=lay.types, counts=list(counts), links=lay.links, est=est,
-                      ends=ends, fwd=fwd, bwd=bwd, syncs=sync_times(lay.types, counts), caps=lay.caps,
-                      placement=lay.placement, rule=rule, sim=simulate_1f1b(fwd, bwd, lay.m),
-                      speed_twin=lay.speed_twin)
+        out = plain = Layout(dp=lay.dp, m=lay.m, types=lay.types, counts=list(counts), links=lay.links, est=est,
+                             ends=ends, fwd=fwd, bwd=bwd, syncs=sync_times(lay.types, counts), caps=lay.caps,
+                             placement=lay.placement, rule=rule, sim=simulate_1f1b(fwd, bwd, lay.m),
+                             speed_twin=lay.speed_twin)
+        if lay.schedule == "zb-h1":  # the winner's schedule for its other splits too, where it is faster there
+            out = self.zb_h1(plain) or plain
+        return out

@@ -33,6 +33,9 @@ class Workload:
     """``--p2p-compress`` of the reference trainer (``none``, ``bf16``): what its pipeline links carry
     (:func:`hetctl.train.gradmode.p2p_elem_bytes`); None for another framework, which sends in the stages'
     own precision."""
+    schedule: str = "auto"
+    """``plan --schedule``: ``auto`` (ZB-H1 where the framework runs it, the chips are not CPUs and it simulates
+    faster), ``1f1b`` (never ZB-H1) or ``zb-h1`` (wherever the framework runs it, CPUs included, when faster)."""
 
     @classmethod
     def of_plan(cls, plan: "Plan") -> "Workload":

@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hetctl.train.zbstore import Linear, linear
+
 from hetctl.train.units import Spans, unit_names
 
 if TYPE_CHECKING:  # the tensor-parallel parts are imported where a stage uses them
@@ -126,14 +128,14 @@ class Block(nn.Module):
         self.rope = rope_settings(spec)
         kv, bias, eps = groups * self.head_dim, bool(spec.get("qkv_bias")), norm_eps(spec)
         self.attn_norm = RMSNorm(h, eps)
-        self.q = nn.Linear(h, h, bias=bias)
-        self.k = nn.Linear(h, kv, bias=bias)
-        self.v = nn.Linear(h, kv, bias=bias)
-        self.o = nn.Linear(h, h, bias=False)
+        self.q = Linear(h, h, bias=bias)
+        self.k = Linear(h, kv, bias=bias)
+        self.v = Linear(h, kv, bias=bias)
+        self.o = Linear(h, h, bias=False)
         self.mlp_norm = RMSNorm(h, eps)
-        self.gate = nn.Linear(h, spec["ffn_hidden_size"], bias=False)
-        self.up = nn.Linear(h, spec["ffn_hidden_size"], bias=False)
-        self.down = nn.Linear(spec["ffn_hidden_size"], h, bias=False)
+        self.gate = Linear(h, spec["ffn_hidden_size"], bias=False)
+        self.up = Linear(h, spec["ffn_hidden_size"], bias=False)
+        self.down = Linear(spec["ffn_hidden_size"], h, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return block_forward(self, x)
@@ -210,14 +212,14 @@ class ParallelBlock(nn.Module):
         self.rope = rope_settings(spec)
         bias, eps = bool(spec.get("qkv_bias")), norm_eps(spec)
         self.attn_norm = RMSNorm(h, eps)
-        self.q = nn.Linear(h, self.heads * self.head_dim, bias=bias)
-        self.k = nn.Linear(h, kv, bias=bias)
-        self.v = nn.Linear(h, kv, bias=bias)
-        self.o = nn.Linear(self.heads * self.head_dim, h, bias=False)
+        self.q = Linear(h, self.heads * self.head_dim, bias=bias)
+        self.k = Linear(h, kv, bias=bias)
+        self.v = Linear(h, kv, bias=bias)
+        self.o = Linear(self.heads * self.head_dim, h, bias=False)
         self.mlp_norm = RMSNorm(h, eps)
-        self.gate = nn.Linear(h, ffn, bias=False)
-        self.up = nn.Linear(h, ffn, bias=False)
-        self.down = nn.Linear(ffn, h, bias=False)
+        self.gate = Linear(h, ffn, bias=False)
+        self.up = Linear(h, ffn, bias=False)
+        self.down = Linear(ffn, h, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from hetctl.train.tensor import CopyToTP, ReduceFromTP
@@ -240,7 +242,7 @@ class Head(nn.Module):
         self.tied = bool(spec.get("tie_embeddings"))
         self._table: list[nn.Parameter] = []
         if not self.tied:
-            self.out = nn.Linear(spec["hidden_size"], spec["vocab_size"], bias=False)
+            self.out = Linear(spec["hidden_size"], spec["vocab_size"], bias=False)
 
     def tie(self, table: nn.Parameter) -> None:
         """Project with ``table`` (the embedding's weight) from now on."""
@@ -251,7 +253,7 @@ class Head(nn.Module):
             return self.out(self.norm(x))
         if not self._table:
             raise RuntimeError("tied head used before tie(): build it with build_units")
-        return F.linear(self.norm(x), self._table[0])
+        return linear(self.norm(x), self._table[0])
 
 
 def _init_unit(unit: nn.Module, name: str, seed: int, num_layers: int) -> None:

@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from hetctl.train import zbstore
 from hetctl.train.gradmode import p2p_elem_bytes
 from hetctl.train.topology import Topology
 
@@ -289,32 +290,53 @@ def train_step(
     inputs: dict[int, torch.Tensor] = {}
     outputs: dict[int, torch.Tensor] = {}
     loss_sum = torch.zeros((), dtype=torch.float32, device=comm.device) if topo.is_last else None
-    for op, m in schedule_1f1b(topo.stage, topo.pp, topo.micro_batches):
-        if op == "F":
-            if topo.is_first:
-                x = batch(m)[0]
-            else:
-                x = comm.recv_activation(m, shape).requires_grad_(True)
-            with amp():
-                y = module(x)
-            if topo.is_last:
-                logits = y.float()
-                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch(m)[1].reshape(-1)) * scale
-                loss_sum += loss.detach()
-                y = loss if loss_scale == 1.0 else loss * loss_scale
-            else:
-                comm.send_activation(m, y)
-            inputs[m], outputs[m] = x, y
-        else:
-            x, y = inputs.pop(m), outputs.pop(m)
-            if topo.is_last:
-                y.backward()
-            else:
-                y.backward(comm.recv_grad(m, shape).to(y.dtype))
-            if not topo.is_first:
-                comm.send_grad(m, x.grad)
+    zb = topo.schedule == "zb-h1"
+    with zbstore.deferring() if zb else contextlib.nullcontext() as store:
+        for op, m in (schedule_zb(topo) if zb else schedule_1f1b(topo.stage, topo.pp, topo.micro_batches)):
+            if op == "W":
+                store.run(m)
+                continue
+            _one_op(op, m, module, topo, comm, batch, shape, amp, scale, loss_scale, inputs, outputs, loss_sum)
+            if zb and op == "B":
+                store.close(m)
     comm.wait_sends()
     return loss_sum
+
+
+def schedule_zb(topo: Topology) -> list[Op]:
+    """ZB-H1's order of this stage (:func:`hetctl.plan.zerobubble.schedule_zbh1`, the order the plan simulated):
+    ``F``, ``B`` (input gradients only) and ``W`` (the weight gradients :mod:`hetctl.train.zbstore` held back)."""
+    from hetctl.plan.zerobubble import schedule_zbh1
+
+    return [("FBW"[k], m) for k, m in schedule_zbh1(topo.stage, topo.pp, topo.micro_batches, topo.defer)]
+
+
+def _one_op(op: str, m: int, module, topo: Topology, comm: "Comm", batch, shape, amp, scale: float, loss_scale: float,
+            inputs: dict, outputs: dict, loss_sum: torch.Tensor | None) -> None:
+    """One forward (``F``) or backward (``B``) of micro-batch ``m`` on this stage."""
+    if op == "F":
+        if topo.is_first:
+            x = batch(m)[0]
+        else:
+            x = comm.recv_activation(m, shape).requires_grad_(True)
+        with amp():
+            y = module(x)
+        if topo.is_last:
+            logits = y.float()
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch(m)[1].reshape(-1)) * scale
+            loss_sum += loss.detach()
+            y = loss if loss_scale == 1.0 else loss * loss_scale
+        else:
+            comm.send_activation(m, y)
+        inputs[m], outputs[m] = x, y
+    else:
+        x, y = inputs.pop(m), outputs.pop(m)
+        if topo.is_last:
+            y.backward()
+        else:
+            y.backward(comm.recv_grad(m, shape).to(y.dtype))
+        if not topo.is_first:
+            comm.send_grad(m, x.grad)
 
 
 @torch.no_grad()

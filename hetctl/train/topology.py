@@ -74,6 +74,10 @@ class Topology:
     """This rank's index in its stage's TP group."""
     tp_groups: tuple[tuple[int, ...], ...] = ()
     """Every stage's TP group (global ranks by TP rank), by replica then stage (all ranks create every group)."""
+    schedule: str = "1f1b"
+    """``1f1b`` or ``zb-h1`` (the plan's ``parallel.schedule``; :func:`hetctl.plan.zerobubble.schedule_zbh1`)."""
+    defer: int = 0
+    """ZB-H1: the weight-gradient passes this stage may hold back (its ``stages[].defer``)."""
     crosses_prev: bool = False
     """The previous stage is another vendor's (its p2p link is one that ``--p2p-compress`` compresses)."""
     crosses_next: bool = False
@@ -189,6 +193,10 @@ def topology(plan: Mapping[str, Any], ctx: RankContext) -> Topology:
         if ctx.stage in (0, mine_pp - 1):
             wrap_rank = cell[(ctx.replica, mine_pp - 1 if ctx.stage == 0 else 0)][tp_rank]
         backend_wrap = link_backend(str(last.get("vendor", "cpu")), str(first.get("vendor", "cpu")))
+    schedule = str(par.get("schedule") or "1f1b")
+    if schedule not in ("1f1b", "zb-h1") or (schedule == "zb-h1" and (vs > 1 or not uniform)):
+        raise ConfigError(f"{where}: parallel.schedule={schedule} cannot run here (1f1b, or zb-h1 without "
+                          "interleaving and with one shape for every replica)", "re-plan with `hetctl plan`")
     return Topology(
         rank=ctx.rank,
         stage=ctx.stage,
@@ -220,6 +228,8 @@ def topology(plan: Mapping[str, Any], ctx: RankContext) -> Topology:
         tp=tp,
         tp_rank=tp_rank,
         tp_groups=tuple(tuple(cell[key]) for key in sorted(cell)) if tp > 1 else (),
+        schedule=schedule,
+        defer=int(mine.get("defer") or 0),
         crosses_prev=prev is not None and _vendor(prev) != _vendor(mine),
         crosses_next=ctx.stage < mine_pp - 1 and _vendor(stages[(ctx.replica, ctx.stage + 1)]) != _vendor(mine),
         crosses_wrap=vs > 1 and _vendor(stages[(ctx.replica, 0)]) != _vendor(stages[(ctx.replica, mine_pp - 1)]),
