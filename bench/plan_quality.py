@@ -27,10 +27,10 @@ the model needs it).
 Each row also shows the pipeline bubble (under plain or interleaved 1F1B, with
 the virtual stages per rank ``v`` where the framework interleaves: Megatron-LM,
 the reference trainer and ``torchrun`` can, FlagScale's hetero mode cannot;
-:mod:`hetctl.plan.frameworks`) and the share of the step spent in the
+or under ZB-H1, which only the reference trainer runs; :mod:`hetctl.plan.frameworks`) and the share of the step spent in the
 cross-vendor gradient all-reduce; the run ends with one
 ``plan_quality: case=… batch=… vs_homogeneous=… plan_s=… framework=… bubble=… cross_allreduce=…
-virtual_stages=… vs_share=… mfu=…`` line per case, batch and framework, for scripts. ``vs_homogeneous``
+virtual_stages=… vs_share=… mfu=… schedule=…`` line per case, batch and framework, for scripts. ``vs_homogeneous``
 is E_Σ (each chip type alone at the whole global batch), ``vs_share`` is E_share (each type alone at its
 speed-proportional share of the batch, the fair reference), ``mfu`` the model FLOPs utilization against
 the chips' peaks (docs/efficiency.md).
@@ -205,7 +205,7 @@ def run_case(case: Case, batch: int | None) -> None:
         except PlanInfeasible as e:
             print(f"   {gb:>6} {framework:<9} no plan fits: {str(e).splitlines()[0][:150]}")
             SUMMARY.append(f"plan_quality: case={case.name} batch={gb} vs_homogeneous=- plan_s=- framework={framework} "
-                           "bubble=- cross_allreduce=- virtual_stages=- vs_share=- mfu=-")
+                           "bubble=- cross_allreduce=- virtual_stages=- vs_share=- mfu=- schedule=-")
             continue
         wall, cpu = time.perf_counter() - w0, time.process_time() - c0
         est = plan.estimate
@@ -226,11 +226,12 @@ def run_case(case: Case, batch: int | None) -> None:
               f"{wall:>7.3f} {cpu:>6.3f}")
         cross = est.cross_vendor_sync_s / est.step_time_s
         v = plan.parallel.virtual_stages
-        schedule = f"interleaved 1F1B, v {v}" if v > 1 else "1F1B"
+        schedule = (f"interleaved 1F1B, v {v}" if v > 1 else
+                    "ZB-H1" if plan.parallel.schedule == "zb-h1" else "1F1B")
         print(f"          {framework}: bubble {100 * est.bubble:.1f}% ({schedule}), cross-vendor all-reduce "
               f"{100 * cross:.1f}% of the step" + (" (replicas of different shape)" if plan.replicas else ""))
         for note in plan.notes:
-            if note.startswith("replicas of different shape") or (v > 1 and note.startswith("schedule:")):
+            if note.startswith("replicas of different shape") or (schedule != "1F1B" and note.startswith("schedule:")):
                 print(f"          {framework}: {note}")
         if framework == case.framework:
             for name, b in plan.baselines.items():
@@ -239,7 +240,7 @@ def run_case(case: Case, batch: int | None) -> None:
         SUMMARY.append(f"plan_quality: case={case.name} batch={gb} vs_homogeneous={vs_h.rstrip('%')} "
                        f"plan_s={wall:.3f} framework={framework} bubble={100 * est.bubble:.1f} "
                        f"cross_allreduce={100 * cross:.1f} virtual_stages={plan.parallel.virtual_stages} "
-                       f"vs_share={vs_s.rstrip('%')} mfu={mfu.rstrip('%')}")
+                       f"vs_share={vs_s.rstrip('%')} mfu={mfu.rstrip('%')} schedule={plan.parallel.schedule}")
 
 
 def main() -> None:
