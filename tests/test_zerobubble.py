@@ -96,3 +96,14 @@ def test_never_slower_than_without_it_and_always_within_memory(seed, gb):
     if with_zb.schedule == "zb-h1":
         assert with_zb.vp == 1 and all(0 <= d <= s for s, d in enumerate(with_zb.defers))
         assert all(need <= st.limit for need, st in zip(memory_needed(with_zb), with_zb.types))
+
+
+def test_calibration_refuses_a_zb_plan_and_says_how_to_calibrate():
+    from hetctl.runs.linkfit import fit_links
+    from tests.test_linkfit import cpu_cluster, measured_as
+
+    cluster = cpu_cluster("a", "b", "c")
+    plan = plan_cluster(cluster, load_spec("tiny"), global_batch=16, pins=Pins(pp=3), schedule="zb-h1")
+    assert plan.parallel.schedule == "zb-h1"
+    fit = fit_links(plan, measured_as(plan, 2.0, cluster), cluster)
+    assert not fit.hops and "--schedule 1f1b" in fit.reason

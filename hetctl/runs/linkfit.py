@@ -115,8 +115,10 @@ def fit_links(plan: Plan, measured: Measured, cluster: Cluster) -> LinkFit:
     """Fit the per-message cost of the plan's hops across nodes from the run's measured step (pure)."""
     if measured.step_s_measured is None:
         return LinkFit([], reason="the run measured no step time")
-    if plan.replicas or plan.parallel.virtual_stages > 1:
-        return LinkFit([], reason="only plain 1F1B pipelines of one shape are fitted")
+    if plan.replicas or plan.parallel.virtual_stages > 1 or plan.parallel.schedule != "1f1b":
+        return LinkFit([], reason="only plain 1F1B pipelines of one shape are fitted (plan again with --schedule "
+                       "1f1b to calibrate)" if plan.parallel.schedule != "1f1b" else
+                       "only plain 1F1B pipelines of one shape are fitted")
     pp, m = plan.parallel.pp, plan.parallel.micro_batches
     if pp < 2:
         return LinkFit([], reason="one stage: no point-to-point messages")
