@@ -85,6 +85,29 @@ def test_deferred_weight_gradients_equal_the_ordinary_backward(bias):
     assert not zbstore.STORE.active
 
 
+def test_under_autocast_the_products_run_in_its_dtype_and_the_master_weights_get_their_own():
+    from hetctl.train import zbstore
+
+    torch.manual_seed(1)
+    lin = zbstore.Linear(16, 8)
+    x = torch.randn(3, 5, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = torch.nn.functional.linear(x, lin.weight, lin.bias)
+    (y.float() ** 2).sum().backward()
+    want = (lin.weight.grad.clone(), lin.bias.grad.clone(), y.dtype)
+    lin.zero_grad(set_to_none=True)
+    with zbstore.deferring() as store:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = lin(x)
+        (y.float() ** 2).sum().backward()
+        store.close(0)
+        store.run(0)
+    assert y.dtype == want[2] == torch.bfloat16
+    assert lin.weight.grad.dtype == torch.float32
+    assert torch.allclose(lin.weight.grad, want[0], rtol=1e-2, atol=1e-2)
+    assert torch.allclose(lin.bias.grad, want[1], rtol=1e-2, atol=1e-2)
+
+
 def test_a_w_pass_never_run_is_a_schedule_bug_not_silence():
     from hetctl.train import zbstore
 
@@ -144,6 +167,19 @@ def test_zb_h1_pipeline_trains_the_single_ranks_losses(single, tmp_path, defers)
     for s in range(1, STEPS + 1):
         assert float(ours[s]) == pytest.approx(float(ref[s]), rel=1e-4, abs=1e-5), s
     print("bit-identical to the single rank:", ours == ref)
+
+
+@pytest.mark.e2e
+def test_zb_h1_under_tensor_parallelism_trains_what_1f1b_does(tmp_path):
+    """Two stages of two TP ranks: B carries the TP group's all-reduces, W is each rank's own shard."""
+    plain = run_plan(tiny_plan([3, 3], tp=2), tmp_path / "1f1b", steps=6)
+    plan = tiny_plan([3, 3], tp=2)
+    plan["parallel"]["schedule"] = "zb-h1"
+    plan["stages"][1]["defer"] = 1
+    zb = run_plan(plan, tmp_path / "zb", steps=6)
+    assert sorted(zb.losses()) == list(range(1, 7))
+    for s in range(1, 7):
+        assert float(zb.losses()[s]) == pytest.approx(float(plain.losses()[s]), rel=1e-5, abs=1e-6), s
 
 
 @pytest.mark.e2e

@@ -383,7 +383,7 @@ class Searcher(Candidates):
     def zb_h1(self, lay: Layout) -> Layout | None:
         """Placed ``lay`` (plain 1F1B) under ZB-H1 (:mod:`hetctl.plan.zerobubble`) when that simulates faster; else
         None. Stage ``s`` holds back at most ``s`` W passes, fewer where its memory cannot store the extra
-        micro-batches' inputs, and at most ``k`` for the fastest of a few caps ``k`` (1, 2, 4, …, ``p − 1``)."""
+        micro-batches' inputs, and at most ``k`` for the fastest of a few caps ``k`` (0, 1, 2, 4, …, ``p − 1``)."""
         if not self.zero_bubble or lay.pp < 2 or lay.sim is None:
             return None
         p, m = lay.pp, lay.m
@@ -398,7 +398,7 @@ class Searcher(Candidates):
         best = None
         # Holding back every W it can fills a stage's drain, but then every stage ends at once and each
         # gradient sync waits for the last; a cap k leaves the later stages' drains (and syncs) earlier.
-        for k in sorted({*(2 ** i for i in range(p.bit_length())), p - 1}, reverse=True):
+        for k in sorted({0, *(2 ** i for i in range(p.bit_length())), p - 1}, reverse=True):
             capped = [min(d, k) for d in defers]
             if best is not None and capped == best.defers:
                 continue
@@ -406,8 +406,7 @@ class Searcher(Candidates):
                           sim=zb.simulate_zbh1(lay.fwd, bwd, wgt, m, capped))
             if best is None or out.step < best.step * (1 - 1e-9):
                 best = out
-        out = best
-        return out if out.step < lay.step * (1 - 1e-9) else None
+        return best if best is not None and best.step < lay.step * (1 - 1e-9) else None
 
     def finish(self, lay: Layout) -> Layout:
         """The winner, or one of the baseline splits of it when that simulates faster.
