@@ -248,3 +248,16 @@ def test_launch_refuses_a_plan_across_vendors_that_was_not_rendered_anyway(three
     assert not (d / "runs").exists() and not (d / "work").exists(), "nothing started"
     r = hetctl("launch", "out", "--dry-run", "--entry", "train.py", cwd=d)  # the user's own entry: not Megatron
     assert r.returncode == 0 and "cannot span vendors" not in r.stdout + r.stderr, r.stderr
+
+
+def test_plan_schedule_option_zb_h1_and_its_refusal(site):
+    r = hetctl("plan", "--cluster", "cluster.yaml", "--model", "llama2-7b", "--global-batch", "64",
+               "--framework", "hetctl", "--schedule", "zb-h1", "-o", "zb", cwd=site)
+    assert r.returncode == 0, r.stderr
+    plan = load_model(site / "zb" / "plan.yaml", Plan)
+    assert plan.parallel.schedule == "zb-h1" and "estimate (ZB-H1 simulation)" in r.stdout, r.stdout
+    assert "ZB-H1 schedule" in r.stdout and any(s.defer for s in plan.stages)
+    bad = hetctl("plan", "--cluster", "cluster.yaml", "--model", "llama2-7b", "--framework", "megatron",
+                 "--schedule", "zb-h1", "-o", "mg", cwd=site)
+    assert bad.returncode != 0 and "--schedule zb-h1: megatron has no zero-bubble schedule" in bad.stderr
+    assert "Traceback" not in bad.stderr and not (site / "mg" / "plan.yaml").exists()

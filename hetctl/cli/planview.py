@@ -87,7 +87,9 @@ def _row(name: str, est: Estimate | None, ref: float, why: str | None = None) ->
 
 def estimate_table(plan: Plan) -> Table:
     """The plan's simulated estimate beside the uniform and proportional splits and the ideal."""
-    table = Table(title=f"estimate (1F1B simulation), planned in {plan.plan_time_s:.3g} s", title_justify="left")
+    sim = ("ZB-H1" if plan.parallel.schedule == "zb-h1" else
+           "interleaved 1F1B" if plan.parallel.virtual_stages > 1 else "1F1B")
+    table = Table(title=f"estimate ({sim} simulation), planned in {plan.plan_time_s:.3g} s", title_justify="left")
     for col in ("layout", "step s", "tokens/s", "bubble", "MFU", "util (planned)", "E_Σ", "E_share", "vs hetctl"):
         table.add_column(col, justify="left" if col == "layout" else "right")
     ref = plan.estimate.tokens_per_s
