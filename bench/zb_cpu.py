@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 from hetctl.files.plan import ModelSpec  # noqa: E402
 from hetctl.plan.models import model_cost  # noqa: E402
 from hetctl.plan.simulate import simulate_1f1b  # noqa: E402
-from hetctl.plan.zerobubble import simulate_zbh1, weight_share  # noqa: E402
+from hetctl.plan.zerobubble import simulate_zbh1  # noqa: E402
 from tests.helpers.rankrunner import Ranks, tiny_plan  # noqa: E402
 
 
@@ -125,8 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     zb = statistics.median(r["step_ms"] for r in runs["zb-h1"])
     m = o.micro_batches
     per_mb = [statistics.median(r["compute_ms"][s] for r in runs["1f1b"]) / m / 1e3 for s in range(o.pp)]
-    c = model_cost(ModelSpec(**spec(o)))
-    lam = weight_share(c.layer_flops, c.layer_flops - 4.0 * c.seq_len * c.hidden)
+    lam = model_cost(ModelSpec(**spec(o))).weight_share
     fwd = [x / 3 for x in per_mb]
     wgt = [lam * x / 3 for x in per_mb]
     bwd = [2 * x / 3 - w for x, w in zip(per_mb, wgt)]

@@ -37,7 +37,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hetctl.plan.devices import Group, Kind
-from hetctl.plan.zerobubble import weight_share
 from hetctl.plan.workload import Workload, elem_bytes, memory_terms
 from hetctl.vendors import GLOO_EFFICIENCY, VENDOR_TABLE, link_backend, stage_backend, vendor_info
 
@@ -164,7 +163,7 @@ def stage_type(kind: Kind, tp: int, work: Workload, dp: int, tp_vocab: bool = Tr
         sync_first=per_param * c.embed_params * tp / vt * wire("embed"),
         sync_last=per_param * c.head_params * tp / vt * wire("head"), sync_fixed=3e-5 * dp + ring if dp > 1 else 0.0,
         flops=rate, vocab_split=vt,
-        w_layer=compute * weight_share(c.layer_flops, c.layer_flops - 4.0 * c.seq_len * c.hidden),
+        w_layer=compute * c.weight_share,
         w_head=work.tokens * c.head_flops * tp / vt / rate,
     )
 

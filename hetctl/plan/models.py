@@ -174,6 +174,15 @@ class ModelCost:
         """Model FLOPs of one token's forward and backward (3× forward)."""
         return 3.0 * (self.num_layers * self.layer_flops + self.head_flops)
 
+    @property
+    def weight_share(self) -> float:
+        """The share of a layer's forward FLOPs that are products with its weights (all but attention's own
+        ``4·s·h``): a layer's weight gradients (ZB-H1's W, :mod:`hetctl.plan.zerobubble`) cost that share of
+        its forward again, and its input gradients the rest of the backward."""
+        if self.layer_flops <= 0:
+            return 0.0
+        return min(1.0, max(0.0, 1.0 - 4.0 * self.seq_len * self.hidden / self.layer_flops))
+
     tied: bool = False
     layer_matrices: tuple[tuple[int, int], ...] = ()
     """A layer's weight matrices as ``(rows, cols)`` (what PowerSGD compresses: ``--grad-compress``)."""

@@ -34,6 +34,7 @@ from hetctl.plan.search import Searcher
 from hetctl.plan.explain import WARNING
 from hetctl.plan.figures import alone_at_share, breakdown, breakdown_line, judge
 from hetctl.plan.frameworks import capability
+from hetctl.plan.zerobubble import SCHEDULES
 from hetctl.plan.hetdp import HeteroSearch
 from hetctl.plan.hetplan import build_hetero
 from hetctl.files.cluster import Cluster
@@ -95,7 +96,7 @@ def plan_cluster(
     if micro_batch is None:
         micro_batch = default_micro_batch(spec, gb, pins.dp)
     _check_options(gb, micro_batch, pins, spec)
-    if schedule not in ("auto", "1f1b", "zb-h1"):
+    if schedule not in ("auto", *SCHEDULES):
         raise ConfigError(f"--schedule {schedule}: unknown", "use auto, 1f1b or zb-h1")
     if schedule == "zb-h1" and not capability(framework).zero_bubble:
         raise ConfigError(f"--schedule zb-h1: {framework} has no zero-bubble schedule", "use --framework hetctl")

@@ -438,10 +438,9 @@ class Searcher(Candidates):
         """The same placed layout with another layer split, simulated."""
         fwd, bwd = stage_times(lay.types, counts, lay.links)
         est, ends = estimate_1f1b(fwd, bwd, lay.m)
-        out = plain = Layout(dp=lay.dp, m=lay.m, types=lay.types, counts=list(counts), links=lay.links, est=est,
+        plain = Layout(dp=lay.dp, m=lay.m, types=lay.types, counts=list(counts), links=lay.links, est=est,
                              ends=ends, fwd=fwd, bwd=bwd, syncs=sync_times(lay.types, counts), caps=lay.caps,
                              placement=lay.placement, rule=rule, sim=simulate_1f1b(fwd, bwd, lay.m),
                              speed_twin=lay.speed_twin)
-        if lay.schedule == "zb-h1":  # the winner's schedule for its other splits too, where it is faster there
-            out = self.zb_h1(plain) or plain
-        return out
+        # The winner's schedule for its other splits too, where it is faster there.
+        return (self.zb_h1(plain) or plain) if lay.schedule == "zb-h1" else plain

@@ -12,7 +12,8 @@ Memory: a micro-batch's stored inputs are freed only after its W, so stage ``s``
 holds ``p − s + d_s`` micro-batches at most (1F1B: ``p − s``). With ``d_s = s`` every stage
 holds what 1F1B's first stage holds, so the job's peak is 1F1B's; on chips of different
 memory the planner gives each stage the largest ``d_s ≤ s`` that fits
-(:func:`defer_caps`). The trainer runs exactly :func:`schedule_zbh1`'s order
+(:meth:`hetctl.plan.search.Searcher.zb_h1`), W's cost being
+:attr:`hetctl.plan.models.ModelCost.weight_share` of the forward. The trainer runs exactly :func:`schedule_zbh1`'s order
 (:mod:`hetctl.train.pipeline`), so the simulation here is the step the plan predicts.
 
 Torch-free: the planner and the trainer share :func:`schedule_zbh1`.
@@ -117,9 +118,3 @@ def simulate_zbh1(fwd: Sequence[float], bwd: Sequence[float], wgt: Sequence[floa
     busy = tuple(m * (f + b + w) for f, b, w in zip(fwd, bwd, wgt))
     return SimResult(max(free), busy, tuple(free))
 
-
-def weight_share(layer_flops: float, linear_flops: float) -> float:
-    """The share of a layer's forward FLOPs that are matrix products with weights: its W costs that much
-    of the forward again (``dW = gᵀx``), and its B the rest of the backward (``dx = g·W`` and attention's
-    own products, which have no weights)."""
-    return min(1.0, max(0.0, linear_flops / layer_flops)) if layer_flops > 0 else 0.0

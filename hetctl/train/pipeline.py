@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from hetctl.plan.zerobubble import schedule_zbh1
 from hetctl.train import zbstore
 from hetctl.train.gradmode import p2p_elem_bytes
 from hetctl.train.topology import Topology
@@ -306,8 +307,6 @@ def train_step(
 def schedule_zb(topo: Topology) -> list[Op]:
     """ZB-H1's order of this stage (:func:`hetctl.plan.zerobubble.schedule_zbh1`, the order the plan simulated):
     ``F``, ``B`` (input gradients only) and ``W`` (the weight gradients :mod:`hetctl.train.zbstore` held back)."""
-    from hetctl.plan.zerobubble import schedule_zbh1
-
     return [("FBW"[k], m) for k, m in schedule_zbh1(topo.stage, topo.pp, topo.micro_batches, topo.defer)]
 
 

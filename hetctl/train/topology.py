@@ -18,6 +18,7 @@ from typing import Any, Mapping
 
 from hetctl.errors import ConfigError
 from hetctl.node.runtime import RankContext
+from hetctl.plan.zerobubble import SCHEDULES
 from hetctl.train.units import layer_name, unit_names
 from hetctl.vendors import link_backend
 
@@ -194,7 +195,7 @@ def topology(plan: Mapping[str, Any], ctx: RankContext) -> Topology:
             wrap_rank = cell[(ctx.replica, mine_pp - 1 if ctx.stage == 0 else 0)][tp_rank]
         backend_wrap = link_backend(str(last.get("vendor", "cpu")), str(first.get("vendor", "cpu")))
     schedule = str(par.get("schedule") or "1f1b")
-    if schedule not in ("1f1b", "zb-h1") or (schedule == "zb-h1" and (vs > 1 or not uniform)):
+    if schedule not in SCHEDULES or (schedule == "zb-h1" and (vs > 1 or not uniform)):
         raise ConfigError(f"{where}: parallel.schedule={schedule} cannot run here (1f1b, or zb-h1 without "
                           "interleaving and with one shape for every replica)", "re-plan with `hetctl plan`")
     return Topology(

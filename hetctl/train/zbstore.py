@@ -53,9 +53,11 @@ class Store:
                 if bias is not None:
                     _accumulate(bias, g2.sum(0))
 
-    @property
-    def held(self) -> int:
-        return len(self._items) + bool(self._cache)
+    def drop(self) -> int:
+        """Forget whatever is held; returns how many W passes (and an unclosed B's) that was."""
+        left = len(self._items) + bool(self._cache)
+        self._cache, self._items = [], deque()
+        return left
 
 
 def _accumulate(p: torch.Tensor, grad: torch.Tensor) -> None:
@@ -77,9 +79,7 @@ def deferring(store: Store = STORE) -> Iterator[Store]:
         yield store
     finally:
         store.active = False
-        left = store.held
-        store._cache, store._items = [], deque()
-        if left:
+        if left := store.drop():
             raise RuntimeError(f"{left} W pass(es) never ran")  # a schedule bug, not user input
 
 
